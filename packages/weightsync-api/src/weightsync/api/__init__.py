@@ -1,0 +1,78 @@
+"""weightsync's interface: Protocols, value types, configuration, typed errors and the backend registry.
+
+This package depends on ``typing-extensions`` only; torch and ray appear in annotations alone. Start with
+:mod:`weightsync.api.protocols`, which holds the lifecycle contract every engine and adapter follows.
+"""
+
+from weightsync.api import errors
+from weightsync.api.config import BUCKET_ALIGNMENT, MiB, StepTimeouts, SyncConfig
+from weightsync.api.protocols import (
+    ActorWorkerGroup,
+    CheckpointEngine,
+    ReceivedWeights,
+    RolloutReplica,
+    RolloutWorker,
+    WeightSink,
+    WeightSource,
+)
+from weightsync.api.registry import (
+    BackendSpec,
+    BackendStatus,
+    available_backends,
+    backend_statuses,
+    get_backend_spec,
+    installed_backends,
+    load_engine_class,
+    register_backend,
+)
+from weightsync.api.types import (
+    JsonValue,
+    RankArgs,
+    ReplicaOutcome,
+    ReplicaState,
+    Role,
+    StageTiming,
+    TensorMeta,
+    Topology,
+    TransferReport,
+    UpdateReport,
+    WorkerContext,
+    WorkerMetadata,
+    WorldMetadata,
+)
+
+__all__ = [
+    "errors",
+    "BUCKET_ALIGNMENT",
+    "MiB",
+    "StepTimeouts",
+    "SyncConfig",
+    "ActorWorkerGroup",
+    "CheckpointEngine",
+    "ReceivedWeights",
+    "RolloutReplica",
+    "RolloutWorker",
+    "WeightSink",
+    "WeightSource",
+    "BackendSpec",
+    "BackendStatus",
+    "available_backends",
+    "backend_statuses",
+    "get_backend_spec",
+    "installed_backends",
+    "load_engine_class",
+    "register_backend",
+    "JsonValue",
+    "RankArgs",
+    "ReplicaOutcome",
+    "ReplicaState",
+    "Role",
+    "StageTiming",
+    "TensorMeta",
+    "Topology",
+    "TransferReport",
+    "UpdateReport",
+    "WorkerContext",
+    "WorkerMetadata",
+    "WorldMetadata",
+]

@@ -1,0 +1,90 @@
+"""``SyncConfig``: the one configuration type shared by the manager, the CLI, the adapters and the benchmark."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.api.errors import ConfigError
+from weightsync.api.types import JsonValue, json_safe
+
+__all__ = ["StepTimeouts", "SyncConfig", "BUCKET_ALIGNMENT", "MiB"]
+
+MiB = 1 << 20
+BUCKET_ALIGNMENT = 256
+"""Byte alignment of every tensor inside a bucket: enough for any dtype view and for vectorised copies."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTimeouts:
+    """Seconds each manager step may take before it fails with ``StepTimeoutError``.
+
+    ``setup`` covers prepare + build_topology + init_process_group (connecting peers), ``transfer`` the whole
+    send/receive of one update. Generous defaults: a timeout is a last resort against a hang, not a speed target.
+    """
+
+    pause: float = 60.0
+    setup: float = 120.0
+    transfer: float = 600.0
+    finalize: float = 60.0
+    resume: float = 60.0
+
+    def __post_init__(self) -> None:
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"timeouts.{item.name} must be a positive number of seconds, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    """How an update is carried out.
+
+    ``bucket_bytes``: size of one bucket (the unit packed, moved and unpacked); each engine keeps ``slots`` of them
+    per side (2 = double buffering: one is filled while the other moves). ``backend_options`` are passed to the
+    backend's constructor as keywords. ``verify_digest`` makes receivers check the end-to-end digest.
+    """
+
+    bucket_bytes: int = 64 * MiB
+    slots: int = 2
+    timeouts: StepTimeouts = field(default_factory=StepTimeouts)
+    backend_options: Mapping[str, JsonValue] = field(default_factory=dict)
+    verify_digest: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int):
+            raise ConfigError(f"bucket_bytes must be an int, got {type(self.bucket_bytes).__name__}")
+        if self.bucket_bytes < BUCKET_ALIGNMENT:
+            raise ConfigError(
+                f"bucket_bytes must be at least {BUCKET_ALIGNMENT} (the tensor alignment), got {self.bucket_bytes}"
+            )
+        if self.bucket_bytes % BUCKET_ALIGNMENT:
+            raise ConfigError(f"bucket_bytes must be a multiple of {BUCKET_ALIGNMENT}, got {self.bucket_bytes}")
+        if isinstance(self.slots, bool) or not isinstance(self.slots, int) or not 1 <= self.slots <= 16:
+            raise ConfigError(f"slots must be an int between 1 and 16, got {self.slots!r}")
+        if not isinstance(self.timeouts, StepTimeouts):
+            raise ConfigError("timeouts must be a StepTimeouts")
+        try:
+            json_safe(dict(self.backend_options))
+        except TypeError as exc:
+            raise ConfigError(f"backend_options must be plain data: {exc}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, for handing the config to worker processes."""
+        data = dataclasses.asdict(self)
+        data["backend_options"] = dict(self.backend_options)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SyncConfig:
+        known = {item.name for item in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown SyncConfig fields: {', '.join(unknown)}")
+        values = dict(data)
+        if isinstance(values.get("timeouts"), Mapping):
+            values["timeouts"] = StepTimeouts(**values["timeouts"])
+        return cls(**values)

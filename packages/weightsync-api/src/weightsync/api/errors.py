@@ -1,0 +1,163 @@
+"""Typed errors raised by weightsync.
+
+Every error a caller can act on has its own class, and every class derives from :class:`WeightsyncError`, so
+``except WeightsyncError`` catches all of ours and nothing else. Where a builtin category fits, the class also
+derives from it (a bad argument is a ``ValueError``, a timeout is a ``TimeoutError``), so code written against the
+standard library keeps working.
+
+The messages are meant to be read by the person who has to fix the problem: a bad argument names the argument and
+what was expected, a timeout names the step and the workers that did not answer, a transfer error names the peer.
+
+All errors survive pickling with their fields intact, because Ray carries a remote worker's exception back to the
+driver by pickling it (that is Ray's own control plane, not one of our sockets).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "WeightsyncError",
+    "ConfigError",
+    "UnknownBackendError",
+    "BackendUnavailableError",
+    "TopologyError",
+    "WeightStreamError",
+    "DuplicateTensorError",
+    "UnsupportedDtypeError",
+    "UnsupportedDeviceError",
+    "LifecycleError",
+    "ConcurrentUpdateError",
+    "WireError",
+    "EpochMismatchError",
+    "TransferError",
+    "DigestMismatchError",
+    "StepTimeoutError",
+    "WorkerError",
+    "RenamedKeywordError",
+]
+
+
+class WeightsyncError(Exception):
+    """Base class of every error weightsync raises on purpose."""
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details: dict[str, Any] = dict(details)
+        for key, value in details.items():
+            setattr(self, key, value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuild through __init__ so subclasses with keyword fields round-trip through pickle.
+        return (_rebuild, (type(self), self.message, self.details))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _rebuild(cls: type[WeightsyncError], message: str, details: dict[str, Any]) -> WeightsyncError:
+    error = WeightsyncError.__new__(cls)
+    WeightsyncError.__init__(error, message, **details)
+    return error
+
+
+class ConfigError(WeightsyncError, ValueError):
+    """A configuration value is out of range or of the wrong kind (raised where it is given)."""
+
+
+class UnknownBackendError(WeightsyncError, LookupError):
+    """No installed distribution provides the requested backend. ``install`` names what to install."""
+
+    backend: str
+    install: str
+
+
+class BackendUnavailableError(WeightsyncError, RuntimeError):
+    """The backend is installed but cannot run here (no device, a library fails to load); ``reason`` says why."""
+
+    backend: str
+    reason: str
+
+
+class TopologyError(WeightsyncError, ValueError):
+    """``build_topology`` produced, or was given, something inconsistent with the world sizes or the peers."""
+
+
+class WeightStreamError(WeightsyncError, ValueError):
+    """The ``(name, tensor)`` stream handed to ``send_weights`` is malformed (not a pair, not a tensor, bad name...)."""
+
+
+class DuplicateTensorError(WeightStreamError):
+    """The same tensor name appeared twice in one update."""
+
+    name: str
+
+
+class UnsupportedDtypeError(WeightStreamError):
+    """A tensor's dtype cannot be moved by this backend (or is not a dtype weightsync knows)."""
+
+
+class UnsupportedDeviceError(WeightStreamError):
+    """A tensor lives on a device the backend does not serve (e.g. a CUDA tensor given to the shm backend)."""
+
+
+class LifecycleError(WeightsyncError, RuntimeError):
+    """A lifecycle method was called out of order (send before ``init_process_group``, use after ``close``...)."""
+
+
+class ConcurrentUpdateError(LifecycleError):
+    """A second update was started on a manager or engine while one is still running."""
+
+
+class WireError(WeightsyncError, ValueError):
+    """Bytes received from a peer do not decode to a valid, supported message; they were rejected, not used."""
+
+
+class EpochMismatchError(WireError):
+    """A peer presented a token from another membership epoch (a stale or foreign connection)."""
+
+
+class TransferError(WeightsyncError, RuntimeError):
+    """Moving a bucket to or from a peer failed; ``peer`` names it."""
+
+    peer: str
+
+
+class DigestMismatchError(WeightsyncError, RuntimeError):
+    """What a receiver holds after an update is not what the sender sent (the end-to-end digests differ)."""
+
+
+class StepTimeoutError(WeightsyncError, TimeoutError):
+    """A lifecycle step did not finish in time; ``step`` names it and ``workers`` lists those still pending."""
+
+    step: str
+    workers: Sequence[str]
+
+
+class WorkerError(WeightsyncError, RuntimeError):
+    """A worker failed or died during a step; ``worker`` names it and ``step`` the step it was in."""
+
+    worker: str
+    step: str
+
+
+class RenamedKeywordError(WeightsyncError, TypeError):
+    """A caller passed ``trainer=`` or ``trainer_world_size=``: the keywords are ``actor_wg`` and
+    ``actor_wg_world_size``. ``weightsync migrate`` rewrites such calls."""
+
+
+def reject_renamed_keywords(where: str, kwargs: dict[str, Any]) -> None:
+    """Raise :class:`RenamedKeywordError` if ``kwargs`` holds one of the keywords renamed to ``actor_wg*``.
+
+    APIs that accept ``**options`` call this so that an old-style call fails with a message that says what to do,
+    instead of being swallowed as an unknown option or failing later with a generic ``TypeError``.
+    """
+    renamed = {"trainer": "actor_wg", "trainer_world_size": "actor_wg_world_size", "trainer_kwargs": "actor_wg_kwargs"}
+    for old, new in renamed.items():
+        if old in kwargs:
+            raise RenamedKeywordError(
+                f"{where}() got the keyword {old}=, which was renamed to {new}=; "
+                f"run `weightsync migrate PATH` to rewrite such calls"
+            )

@@ -1,0 +1,232 @@
+"""The Protocols that carry weightsync's contract.
+
+Vocabulary
+----------
+actor worker group (``actor_wg``)
+    The training side: ``actor_wg_world_size`` processes (FSDP/Megatron ranks) that together hold the model and can
+    each produce a stream of ``(name, tensor)`` pairs. Never called "trainer" here: the trainer is the PPO loop
+    that owns the actor worker group, the rollout replicas and much else.
+rollout replica / rollout worker
+    The inference side: replicas (each one inference engine instance serving requests) made of workers (the
+    processes of that instance, e.g. its tensor-parallel ranks). ``rollout_world_size`` counts workers across
+    all replicas; rollout rank j is the j-th worker, replica by replica.
+membership epoch
+    The period during which the set of workers is unchanged. Connections, process groups and registrations live
+    as long as an epoch and are rebuilt when it changes; buffers may outlive it.
+
+The lifecycle of one engine (every backend follows it)
+------------------------------------------------------
+1. ``prepare()`` on every worker of both sides. Allocates (or reuses) buckets, registers memory, opens listening
+   endpoints, and returns this worker's metadata: plain data, no pickle.
+2. ``build_topology(actor_wg_world_size=..., rollout_world_size=..., metadata=...)`` once, on the driver, as a
+   classmethod: decides who sends to whom and returns per-rank arguments.
+3. ``init_process_group(rank_args=...)`` on every worker with its own arguments: joins a group, connects peers,
+   exchanges the epoch token. All workers of an epoch call it concurrently; it may block until its peers arrive.
+4. ``send_weights(weights)`` on every actor rank (the senders transmit, the others drain the stream) and
+   ``receive_weights()`` on every rollout worker, concurrently. Repeated once per update while the epoch lasts.
+5. ``finalize()`` after each update on every worker: drops what must not outlive an update, keeps what the next
+   one reuses (buckets, connections). ``close()`` releases everything (segments unlinked, memory deregistered).
+
+Steps 1-3 run again only when membership changes or after a failed update; a manager that sees the same workers
+goes straight from one update's ``finalize`` to the next update's step 4.
+
+Blocking: ``prepare``, ``init_process_group``, ``finalize`` and ``close`` are synchronous and may block (a host runs
+them off its event loop). ``send_weights`` and iteration of ``receive_weights`` are asynchronous and never block the
+event loop for more than a bucket's bookkeeping: copies and transfers run in worker threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+from weightsync.api.types import RankArgs, Topology, TransferReport, WorkerMetadata, WorldMetadata
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "CheckpointEngine",
+    "ReceivedWeights",
+    "ActorWorkerGroup",
+    "RolloutWorker",
+    "RolloutReplica",
+    "WeightSource",
+    "WeightSink",
+]
+
+
+@runtime_checkable
+class ReceivedWeights(Protocol):
+    """The stream ``CheckpointEngine.receive_weights()`` returns: ``async for name, tensor in stream``.
+
+    Ownership: each yielded tensor is a *view* into the engine's receive buffer, valid until the consumer asks for
+    the next item (or leaves the loop). A consumer that keeps a tensor copies it (``param.copy_(tensor)``); one
+    that keeps the view gets bytes overwritten by a later bucket. Tensors arrive whole (a tensor split across
+    buckets is reassembled first), with the sender's dtype and shape, on the engine's device.
+
+    When the stream ends normally, ``report`` holds the receiver's :class:`TransferReport` and the stream has
+    already checked the end-to-end digest (a mismatch raises ``DigestMismatchError`` from the last ``__anext__``).
+    Errors from the transport surface as ``TransferError`` / ``WireError`` from ``__anext__``.
+    """
+
+    report: TransferReport | None
+
+    def __aiter__(self) -> AsyncIterator[tuple[str, torch.Tensor]]: ...
+
+    async def __anext__(self) -> tuple[str, torch.Tensor]: ...
+
+
+@runtime_checkable
+class CheckpointEngine(Protocol):
+    """Moves one model's weights from the actor worker group to every rollout worker.
+
+    One instance lives in each worker process (actor rank or rollout worker), built by the hosting adapter as
+    ``Engine(bucket_bytes=..., **options)``. Options common to all engines: ``context`` (a ``WorkerContext``:
+    role, rank, node, address, supplied by the host), ``slots`` (buckets per side, default 2). Backends document
+    their own options.
+
+    Class attributes (data, read without constructing an engine): ``name`` (the registry name) and ``devices``
+    (the tensor devices it moves, e.g. ``frozenset({"cpu"})``).
+
+    Errors: a bad argument raises at the call (``ConfigError``, ``WeightStreamError`` subclasses); calling a step
+    out of order raises ``LifecycleError``; a peer that misbehaves raises ``TransferError`` naming it; bytes from a
+    peer that do not decode raise ``WireError`` (and are never used).
+    """
+
+    name: ClassVar[str]
+    devices: ClassVar[frozenset[str]]
+
+    def __init__(self, *, bucket_bytes: int, **options: Any) -> None: ...
+
+    def prepare(self) -> WorkerMetadata:
+        """Step 1. Allocate or reuse buffers and endpoints; return this worker's metadata (plain data).
+
+        Idempotent: calling it again without ``close()`` reuses what exists and returns equivalent metadata.
+        """
+        ...
+
+    @classmethod
+    def build_topology(
+        cls, *, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata
+    ) -> Topology:
+        """Step 2, on the driver. Decide the transfer topology from every worker's metadata.
+
+        Must return exactly ``actor_wg_world_size`` actor entries and ``rollout_world_size`` rollout entries; raise
+        ``TopologyError`` if the workers cannot be served by this backend (e.g. shared memory across nodes), naming
+        the workers involved.
+        """
+        ...
+
+    def init_process_group(self, *, rank_args: RankArgs) -> None:
+        """Step 3. Join the epoch described by ``rank_args`` (this rank's entry of the topology).
+
+        Tears down connections of a previous epoch first. May block until peers have joined; gives up with
+        ``TransferError`` (naming the missing peer) after the deadline in ``rank_args`` or the engine's timeout.
+        """
+        ...
+
+    async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> TransferReport:
+        """Step 4, actor side. Consume ``weights`` entirely and, on a sending rank, transmit it.
+
+        ``weights`` may be a generator that gathers a sharded model collectively, so every actor rank must drain
+        it even when it sends nothing. Each tensor is read during this call only (packed into a bucket); the caller
+        keeps ownership. Validation (duplicate names, unsupported dtype or device, a non-tensor item) raises a
+        ``WeightStreamError`` subclass, and receivers are told the update was aborted. Returns this rank's report
+        with the digest of what it sent.
+        """
+        ...
+
+    def receive_weights(self) -> ReceivedWeights:
+        """Step 4, rollout side. Return the stream of this update's ``(name, tensor)`` pairs (see ReceivedWeights)."""
+        ...
+
+    def finalize(self) -> None:
+        """Step 5. Release per-update state; keep buffers and connections for the next update of this epoch."""
+        ...
+
+    def close(self) -> None:
+        """Release everything: connections, process groups, registrations, shared segments. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class ActorWorkerGroup(Protocol):
+    """The actor (training) side as the driver sees it: ``world_size`` ranks, addressed all at once.
+
+    Both methods start work on every rank and return at once with one awaitable per rank, in rank order; awaiting
+    one yields that rank's result or raises its error. A Ray ``ObjectRef`` is such an awaitable, so a Ray worker
+    group returns its refs as they are. The manager awaits them with a timeout and never blocks its event loop.
+    """
+
+    @property
+    def world_size(self) -> int: ...
+
+    def execute_checkpoint_engine(self, method: str, /, **per_rank_kwargs: Sequence[Any]) -> Sequence[Awaitable[Any]]:
+        """Call ``method`` on every rank's engine host; each keyword's value is a list with one entry per rank.
+
+        ``method`` is one of ``"prepare"`` (keyword ``engine``: the backend name and ``SyncConfig`` as plain data;
+        the host builds or reuses its engine and returns ``prepare()``'s metadata), ``"init_process_group"``
+        (keyword ``rank_args``), ``"finalize"`` and ``"close"``.
+        """
+        ...
+
+    def update_weights(self, *, version: int) -> Sequence[Awaitable[TransferReport]]:
+        """On every rank: ``send_weights`` of that rank's current model; each awaitable yields its report."""
+        ...
+
+
+@runtime_checkable
+class RolloutWorker(Protocol):
+    """One inference process of a replica, hosting an engine and a :class:`WeightSink`."""
+
+    @property
+    def name(self) -> str:
+        """A human-readable identity used in error messages (e.g. ``replica1/worker0@node3``)."""
+        ...
+
+    def execute_checkpoint_engine(self, method: str, /, **kwargs: Any) -> Awaitable[Any]:
+        """As ``ActorWorkerGroup.execute_checkpoint_engine``, for this one worker (plain keyword values)."""
+        ...
+
+    def update_weights(self, *, version: int) -> Awaitable[TransferReport]:
+        """Feed ``receive_weights()`` into the worker's sink; yields the receiver's report once verified."""
+        ...
+
+
+@runtime_checkable
+class RolloutReplica(Protocol):
+    """One inference engine instance: its workers, and the hooks the manager calls around an update.
+
+    The manager pauses a replica before any byte moves (``abort_all_requests`` then ``release_kv_cache``) and
+    resumes it afterwards (``resume_kv_cache`` then ``resume_generation``) — only if it holds a complete, verified
+    model. Each hook is idempotent and may be called on a replica that is already in the target state.
+    """
+
+    @property
+    def workers(self) -> Sequence[RolloutWorker]: ...
+
+    async def abort_all_requests(self) -> None: ...
+
+    async def release_kv_cache(self) -> None: ...
+
+    async def resume_kv_cache(self) -> None: ...
+
+    async def resume_generation(self) -> None: ...
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """What an actor rank sends: its current model as ``(name, tensor)`` pairs (see ``send_weights``)."""
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]: ...
+
+
+@runtime_checkable
+class WeightSink(Protocol):
+    """What a rollout worker does with a received stream: typically copy each tensor into its model.
+
+    The tensors are views valid until the next item is requested (see ReceivedWeights): copy, do not keep.
+    """
+
+    async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None: ...

@@ -1,0 +1,105 @@
+"""The conformance kit every backend's tests subclass (extra ``weightsync-api[testing]``; never imports Ray).
+
+Usage, in a backend's test module::
+
+    from weightsync.api.testing import EngineConformance
+
+    class TestShmConformance(EngineConformance):
+        @pytest.fixture(scope="class")
+        def backend(cls) -> str:
+            return "shm"
+
+Fixtures to override: ``backend`` (required), ``engine_options``, ``receivers``, ``bucket_bytes``. The kit starts
+one sender and ``receivers`` receiver processes per test class and runs every case through the full lifecycle.
+Comparison is by raw bytes, inside the receiver's loop. The kit is tested against transports that corrupt a byte
+(see ``tests/api/test_conformance_selftest.py``): it must fail them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from weightsync.api.testing.cases import CASES, case_tensors, raw_bytes
+from weightsync.api.testing.harness import ConformanceFailure, EngineHarness, WorkerFailed
+
+__all__ = [
+    "CASES",
+    "case_tensors",
+    "raw_bytes",
+    "ConformanceFailure",
+    "EngineHarness",
+    "WorkerFailed",
+    "EngineConformance",
+]
+
+
+class EngineConformance:
+    """Cases every engine must pass. Subclass it and override the fixtures, nothing else."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def backend(cls) -> str:
+        raise NotImplementedError("override the `backend` fixture with the backend's registry name")
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engine_options(cls) -> dict[str, Any]:
+        return {}
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def receivers(cls) -> int:
+        return 2
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def bucket_bytes(cls) -> int:
+        return 1 << 20
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def harness(
+        cls, backend: str, engine_options: dict[str, Any], receivers: int, bucket_bytes: int
+    ) -> Iterator[EngineHarness]:
+        harness = EngineHarness(backend, receivers=receivers, bucket_bytes=bucket_bytes, options=engine_options)
+        harness.start()
+        try:
+            harness.setup()
+            yield harness
+        finally:
+            harness.close()
+
+    def test_every_dtype(self, harness: EngineHarness) -> None:
+        results = harness.update("dtypes")
+        assert all(result["count"] == len(case_tensors("dtypes", 0, harness.bucket_bytes)) for result in results[1:])
+
+    def test_zero_size_and_scalar(self, harness: EngineHarness) -> None:
+        harness.update("zero_size")
+
+    def test_non_contiguous(self, harness: EngineHarness) -> None:
+        harness.update("non_contiguous")
+
+    def test_tensor_three_buckets_long(self, harness: EngineHarness) -> None:
+        sender = harness.update("three_buckets")[0]
+        assert sender["buckets"] >= 4
+
+    def test_thousand_small_tensors(self, harness: EngineHarness) -> None:
+        results = harness.update("many_small")
+        assert all(result["count"] == 1000 for result in results[1:])
+
+    def test_partial_update(self, harness: EngineHarness) -> None:
+        harness.update("mixed", 1)
+        results = harness.update("partial", 2)
+        assert all(result["count"] == len(case_tensors("partial", 2, harness.bucket_bytes)) for result in results[1:])
+
+    def test_two_consecutive_updates(self, harness: EngineHarness) -> None:
+        first = harness.update("mixed", 3)
+        second = harness.update("mixed", 4)
+        assert first[0]["digest"] != second[0]["digest"]
+
+    def test_new_epoch_after_rebuild(self, harness: EngineHarness) -> None:
+        harness.setup()
+        harness.update("mixed", 5)

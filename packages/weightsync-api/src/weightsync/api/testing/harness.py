@@ -1,0 +1,244 @@
+"""Run one engine per process — a sender and N receivers — and drive the lifecycle from this process.
+
+Worker processes are started with ``spawn`` (a clean interpreter, as a real worker is) and driven over a pipe with
+JSON commands. Every receiver checks what it got against its own copy of the case, by raw bytes, inside the
+``async for`` loop — so the check also holds the engine to its view-validity contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import multiprocessing.connection
+import secrets
+import socket
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from weightsync.api.registry import load_engine_class
+from weightsync.api.types import Role, Topology, WorkerContext, WorldMetadata
+
+__all__ = ["ConformanceFailure", "EngineHarness", "WorkerFailed"]
+
+
+class ConformanceFailure(AssertionError):
+    """A receiver got something other than what was sent (names, dtypes, shapes or bytes)."""
+
+
+class WorkerFailed(RuntimeError):
+    """A worker raised; ``error_type`` is the class name of what it raised, ``text`` its message and traceback."""
+
+    def __init__(self, worker: str, error_type: str, text: str) -> None:
+        super().__init__(f"{worker} raised {error_type}: {text}")
+        self.worker = worker
+        self.error_type = error_type
+        self.text = text
+
+
+def _node_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            return f"{socket.gethostname()}/{handle.read().strip()}"
+    except OSError:
+        return socket.gethostname()
+
+
+def _worker_main(conn: multiprocessing.connection.Connection, backend: str, role: Role, rank: int,
+                 bucket_bytes: int, options: dict[str, Any], node_id: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    engine: Any = None
+    while True:
+        command = json.loads(conn.recv_bytes())
+        op = command["op"]
+        try:
+            if op == "start":
+                engine_class = load_engine_class(backend)
+                context = WorkerContext(role=role, rank=rank, node_id=node_id)
+                engine = engine_class(bucket_bytes=bucket_bytes, context=context, **options)
+                reply: Any = None
+            elif op == "prepare":
+                reply = engine.prepare()
+            elif op == "init":
+                engine.init_process_group(rank_args=command["rank_args"])
+                reply = None
+            elif op == "send":
+                from weightsync.api.testing.cases import case_tensors
+
+                report = asyncio.run(engine.send_weights(case_tensors(command["case"], command["update"], bucket_bytes)))
+                reply = report.to_dict()
+            elif op == "receive":
+                reply = asyncio.run(_receive_and_check(engine, command["case"], command["update"], bucket_bytes))
+            elif op == "finalize":
+                engine.finalize()
+                reply = None
+            elif op == "close":
+                if engine is not None:
+                    engine.close()
+                conn.send_bytes(json.dumps({"ok": True, "reply": None}).encode())
+                return
+            else:
+                raise ValueError(f"unknown harness command {op!r}")
+            conn.send_bytes(json.dumps({"ok": True, "reply": reply}).encode())
+        except BaseException as exc:  # reported to the driver, which decides
+            conn.send_bytes(json.dumps({
+                "ok": False, "type": type(exc).__name__, "text": f"{exc}\n{traceback.format_exc()}",
+            }).encode())
+
+
+async def _receive_and_check(engine: Any, case: str, update: int, bucket_bytes: int) -> dict[str, Any]:
+    from weightsync.api.testing.cases import case_tensors, raw_bytes
+
+    expected = {name: tensor for name, tensor in case_tensors(case, update, bucket_bytes)}
+    problems: list[str] = []
+    seen: list[str] = []
+    stream = engine.receive_weights()
+    async for name, tensor in stream:
+        seen.append(name)
+        want = expected.get(name)
+        if want is None:
+            problems.append(f"unexpected tensor {name!r}")
+        elif tensor.dtype != want.dtype or tuple(tensor.shape) != tuple(want.shape):
+            problems.append(f"{name}: got {tensor.dtype}{tuple(tensor.shape)}, sent {want.dtype}{tuple(want.shape)}")
+        else:
+            got, sent = raw_bytes(tensor), raw_bytes(want)
+            if got.numel() != sent.numel() or not bool((got == sent).all()):
+                problems.append(f"{name}: bytes differ")
+    missing = sorted(set(expected) - set(seen))
+    if missing:
+        problems.append(f"missing tensors: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    if len(seen) != len(set(seen)):
+        problems.append("a tensor was yielded twice")
+    report = stream.report
+    return {"problems": problems, "count": len(seen), "report": report.to_dict() if report is not None else None}
+
+
+class EngineHarness:
+    """A sender (actor rank 0 of an ``actor_wg`` of one) and ``receivers`` rollout workers, each its own process."""
+
+    def __init__(self, backend: str, *, receivers: int = 2, bucket_bytes: int = 1 << 20,
+                 options: dict[str, Any] | None = None, timeout: float = 120.0) -> None:
+        self.backend = backend
+        self.receivers = receivers
+        self.bucket_bytes = bucket_bytes
+        self.options = dict(options or {})
+        self.timeout = timeout
+        self.engine_class = load_engine_class(backend)
+        self._context = multiprocessing.get_context("spawn")
+        self._workers: list[tuple[str, multiprocessing.connection.Connection, Any]] = []
+        self.epoch = ""
+
+    # -- processes -------------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        node = _node_id()
+        roles: list[tuple[str, Role, int]] = [("actor rank 0", "actor", 0)]
+        roles += [(f"rollout rank {rank}", "rollout", rank) for rank in range(self.receivers)]
+        for label, role, rank in roles:
+            parent, child = self._context.Pipe()
+            process = self._context.Process(
+                target=_worker_main, args=(child, self.backend, role, rank, self.bucket_bytes, self.options, node),
+                daemon=True, name=f"weightsync-conformance-{label}",
+            )
+            process.start()
+            child.close()
+            self._workers.append((label, parent, process))
+        self._all("start")
+
+    def close(self) -> None:
+        for _, conn, _process in self._workers:
+            try:
+                conn.send_bytes(json.dumps({"op": "close"}).encode())
+            except OSError:
+                pass
+        deadline = time.monotonic() + 20
+        for _, conn, process in self._workers:
+            process.join(max(deadline - time.monotonic(), 0.1))
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+            conn.close()
+        self._workers = []
+
+    def _send(self, index: int, command: dict[str, Any]) -> None:
+        self._workers[index][1].send_bytes(json.dumps(command).encode())
+
+    def _wait(self, index: int, deadline: float) -> Any:
+        label, conn, process = self._workers[index]
+        while not conn.poll(0.2):
+            if not process.is_alive():
+                raise WorkerFailed(label, "ProcessDied", f"exit code {process.exitcode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{label} did not answer within {self.timeout}s")
+        message = json.loads(conn.recv_bytes())
+        if not message["ok"]:
+            raise WorkerFailed(label, message["type"], message["text"])
+        return message["reply"]
+
+    def _all(self, op: str, per_worker: Sequence[dict[str, Any]] | None = None) -> list[Any]:
+        for index in range(len(self._workers)):
+            extra = per_worker[index] if per_worker is not None else {}
+            self._send(index, {"op": op, **extra})
+        deadline = time.monotonic() + self.timeout
+        replies: list[Any] = []
+        failure: BaseException | None = None
+        for index in range(len(self._workers)):
+            try:
+                replies.append(self._wait(index, deadline))
+            except (WorkerFailed, TimeoutError) as exc:
+                failure = failure or exc
+                replies.append(None)
+        if failure is not None:
+            raise failure
+        return replies
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+
+    def setup(self) -> Topology:
+        """prepare → build_topology → init_process_group, with a fresh epoch token."""
+        metadata = self._all("prepare")
+        topology = self.engine_class.build_topology(
+            actor_wg_world_size=1, rollout_world_size=self.receivers,
+            metadata=WorldMetadata(actor=metadata[:1], rollout=metadata[1:]),
+        )
+        topology.check(actor_wg_world_size=1, rollout_world_size=self.receivers)
+        self.epoch = secrets.token_hex(16)
+        rank_args = [{"rank_args": {**args, "epoch": self.epoch}} for args in [*topology.actor, *topology.rollout]]
+        self._all("init", rank_args)
+        return topology
+
+    def update(self, case: str, update: int = 0) -> list[dict[str, Any]]:
+        """One update of ``case``; returns each receiver's result. Raises ``WorkerFailed`` if any worker raised."""
+        commands = [{"case": case, "update": update}] * len(self._workers)
+        self._send(0, {"op": "send", **commands[0]})
+        for index in range(1, len(self._workers)):
+            self._send(index, {"op": "receive", **commands[index]})
+        deadline = time.monotonic() + self.timeout
+        replies: list[Any] = []
+        failure: BaseException | None = None
+        for index in range(len(self._workers)):
+            try:
+                replies.append(self._wait(index, deadline))
+            except (WorkerFailed, TimeoutError) as exc:
+                failure = failure or exc
+                replies.append(None)
+        if failure is not None:
+            raise failure
+        self._all("finalize")
+        sender = replies[0]
+        results = replies[1:]
+        for rank, result in enumerate(results):
+            if result["problems"]:
+                raise ConformanceFailure(f"{self.backend}, case {case}, rollout rank {rank}: "
+                                         + "; ".join(result["problems"][:10]))
+            if result["report"] is None or result["report"]["digest"] != sender["digest"]:
+                raise ConformanceFailure(f"{self.backend}, case {case}, rollout rank {rank}: digest differs")
+        return [sender, *results]
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for _, _, process in self._workers]

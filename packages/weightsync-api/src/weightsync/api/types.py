@@ -1,0 +1,225 @@
+"""Value types exchanged between the driver, the engines and the adapters.
+
+Everything here is plain data: dataclasses of ``str``/``int``/``float``/``bool``, tuples, and JSON-like mappings.
+They cross process boundaries (Ray, our own sockets through a typed codec) and must never need pickle to be
+understood by a peer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+from typing_extensions import TypeAlias
+
+from weightsync.api.errors import TopologyError
+
+__all__ = [
+    "JsonValue",
+    "WorkerMetadata",
+    "RankArgs",
+    "Role",
+    "WorkerContext",
+    "TensorMeta",
+    "WorldMetadata",
+    "Topology",
+    "TransferReport",
+    "StageTiming",
+    "ReplicaState",
+    "ReplicaOutcome",
+    "UpdateReport",
+]
+
+JsonValue: TypeAlias = Union[None, bool, int, float, str, list["JsonValue"], dict[str, "JsonValue"]]
+"""A value that survives a JSON or msgpack round trip unchanged (modulo tuple → list)."""
+
+WorkerMetadata: TypeAlias = dict[str, JsonValue]
+"""What ``CheckpointEngine.prepare`` returns for one worker: addresses, ports, node, agent descriptors."""
+
+RankArgs: TypeAlias = dict[str, JsonValue]
+"""The keyword arguments ``build_topology`` decides for one rank; passed to ``init_process_group(rank_args=...)``."""
+
+Role: TypeAlias = Literal["actor", "rollout"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerContext:
+    """Where an engine instance runs, supplied by the hosting adapter (Ray, verl, the conformance kit).
+
+    ``rank`` counts within the worker's own side: actor ranks 0..actor_wg_world_size-1, rollout ranks
+    0..rollout_world_size-1 across all replicas. ``node_id`` identifies the host (two workers with the same
+    ``node_id`` can share memory); ``host_ip`` is the address peers on other nodes reach this worker at.
+    """
+
+    role: Role
+    rank: int
+    node_id: str
+    host_ip: str = "127.0.0.1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorMeta:
+    """One tensor, or one contiguous byte range of one tensor, as carried in a bucket.
+
+    A tensor larger than a bucket travels as several ``TensorMeta`` with the same ``name`` and increasing
+    ``offset``; a sender that owns only part of a tensor sends only that range. The receiver yields the tensor once
+    it holds all ``total_nbytes`` bytes. ``dtype`` is the torch dtype's name without the ``torch.`` prefix
+    (``"bfloat16"``); ``shape`` is the full tensor's shape. Bytes are the tensor's contiguous row-major bytes.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    """Byte offset of this range within the full tensor's bytes."""
+    nbytes: int
+    """Length of this range in bytes."""
+    total_nbytes: int
+    """Bytes of the whole tensor (``numel * element_size``)."""
+    bucket_offset: int = 0
+    """Where this range starts inside its bucket."""
+
+    @property
+    def is_whole(self) -> bool:
+        return self.offset == 0 and self.nbytes == self.total_nbytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorldMetadata:
+    """All workers' ``prepare()`` results, as the driver hands them to ``build_topology``.
+
+    ``actor[i]`` is actor rank i's metadata, ``rollout[j]`` rollout rank j's (replica by replica, worker by worker).
+    """
+
+    actor: Sequence[WorkerMetadata]
+    rollout: Sequence[WorkerMetadata]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """Who sends to whom, as per-rank arguments for ``init_process_group``.
+
+    ``actor[i]`` goes to actor rank i and ``rollout[j]`` to rollout rank j. ``senders`` lists the actor ranks
+    whose ``send_weights`` actually transmits; every other actor rank still drains its weights stream (gathering a
+    sharded model is collective) and sends nothing. With several senders each sends a disjoint part of the model.
+    """
+
+    actor: Sequence[RankArgs]
+    rollout: Sequence[RankArgs]
+    senders: tuple[int, ...] = (0,)
+
+    def check(self, *, actor_wg_world_size: int, rollout_world_size: int) -> None:
+        """Raise :class:`TopologyError` unless the lists match the world sizes and the senders are actor ranks."""
+        if len(self.actor) != actor_wg_world_size:
+            raise TopologyError(
+                f"topology has {len(self.actor)} actor entries but actor_wg_world_size is {actor_wg_world_size}"
+            )
+        if len(self.rollout) != rollout_world_size:
+            raise TopologyError(
+                f"topology has {len(self.rollout)} rollout entries but rollout_world_size is {rollout_world_size}"
+            )
+        if not self.senders:
+            raise TopologyError("topology names no sending actor rank")
+        bad = [rank for rank in self.senders if not 0 <= rank < actor_wg_world_size]
+        if bad or len(set(self.senders)) != len(self.senders):
+            raise TopologyError(f"topology senders {list(self.senders)} are not distinct actor ranks")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageTiming:
+    """Seconds spent in one stage on one worker (busy time, not wall time, for pack/transfer/unpack)."""
+
+    stage: str
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferReport:
+    """What one worker did in one update: returned by ``send_weights`` and by a finished ``receive_weights``.
+
+    ``digest`` is the end-to-end digest over every bucket's tensor metadata (names, dtypes, shapes, ranges) and
+    bytes, in order; a receiver's equals its sender's exactly when it received what was sent.
+    """
+
+    role: Role
+    rank: int
+    version: int
+    nbytes: int
+    tensors: int
+    buckets: int
+    seconds: float
+    digest: str
+    sender: int = 0
+    """For a receiver: the actor rank whose stream this report covers."""
+    stages: tuple[StageTiming, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+ReplicaState: TypeAlias = Literal["committed", "torn", "untouched"]
+"""``committed``: every worker holds the new version, digests verified. ``torn``: the update reached some of its
+bytes but not verifiably all; the replica stays paused until an update repairs it. ``untouched``: the update failed
+before any byte reached it; it holds its previous version intact."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaOutcome:
+    replica: int
+    state: ReplicaState
+    version: int | None
+    """The version the replica holds now (None when torn or never updated)."""
+    resumed: bool
+    error: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateReport:
+    """The manager's account of one ``update_weights`` call."""
+
+    version: int
+    backend: str
+    nbytes: int
+    """Bytes of weights each receiver got (the model's size for a full update)."""
+    seconds: float
+    """Wall time of the whole update, pause to resume."""
+    stages: Mapping[str, float] = field(default_factory=dict)
+    """Wall seconds per manager step: pause, setup, transfer, finalize, resume."""
+    digest: str = ""
+    receivers: int = 0
+    replicas: tuple[ReplicaOutcome, ...] = ()
+    transfers: tuple[TransferReport, ...] = ()
+    rebuilt: bool = False
+    """Whether this update (re)built the topology (first update, membership change, or after a failure)."""
+
+    @property
+    def transfer_seconds(self) -> float:
+        return float(self.stages.get("transfer", self.seconds))
+
+    @property
+    def gbps_per_receiver(self) -> float:
+        """Decimal GB/s each receiver got during the transfer step."""
+        seconds = self.transfer_seconds
+        return self.nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(outcome.state == "committed" for outcome in self.replicas)
+
+
+def json_safe(value: Any) -> JsonValue:
+    """Return ``value`` as JSON-like data, converting tuples to lists; raise ``TypeError`` on anything else."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    if isinstance(value, Mapping):
+        out: dict[str, JsonValue] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"mapping key {key!r} is not a string")
+            out[key] = json_safe(item)
+        return out
+    raise TypeError(f"{type(value).__name__} is not plain data")

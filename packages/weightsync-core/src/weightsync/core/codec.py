@@ -1,0 +1,147 @@
+"""The wire codec: versioned, typed messages encoded with msgpack (msgspec), validated on receipt. No pickle.
+
+Every message a peer sends us is decoded into a fixed schema and checked before anything acts on it: a wrong wire
+version, a foreign membership epoch, a dtype we do not know, a range outside the bucket — each is a ``WireError``
+(``EpochMismatchError`` for the epoch), and the bytes are dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import msgspec
+
+from weightsync.api.errors import EpochMismatchError, WireError
+from weightsync.api.types import TensorMeta
+from weightsync.core.tensors import DTYPES
+
+__all__ = [
+    "WIRE_VERSION",
+    "MAX_NAME_BYTES",
+    "MAX_TENSORS_PER_BUCKET",
+    "BucketHeader",
+    "Hello",
+    "Ack",
+    "encode",
+    "decode_header",
+    "decode_hello",
+    "decode_ack",
+    "encode_tensors",
+]
+
+WIRE_VERSION = 1
+MAX_NAME_BYTES = 1024
+MAX_TENSORS_PER_BUCKET = 1 << 16
+MAX_DIMS = 32
+
+
+class BucketHeader(msgspec.Struct, frozen=True, tag="bucket"):
+    """Announces one bucket (or the end of an update: ``final``; or its failure: ``abort``)."""
+
+    wire: int
+    epoch: str
+    version: int
+    sender: int
+    index: int
+    slot: int
+    nbytes: int
+    tensors: list[TensorMeta]
+    final: bool = False
+    digest: str = ""
+    abort: str = ""
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    """First message on a connection of ours: who is connecting, for which epoch."""
+
+    wire: int
+    epoch: str
+    rank: int
+    info: dict[str, str] = {}
+
+
+class Ack(msgspec.Struct, frozen=True, tag="ack"):
+    """A receiver is done with bucket ``index`` (its slot may be reused)."""
+
+    wire: int
+    epoch: str
+    rank: int
+    index: int
+
+
+_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(BucketHeader)
+_hello_decoder = msgspec.msgpack.Decoder(Hello)
+_ack_decoder = msgspec.msgpack.Decoder(Ack)
+_tensors_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    """Encode any of our wire structs (each carries its tag, so a decoder for another type rejects it)."""
+    return _encoder.encode(message)
+
+
+def encode_tensors(tensors: Sequence[TensorMeta]) -> bytes:
+    """Deterministic bytes of a bucket's tensor table (what the digest covers besides the payload)."""
+    return _tensors_encoder.encode(list(tensors))
+
+
+def _check_common(wire: int, epoch: str, expected_epoch: str | None) -> None:
+    if wire != WIRE_VERSION:
+        raise WireError(f"peer speaks wire version {wire}, this side speaks {WIRE_VERSION}")
+    if expected_epoch is not None and epoch != expected_epoch:
+        raise EpochMismatchError(f"message from membership epoch {epoch[:12]!r}, expected {expected_epoch[:12]!r}")
+
+
+def decode_header(data: bytes, *, epoch: str | None, capacity: int) -> BucketHeader:
+    """Decode and validate a bucket header; ``capacity`` is the receiving bucket's size in bytes."""
+    try:
+        header = _header_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"malformed bucket header: {exc}") from None
+    _check_common(header.wire, header.epoch, epoch)
+    if not 0 <= header.nbytes <= capacity:
+        raise WireError(f"bucket of {header.nbytes} bytes does not fit a {capacity}-byte buffer")
+    if len(header.tensors) > MAX_TENSORS_PER_BUCKET:
+        raise WireError(f"bucket lists {len(header.tensors)} tensors (limit {MAX_TENSORS_PER_BUCKET})")
+    if header.index < 0 or header.version < 0 or header.sender < 0:
+        raise WireError("negative index, version or sender in bucket header")
+    for meta in header.tensors:
+        check_tensor_meta(meta, bucket_nbytes=header.nbytes)
+    return header
+
+
+def check_tensor_meta(meta: TensorMeta, *, bucket_nbytes: int) -> None:
+    if not meta.name or len(meta.name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise WireError(f"tensor name of invalid length in bucket header: {meta.name[:64]!r}")
+    dtype = DTYPES.get(meta.dtype)
+    if dtype is None:
+        raise WireError(f"unknown dtype {meta.dtype!r} for tensor {meta.name!r}")
+    if len(meta.shape) > MAX_DIMS or any(dim < 0 for dim in meta.shape):
+        raise WireError(f"invalid shape {meta.shape} for tensor {meta.name!r}")
+    expected = math.prod(meta.shape) * dtype.itemsize
+    if meta.total_nbytes != expected:
+        raise WireError(f"tensor {meta.name!r}: {meta.total_nbytes} bytes do not match shape and dtype ({expected})")
+    if meta.offset < 0 or meta.nbytes < 0 or meta.offset + meta.nbytes > meta.total_nbytes:
+        raise WireError(f"tensor {meta.name!r}: range {meta.offset}+{meta.nbytes} outside {meta.total_nbytes}")
+    if meta.bucket_offset < 0 or meta.bucket_offset + meta.nbytes > bucket_nbytes:
+        raise WireError(f"tensor {meta.name!r}: bucket range outside the bucket's {bucket_nbytes} bytes")
+
+
+def decode_hello(data: bytes, *, epoch: str | None) -> Hello:
+    try:
+        hello = _hello_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"malformed hello: {exc}") from None
+    _check_common(hello.wire, hello.epoch, epoch)
+    return hello
+
+
+def decode_ack(data: bytes, *, epoch: str | None) -> Ack:
+    try:
+        ack = _ack_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"malformed ack: {exc}") from None
+    _check_common(ack.wire, ack.epoch, epoch)
+    return ack

@@ -1,0 +1,511 @@
+"""``BucketCheckpointEngine``: the lifecycle and the double-buffered pipeline, written once for every backend.
+
+A backend subclasses it and supplies only what is its own: ``build_topology`` (who sends to whom), optionally
+``_prepare`` (endpoints and registrations to advertise), and ``_connect_sender`` / ``_connect_receiver`` (a
+:class:`~weightsync.core.transport.SenderTransport` / ``ReceiverTransport`` for the epoch).
+
+Sender pipeline: the weights stream is planned into buckets on the event loop thread (cheap bookkeeping); packing
+bucket k+1 (copies into slot (k+1) % slots, digest) runs on a packing thread while bucket k is published on a
+transfer thread. Receiver pipeline: a receive thread pulls buckets, validates their headers and hashes them while
+the consumer copies tensors out of the previous bucket. Copies and hashes release the GIL, so the stages overlap.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+import functools
+import importlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from weightsync.api.config import SyncConfig
+from weightsync.api.errors import (
+    ConcurrentUpdateError,
+    ConfigError,
+    DigestMismatchError,
+    LifecycleError,
+    TopologyError,
+    TransferError,
+    WireError,
+    reject_renamed_keywords,
+)
+from weightsync.api.types import (
+    RankArgs,
+    StageTiming,
+    TensorMeta,
+    Topology,
+    TransferReport,
+    WorkerContext,
+    WorkerMetadata,
+    WorldMetadata,
+)
+from weightsync.core import codec
+from weightsync.core.digest import UpdateDigest
+from weightsync.core.planner import PlannedBucket, plan_buckets, validate_pair
+from weightsync.core.tensors import dtype_from_name
+from weightsync.core.transport import NO_SLOT, ReceivedBucket, ReceiverTransport, SenderTransport, TransportHook
+
+__all__ = ["BucketCheckpointEngine", "default_node_id", "load_transport_hook", "RankRole"]
+
+RankRole = Literal["sender", "receiver", "idle"]
+
+
+@functools.cache
+def default_node_id() -> str:
+    """Identity of this host: hostname plus kernel boot id (two containers on one host differ by hostname)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def load_transport_hook(spec: str | None) -> TransportHook | None:
+    if spec is None:
+        return None
+    module_name, _, attribute = spec.partition(":")
+    try:
+        hook: TransportHook = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"transport_hook {spec!r} cannot be loaded: {exc}") from None
+    return hook
+
+
+class BucketCheckpointEngine(abc.ABC):
+    """Base of every weightsync engine; implements the ``CheckpointEngine`` Protocol over a transport.
+
+    Options common to every backend: ``context`` (``WorkerContext``, from the host), ``slots`` (buckets per side),
+    ``timeout`` (seconds any single blocking wait may take), ``verify_digest``, ``transport_hook`` (tests only).
+    Backends list their own options in ``option_names``; an unknown option is a ``ConfigError``.
+    """
+
+    name: ClassVar[str]
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
+    option_names: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(
+        self,
+        *,
+        bucket_bytes: int,
+        context: WorkerContext | None = None,
+        slots: int = 2,
+        timeout: float = 600.0,
+        verify_digest: bool = True,
+        transport_hook: str | None = None,
+        **options: Any,
+    ) -> None:
+        reject_renamed_keywords(type(self).__name__, options)
+        unknown = sorted(set(options) - self.option_names)
+        if unknown:
+            accepted = ", ".join(sorted(self.option_names)) or "none"
+            raise ConfigError(f"{self.name} engine got unknown options {unknown}; its own options: {accepted}")
+        SyncConfig(bucket_bytes=bucket_bytes, slots=slots)  # validates both, raising ConfigError
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.bucket_bytes = bucket_bytes
+        self.slots = slots
+        self.timeout = float(timeout)
+        self.verify_digest = verify_digest
+        self.context = context or WorkerContext(role="actor", rank=0, node_id=default_node_id())
+        self.options = options
+        self._hook = load_transport_hook(transport_hook)
+        self._epoch: str | None = None
+        self._role: RankRole | None = None
+        self._sender_rank = 0
+        self._sender: SenderTransport | None = None
+        self._receiver: ReceiverTransport | None = None
+        self._busy = threading.Lock()
+        self._closed = False
+        self._pack_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-pack")
+        self._transfer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-xfer")
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+
+    def prepare(self) -> WorkerMetadata:
+        self._check_open()
+        metadata: WorkerMetadata = {
+            "backend": self.name,
+            "role": self.context.role,
+            "rank": self.context.rank,
+            "node_id": self.context.node_id,
+            "host_ip": self.context.host_ip,
+            "pid": os.getpid(),
+            "bucket_bytes": self.bucket_bytes,
+            "slots": self.slots,
+        }
+        metadata.update(self._prepare())
+        return metadata
+
+    def _prepare(self) -> WorkerMetadata:
+        """Backend hook: allocate/reuse what peers must know about and return it (merged into the metadata)."""
+        return {}
+
+    @classmethod
+    @abc.abstractmethod
+    def build_topology(
+        cls, *, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata
+    ) -> Topology: ...
+
+    def init_process_group(self, *, rank_args: RankArgs) -> None:
+        self._check_open()
+        role = rank_args.get("role")
+        epoch = rank_args.get("epoch")
+        if role not in ("sender", "receiver", "idle") or not isinstance(epoch, str) or not epoch:
+            raise TopologyError(f"{self.name}: rank_args need role sender/receiver/idle and an epoch, got {rank_args}")
+        if self._busy.locked():
+            raise ConcurrentUpdateError(f"{self.name}: init_process_group while an update is in flight")
+        self._disconnect()
+        sender = rank_args.get("sender", 0)
+        self._sender_rank = sender if isinstance(sender, int) else 0
+        if role == "sender":
+            self._sender = self._connect_sender(rank_args)
+        elif role == "receiver":
+            self._receiver = self._connect_receiver(rank_args)
+        self._role = role
+        self._epoch = epoch
+
+    @abc.abstractmethod
+    def _connect_sender(self, rank_args: RankArgs) -> SenderTransport: ...
+
+    @abc.abstractmethod
+    def _connect_receiver(self, rank_args: RankArgs) -> ReceiverTransport: ...
+
+    def finalize(self) -> None:
+        """Nothing of the pipeline outlives an update except buffers and connections, which are kept."""
+        self._check_open()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._disconnect()
+        self._release()
+        self._pack_pool.shutdown(wait=False, cancel_futures=True)
+        self._transfer_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _release(self) -> None:
+        """Backend hook: free what ``_prepare`` allocated (segments, registrations, listening endpoints)."""
+
+    def _disconnect(self) -> None:
+        sender, receiver = self._sender, self._receiver
+        self._sender = self._receiver = None
+        self._epoch = None
+        self._role = None
+        if sender is not None:
+            sender.close()
+        if receiver is not None:
+            receiver.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LifecycleError(f"{self.name} engine is closed")
+
+    def _require(self, role: RankRole, what: str) -> None:
+        self._check_open()
+        if self._epoch is None:
+            raise LifecycleError(f"{what} before init_process_group on this {self.name} engine")
+        if role == "receiver" and self._role != "receiver":
+            raise LifecycleError(f"{what} on a rank whose role in this topology is {self._role}")
+
+    @property
+    def epoch(self) -> str | None:
+        return self._epoch
+
+    @property
+    def role(self) -> RankRole | None:
+        return self._role
+
+    # -- sending ---------------------------------------------------------------------------------------------------
+
+    async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int = 0) -> TransferReport:
+        self._require("sender", "send_weights")
+        if not self._busy.acquire(blocking=False):
+            raise ConcurrentUpdateError(f"{self.name}: send_weights while another update is in flight")
+        started = time.perf_counter()
+        try:
+            if self._role != "sender" or self._sender is None:
+                return await self._drain(weights, version=version, started=started)
+            return await self._send(self._sender, weights, version=version, started=started)
+        finally:
+            self._busy.release()
+
+    async def _drain(self, weights: Iterable[object], *, version: int, started: float) -> TransferReport:
+        """A non-sending actor rank still consumes its stream (gathering may be collective), validating it."""
+        seen: set[str] = set()
+        count = 0
+        for count, item in enumerate(weights, start=1):
+            validate_pair(item, devices=self.devices, seen=seen)
+            if count % 64 == 0:
+                await asyncio.sleep(0)
+        return TransferReport(
+            role="actor", rank=self.context.rank, version=version, nbytes=0, tensors=count, buckets=0,
+            seconds=time.perf_counter() - started, digest="",
+        )
+
+    async def _send(
+        self, transport: SenderTransport, weights: Iterable[object], *, version: int, started: float
+    ) -> TransferReport:
+        loop = asyncio.get_running_loop()
+        epoch = self._epoch or ""
+        deadline = time.monotonic() + self.timeout
+        digest = UpdateDigest()
+        in_flight: dict[int, asyncio.Future[float]] = {}
+        pack_seconds = 0.0
+        index = nbytes = tensors = 0
+        try:
+            for bucket in plan_buckets(weights, bucket_bytes=self.bucket_bytes, devices=self.devices):
+                slot = index % transport.slots
+                previous = in_flight.pop(slot, None)
+                if previous is not None:
+                    await previous
+                header, seconds = await loop.run_in_executor(
+                    self._pack_pool, self._pack, transport, slot, index, bucket, version, epoch, digest, deadline
+                )
+                pack_seconds += seconds
+                in_flight[slot] = loop.run_in_executor(
+                    self._transfer_pool, _timed, transport.publish, slot, bucket.nbytes, header, deadline
+                )
+                index += 1
+                nbytes += sum(item.meta.nbytes for item in bucket.items)
+                tensors += sum(1 for item in bucket.items if item.meta.offset + item.meta.nbytes == item.meta.total_nbytes)
+            publish_seconds = 0.0
+            for future in list(in_flight.values()):
+                publish_seconds += await future
+            in_flight.clear()
+            final = codec.BucketHeader(
+                wire=codec.WIRE_VERSION, epoch=epoch, version=version, sender=self.context.rank, index=index,
+                slot=NO_SLOT, nbytes=0, tensors=[], final=True, digest=digest.hexdigest(),
+            )
+            publish_seconds += await loop.run_in_executor(
+                self._transfer_pool, _timed, transport.publish, NO_SLOT, 0, codec.encode(final), deadline
+            )
+        except BaseException as exc:
+            await self._abort(transport, in_flight, epoch=epoch, version=version, index=index, reason=exc)
+            raise
+        return TransferReport(
+            role="actor", rank=self.context.rank, version=version, nbytes=nbytes, tensors=tensors, buckets=index,
+            seconds=time.perf_counter() - started, digest=digest.hexdigest(), sender=self.context.rank,
+            stages=(StageTiming(stage="pack", seconds=pack_seconds),
+                    StageTiming(stage="publish", seconds=publish_seconds)),
+        )
+
+    def _pack(
+        self, transport: SenderTransport, slot: int, index: int, bucket: PlannedBucket, version: int, epoch: str,
+        digest: UpdateDigest, deadline: float,
+    ) -> tuple[bytes, float]:
+        transport.wait_slot(slot, deadline)
+        started = time.perf_counter()
+        buffer = transport.buffer(slot)
+        for item in bucket.items:
+            if item.meta.nbytes:
+                start = item.meta.bucket_offset
+                buffer[start:start + item.meta.nbytes].copy_(item.source)
+        payload = buffer[: bucket.nbytes]
+        if self._hook is not None and hasattr(self._hook, "after_pack"):
+            self._hook.after_pack(index, payload)
+        metas = [item.meta for item in bucket.items]
+        digest.update_bucket(codec.encode_tensors(metas), payload)
+        header = codec.BucketHeader(
+            wire=codec.WIRE_VERSION, epoch=epoch, version=version, sender=self.context.rank, index=index, slot=slot,
+            nbytes=bucket.nbytes, tensors=metas,
+        )
+        return codec.encode(header), time.perf_counter() - started
+
+    async def _abort(
+        self, transport: SenderTransport, in_flight: dict[int, asyncio.Future[float]], *, epoch: str, version: int,
+        index: int, reason: BaseException,
+    ) -> None:
+        """Tell receivers the update is off, so they fail now instead of at their deadline. Best effort."""
+        message = f"{type(reason).__name__}: {reason}"[:500] or "aborted"
+        header = codec.BucketHeader(
+            wire=codec.WIRE_VERSION, epoch=epoch, version=version, sender=self.context.rank, index=index,
+            slot=NO_SLOT, nbytes=0, tensors=[], abort=message,
+        )
+        loop = asyncio.get_running_loop()
+        # Queued behind in-flight publishes on the same thread, so receivers see it after what was already sent.
+        future = loop.run_in_executor(
+            self._transfer_pool, _timed, transport.publish, NO_SLOT, 0, codec.encode(header),
+            time.monotonic() + min(self.timeout, 10.0),
+        )
+        pending = [*in_flight.values(), future]
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.gather(*pending, return_exceptions=True)), 15.0)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            pass
+
+    # -- receiving -------------------------------------------------------------------------------------------------
+
+    def receive_weights(self) -> _ReceiveStream:
+        self._require("receiver", "receive_weights")
+        if self._receiver is None:
+            raise LifecycleError(f"{self.name}: receive_weights on a rank that is not connected as a receiver")
+        if not self._busy.acquire(blocking=False):
+            raise ConcurrentUpdateError(f"{self.name}: receive_weights while another update is in flight")
+        return _ReceiveStream(self, self._receiver)
+
+    def _peer_name(self) -> str:
+        return f"actor rank {self._sender_rank}"
+
+
+def _timed(function: Any, *args: Any) -> float:
+    started = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - started
+
+
+class _Arrived:
+    __slots__ = ("header", "payload", "token")
+
+    def __init__(self, header: codec.BucketHeader, payload: torch.Tensor, token: int) -> None:
+        self.header = header
+        self.payload = payload
+        self.token = token
+
+
+class _ReceiveStream:
+    """The ``ReceivedWeights`` of one update (see the Protocol for the view-validity contract)."""
+
+    def __init__(self, engine: BucketCheckpointEngine, transport: ReceiverTransport) -> None:
+        self.report: TransferReport | None = None
+        self._engine = engine
+        self._transport = transport
+        self._queue: asyncio.Queue[_Arrived | BaseException] | None = None
+        self._current: _Arrived | None = None
+        self._position = 0
+        self._scratch: torch.Tensor | None = None
+        self._digest = UpdateDigest()
+        self._started = time.perf_counter()
+        self._receive_seconds = 0.0
+        self._nbytes = 0
+        self._tensors = 0
+        self._buckets = 0
+        self._finished = False
+        self._stop = threading.Event()
+
+    def __aiter__(self) -> _ReceiveStream:
+        return self
+
+    async def __anext__(self) -> tuple[str, torch.Tensor]:
+        if self._finished:
+            raise StopAsyncIteration
+        if self._queue is None:
+            loop = asyncio.get_running_loop()
+            self._queue = asyncio.Queue()
+            loop.run_in_executor(self._engine._transfer_pool, self._receive_loop, loop, self._queue)
+        try:
+            while True:
+                current = self._current
+                if current is not None and self._position < len(current.header.tensors):
+                    meta = current.header.tensors[self._position]
+                    self._position += 1
+                    ready = self._tensor(meta, current.payload)
+                    if ready is not None:
+                        return ready
+                    continue
+                if current is not None:
+                    self._current = None
+                    self._transport.release(current.token)
+                arrived = await self._queue.get()
+                if isinstance(arrived, BaseException):
+                    raise arrived
+                header = arrived.header
+                if header.abort:
+                    raise TransferError(
+                        f"{self._engine._peer_name()} aborted the update: {header.abort}", peer=self._engine._peer_name()
+                    )
+                if header.final:
+                    self._complete(header)
+                    raise StopAsyncIteration
+                self._current = arrived
+                self._position = 0
+        except BaseException:
+            self._close()
+            raise
+
+    def _tensor(self, meta: TensorMeta, payload: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        dtype = dtype_from_name(meta.dtype)
+        piece = payload[meta.bucket_offset: meta.bucket_offset + meta.nbytes]
+        if meta.is_whole:
+            self._tensors += 1
+            return meta.name, _typed_view(piece, dtype, meta.shape)
+        # A range of a tensor split across buckets: gather it in a scratch buffer reused across tensors.
+        if self._scratch is None or self._scratch.numel() < meta.total_nbytes:
+            self._scratch = torch.empty(meta.total_nbytes, dtype=torch.uint8, device=payload.device)
+        self._scratch[meta.offset: meta.offset + meta.nbytes].copy_(piece)
+        if meta.offset + meta.nbytes < meta.total_nbytes:
+            return None
+        self._tensors += 1
+        return meta.name, _typed_view(self._scratch[: meta.total_nbytes], dtype, meta.shape)
+
+    def _receive_loop(
+        self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[_Arrived | BaseException]
+    ) -> None:
+        engine = self._engine
+        deadline = time.monotonic() + engine.timeout
+        expected = 0
+        try:
+            while not self._stop.is_set():
+                started = time.perf_counter()
+                received: ReceivedBucket = self._transport.receive(deadline)
+                header = codec.decode_header(received.header, epoch=engine.epoch, capacity=self._transport.capacity)
+                if header.final or header.abort:
+                    loop.call_soon_threadsafe(queue.put_nowait, _Arrived(header, received.payload, received.token))
+                    return
+                if header.index != expected:
+                    raise WireError(f"bucket {header.index} arrived where bucket {expected} was expected")
+                expected += 1
+                payload = received.payload[: header.nbytes]
+                if engine._hook is not None and hasattr(engine._hook, "after_receive"):
+                    engine._hook.after_receive(header.index, payload)
+                self._digest.update_bucket(codec.encode_tensors(header.tensors), payload)
+                self._receive_seconds += time.perf_counter() - started
+                self._nbytes += sum(meta.nbytes for meta in header.tensors)
+                self._buckets += 1
+                loop.call_soon_threadsafe(queue.put_nowait, _Arrived(header, payload, received.token))
+        except BaseException as exc:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+    def _complete(self, header: codec.BucketHeader) -> None:
+        digest = self._digest.hexdigest()
+        engine = self._engine
+        try:
+            if engine.verify_digest and header.digest != digest:
+                raise DigestMismatchError(
+                    f"rollout rank {engine.context.rank} received bytes whose digest {digest[:16]} differs from "
+                    f"{engine._peer_name()}'s {header.digest[:16]}: the update was corrupted in transit",
+                    receiver=engine.context.rank, expected=header.digest, actual=digest,
+                )
+            self.report = TransferReport(
+                role="rollout", rank=engine.context.rank, version=header.version, nbytes=self._nbytes,
+                tensors=self._tensors, buckets=self._buckets, seconds=time.perf_counter() - self._started,
+                digest=digest, sender=header.sender,
+                stages=(StageTiming(stage="receive", seconds=self._receive_seconds),),
+            )
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self._stop.set()
+        if self._current is not None:
+            self._transport.release(self._current.token)
+            self._current = None
+        self._engine._busy.release()
+
+
+def _typed_view(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if data.numel() == 0:
+        return torch.empty(shape, dtype=dtype, device=data.device)
+    return data.view(dtype).reshape(shape)

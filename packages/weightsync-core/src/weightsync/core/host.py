@@ -1,0 +1,105 @@
+"""``EngineHost``: what an adapter's worker process keeps — one engine, built from plain data sent by the driver.
+
+Adapters (Ray actors, verl workers) forward ``execute_checkpoint_engine(method, **kwargs)`` and ``update_weights``
+here. The host builds the engine named in ``prepare``'s ``engine`` argument, reuses it while the same backend and
+configuration are asked for, and runs the engine's blocking steps in a thread so the worker's event loop stays free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from weightsync.api.config import SyncConfig
+from weightsync.api.errors import ConfigError, LifecycleError, WeightStreamError
+from weightsync.api.protocols import WeightSink
+from weightsync.api.registry import load_engine_class
+from weightsync.api.types import RankArgs, Role, TransferReport, WorkerContext, WorkerMetadata
+from weightsync.core.engine import BucketCheckpointEngine
+
+__all__ = ["EngineHost", "engine_spec"]
+
+_METHODS = ("prepare", "init_process_group", "finalize", "close")
+
+
+def engine_spec(*, backend: str, config: SyncConfig, role: Role, rank: int) -> dict[str, Any]:
+    """The plain-data ``engine`` argument of ``prepare`` for one worker."""
+    return {"backend": backend, "config": config.to_dict(), "role": role, "rank": rank}
+
+
+class EngineHost:
+    """One worker's engine. ``node_id``/``host_ip`` describe where this process runs (supplied by the adapter)."""
+
+    def __init__(self, *, node_id: str, host_ip: str = "127.0.0.1", name: str = "") -> None:
+        self.node_id = node_id
+        self.host_ip = host_ip
+        self.name = name
+        self.engine: BucketCheckpointEngine | None = None
+        self._spec: dict[str, Any] | None = None
+
+    async def execute(self, method: str, /, **kwargs: Any) -> Any:
+        """Run lifecycle step ``method`` (one of prepare, init_process_group, finalize, close) off the loop."""
+        if method not in _METHODS:
+            raise ConfigError(f"unknown checkpoint-engine method {method!r}; expected one of {', '.join(_METHODS)}")
+        handler: Callable[..., Any] = getattr(self, f"_{method}")
+        return await asyncio.to_thread(handler, **kwargs)
+
+    def _prepare(self, *, engine: Mapping[str, Any]) -> WorkerMetadata:
+        spec = dict(engine)
+        if self.engine is None or spec != self._spec:
+            self._close()
+            self.engine = self._build(spec)
+            self._spec = spec
+        return self.engine.prepare()
+
+    def _build(self, spec: Mapping[str, Any]) -> BucketCheckpointEngine:
+        try:
+            backend = str(spec["backend"])
+            config = SyncConfig.from_dict(spec["config"])
+            role: Role = "actor" if spec["role"] == "actor" else "rollout"
+            rank = int(spec["rank"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"malformed engine spec {dict(spec)!r}: {exc!r}") from None
+        engine_class = load_engine_class(backend)
+        if not issubclass(engine_class, BucketCheckpointEngine):
+            raise ConfigError(f"backend {backend!r} is not a weightsync BucketCheckpointEngine")
+        context = WorkerContext(role=role, rank=rank, node_id=self.node_id, host_ip=self.host_ip)
+        return engine_class(
+            bucket_bytes=config.bucket_bytes, context=context, slots=config.slots,
+            timeout=config.timeouts.transfer, verify_digest=config.verify_digest, **dict(config.backend_options),
+        )
+
+    def _init_process_group(self, *, rank_args: RankArgs) -> None:
+        self._engine().init_process_group(rank_args=rank_args)
+
+    def _finalize(self) -> None:
+        if self.engine is not None:
+            self.engine.finalize()
+
+    def _close(self) -> None:
+        engine, self.engine, self._spec = self.engine, None, None
+        if engine is not None:
+            engine.close()
+
+    def _engine(self) -> BucketCheckpointEngine:
+        if self.engine is None:
+            raise LifecycleError(f"{self.name or 'worker'}: no engine yet (prepare was not called)")
+        return self.engine
+
+    async def send(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int) -> TransferReport:
+        return await self._engine().send_weights(weights, version=version)
+
+    async def receive(self, sink: WeightSink, *, version: int) -> TransferReport:
+        stream = self._engine().receive_weights()
+        await sink.load_weights(stream, version=version)
+        leftover = 0
+        async for _ in stream:  # a sink that stopped early: drain, so the sender is not left waiting
+            leftover += 1
+        if stream.report is None:
+            raise LifecycleError(f"{self.name or 'worker'}: the weights stream ended without a report")
+        if leftover:
+            raise WeightStreamError(f"{self.name or 'worker'}: the sink left {leftover} tensors unconsumed")
+        return stream.report

@@ -1,0 +1,399 @@
+"""``CheckpointEngineManager``: drives one update from the driver, without ever blocking its event loop.
+
+pause replicas → (prepare → build_topology → init_process_group, only when membership changed or the last update
+failed) → send/receive → finalize → resume. Every step awaits the workers' awaitables together under the step's
+timeout from ``SyncConfig.timeouts``; a timeout names the step and the workers still pending. Resuming runs in
+``finally``: a replica resumes when it holds a complete, verified model — the new version (committed) or its old
+one because no byte reached it (untouched). A replica the failed update may have half-written (torn) stays paused
+and is repaired by the next update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from weightsync.api.config import SyncConfig
+from weightsync.api.errors import (
+    ConcurrentUpdateError,
+    ConfigError,
+    DigestMismatchError,
+    LifecycleError,
+    StepTimeoutError,
+    TopologyError,
+    WeightsyncError,
+    WorkerError,
+    reject_renamed_keywords,
+)
+from weightsync.api.protocols import ActorWorkerGroup, RolloutReplica, RolloutWorker
+from weightsync.api.registry import load_engine_class
+from weightsync.api.types import (
+    ReplicaOutcome,
+    ReplicaState,
+    Topology,
+    TransferReport,
+    UpdateReport,
+    WorkerMetadata,
+    WorldMetadata,
+)
+from weightsync.core.host import engine_spec
+
+__all__ = ["CheckpointEngineManager", "ReplicaStatus"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    replica: int
+    state: ReplicaState
+    version: int | None
+
+
+class CheckpointEngineManager:
+    """Moves ``actor_wg``'s weights into every replica of ``replicas`` with backend ``backend``.
+
+    ``update_weights`` is a coroutine; ``update_weights_sync`` runs it for callers without an event loop.
+    Replicas may be added or removed between updates; the next update rebuilds the topology for the new set.
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str,
+        actor_wg: ActorWorkerGroup,
+        replicas: Sequence[RolloutReplica],
+        config: SyncConfig | None = None,
+        **unexpected: Any,
+    ) -> None:
+        reject_renamed_keywords("CheckpointEngineManager", unexpected)
+        if unexpected:
+            raise TypeError(f"CheckpointEngineManager() got unexpected keywords: {', '.join(sorted(unexpected))}")
+        if config is not None and not isinstance(config, SyncConfig):
+            raise ConfigError(f"config must be a SyncConfig, got {type(config).__name__}")
+        world_size = actor_wg.world_size
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"actor_wg.world_size must be a positive int, got {world_size!r}")
+        self.backend = backend
+        self.engine_class = load_engine_class(backend)  # fails now, naming the package, if not installed
+        self.actor_wg = actor_wg
+        self.config = config or SyncConfig()
+        self._replicas: list[RolloutReplica] = []
+        self._states: list[ReplicaStatus] = []
+        self._epoch: str | None = None
+        self._version = 0
+        self._updating = False
+        self.add_replicas(replicas)
+
+    # -- membership ------------------------------------------------------------------------------------------------
+
+    @property
+    def replicas(self) -> tuple[RolloutReplica, ...]:
+        return tuple(self._replicas)
+
+    def add_replicas(self, replicas: Sequence[RolloutReplica]) -> None:
+        """Add replicas; the next update rebuilds the topology and sends them the full weights."""
+        self._check_idle("add_replicas")
+        for replica in replicas:
+            if any(replica is known for known in self._replicas):
+                raise ConfigError("a replica was added twice")
+            if not replica.workers:
+                raise ConfigError("a replica without workers cannot receive weights")
+            self._replicas.append(replica)
+            self._states.append(ReplicaStatus(replica=0, state="untouched", version=None))
+        self._renumber()
+        self._epoch = None
+
+    def remove_replicas(self, replicas: Sequence[RolloutReplica]) -> None:
+        """Remove replicas (e.g. dead ones); the next update rebuilds the topology without them."""
+        self._check_idle("remove_replicas")
+        for replica in replicas:
+            index = next((i for i, known in enumerate(self._replicas) if known is replica), None)
+            if index is None:
+                raise ConfigError("remove_replicas got a replica this manager does not have")
+            del self._replicas[index]
+            del self._states[index]
+        self._renumber()
+        self._epoch = None
+
+    def _renumber(self) -> None:
+        self._states = [ReplicaStatus(i, s.state, s.version) for i, s in enumerate(self._states)]
+
+    def status(self) -> list[ReplicaStatus]:
+        """Per replica: the version it holds and whether it is committed, torn or untouched."""
+        return list(self._states)
+
+    def _check_idle(self, what: str) -> None:
+        if self._updating:
+            raise ConcurrentUpdateError(f"{what} while an update is in flight")
+
+    # -- the update ------------------------------------------------------------------------------------------------
+
+    def update_weights_sync(self, *, version: int | None = None) -> UpdateReport:
+        """Synchronous convenience for callers without a running event loop (never use it inside one)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.update_weights(version=version))
+        raise LifecycleError("update_weights_sync called from a running event loop; use `await update_weights()`")
+
+    async def update_weights(self, *, version: int | None = None) -> UpdateReport:
+        if self._updating:
+            raise ConcurrentUpdateError("update_weights while another update of this manager is in flight")
+        if version is None:
+            version = self._version + 1
+        elif isinstance(version, bool) or not isinstance(version, int) or version <= self._version:
+            raise ConfigError(f"version must be an int above the last one ({self._version}), got {version!r}")
+        if not self._replicas:
+            raise ConfigError("update_weights with no replicas")
+        self._updating = True
+        try:
+            return await self._update(version)
+        finally:
+            self._updating = False
+
+    async def _update(self, version: int) -> UpdateReport:
+        timeouts = self.config.timeouts
+        replicas = list(self._replicas)
+        workers = [(r, worker) for r, replica in enumerate(replicas) for worker in replica.workers]
+        stages: dict[str, float] = {}
+        started = time.perf_counter()
+        rebuilt = False
+        transfer_started = False
+        reports: list[TransferReport | BaseException | None] = [None] * len(workers)
+        sender_reports: list[TransferReport] = []
+        failure: BaseException | None = None
+        outcomes_by_replica: list[ReplicaOutcome] = []
+        try:
+            await self._stage(stages, "pause", timeouts.pause, [
+                (f"replica{r}", _pause(replica)) for r, replica in enumerate(replicas)
+            ])
+            if self._epoch is None:
+                rebuilt = True
+                await self._setup(stages, workers)
+            transfer_started = True
+            step_start = time.perf_counter()
+            sends = list(self.actor_wg.update_weights(version=version))
+            receives = [worker.update_weights(version=version) for _, worker in workers]
+            labels = [f"actor rank {rank}" for rank in range(len(sends))] + [_worker_label(r, w) for r, w in workers]
+            outcomes = await _gather("transfer", timeouts.transfer, list(zip(labels, [*sends, *receives])),
+                                     raise_first=False)
+            stages["transfer"] = time.perf_counter() - step_start
+            for outcome, label in zip(outcomes[: len(sends)], labels):
+                if isinstance(outcome, BaseException):
+                    raise _typed(outcome, step="transfer", worker=label)
+                sender_reports.append(outcome)
+            reports = outcomes[len(sends):]
+            first_error = next((o for o in reports if isinstance(o, BaseException)), None)
+            if first_error is not None:
+                index = reports.index(first_error)
+                raise _typed(first_error, step="transfer", worker=labels[len(sends) + index])
+            self._check_digests(sender_reports, reports, workers)
+            await self._stage(stages, "finalize", timeouts.finalize, self._all_workers("finalize", workers))
+        except BaseException as exc:
+            failure = exc
+            self._epoch = None  # connections may be mid-message: rebuild them next time
+            raise
+        finally:
+            outcomes_by_replica = self._outcomes(version, replicas, workers, reports, sender_reports,
+                                                 transfer_started, failure)
+            await self._resume(stages, replicas, outcomes_by_replica, failure)
+        self._version = version
+        total = sum(report.nbytes for report in sender_reports)
+        return UpdateReport(
+            version=version, backend=self.backend, nbytes=total, seconds=time.perf_counter() - started,
+            stages=stages, digest=sender_reports[0].digest if sender_reports else "", receivers=len(workers),
+            replicas=tuple(outcomes_by_replica), transfers=tuple(
+                [*sender_reports, *(r for r in reports if isinstance(r, TransferReport))]
+            ), rebuilt=rebuilt,
+        )
+
+    async def _setup(self, stages: dict[str, float], workers: list[tuple[int, RolloutWorker]]) -> None:
+        """prepare → build_topology → init_process_group for a new membership epoch."""
+        started = time.perf_counter()
+        timeout = self.config.timeouts.setup
+        actor_size = self.actor_wg.world_size
+        specs = [engine_spec(backend=self.backend, config=self.config, role="actor", rank=rank)
+                 for rank in range(actor_size)]
+        actor_calls = self.actor_wg.execute_checkpoint_engine("prepare", engine=specs)
+        labelled: list[tuple[str, Awaitable[Any]]] = [
+            (f"actor rank {rank}", call) for rank, call in enumerate(actor_calls)
+        ]
+        labelled += [
+            (_worker_label(r, worker), worker.execute_checkpoint_engine(
+                "prepare", engine=engine_spec(backend=self.backend, config=self.config, role="rollout", rank=rank)))
+            for rank, (r, worker) in enumerate(workers)
+        ]
+        metadata: list[WorkerMetadata] = await _gather("prepare", timeout, labelled)
+        try:
+            topology = self.engine_class.build_topology(
+                actor_wg_world_size=actor_size, rollout_world_size=len(workers),
+                metadata=WorldMetadata(actor=metadata[:actor_size], rollout=metadata[actor_size:]),
+            )
+            if not isinstance(topology, Topology):
+                raise TopologyError(f"{self.backend}.build_topology returned {type(topology).__name__}, not Topology")
+            topology.check(actor_wg_world_size=actor_size, rollout_world_size=len(workers))
+        except TopologyError:
+            raise
+        except WeightsyncError:
+            raise
+        except Exception as exc:
+            raise TopologyError(f"{self.backend}.build_topology failed: {exc!r}") from exc
+        epoch = secrets.token_hex(16)
+        actor_args = [{**args, "epoch": epoch} for args in topology.actor]
+        rollout_args = [{**args, "epoch": epoch} for args in topology.rollout]
+        init_calls = self.actor_wg.execute_checkpoint_engine("init_process_group", rank_args=actor_args)
+        labelled = [(f"actor rank {rank}", call) for rank, call in enumerate(init_calls)]
+        labelled += [
+            (_worker_label(r, worker), worker.execute_checkpoint_engine("init_process_group", rank_args=args))
+            for (r, worker), args in zip(workers, rollout_args)
+        ]
+        await _gather("init_process_group", timeout, labelled)
+        self._epoch = epoch
+        stages["setup"] = time.perf_counter() - started
+
+    def _all_workers(self, method: str, workers: list[tuple[int, RolloutWorker]]) -> list[tuple[str, Awaitable[Any]]]:
+        calls: list[tuple[str, Awaitable[Any]]] = [
+            (f"actor rank {rank}", call)
+            for rank, call in enumerate(self.actor_wg.execute_checkpoint_engine(method))
+        ]
+        calls += [(_worker_label(r, worker), worker.execute_checkpoint_engine(method)) for r, worker in workers]
+        return calls
+
+    def _check_digests(
+        self, senders: list[TransferReport], receivers: Sequence[Any], workers: list[tuple[int, RolloutWorker]]
+    ) -> None:
+        by_sender = {report.rank: report.digest for report in senders if report.digest}
+        for (r, worker), report in zip(workers, receivers):
+            expected = by_sender.get(report.sender)
+            if expected is None or report.digest != expected:
+                raise DigestMismatchError(
+                    f"{_worker_label(r, worker)} holds digest {report.digest[:16]} but actor rank {report.sender} "
+                    f"sent {str(expected)[:16]}", worker=_worker_label(r, worker),
+                )
+
+    def _outcomes(
+        self, version: int, replicas: list[RolloutReplica], workers: list[tuple[int, RolloutWorker]],
+        reports: Sequence[Any], senders: list[TransferReport], transfer_started: bool, failure: BaseException | None,
+    ) -> list[ReplicaOutcome]:
+        digests = {report.rank: report.digest for report in senders}
+        outcomes = []
+        for r, _replica in enumerate(replicas):
+            mine = [report for (owner, _), report in zip(workers, reports) if owner == r]
+            verified = bool(mine) and all(
+                isinstance(report, TransferReport) and report.digest == digests.get(report.sender) for report in mine
+            )
+            previous = self._states[r]
+            state: ReplicaState
+            if not transfer_started:
+                state, held = previous.state, previous.version
+            elif verified:
+                state, held = "committed", version
+            else:
+                state, held = "torn", None
+            error = None
+            if state == "torn" and failure is not None:
+                error = f"{type(failure).__name__}: {failure}"
+            outcomes.append(ReplicaOutcome(replica=r, state=state, version=held, resumed=False, error=error))
+        return outcomes
+
+    async def _resume(
+        self, stages: dict[str, float], replicas: list[RolloutReplica], outcomes: list[ReplicaOutcome],
+        failure: BaseException | None,
+    ) -> None:
+        resumable = [i for i, outcome in enumerate(outcomes) if outcome.state != "torn"]
+        try:
+            await self._stage(stages, "resume", self.config.timeouts.resume, [
+                (f"replica{i}", _resume(replicas[i])) for i in resumable
+            ])
+            resumed = set(resumable)
+        except BaseException:
+            resumed = set()
+            if failure is None:
+                raise
+        for i, outcome in enumerate(outcomes):
+            outcomes[i] = ReplicaOutcome(
+                replica=i, state=outcome.state, version=outcome.version, resumed=i in resumed, error=outcome.error
+            )
+            self._states[i] = ReplicaStatus(i, outcome.state, outcome.version)
+
+    async def _stage(self, stages: dict[str, float], step: str, timeout: float,
+                     labelled: list[tuple[str, Awaitable[Any]]]) -> list[Any]:
+        started = time.perf_counter()
+        try:
+            return await _gather(step, timeout, labelled)
+        finally:
+            stages[step] = time.perf_counter() - started
+
+
+async def _pause(replica: RolloutReplica) -> None:
+    await replica.abort_all_requests()
+    await replica.release_kv_cache()
+
+
+async def _resume(replica: RolloutReplica) -> None:
+    await replica.resume_kv_cache()
+    await replica.resume_generation()
+
+
+def _worker_label(replica: int, worker: RolloutWorker) -> str:
+    try:
+        name = worker.name
+    except Exception:
+        name = ""
+    return f"replica{replica}/{name}" if name else f"replica{replica}"
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    """Ray wraps a remote exception; its ``cause`` is the one the worker raised."""
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) else error
+
+
+def _typed(error: BaseException, *, step: str, worker: str) -> BaseException:
+    """Our typed errors pass through (with a note naming the worker); anything else becomes a ``WorkerError``."""
+    cause = _unwrap(error)
+    if isinstance(cause, WeightsyncError):
+        cause.add_note(f"raised by {worker} during {step}")
+        return cause
+    return WorkerError(f"{worker} failed during {step}: {type(cause).__name__}: {cause}", worker=worker, step=step)
+
+
+async def _gather(step: str, timeout: float, labelled: list[tuple[str, Awaitable[Any]]],
+                  *, raise_first: bool = True) -> list[Any]:
+    """Await every labelled awaitable under one timeout; the results in order.
+
+    With ``raise_first`` the first failure (in order) is raised as a typed error; otherwise failures are returned in
+    place of results. A timeout raises ``StepTimeoutError`` naming the step and every worker still pending.
+    """
+    if not labelled:
+        return []
+    futures = [asyncio.ensure_future(awaitable) for _, awaitable in labelled]
+    try:
+        done, pending = await asyncio.wait(futures, timeout=timeout)
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        raise
+    if pending:
+        for future in pending:
+            future.cancel()
+        names = [label for (label, _), future in zip(labelled, futures) if future in pending]
+        raise StepTimeoutError(
+            f"step {step!r} did not finish within {timeout:g}s; still waiting for: {', '.join(names)}",
+            step=step, workers=names,
+        )
+    results: list[Any] = []
+    for (label, _), future in zip(labelled, futures):
+        error = future.exception()
+        if error is not None:
+            if raise_first:
+                raise _typed(error, step=step, worker=label)
+            results.append(error)
+        else:
+            results.append(future.result())
+    return results

@@ -1,0 +1,121 @@
+"""Bucket planning: the one packing loop.
+
+A stream of ``(name, tensor)`` pairs becomes a sequence of buckets of at most ``bucket_bytes`` bytes. Each tensor
+starts at a multiple of ``BUCKET_ALIGNMENT`` (so a receiver can view it in its dtype in place). A tensor that fits
+an empty bucket is never split: if it does not fit the current bucket's remaining space, the bucket is closed and the
+tensor opens the next one. A tensor larger than a bucket fills the current bucket's remaining space and then whole
+buckets; its pieces are ``TensorMeta`` ranges of one name, reassembled by the receiver. Any dtype moves as bytes.
+
+The planner also validates the stream, before a byte of it is packed: pairs, names (non-empty, UTF-8, at most
+``MAX_NAME_BYTES``), tensors, dtypes, devices, duplicates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from weightsync.api.config import BUCKET_ALIGNMENT
+from weightsync.api.errors import (
+    DuplicateTensorError,
+    UnsupportedDeviceError,
+    UnsupportedDtypeError,
+    WeightStreamError,
+)
+from weightsync.api.types import TensorMeta
+from weightsync.core.codec import MAX_NAME_BYTES, MAX_TENSORS_PER_BUCKET
+from weightsync.core.tensors import as_byte_view, dtype_name
+
+__all__ = ["PackItem", "PlannedBucket", "plan_buckets", "validate_pair", "align_up"]
+
+
+def align_up(value: int, alignment: int = BUCKET_ALIGNMENT) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class PackItem:
+    meta: TensorMeta
+    source: torch.Tensor
+    """The bytes to copy: a flat uint8 tensor of ``meta.nbytes`` bytes (a view of the caller's tensor if possible)."""
+
+
+@dataclass
+class PlannedBucket:
+    items: list[PackItem] = field(default_factory=list)
+    nbytes: int = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def validate_pair(item: object, *, devices: frozenset[str], seen: set[str]) -> tuple[str, torch.Tensor]:
+    """Check one stream item; return it as ``(name, tensor)`` or raise a ``WeightStreamError`` subclass."""
+    if not isinstance(item, tuple) or len(item) != 2:
+        raise WeightStreamError(f"the weights stream must yield (name, tensor) pairs, got {type(item).__name__}")
+    name, tensor = item
+    if not isinstance(name, str) or not name:
+        raise WeightStreamError(f"tensor names must be non-empty strings, got {name!r}")
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise WeightStreamError(f"tensor name {name!r} is not valid UTF-8") from None
+    if len(encoded) > MAX_NAME_BYTES:
+        raise WeightStreamError(f"tensor name {name[:48]!r}... is {len(encoded)} bytes long (limit {MAX_NAME_BYTES})")
+    if not isinstance(tensor, torch.Tensor):
+        raise WeightStreamError(f"the weights stream yielded a {type(tensor).__name__} for {name!r}, not a tensor")
+    if tensor.layout != torch.strided:
+        raise UnsupportedDtypeError(f"tensor {name!r} has layout {tensor.layout}; only dense tensors move")
+    dtype_name(tensor.dtype)  # raises UnsupportedDtypeError
+    if tensor.device.type not in devices:
+        raise UnsupportedDeviceError(
+            f"tensor {name!r} is on {tensor.device}, but this backend moves tensors on: {', '.join(sorted(devices))}"
+        )
+    if name in seen:
+        raise DuplicateTensorError(f"tensor {name!r} appears twice in one update", name=name)
+    seen.add(name)
+    return name, tensor
+
+
+def plan_buckets(
+    weights: Iterable[object], *, bucket_bytes: int, devices: frozenset[str]
+) -> Iterator[PlannedBucket]:
+    """Yield the buckets for ``weights`` lazily (the stream is read as buckets are requested)."""
+    seen: set[str] = set()
+    bucket = PlannedBucket()
+    for item in weights:
+        name, tensor = validate_pair(item, devices=devices, seen=seen)
+        source = as_byte_view(tensor)
+        total = source.numel()
+        dtype = dtype_name(tensor.dtype)
+        shape = tuple(int(dim) for dim in tensor.shape)
+        offset = 0
+        while True:
+            start = align_up(bucket.nbytes)
+            room = bucket_bytes - start
+            remaining = total - offset
+            if remaining > room and (remaining <= bucket_bytes and offset == 0 or room <= 0) and bucket.items:
+                # Close the bucket instead of splitting a tensor that fits a fresh one (or when it is full).
+                yield bucket
+                bucket = PlannedBucket()
+                continue
+            if len(bucket.items) >= MAX_TENSORS_PER_BUCKET:
+                yield bucket
+                bucket = PlannedBucket()
+                continue
+            take = min(remaining, bucket_bytes - start)
+            meta = TensorMeta(
+                name=name, dtype=dtype, shape=shape, offset=offset, nbytes=take, total_nbytes=total,
+                bucket_offset=start,
+            )
+            bucket.items.append(PackItem(meta, source[offset:offset + take]))
+            bucket.nbytes = start + take
+            offset += take
+            if offset >= total:
+                break
+            yield bucket
+            bucket = PlannedBucket()
+    if bucket.items:
+        yield bucket

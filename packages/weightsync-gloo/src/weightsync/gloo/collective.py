@@ -1,0 +1,228 @@
+"""The collective engine: a broadcast from actor rank 0 to every rollout worker in a private process group.
+
+The group is built directly as ``ProcessGroup<Backend>(PrefixStore(epoch, TCPStore), rank, size, ...)``, never
+through ``torch.distributed.init_process_group`` or ``new_group``: those go through the default group, which in a
+trainer (FSDP) or an inference worker already exists and belongs to someone else. The ``TCPStore`` server lives
+in actor rank 0's engine for the engine's lifetime; each membership epoch gets a fresh prefix and group.
+
+Subclasses supply the device and the group: ``GlooCheckpointEngine`` (CPU tensors, gloo) here; the NCCL and HCCL
+backends override ``device_type``, ``devices`` and ``_new_group``.
+
+Per bucket, three broadcasts: a small control tensor (slot, nbytes, header length), the header bytes, the payload.
+Receivers keep their own ring of ``slots`` buffers, so receiving bucket k+1 overlaps the consumer unpacking bucket k.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from weightsync.api.errors import LifecycleError, TopologyError, TransferError
+from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
+from weightsync.core.engine import BucketCheckpointEngine
+from weightsync.core.tensors import memoryview_of
+from weightsync.core.transport import NO_SLOT, ReceivedBucket
+
+__all__ = ["CollectiveCheckpointEngine", "GlooCheckpointEngine"]
+
+
+class _Group:
+    """A process group of one epoch plus the helpers the transports share."""
+
+    def __init__(self, group: Any, device: torch.device, peer: str) -> None:
+        self.group = group
+        self.device = device
+        self.peer = peer
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        options.rootTensor = 0
+        try:
+            self.group.broadcast([tensor], options).wait()
+        except RuntimeError as exc:
+            raise TransferError(f"broadcast with {self.peer} failed: {exc}", peer=self.peer) from None
+
+    def close(self) -> None:
+        for method in ("shutdown", "abort"):
+            function = getattr(self.group, method, None)
+            if function is not None:
+                try:
+                    function()
+                    break
+                except RuntimeError:
+                    continue
+
+
+class _Sender:
+    def __init__(self, group: _Group, buffers: list[torch.Tensor], capacity: int) -> None:
+        self.slots = len(buffers)
+        self.capacity = capacity
+        self._group = group
+        self._buffers = buffers
+        self._control = torch.zeros(3, dtype=torch.int64, device=group.device)
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self._buffers[slot]
+
+    def wait_slot(self, slot: int, deadline: float) -> None:
+        """A broadcast returns once its buffer may be reused, so a published slot is free by construction."""
+
+    def publish(self, slot: int, nbytes: int, header: bytes, deadline: float) -> None:
+        control = torch.tensor([slot, nbytes, len(header)], dtype=torch.int64)
+        self._control.copy_(control)
+        self._group.broadcast(self._control)
+        self._group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self._group.device))
+        if nbytes:
+            self._group.broadcast(self._buffers[slot][:nbytes])
+
+    def close(self) -> None:
+        self._group.close()
+
+
+class _Receiver:
+    def __init__(self, group: _Group, buffers: list[torch.Tensor], capacity: int) -> None:
+        self.capacity = capacity
+        self._group = group
+        self._buffers = buffers
+        self._free = list(range(len(buffers)))
+        self._cond = threading.Condition()
+        self._control = torch.zeros(3, dtype=torch.int64, device=group.device)
+
+    def receive(self, deadline: float) -> ReceivedBucket:
+        with self._cond:
+            if not self._cond.wait_for(lambda: bool(self._free), timeout=max(deadline - time.monotonic(), 0)):
+                raise TransferError("timed out waiting for the consumer to release a receive buffer",
+                                    peer="local consumer")
+            slot = self._free.pop(0)
+        try:
+            self._group.broadcast(self._control)
+            sender_slot, nbytes, header_len = (int(v) for v in self._control.cpu().tolist())
+            if not 0 <= nbytes <= self.capacity or not 0 <= header_len <= 64 << 20:
+                raise TransferError(f"{self._group.peer} announced {nbytes} bytes / header {header_len}",
+                                    peer=self._group.peer)
+            header = torch.empty(header_len, dtype=torch.uint8, device=self._group.device)
+            self._group.broadcast(header)
+            if sender_slot == NO_SLOT or nbytes == 0:
+                self.release(slot + 1)
+                return ReceivedBucket(header=_to_bytes(header),
+                                      payload=self._buffers[slot][:0], token=0)
+            payload = self._buffers[slot][:nbytes]
+            self._group.broadcast(payload)
+        except BaseException:
+            self.release(slot + 1)
+            raise
+        return ReceivedBucket(header=_to_bytes(header), payload=payload, token=slot + 1)
+
+    def release(self, token: int) -> None:
+        if token <= 0:
+            return
+        with self._cond:
+            if token - 1 not in self._free:
+                self._free.append(token - 1)
+                self._cond.notify()
+
+    def close(self) -> None:
+        self._group.close()
+
+
+def _to_bytes(tensor: torch.Tensor) -> bytes:
+    return bytes(memoryview_of(tensor.cpu().contiguous()))
+
+
+class CollectiveCheckpointEngine(BucketCheckpointEngine):
+    """Broadcast engine over a private process group; subclasses choose the device and the group class."""
+
+    name: ClassVar[str] = "collective"
+    device_type: ClassVar[str] = "cpu"
+
+    _store: Any = None
+    _buffers: list[torch.Tensor] | None = None
+
+    def _prepare(self) -> WorkerMetadata:
+        if self.context.role == "actor" and self.context.rank == 0 and self._store is None:
+            # port 0: the kernel picks a free port; the store serves every epoch of this engine.
+            self._store = dist.TCPStore(
+                self.context.host_ip, 0, is_master=True, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=self.timeout),
+            )
+        if self._store is not None:
+            return {"store_host": self.context.host_ip, "store_port": int(self._store.port)}
+        return {}
+
+    @classmethod
+    def build_topology(
+        cls, *, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata
+    ) -> Topology:
+        host, port = metadata.actor[0].get("store_host"), metadata.actor[0].get("store_port")
+        if not isinstance(host, str) or not isinstance(port, int):
+            raise TopologyError(f"{cls.name}: actor rank 0 did not advertise its store (was prepare() called?)")
+        size = 1 + rollout_world_size
+        common: RankArgs = {"store_host": host, "store_port": port, "group_size": size, "sender": 0}
+        actor: list[RankArgs] = [{**common, "role": "sender", "group_rank": 0}]
+        actor += [{"role": "idle"} for _ in range(actor_wg_world_size - 1)]
+        rollout: list[RankArgs] = [
+            {**common, "role": "receiver", "group_rank": 1 + rank} for rank in range(rollout_world_size)
+        ]
+        return Topology(actor=actor, rollout=rollout, senders=(0,))
+
+    def _new_group(self, store: Any, rank: int, size: int) -> Any:
+        """Build the epoch's group. Looked up on ``torch.distributed`` at call time (tests wrap the class)."""
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=self.timeout)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.context.host_ip)]
+        return dist.ProcessGroupGloo(store, rank, size, options)
+
+    def _join(self, rank_args: RankArgs) -> _Group:
+        host, port = rank_args.get("store_host"), rank_args.get("store_port")
+        rank, size = rank_args.get("group_rank"), rank_args.get("group_size")
+        if not (isinstance(host, str) and isinstance(port, int) and isinstance(rank, int) and isinstance(size, int)):
+            raise TopologyError(f"{self.name}: incomplete rank_args {rank_args}")
+        if rank == 0:
+            if self._store is None:
+                raise LifecycleError(f"{self.name}: init_process_group before prepare on the sender")
+            store = self._store
+        else:
+            try:
+                store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.timeout))
+            except (RuntimeError, OSError) as exc:
+                raise TransferError(f"{self.name}: cannot reach actor rank 0's store at {host}:{port}: {exc}",
+                                    peer="actor rank 0") from None
+        prefixed = dist.PrefixStore(f"weightsync/{rank_args['epoch']}", store)
+        peer = "rollout workers" if rank == 0 else "actor rank 0"
+        try:
+            group = self._new_group(prefixed, rank, size)
+        except RuntimeError as exc:
+            raise TransferError(f"{self.name}: joining the group failed: {exc}", peer=peer) from None
+        return _Group(group, torch.device(self.device_type), peer)
+
+    def _ring(self) -> list[torch.Tensor]:
+        if self._buffers is None:
+            # Allocated once per engine and touched now, so no update pays for first-touch page faults.
+            self._buffers = [
+                torch.zeros(self.bucket_bytes, dtype=torch.uint8, device=self.device_type) for _ in range(self.slots)
+            ]
+        return self._buffers
+
+    def _connect_sender(self, rank_args: RankArgs) -> _Sender:
+        return _Sender(self._join(rank_args), self._ring(), self.bucket_bytes)
+
+    def _connect_receiver(self, rank_args: RankArgs) -> _Receiver:
+        return _Receiver(self._join(rank_args), self._ring(), self.bucket_bytes)
+
+    def _release(self) -> None:
+        self._buffers = None
+        self._store = None
+
+
+class GlooCheckpointEngine(CollectiveCheckpointEngine):
+    """Backend ``gloo``: the collective engine on CPU tensors with a gloo group."""
+
+    name: ClassVar[str] = "gloo"
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
+    device_type: ClassVar[str] = "cpu"

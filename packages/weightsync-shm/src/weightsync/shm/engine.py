@@ -1,0 +1,307 @@
+"""The ``shm`` engine: a ring of shared-memory buckets on one host.
+
+Why its own mapping code rather than ``multiprocessing.shared_memory``: on Python < 3.13 every process that
+attaches a ``SharedMemory`` registers it with a resource tracker that unlinks it when that process exits, so a
+receiver's exit would delete the sender's segment. We open ``/dev/shm`` files directly; only the creator unlinks.
+
+Control: the sender listens on an abstract Unix socket; each receiver connects, presents the epoch token, and gets
+the segment names. Per bucket the sender writes a frame ``slot, nbytes, header`` to every receiver; a receiver
+acknowledges when its consumer is done with the bucket, and the sender overwrites a slot only once every receiver
+has acknowledged what it last held. Frames from a connection that did not present the epoch token are never read.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import socket
+import time
+from typing import ClassVar
+
+import msgspec
+import torch
+
+from weightsync.api.errors import LifecycleError, TopologyError, TransferError, WeightsyncError, WireError
+from weightsync.api.registry import KNOWN_BACKENDS, get_backend_spec, installed_backends
+from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
+from weightsync.core import codec
+from weightsync.core.engine import BucketCheckpointEngine
+from weightsync.core.framing import recv_frame, send_frame
+from weightsync.core.transport import NO_SLOT, ReceivedBucket
+
+__all__ = ["ShmCheckpointEngine", "SharedSegment"]
+
+log = logging.getLogger(__name__)
+SHM_DIR = "/dev/shm"
+_FRAME_PREFIX = 12  # int32 slot + int64 nbytes
+
+
+class SegmentInfo(msgspec.Struct, frozen=True, tag="segments"):
+    wire: int
+    epoch: str
+    names: list[str]
+    capacity: int
+
+
+_segment_decoder = msgspec.msgpack.Decoder(SegmentInfo)
+
+
+class SharedSegment:
+    """One ``/dev/shm`` file mapped into this process, viewed as a flat uint8 tensor."""
+
+    def __init__(self, name: str, size: int, *, create: bool) -> None:
+        if "/" in name or not name.startswith("weightsync-"):
+            raise WireError(f"refusing shared-memory segment name {name!r}")
+        self.name = name
+        self.path = os.path.join(SHM_DIR, name)
+        self.owner = create
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size < size:
+                raise WireError(f"shared segment {name} is smaller than the announced {size} bytes")
+            populate = getattr(mmap, "MAP_POPULATE", 0)
+            self._map: mmap.mmap | None = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        if create:
+            self.tensor.zero_()  # pre-fault every page once, here, not during the first update
+
+    def close(self) -> None:
+        del self.tensor
+        mapping, self._map = self._map, None
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:
+                pass  # a consumer still holds a view; the mapping goes when it does
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class _Sender:
+    """SenderTransport over the ring: frames out, acknowledgements in."""
+
+    def __init__(self, segments: list[SharedSegment], peers: list[socket.socket], capacity: int, epoch: str) -> None:
+        self.slots = len(segments)
+        self.capacity = capacity
+        self._segments = segments
+        self._peers = peers
+        self._epoch = epoch
+        self._published = 0
+        self._slot_seq = [0] * self.slots
+        self._acked = [0] * len(peers)
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self._segments[slot].tensor
+
+    def wait_slot(self, slot: int, deadline: float) -> None:
+        needed = self._slot_seq[slot]
+        for rank, sock in enumerate(self._peers):
+            while self._acked[rank] < needed:
+                data = recv_frame(sock, deadline=deadline, peer=f"rollout rank {rank}")
+                ack = codec.decode_ack(data, epoch=self._epoch)
+                if ack.index != self._acked[rank] + 1:
+                    raise WireError(f"rollout rank {rank} acknowledged bucket {ack.index} out of order")
+                self._acked[rank] = ack.index
+
+    def publish(self, slot: int, nbytes: int, header: bytes, deadline: float) -> None:
+        frame = slot.to_bytes(4, "little", signed=True) + nbytes.to_bytes(8, "little") + header
+        if slot != NO_SLOT:
+            self._published += 1
+            self._slot_seq[slot] = self._published
+        for rank, sock in enumerate(self._peers):
+            send_frame(sock, frame, deadline=deadline, peer=f"rollout rank {rank}")
+
+    def close(self) -> None:
+        for sock in self._peers:
+            sock.close()
+
+
+class _Receiver:
+    """ReceiverTransport: frames in, views of the sender's segments out, acknowledgements back."""
+
+    def __init__(self, sock: socket.socket, segments: list[SharedSegment], capacity: int, epoch: str,
+                 rank: int, timeout: float) -> None:
+        self.capacity = capacity
+        self._sock = sock
+        self._segments = segments
+        self._epoch = epoch
+        self._rank = rank
+        self._timeout = timeout
+        self._received = 0
+
+    def receive(self, deadline: float) -> ReceivedBucket:
+        frame = recv_frame(self._sock, deadline=deadline, peer="actor rank 0 (shm sender)")
+        if len(frame) < _FRAME_PREFIX:
+            raise WireError("short frame from the shm sender")
+        slot = int.from_bytes(frame[:4], "little", signed=True)
+        nbytes = int.from_bytes(frame[4:12], "little")
+        if slot == NO_SLOT:
+            return ReceivedBucket(header=frame[_FRAME_PREFIX:], payload=torch.empty(0, dtype=torch.uint8), token=0)
+        if not 0 <= slot < len(self._segments) or nbytes > self.capacity:
+            raise WireError(f"shm frame names slot {slot} with {nbytes} bytes, outside the ring")
+        self._received += 1
+        payload = self._segments[slot].tensor[:nbytes]
+        return ReceivedBucket(header=frame[_FRAME_PREFIX:], payload=payload, token=self._received)
+
+    def release(self, token: int) -> None:
+        if token <= 0:
+            return
+        ack = codec.Ack(wire=codec.WIRE_VERSION, epoch=self._epoch, rank=self._rank, index=token)
+        send_frame(self._sock, codec.encode(ack), deadline=time.monotonic() + self._timeout,
+                   peer="actor rank 0 (shm sender)")
+
+    def close(self) -> None:
+        self._sock.close()
+        for segment in self._segments:
+            segment.close()
+        self._segments = []
+
+
+class ShmCheckpointEngine(BucketCheckpointEngine):
+    """Shared-memory engine. Sender: actor rank 0; receivers: every rollout worker, all on the sender's host."""
+
+    name: ClassVar[str] = "shm"
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
+
+    _listener: socket.socket | None = None
+    _segments: list[SharedSegment] | None = None
+
+    def _prepare(self) -> WorkerMetadata:
+        if self.context.role != "actor":
+            return {}
+        if self._listener is None:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            # Abstract namespace: nothing on disk to clean up, gone when the socket closes.
+            listener.bind(f"\0weightsync-shm-{os.getpid()}-{secrets.token_hex(6)}")
+            listener.listen(128)
+            self._listener = listener
+        address = self._listener.getsockname()
+        name = address.decode("latin-1") if isinstance(address, bytes) else str(address)
+        return {"address": name.lstrip("\0")}
+
+    @classmethod
+    def build_topology(
+        cls, *, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata
+    ) -> Topology:
+        sender = metadata.actor[0]
+        sender_node = sender.get("node_id")
+        address = sender.get("address")
+        if not isinstance(address, str):
+            raise TopologyError("shm: actor rank 0 did not advertise a control address (was prepare() called?)")
+        for rank, worker in enumerate(metadata.rollout):
+            if worker.get("node_id") != sender_node:
+                raise TopologyError(
+                    f"shm moves weights within one host, but actor rank 0 is on node {sender_node} and rollout "
+                    f"rank {rank} is on node {worker.get('node_id')}; use a backend that crosses nodes: "
+                    f"{_cross_node_backends()}"
+                )
+        actor: list[RankArgs] = [{"role": "sender", "receivers": rollout_world_size}]
+        actor += [{"role": "idle"} for _ in range(actor_wg_world_size - 1)]
+        rollout: list[RankArgs] = [
+            {"role": "receiver", "rank": rank, "address": address, "sender": 0} for rank in range(rollout_world_size)
+        ]
+        return Topology(actor=actor, rollout=rollout, senders=(0,))
+
+    def _connect_sender(self, rank_args: RankArgs) -> _Sender:
+        receivers = rank_args.get("receivers")
+        epoch = str(rank_args["epoch"])
+        if not isinstance(receivers, int) or receivers < 0:
+            raise TopologyError(f"shm: bad receiver count {receivers!r}")
+        if self._listener is None:
+            raise LifecycleError("shm: init_process_group before prepare on the sender")
+        if self._segments is None:
+            self._segments = [
+                SharedSegment(f"weightsync-{os.getpid()}-{secrets.token_hex(6)}-{slot}", self.bucket_bytes, create=True)
+                for slot in range(self.slots)
+            ]
+        info = codec.encode(SegmentInfo(
+            wire=codec.WIRE_VERSION, epoch=epoch, names=[s.name for s in self._segments], capacity=self.bucket_bytes,
+        ))
+        deadline = time.monotonic() + self.timeout
+        peers: list[socket.socket | None] = [None] * receivers
+        try:
+            while any(peer is None for peer in peers):
+                sock = self._accept(self._listener, deadline)
+                try:
+                    hello = codec.decode_hello(recv_frame(sock, deadline=min(deadline, time.monotonic() + 10),
+                                                          peer="a connecting receiver", max_len=4096), epoch=epoch)
+                    if not 0 <= hello.rank < receivers or peers[hello.rank] is not None:
+                        raise WireError(f"hello from unexpected rollout rank {hello.rank}")
+                    send_frame(sock, info, deadline=deadline, peer=f"rollout rank {hello.rank}")
+                except WeightsyncError as exc:
+                    log.warning("shm sender rejected a connection: %s", exc)
+                    sock.close()
+                    continue
+                peers[hello.rank] = sock
+        except BaseException:
+            for peer in peers:
+                if peer is not None:
+                    peer.close()
+            raise
+        return _Sender(self._segments, [p for p in peers if p is not None], self.bucket_bytes, epoch)
+
+    @staticmethod
+    def _accept(listener: socket.socket, deadline: float) -> socket.socket:
+        listener.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            sock, _ = listener.accept()
+        except socket.timeout:
+            raise TransferError("shm sender: not every rollout worker connected in time", peer="rollout workers")
+        sock.setblocking(True)
+        return sock
+
+    def _connect_receiver(self, rank_args: RankArgs) -> _Receiver:
+        address, rank, epoch = rank_args.get("address"), rank_args.get("rank"), str(rank_args["epoch"])
+        if not isinstance(address, str) or not isinstance(rank, int):
+            raise TopologyError(f"shm: receiver rank_args need address and rank, got {rank_args}")
+        deadline = time.monotonic() + self.timeout
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            sock.connect("\0" + address)
+            hello = codec.Hello(wire=codec.WIRE_VERSION, epoch=epoch, rank=rank)
+            send_frame(sock, codec.encode(hello), deadline=deadline, peer="actor rank 0 (shm sender)")
+            data = recv_frame(sock, deadline=deadline, peer="actor rank 0 (shm sender)", max_len=1 << 16)
+            try:
+                info = _segment_decoder.decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise WireError(f"malformed segment list from the shm sender: {exc}") from None
+            if info.wire != codec.WIRE_VERSION or info.epoch != epoch or info.capacity != self.bucket_bytes:
+                raise WireError("shm sender answered for another epoch or bucket size")
+            segments = [SharedSegment(name, info.capacity, create=False) for name in info.names]
+        except OSError as exc:
+            sock.close()
+            raise TransferError(f"shm receiver could not reach actor rank 0: {exc}", peer="actor rank 0") from None
+        except BaseException:
+            sock.close()
+            raise
+        return _Receiver(sock, segments, info.capacity, epoch, rank, self.timeout)
+
+    def _release(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for segment in self._segments or []:
+            segment.close()
+        self._segments = None
+
+
+def _cross_node_backends() -> str:
+    names = []
+    for name in sorted(set(KNOWN_BACKENDS) | set(installed_backends())):
+        if name in installed_backends():
+            if get_backend_spec(name).cross_node:
+                names.append(f"{name} (installed)")
+        elif name in ("nixl", "mooncake", "nccl", "hccl"):
+            names.append(f"{name} (pip install {KNOWN_BACKENDS[name]})")
+    return ", ".join(names)
