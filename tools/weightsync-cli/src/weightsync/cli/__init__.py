@@ -1,0 +1,1 @@
+"""The ``weightsync`` command: ``demo``, ``doctor``, ``migrate``."""

@@ -1,0 +1,5 @@
+import sys
+
+from weightsync.cli.main import main
+
+sys.exit(main())

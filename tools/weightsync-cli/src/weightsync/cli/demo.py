@@ -1,0 +1,230 @@
+"""``weightsync demo``: train a small LM on an actor worker group, sync it into rollout replicas, check bit-exactness.
+
+Everything is real: Ray actors in separate processes, a data-parallel trainer (two ranks whose gradients are
+all-reduced over their own gloo default group — the group our gloo backend must coexist with), an AdamW step per
+iteration, ``CheckpointEngineManager.update_weights`` with the chosen backend, and forward passes on every replica
+whose logits are compared byte for byte with the trainer's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from weightsync.api.config import MiB, SyncConfig
+from weightsync.api.errors import WeightStreamError, WeightsyncError
+from weightsync.cli.model import LlamaConfig, TinyLlama, config_for_megabytes
+from weightsync.core.digest import UpdateDigest
+from weightsync.core.tensors import as_byte_view, memoryview_of
+
+__all__ = ["DemoOptions", "DemoTrainer", "DemoRolloutModel", "run_demo"]
+
+PROMPT = [[(7 * i + 3 * j) % 251 + 1 for j in range(24)] for i in range(2)]
+
+
+def _weights_digest(model: torch.nn.Module) -> str:
+    digest = UpdateDigest()
+    for name, parameter in model.named_parameters():
+        digest.update_bucket(name.encode(), as_byte_view(parameter))
+    return digest.hexdigest()
+
+
+def _logits_bytes(model: torch.nn.Module, prompt: list[list[int]]) -> bytes:
+    with torch.no_grad():
+        logits = model(torch.tensor(prompt, dtype=torch.long))
+    return bytes(memoryview_of(as_byte_view(logits)))
+
+
+class DemoTrainer:
+    """One data-parallel rank of the trainer: the ``WeightSource`` of an actor rank."""
+
+    def __init__(self, rank: int, world_size: int, *, config: LlamaConfig) -> None:
+        torch.set_num_threads(1)
+        self.rank = rank
+        self.world_size = world_size
+        self.model = TinyLlama(config, seed=0)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+    def address(self) -> str:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+
+    def join(self, init_method: str) -> None:
+        """The trainer's own default process group (data parallel), as in FSDP."""
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=init_method, rank=self.rank, world_size=self.world_size)
+
+    def train_step(self, step: int) -> str:
+        generator = torch.Generator().manual_seed(step * 1000 + self.rank)
+        tokens = torch.randint(0, self.model.config.vocab_size, (4, 33), generator=generator)
+        logits = self.model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        self.optimizer.zero_grad()
+        loss.backward()
+        if dist.is_initialized():
+            for parameter in self.model.parameters():
+                if parameter.grad is not None:
+                    dist.all_reduce(parameter.grad)
+                    parameter.grad /= self.world_size
+        self.optimizer.step()
+        return _weights_digest(self.model)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, parameter in self.model.named_parameters():
+            yield name, parameter.detach()
+
+    def logits(self, prompt: list[list[int]]) -> bytes:
+        return _logits_bytes(self.model, prompt)
+
+
+class DemoRolloutModel:
+    """One rollout worker's inference model: the ``WeightSink`` (and pause hooks) of a rollout worker."""
+
+    def __init__(self, replica: int, worker: int, *, config: LlamaConfig) -> None:
+        torch.set_num_threads(1)
+        self.model = TinyLlama(config, seed=1000 + replica)  # replicas start from different weights
+        self.parameters = dict(self.model.named_parameters())
+        self.version = 0
+        self.serving = True
+
+    async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
+        with torch.no_grad():
+            async for name, tensor in weights:
+                target = self.parameters.get(name)
+                if target is None or target.shape != tensor.shape or target.dtype != tensor.dtype:
+                    raise WeightStreamError(f"rollout model has no parameter {name} of {tensor.dtype}{tuple(tensor.shape)}")
+                target.copy_(tensor)  # the view is only valid until the next item: copy it
+        self.version = version
+
+    def logits(self, prompt: list[list[int]]) -> bytes:
+        return _logits_bytes(self.model, prompt)
+
+    def abort_all_requests(self) -> None:
+        self.serving = False
+
+    def resume_generation(self) -> None:
+        self.serving = True
+
+    def is_serving(self) -> bool:
+        return self.serving
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    backend: str = "shm"
+    steps: int = 3
+    replicas: int = 2
+    model_mb: float = 64.0
+    bucket_mb: int = 32
+    address: str | None = None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class _Progress:
+    """A one-line progress bar on stderr (redrawn in place on a terminal, one line per update otherwise)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.tty = sys.stderr.isatty()
+
+    def show(self, done: int, label: str) -> None:
+        width = 30
+        filled = int(width * done / max(self.total, 1))
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} {label}"
+        if self.tty:
+            sys.stderr.write("\r" + line.ljust(70))
+            if done == self.total:
+                sys.stderr.write("\n")
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+async def run_demo(options: DemoOptions) -> int:
+    import ray
+
+    from weightsync.core.manager import CheckpointEngineManager
+    from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
+
+    if options.steps < 1 or options.replicas < 1 or options.model_mb <= 0 or options.bucket_mb < 1:
+        raise SystemExit("weightsync demo: --steps, --replicas, --model-mb and --bucket-mb must be positive")
+    started = time.perf_counter()
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    ray.init(address=options.address, include_dashboard=False, logging_level="ERROR", log_to_driver=True,
+             ignore_reinit_error=True)
+    config = config_for_megabytes(options.model_mb)
+    model_bytes = config.parameters * 4
+    print(f"weightsync demo: backend {options.backend}, TinyLlama {config.num_layers} layers "
+          f"({model_bytes / 1e6:.1f} MB fp32), actor_wg of 2 ranks, {options.replicas} rollout replicas")
+    progress = _Progress(options.steps)
+    actor_wg: Any = None
+    replicas: list[Any] = []
+    exact_steps = 0
+    try:
+        actor_wg = RayActorWorkerGroup.create(
+            world_size=2, source_factory=functools.partial(DemoTrainer, config=config)
+        )
+        replicas = [
+            RayRolloutReplica.create(replica=index, sink_factory=functools.partial(DemoRolloutModel, config=config))
+            for index in range(options.replicas)
+        ]
+        address = await actor_wg.call("address")[0]
+        await asyncio.gather(*actor_wg.call("join", f"tcp://{address}:{_free_port()}"))
+        manager = CheckpointEngineManager(
+            backend=options.backend, actor_wg=actor_wg, replicas=replicas,
+            config=SyncConfig(bucket_bytes=options.bucket_mb * MiB),
+        )
+        trainer_logits = await actor_wg.call("logits", PROMPT)[0]
+        before = await asyncio.gather(*(replica.call("logits", PROMPT)[0] for replica in replicas))
+        if any(logits == trainer_logits for logits in before) or len(set(before)) != len(before):
+            print("error: replicas did not start from weights of their own")
+            return 1
+        previous = ""
+        for step in range(1, options.steps + 1):
+            progress.show(step - 1, f"step {step}: training")
+            digests = await asyncio.gather(*actor_wg.call("train_step", step))
+            if len(set(digests)) != 1 or digests[0] == previous:
+                print(f"step {step}: error: the optimizer step did not change the weights identically on every rank")
+                return 1
+            previous = digests[0]
+            progress.show(step - 1, f"step {step}: syncing")
+            report = await manager.update_weights(version=step)
+            expected = await actor_wg.call("logits", PROMPT)[0]
+            got = await asyncio.gather(*(ref for replica in replicas for ref in replica.call("logits", PROMPT)))
+            exact = all(logits == expected for logits in got)
+            exact_steps += exact
+            progress.show(step, f"step {step}: {'bit-exact' if exact else 'MISMATCH'}")
+            print(
+                f"step {step}/{options.steps}  version {report.version}  {report.nbytes / 1e6:.1f} MB  "
+                f"{report.transfer_seconds:.3f} s  {report.gbps_per_receiver:.2f} GB/s per receiver  "
+                f"digest {'ok' if report.ok else 'MISMATCH'}  logits {'bit-exact' if exact else 'DIFFER'}",
+                flush=True,
+            )
+    except WeightsyncError as exc:
+        print(f"error: {type(exc).__name__}: {exc}", flush=True)
+    finally:
+        for replica in replicas:
+            replica.shutdown()
+        if actor_wg is not None:
+            actor_wg.shutdown()
+        ray.shutdown()
+    print(f"({time.perf_counter() - started:.1f} s in all)")
+    print(f"{exact_steps}/{options.steps} steps bit-exact")
+    return 0 if exact_steps == options.steps else 1
