@@ -56,6 +56,7 @@ from weightsync.core.transport import NO_SLOT, ReceivedBucket, ReceiverTransport
 __all__ = ["BucketCheckpointEngine", "default_node_id", "load_transport_hook", "RankRole"]
 
 RankRole = Literal["sender", "receiver", "idle"]
+_ROLES: dict[str, RankRole] = {"sender": "sender", "receiver": "receiver", "idle": "idle"}
 
 
 @functools.cache
@@ -157,9 +158,9 @@ class BucketCheckpointEngine(abc.ABC):
 
     def init_process_group(self, *, rank_args: RankArgs) -> None:
         self._check_open()
-        role = rank_args.get("role")
+        role = _ROLES.get(str(rank_args.get("role")))
         epoch = rank_args.get("epoch")
-        if role not in ("sender", "receiver", "idle") or not isinstance(epoch, str) or not epoch:
+        if role is None or not isinstance(epoch, str) or not epoch:
             raise TopologyError(f"{self.name}: rank_args need role sender/receiver/idle and an epoch, got {rank_args}")
         if self._busy.locked():
             raise ConcurrentUpdateError(f"{self.name}: init_process_group while an update is in flight")

@@ -67,9 +67,10 @@ class EngineHost:
         if not issubclass(engine_class, BucketCheckpointEngine):
             raise ConfigError(f"backend {backend!r} is not a weightsync BucketCheckpointEngine")
         context = WorkerContext(role=role, rank=rank, node_id=self.node_id, host_ip=self.host_ip)
+        backend_options: dict[str, Any] = dict(config.backend_options)
         return engine_class(
             bucket_bytes=config.bucket_bytes, context=context, slots=config.slots,
-            timeout=config.timeouts.transfer, verify_digest=config.verify_digest, **dict(config.backend_options),
+            timeout=config.timeouts.transfer, verify_digest=config.verify_digest, **backend_options,
         )
 
     def _init_process_group(self, *, rank_args: RankArgs) -> None:

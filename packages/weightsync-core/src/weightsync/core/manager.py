@@ -61,6 +61,12 @@ class CheckpointEngineManager:
     Replicas may be added or removed between updates; the next update rebuilds the topology for the new set.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> CheckpointEngineManager:
+        # Runs before Python checks __init__'s required keywords, so an old-style `trainer=` call gets a message
+        # naming `actor_wg=` and the codemod instead of "missing keyword-only argument 'actor_wg'".
+        reject_renamed_keywords("CheckpointEngineManager", kwargs)
+        return super().__new__(cls)
+
     def __init__(
         self,
         *,

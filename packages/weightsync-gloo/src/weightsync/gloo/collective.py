@@ -30,6 +30,10 @@ from weightsync.core.transport import NO_SLOT, ReceivedBucket
 
 __all__ = ["CollectiveCheckpointEngine", "GlooCheckpointEngine"]
 
+# torch.distributed re-exports its C++ classes without declaring them to type checkers; every lookup goes through
+# this alias at call time (so a test that wraps ``torch.distributed.ProcessGroupGloo`` sees every construction).
+c10d: Any = dist
+
 
 class _Group:
     """A process group of one epoch plus the helpers the transports share."""
@@ -147,7 +151,7 @@ class CollectiveCheckpointEngine(BucketCheckpointEngine):
     def _prepare(self) -> WorkerMetadata:
         if self.context.role == "actor" and self.context.rank == 0 and self._store is None:
             # port 0: the kernel picks a free port; the store serves every epoch of this engine.
-            self._store = dist.TCPStore(
+            self._store = c10d.TCPStore(
                 self.context.host_ip, 0, is_master=True, wait_for_workers=False,
                 timeout=datetime.timedelta(seconds=self.timeout),
             )
@@ -173,10 +177,10 @@ class CollectiveCheckpointEngine(BucketCheckpointEngine):
 
     def _new_group(self, store: Any, rank: int, size: int) -> Any:
         """Build the epoch's group. Looked up on ``torch.distributed`` at call time (tests wrap the class)."""
-        options = dist.ProcessGroupGloo._Options()
+        options = c10d.ProcessGroupGloo._Options()
         options._timeout = datetime.timedelta(seconds=self.timeout)
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.context.host_ip)]
-        return dist.ProcessGroupGloo(store, rank, size, options)
+        options._devices = [c10d.ProcessGroupGloo.create_device(hostname=self.context.host_ip)]
+        return c10d.ProcessGroupGloo(store, rank, size, options)
 
     def _join(self, rank_args: RankArgs) -> _Group:
         host, port = rank_args.get("store_host"), rank_args.get("store_port")
@@ -189,11 +193,11 @@ class CollectiveCheckpointEngine(BucketCheckpointEngine):
             store = self._store
         else:
             try:
-                store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.timeout))
+                store = c10d.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.timeout))
             except (RuntimeError, OSError) as exc:
                 raise TransferError(f"{self.name}: cannot reach actor rank 0's store at {host}:{port}: {exc}",
                                     peer="actor rank 0") from None
-        prefixed = dist.PrefixStore(f"weightsync/{rank_args['epoch']}", store)
+        prefixed = c10d.PrefixStore(f"weightsync/{rank_args['epoch']}", store)
         peer = "rollout workers" if rank == 0 else "actor rank 0"
         try:
             group = self._new_group(prefixed, rank, size)

@@ -72,7 +72,7 @@ class DemoTrainer:
         logits = self.model(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         self.optimizer.zero_grad()
-        loss.backward()
+        torch.autograd.backward(loss)
         if dist.is_initialized():
             for parameter in self.model.parameters():
                 if parameter.grad is not None:

@@ -1,0 +1,232 @@
+"""The Ray actors and the driver-side handles that satisfy weightsync's Protocols."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import ray
+
+from weightsync.api.errors import ConfigError
+from weightsync.api.protocols import WeightSink, WeightSource
+from weightsync.api.types import TransferReport
+from weightsync.core.host import EngineHost
+
+__all__ = ["ActorRankHost", "RolloutWorkerHost", "RayActorWorkerGroup", "RayRolloutWorker", "RayRolloutReplica"]
+
+SourceFactory = Callable[[int, int], WeightSource]
+"""Builds rank ``rank``'s weight source inside its actor: ``factory(rank, world_size)``."""
+SinkFactory = Callable[[int, int], WeightSink]
+"""Builds a rollout worker's sink inside its actor: ``factory(replica_index, worker_index)``."""
+
+_PAUSE_HOOKS = ("abort_all_requests", "release_kv_cache", "resume_kv_cache", "resume_generation")
+
+
+def _host(name: str) -> EngineHost:
+    context = ray.get_runtime_context()
+    return EngineHost(node_id=context.get_node_id(), host_ip=ray.util.get_node_ip_address(), name=name)
+
+
+async def _invoke(target: object, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Call a user method: coroutines are awaited, plain functions run in a thread (they may train a model)."""
+    function = getattr(target, method, None)
+    if function is None or method.startswith("_"):
+        raise ConfigError(f"{type(target).__name__} has no public method {method!r}")
+    if inspect.iscoroutinefunction(function):
+        return await function(*args, **kwargs)
+    return await asyncio.to_thread(function, *args, **kwargs)
+
+
+class ActorRankHost:
+    """Body of one actor-rank Ray actor: the rank's weight source plus its engine."""
+
+    def __init__(self, *, rank: int, world_size: int, source_factory: SourceFactory) -> None:
+        self.rank = rank
+        self.host = _host(f"actor rank {rank}")
+        self.source = source_factory(rank, world_size)
+
+    async def execute_checkpoint_engine(self, method: str, /, **kwargs: Any) -> Any:
+        return await self.host.execute(method, **kwargs)
+
+    async def update_weights(self, *, version: int) -> TransferReport:
+        return await self.host.send(self.source.named_weights(), version=version)
+
+    async def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        return await _invoke(self.source, method, *args, **kwargs)
+
+    def node_id(self) -> str:
+        return self.host.node_id
+
+
+class RolloutWorkerHost:
+    """Body of one rollout-worker Ray actor: the worker's sink plus its engine."""
+
+    def __init__(self, *, replica: int, worker: int, sink_factory: SinkFactory) -> None:
+        self.host = _host(f"replica{replica}/worker{worker}")
+        self.sink = sink_factory(replica, worker)
+
+    async def execute_checkpoint_engine(self, method: str, /, **kwargs: Any) -> Any:
+        return await self.host.execute(method, **kwargs)
+
+    async def update_weights(self, *, version: int) -> TransferReport:
+        return await self.host.receive(self.sink, version=version)
+
+    async def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        return await _invoke(self.sink, method, *args, **kwargs)
+
+    async def pause_hook(self, hook: str) -> None:
+        """Forward a replica pause/resume hook to the sink when it implements it (an inference engine does)."""
+        if hook not in _PAUSE_HOOKS:
+            raise ConfigError(f"unknown replica hook {hook!r}")
+        if hasattr(self.sink, hook):
+            await _invoke(self.sink, hook)
+
+    def node_id(self) -> str:
+        return self.host.node_id
+
+
+def _actor_options(ray_options: Mapping[str, Any] | None, node_id: str | None) -> dict[str, Any]:
+    options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 64}
+    options.update(ray_options or {})
+    if node_id is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+    return options
+
+
+class RayActorWorkerGroup:
+    """``ActorWorkerGroup`` over Ray actors, one per rank (``ActorRankHost``)."""
+
+    def __init__(self, handles: Sequence[Any]) -> None:
+        if not handles:
+            raise ConfigError("an actor worker group needs at least one rank")
+        self.handles = list(handles)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        world_size: int,
+        source_factory: SourceFactory,
+        node_id: str | None = None,
+        ray_options: Mapping[str, Any] | None = None,
+    ) -> RayActorWorkerGroup:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
+        remote = ray.remote(ActorRankHost)
+        handles = [
+            remote.options(**_actor_options(ray_options, node_id)).remote(
+                rank=rank, world_size=world_size, source_factory=source_factory
+            )
+            for rank in range(world_size)
+        ]
+        return cls(handles)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.handles)
+
+    def execute_checkpoint_engine(self, method: str, /, **per_rank_kwargs: Sequence[Any]) -> list[Any]:
+        for key, values in per_rank_kwargs.items():
+            if len(values) != self.world_size:
+                raise ConfigError(f"{key} has {len(values)} entries for {self.world_size} ranks")
+        return [
+            handle.execute_checkpoint_engine.remote(method, **{key: values[rank] for key, values in
+                                                               per_rank_kwargs.items()})
+            for rank, handle in enumerate(self.handles)
+        ]
+
+    def update_weights(self, *, version: int) -> list[Any]:
+        return [handle.update_weights.remote(version=version) for handle in self.handles]
+
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method`` of every rank's source object; one ObjectRef per rank."""
+        return [handle.call.remote(method, *args, **kwargs) for handle in self.handles]
+
+    def shutdown(self) -> None:
+        for handle in self.handles:
+            ray.kill(handle)
+
+
+class RayRolloutWorker:
+    """``RolloutWorker`` over one ``RolloutWorkerHost`` actor."""
+
+    def __init__(self, handle: Any, *, name: str = "") -> None:
+        self.handle = handle
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def execute_checkpoint_engine(self, method: str, /, **kwargs: Any) -> Any:
+        return self.handle.execute_checkpoint_engine.remote(method, **kwargs)
+
+    def update_weights(self, *, version: int) -> Any:
+        return self.handle.update_weights.remote(version=version)
+
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        return self.handle.call.remote(method, *args, **kwargs)
+
+
+class RayRolloutReplica:
+    """``RolloutReplica`` over Ray actors, one per worker; pause hooks are forwarded to every worker's sink."""
+
+    def __init__(self, workers: Sequence[RayRolloutWorker]) -> None:
+        if not workers:
+            raise ConfigError("a replica needs at least one worker")
+        self._workers = list(workers)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        replica: int,
+        sink_factory: SinkFactory,
+        num_workers: int = 1,
+        node_id: str | None = None,
+        ray_options: Mapping[str, Any] | None = None,
+    ) -> RayRolloutReplica:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ConfigError(f"num_workers must be a positive int, got {num_workers!r}")
+        remote = ray.remote(RolloutWorkerHost)
+        workers = [
+            RayRolloutWorker(
+                remote.options(**_actor_options(ray_options, node_id)).remote(
+                    replica=replica, worker=worker, sink_factory=sink_factory
+                ),
+                name=f"worker{worker}",
+            )
+            for worker in range(num_workers)
+        ]
+        return cls(workers)
+
+    @property
+    def workers(self) -> list[RayRolloutWorker]:
+        return list(self._workers)
+
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> list[Any]:
+        return [worker.call(method, *args, **kwargs) for worker in self._workers]
+
+    async def _hook(self, hook: str) -> None:
+        refs: list[Awaitable[None]] = [worker.handle.pause_hook.remote(hook) for worker in self._workers]
+        await asyncio.gather(*refs)
+
+    async def abort_all_requests(self) -> None:
+        await self._hook("abort_all_requests")
+
+    async def release_kv_cache(self) -> None:
+        await self._hook("release_kv_cache")
+
+    async def resume_kv_cache(self) -> None:
+        await self._hook("resume_kv_cache")
+
+    async def resume_generation(self) -> None:
+        await self._hook("resume_generation")
+
+    def shutdown(self) -> None:
+        for worker in self._workers:
+            ray.kill(worker.handle)

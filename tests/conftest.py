@@ -1,0 +1,44 @@
+"""Shared fixtures: one two-node Ray cluster for the whole session (started only if a test asks for it)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# Ray workers and spawned harness processes import tests.workloads by name.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+@dataclass(frozen=True)
+class RayNodes:
+    head: str
+    other: str
+
+
+@pytest.fixture(scope="session")
+def ray_nodes() -> Iterator[RayNodes]:
+    """A Ray cluster of two raylets on this machine; tests pin actors to ``head`` unless they test crossing."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster: Any = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 4, "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=4)
+    ray.init(address=cluster.address, logging_level="ERROR")
+    cluster.wait_for_nodes()
+    head = ray.get_runtime_context().get_node_id()
+    others = [node["NodeID"] for node in ray.nodes() if node["Alive"] and node["NodeID"] != head]
+    try:
+        yield RayNodes(head=head, other=others[0])
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
