@@ -58,9 +58,7 @@ class WeightsyncError(Exception):
 
 
 def _rebuild(cls: type[WeightsyncError], message: str, details: dict[str, Any]) -> WeightsyncError:
-    error = WeightsyncError.__new__(cls)
-    WeightsyncError.__init__(error, message, **details)
-    return error
+    return cls(message, **details)
 
 
 class ConfigError(WeightsyncError, ValueError):

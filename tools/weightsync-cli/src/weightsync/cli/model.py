@@ -35,15 +35,15 @@ class LlamaConfig:
 
 
 def config_for_megabytes(megabytes: float) -> LlamaConfig:
-    """A config whose float32 weights take about ``megabytes`` MB (decimal), with at least one layer."""
-    base = LlamaConfig(num_layers=0)
-    per_layer = LlamaConfig(num_layers=1).parameters - base.parameters
+    """A config whose float32 weights take about ``megabytes`` MB (decimal): the widest that fits one layer."""
     target = megabytes * 1e6 / 4
-    layers = max(1, round((target - base.parameters) / per_layer))
-    if base.parameters + per_layer > target:  # small targets: shrink the vocabulary instead
-        vocab = max(256, int((target - per_layer) / (2 * base.hidden_size)))
-        return LlamaConfig(vocab_size=vocab, num_layers=1)
-    return LlamaConfig(num_layers=layers)
+    for hidden in (512, 384, 256, 192, 128, 64):
+        shape = {"hidden_size": hidden, "intermediate_size": hidden * 11 // 4}
+        base = LlamaConfig(num_layers=0, **shape).parameters
+        per_layer = LlamaConfig(num_layers=1, **shape).parameters - base
+        if base + per_layer <= target:
+            return LlamaConfig(num_layers=max(1, round((target - base) / per_layer)), **shape)
+    return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_layers=1)
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,77 @@
+"""actor_wg / actor_wg_world_size are keyword-only at every definition (except the two documented exemptions)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+from collections.abc import Iterator
+from typing import Any
+
+import weightsync
+from weightsync.api.registry import installed_backends, load_engine_class
+
+KEYWORDS = {"actor_wg", "actor_wg_world_size"}
+# A wrapper constructor whose only argument is the object it wraps, and the verl ABC shim verl calls positionally.
+EXEMPT: set[str] = set()
+
+
+def _modules() -> Iterator[Any]:
+    for info in pkgutil.walk_packages(weightsync.__path__, "weightsync."):
+        if info.name.startswith(("weightsync.migrate", "weightsync.api.testing")) or info.name.endswith("__main__"):
+            continue
+        yield importlib.import_module(info.name)
+
+
+def _callables(module: Any) -> Iterator[tuple[str, Any]]:
+    for name, value in vars(module).items():
+        if getattr(value, "__module__", None) != module.__name__:
+            continue
+        if inspect.isfunction(value):
+            yield f"{module.__name__}.{name}", value
+        elif inspect.isclass(value):
+            for attribute, member in vars(value).items():
+                function = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
+                if inspect.isfunction(function):
+                    yield f"{module.__name__}.{name}.{attribute}", function
+
+
+def _sites() -> dict[str, inspect.Parameter.kind.__class__]:
+    sites = {}
+    for module in _modules():
+        for qualname, function in _callables(module):
+            for parameter in inspect.signature(function).parameters.values():
+                if parameter.name in KEYWORDS:
+                    sites[f"{qualname}({parameter.name})"] = parameter.kind
+    return sites
+
+
+def test_every_definition_takes_actor_wg_keyword_only() -> None:
+    sites = _sites()
+    expected = {
+        "weightsync.core.manager.CheckpointEngineManager.__init__(actor_wg)",
+        "weightsync.core.engine.BucketCheckpointEngine.build_topology(actor_wg_world_size)",
+        "weightsync.shm.engine.ShmCheckpointEngine.build_topology(actor_wg_world_size)",
+        "weightsync.gloo.collective.CollectiveCheckpointEngine.build_topology(actor_wg_world_size)",
+        "weightsync.api.protocols.CheckpointEngine.build_topology(actor_wg_world_size)",
+    }
+    assert expected <= set(sites), sorted(set(expected) - set(sites))
+    positional = [site for site, kind in sites.items() if kind is not inspect.Parameter.KEYWORD_ONLY
+                  and site not in EXEMPT]
+    assert positional == []
+
+
+def test_every_registered_backend_is_checked() -> None:
+    found = set(installed_backends()) - {name for name in installed_backends() if name.startswith("test-")}
+    assert found == {"shm", "gloo"}
+    for name in found:
+        parameter = inspect.signature(load_engine_class(name).build_topology).parameters["actor_wg_world_size"]
+        assert parameter.kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_the_walk_would_catch_a_positional_definition() -> None:
+    # Negative control: the same inspection flags a positional-or-keyword actor_wg.
+    def loose(actor_wg: object, replicas: object) -> None: ...
+
+    kind = inspect.signature(loose).parameters["actor_wg"].kind
+    assert kind is not inspect.Parameter.KEYWORD_ONLY

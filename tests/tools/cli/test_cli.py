@@ -1,0 +1,67 @@
+"""The `weightsync` command as a user runs it: separate processes, a real local Ray cluster for the demo."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from weightsync.cli.model import config_for_megabytes
+
+
+def weightsync(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run([sys.executable, "-m", "weightsync.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_doctor_json_lists_every_known_backend() -> None:
+    result = weightsync("doctor", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    by_name = {row["backend"]: row for row in rows}
+    assert set(by_name) >= {"shm", "gloo", "nixl", "mooncake", "nccl", "hccl", "kimi"}
+    assert all(set(row) == {"backend", "status", "reason", "install"} for row in rows)
+    assert by_name["shm"]["status"] == "available"
+    assert by_name["nixl"]["status"] == "not installed" and "weightsync-nixl" in by_name["nixl"]["install"]
+    assert {row["status"] for row in rows} <= {"available", "not installed", "unusable here"}
+
+
+def test_doctor_table() -> None:
+    result = weightsync("doctor")
+    assert result.returncode == 0 and "shm" in result.stdout and "available" in result.stdout
+
+
+@pytest.mark.parametrize("megabytes", [8, 64, 100])
+def test_demo_model_size_follows_the_flag(megabytes: int) -> None:
+    assert abs(config_for_megabytes(megabytes).parameters * 4 / 1e6 - megabytes) < 0.25 * megabytes
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_demo_is_bit_exact(backend: str) -> None:
+    result = weightsync("demo", "--backend", backend, "--steps", "2", "--model-mb", "12", "--replicas", "2")
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert lines[-1] == "2/2 steps bit-exact"
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == 2 and all("digest ok" in line and "bit-exact" in line for line in steps)
+    assert "[" in result.stderr and "2/2" in result.stderr  # the progress bar
+
+
+def test_demo_fails_loudly_on_an_unknown_backend() -> None:
+    result = weightsync("demo", "--backend", "nixl", "--steps", "1", "--model-mb", "4")
+    assert result.returncode == 1
+    assert "pip install weightsync-nixl" in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == "0/1 steps bit-exact"
+
+
+def test_migrate_check_is_wired_into_the_command(tmp_path: pathlib.Path) -> None:
+    clean = tmp_path / "clean.py"
+    clean.write_text("x = 1\n")
+    result = weightsync("migrate", "--check", str(clean))
+    assert result.returncode == 0, result.stderr
