@@ -36,7 +36,7 @@ def _callables(module: Any) -> Iterator[tuple[str, Any]]:
                     yield f"{module.__name__}.{name}.{attribute}", function
 
 
-def _sites() -> dict[str, inspect.Parameter.kind.__class__]:
+def _sites() -> dict[str, inspect._ParameterKind]:
     sites = {}
     for module in _modules():
         for qualname, function in _callables(module):

@@ -167,7 +167,8 @@ async def run_demo(options: DemoOptions) -> int:
         raise SystemExit("weightsync demo: --steps, --replicas, --model-mb and --bucket-mb must be positive")
     started = time.perf_counter()
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    ray.init(address=options.address, include_dashboard=False, logging_level="ERROR", log_to_driver=True,
+    # "local" starts a cluster of our own even when another one runs on this machine.
+    ray.init(address=options.address or "local", include_dashboard=False, logging_level="ERROR", log_to_driver=True,
              ignore_reinit_error=True)
     config = config_for_megabytes(options.model_mb)
     model_bytes = config.parameters * 4
