@@ -65,3 +65,13 @@ def test_migrate_check_is_wired_into_the_command(tmp_path: pathlib.Path) -> None
     clean.write_text("x = 1\n")
     result = weightsync("migrate", "--check", str(clean))
     assert result.returncode == 0, result.stderr
+
+
+def test_bench_reports_every_backend(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "bench.json"
+    result = weightsync("bench", "--backends", "shm,gloo", "--model-mb", "16", "--bucket-mb", "4", "--repeat", "2",
+                        "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert [row["backend"] for row in data["results"]] == ["shm", "gloo"]
+    assert all(row["gbps_p50"] > 0 and len(row["seconds"]) == 2 for row in data["results"])
