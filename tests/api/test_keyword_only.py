@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 from collections.abc import Iterator
 from typing import Any
 
+import pathlib
+
+import pytest
+
 import weightsync
+from weightsync.api.errors import RenamedKeywordError
 from weightsync.api.registry import installed_backends, load_engine_class
+from weightsync.api.types import WorldMetadata
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 KEYWORDS = {"actor_wg", "actor_wg_world_size"}
 # A wrapper constructor whose only argument is the object it wraps, and the verl ABC shim verl calls positionally.
@@ -67,6 +76,27 @@ def test_every_registered_backend_is_checked() -> None:
     for name in found:
         parameter = inspect.signature(load_engine_class(name).build_topology).parameters["actor_wg_world_size"]
         assert parameter.kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_every_adapter_in_the_repository_is_walked() -> None:
+    adapters = {path.parent.name for path in ROOT.glob("adapters/*/pyproject.toml")}
+    walked = {module.__name__.split(".")[1] for module in _modules()}
+    # An adapter whose heavy dependency is absent here (verl outside its env) cannot be imported, so it is not walked.
+    importable = {name.removeprefix("weightsync-") for name in adapters
+                  if importlib.util.find_spec(f"weightsync.{name.removeprefix('weightsync-')}") is not None}
+    assert "ray" in importable
+    assert importable <= walked
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_old_keywords_and_positional_calls_get_a_helpful_type_error(backend: str) -> None:
+    engine = load_engine_class(backend)
+    metadata = WorldMetadata(actor=[], rollout=[])
+    old_style: dict[str, Any] = {"trainer_world_size": 1, "rollout_world_size": 1, "metadata": metadata}
+    with pytest.raises(RenamedKeywordError, match="actor_wg_world_size=.*weightsync migrate"):
+        engine.build_topology(**old_style)
+    with pytest.raises(TypeError, match="keyword arguments only"):
+        engine.build_topology(1, 1, metadata)  # type: ignore[call-arg]
 
 
 def test_the_walk_would_catch_a_positional_definition() -> None:

@@ -93,6 +93,18 @@ class BucketCheckpointEngine(abc.ABC):
     devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
     option_names: ClassVar[frozenset[str]] = frozenset()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Give every backend's ``build_topology`` the same runtime guard against the old calling conventions.
+
+        mypy already rejects ``trainer_world_size=`` and positional calls; untyped callers get a ``TypeError`` that
+        names the new keyword and ``weightsync migrate`` instead of Python's generic message. The wrapper keeps the
+        original signature (``functools.wraps``), so introspection still sees keyword-only parameters.
+        """
+        super().__init_subclass__(**kwargs)
+        declared = cls.__dict__.get("build_topology")
+        if isinstance(declared, classmethod) and not getattr(declared.__func__, "_weightsync_guarded", False):
+            setattr(cls, "build_topology", classmethod(_guard_build_topology(declared.__func__)))
+
     def __init__(
         self,
         *,
@@ -355,6 +367,21 @@ class BucketCheckpointEngine(abc.ABC):
 
     def _peer_name(self) -> str:
         return f"actor rank {self._sender_rank}"
+
+
+def _guard_build_topology(function: Any) -> Any:
+    @functools.wraps(function)
+    def build_topology(cls: type, *args: Any, **kwargs: Any) -> Any:
+        reject_renamed_keywords(f"{cls.__name__}.build_topology", kwargs)
+        if args:
+            raise TypeError(
+                f"{cls.__name__}.build_topology takes keyword arguments only: "
+                "build_topology(actor_wg_world_size=..., rollout_world_size=..., metadata=...)"
+            )
+        return function(cls, **kwargs)
+
+    build_topology._weightsync_guarded = True  # type: ignore[attr-defined]
+    return build_topology
 
 
 def _timed(function: Any, *args: Any) -> float:
