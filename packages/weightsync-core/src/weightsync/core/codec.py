@@ -7,6 +7,7 @@ version, a foreign membership epoch, a dtype we do not know, a range outside the
 
 from __future__ import annotations
 
+import hmac
 import math
 from collections.abc import Sequence
 
@@ -90,7 +91,7 @@ def encode_tensors(tensors: Sequence[TensorMeta]) -> bytes:
 def _check_common(wire: int, epoch: str, expected_epoch: str | None) -> None:
     if wire != WIRE_VERSION:
         raise WireError(f"peer speaks wire version {wire}, this side speaks {WIRE_VERSION}")
-    if expected_epoch is not None and epoch != expected_epoch:
+    if expected_epoch is not None and not hmac.compare_digest(epoch.encode(), expected_epoch.encode()):
         raise EpochMismatchError(f"message from membership epoch {epoch[:12]!r}, expected {expected_epoch[:12]!r}")
 
 

@@ -18,6 +18,7 @@ import concurrent.futures
 import functools
 import importlib
 import os
+import secrets
 import socket
 import threading
 import time
@@ -53,7 +54,7 @@ from weightsync.core.planner import PlannedBucket, plan_buckets, validate_pair
 from weightsync.core.tensors import dtype_from_name
 from weightsync.core.transport import NO_SLOT, ReceivedBucket, ReceiverTransport, SenderTransport, TransportHook
 
-__all__ = ["BucketCheckpointEngine", "default_node_id", "load_transport_hook", "RankRole"]
+__all__ = ["BucketCheckpointEngine", "default_node_id", "load_transport_hook", "RankRole", "with_epoch"]
 
 RankRole = Literal["sender", "receiver", "idle"]
 _ROLES: dict[str, RankRole] = {"sender": "sender", "receiver": "receiver", "idle": "idle"}
@@ -369,6 +370,21 @@ class BucketCheckpointEngine(abc.ABC):
         return f"actor rank {self._sender_rank}"
 
 
+def with_epoch(topology: Topology) -> Topology:
+    """Stamp every rank's arguments with one fresh membership-epoch token (kept where already present).
+
+    The token is born in ``build_topology`` on the driver and reaches workers only through ``init_process_group``'s
+    arguments — the control plane — so it works whichever manager drives the lifecycle (ours or verl's). Every
+    connection of ours must present it.
+    """
+    token = secrets.token_hex(16)
+    return Topology(
+        actor=[{"epoch": token, **args} for args in topology.actor],
+        rollout=[{"epoch": token, **args} for args in topology.rollout],
+        senders=topology.senders,
+    )
+
+
 def _guard_build_topology(function: Any) -> Any:
     @functools.wraps(function)
     def build_topology(cls: type, *args: Any, **kwargs: Any) -> Any:
@@ -378,7 +394,8 @@ def _guard_build_topology(function: Any) -> Any:
                 f"{cls.__name__}.build_topology takes keyword arguments only: "
                 "build_topology(actor_wg_world_size=..., rollout_world_size=..., metadata=...)"
             )
-        return function(cls, **kwargs)
+        topology = function(cls, **kwargs)
+        return with_epoch(topology) if isinstance(topology, Topology) else topology
 
     build_topology._weightsync_guarded = True  # type: ignore[attr-defined]
     return build_topology

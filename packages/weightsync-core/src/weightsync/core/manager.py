@@ -249,9 +249,10 @@ class CheckpointEngineManager:
             raise
         except Exception as exc:
             raise TopologyError(f"{self.backend}.build_topology failed: {exc!r}") from exc
-        epoch = secrets.token_hex(16)
-        actor_args = [{**args, "epoch": epoch} for args in topology.actor]
-        rollout_args = [{**args, "epoch": epoch} for args in topology.rollout]
+        # Our engines stamp the epoch token in build_topology; an engine that does not gets one here.
+        epoch = str(topology.actor[0].get("epoch") or secrets.token_hex(16))
+        actor_args = [{"epoch": epoch, **args} for args in topology.actor]
+        rollout_args = [{"epoch": epoch, **args} for args in topology.rollout]
         init_calls = self.actor_wg.execute_checkpoint_engine("init_process_group", rank_args=actor_args)
         labelled = [(f"actor rank {rank}", call) for rank, call in enumerate(init_calls)]
         labelled += [

@@ -128,7 +128,7 @@ def _bench_backend(backend: str, options: BenchOptions, progress: Any) -> BenchR
             metadata=WorldMetadata(actor=metadata[:1], rollout=metadata[1:]),
         )
         epoch = secrets.token_hex(16)
-        all_do([{"op": "init", "rank_args": {**args, "epoch": epoch}}
+        all_do([{"op": "init", "rank_args": {"epoch": epoch, **args}}
                 for args in [*topology.actor, *topology.rollout]])
         all_do([{"op": "run"}] * len(pipes))  # warm-up
         seconds = []

@@ -206,8 +206,9 @@ class EngineHarness:
             metadata=WorldMetadata(actor=metadata[:1], rollout=metadata[1:]),
         )
         topology.check(actor_wg_world_size=1, rollout_world_size=self.receivers)
-        self.epoch = secrets.token_hex(16)
-        rank_args = [{"rank_args": {**args, "epoch": self.epoch}} for args in [*topology.actor, *topology.rollout]]
+        # Engines normally stamp the epoch token themselves; the kit supplies one for those that do not.
+        self.epoch = str(topology.actor[0].get("epoch") or secrets.token_hex(16))
+        rank_args = [{"rank_args": {"epoch": self.epoch, **args}} for args in [*topology.actor, *topology.rollout]]
         self._all("init", rank_args)
         return topology
 
