@@ -175,8 +175,7 @@ class BucketCheckpointEngine(abc.ABC):
         epoch = rank_args.get("epoch")
         if role is None or not isinstance(epoch, str) or not epoch:
             raise TopologyError(f"{self.name}: rank_args need role sender/receiver/idle and an epoch, got {rank_args}")
-        if self._busy.locked():
-            raise ConcurrentUpdateError(f"{self.name}: init_process_group while an update is in flight")
+        self._abandon_in_flight()
         self._disconnect()
         sender = rank_args.get("sender", 0)
         self._sender_rank = sender if isinstance(sender, int) else 0
@@ -186,6 +185,17 @@ class BucketCheckpointEngine(abc.ABC):
             self._receiver = self._connect_receiver(rank_args)
         self._role = role
         self._epoch = epoch
+
+    def _abandon_in_flight(self) -> None:
+        """A new epoch supersedes an update still in flight here (its manager gave up on it: timeout, cancellation,
+        a dead peer). Closing the transports makes its blocked transport calls fail now instead of at their
+        deadline; then it releases the engine."""
+        if not self._busy.locked():
+            return
+        self._disconnect()
+        if not self._busy.acquire(timeout=min(self.timeout, 30.0)):
+            raise ConcurrentUpdateError(f"{self.name}: an abandoned update did not stop within 30 s")
+        self._busy.release()
 
     @abc.abstractmethod
     def _connect_sender(self, rank_args: RankArgs) -> SenderTransport: ...
@@ -465,7 +475,8 @@ class _ReceiveStream:
                 header = arrived.header
                 if header.abort:
                     raise TransferError(
-                        f"{self._engine._peer_name()} aborted the update: {header.abort}", peer=self._engine._peer_name()
+                        f"{self._engine._peer_name()} aborted the update: {header.abort}",
+                        peer=self._engine._peer_name(),
                     )
                 if header.final:
                     self._complete(header)

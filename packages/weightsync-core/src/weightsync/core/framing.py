@@ -7,12 +7,18 @@ when the peer goes away; a blocked call sleeps in the kernel, it never spins.
 
 from __future__ import annotations
 
+import logging
+import selectors
 import socket
 import time
+from collections.abc import Callable
 
 from weightsync.api.errors import TransferError, WireError
+from weightsync.core.codec import Hello, decode_hello
 
-__all__ = ["MAX_FRAME", "send_frame", "recv_frame"]
+__all__ = ["MAX_FRAME", "send_frame", "recv_frame", "accept_peers"]
+
+log = logging.getLogger(__name__)
 
 MAX_FRAME = 64 << 20
 
@@ -58,3 +64,96 @@ def recv_frame(sock: socket.socket, *, deadline: float, peer: str, max_len: int 
     if length > max_len:
         raise WireError(f"{peer} announced a {length}-byte frame (limit {max_len})")
     return _recv_exact(sock, length, deadline=deadline, peer=peer)
+
+
+def accept_peers(
+    listener: socket.socket,
+    *,
+    expected: int,
+    epoch: str,
+    deadline: float,
+    reply: Callable[[Hello], bytes],
+    what: str,
+    hello_seconds: float = 5.0,
+) -> list[socket.socket]:
+    """Accept one connection per rank ``0..expected-1``, each opening with a ``Hello`` for ``epoch``.
+
+    Connections are served concurrently (a selector), so a stranger that connects and says nothing, or sends garbage,
+    a forged hello or a bucket header, delays nobody: it is logged and dropped (after ``hello_seconds`` at most),
+    and the wait goes on for the real peers. ``reply`` builds the frame sent back to an accepted peer. Returns the
+    sockets in rank order, blocking; raises ``TransferError`` naming the ranks still missing at ``deadline``.
+    """
+    peers: list[socket.socket | None] = [None] * expected
+    pending: dict[socket.socket, tuple[bytearray, float]] = {}
+    selector = selectors.DefaultSelector()
+    listener.setblocking(False)
+    selector.register(listener, selectors.EVENT_READ)
+
+    def drop(sock: socket.socket, reason: str) -> None:
+        log.warning("%s: rejected a connection: %s", what, reason)
+        pending.pop(sock, None)
+        selector.unregister(sock)
+        sock.close()
+
+    try:
+        while any(peer is None for peer in peers):
+            now = time.monotonic()
+            if now >= deadline:
+                missing = [rank for rank, peer in enumerate(peers) if peer is None]
+                raise TransferError(f"{what}: ranks {missing} did not connect in time", peer=f"ranks {missing}")
+            for sock, (_, expires) in list(pending.items()):
+                if now >= expires:
+                    drop(sock, "no hello in time")
+            for key, _ in selector.select(min(deadline - now, 0.5)):
+                ready = key.fileobj
+                if not isinstance(ready, socket.socket):
+                    continue
+                sock = ready
+                if sock is listener:
+                    try:
+                        conn, _ = listener.accept()
+                    except BlockingIOError:
+                        continue
+                    conn.setblocking(False)
+                    pending[conn] = (bytearray(), time.monotonic() + hello_seconds)
+                    selector.register(conn, selectors.EVENT_READ)
+                    continue
+                buffer = pending[sock][0]
+                try:
+                    chunk = sock.recv(8192)
+                except OSError as exc:
+                    drop(sock, str(exc))
+                    continue
+                if not chunk:
+                    drop(sock, "closed before its hello")
+                    continue
+                buffer += chunk
+                if len(buffer) < 4:
+                    continue
+                length = int.from_bytes(buffer[:4], "little")
+                if length > 4096:
+                    drop(sock, f"announced a {length}-byte hello")
+                    continue
+                if len(buffer) < 4 + length:
+                    continue
+                try:
+                    hello = decode_hello(bytes(buffer[4:4 + length]), epoch=epoch)
+                    if not 0 <= hello.rank < expected or peers[hello.rank] is not None:
+                        raise WireError(f"hello from unexpected rank {hello.rank}")
+                except WireError as exc:
+                    drop(sock, str(exc))
+                    continue
+                pending.pop(sock)
+                selector.unregister(sock)
+                sock.setblocking(True)
+                send_frame(sock, reply(hello), deadline=deadline, peer=f"rank {hello.rank}")
+                peers[hello.rank] = sock
+    except BaseException:
+        for peer in [*peers, *pending]:
+            if peer is not None:
+                peer.close()
+        raise
+    finally:
+        selector.close()
+        listener.setblocking(True)
+    return [peer for peer in peers if peer is not None]

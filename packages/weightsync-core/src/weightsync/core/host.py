@@ -14,15 +14,15 @@ from typing import Any
 import torch
 
 from weightsync.api.config import SyncConfig
-from weightsync.api.errors import ConfigError, LifecycleError, WeightStreamError
-from weightsync.api.protocols import WeightSink
+from weightsync.api.errors import ConfigError, LifecycleError, WeightsyncError, WeightStreamError
+from weightsync.api.protocols import ReceivedWeights, WeightSink
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import RankArgs, Role, TransferReport, WorkerContext, WorkerMetadata
 from weightsync.core.engine import BucketCheckpointEngine
 
 __all__ = ["EngineHost", "engine_spec"]
 
-_METHODS = ("prepare", "init_process_group", "finalize", "close")
+_METHODS = ("prepare", "init_process_group", "finalize", "close", "held")
 
 
 def engine_spec(*, backend: str, config: SyncConfig, role: Role, rank: int) -> dict[str, Any]:
@@ -39,6 +39,11 @@ class EngineHost:
         self.name = name
         self.engine: BucketCheckpointEngine | None = None
         self._spec: dict[str, Any] | None = None
+        # What this worker's model holds: the (version, digest) of the last verified update; None once an update
+        # wrote some tensors and then failed (the model is torn until the next verified update).
+        self.held_version: int | None = None
+        self.held_digest: str | None = None
+        self.torn = False
 
     async def execute(self, method: str, /, **kwargs: Any) -> Any:
         """Run lifecycle step ``method`` (one of prepare, init_process_group, finalize, close) off the loop."""
@@ -93,14 +98,59 @@ class EngineHost:
     async def send(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int) -> TransferReport:
         return await self._engine().send_weights(weights, version=version)
 
+    def _held(self) -> dict[str, Any]:
+        return {"version": self.held_version, "digest": self.held_digest, "torn": self.torn}
+
     async def receive(self, sink: WeightSink, *, version: int) -> TransferReport:
-        stream = self._engine().receive_weights()
-        await sink.load_weights(stream, version=version)
-        leftover = 0
-        async for _ in stream:  # a sink that stopped early: drain, so the sender is not left waiting
-            leftover += 1
-        if stream.report is None:
-            raise LifecycleError(f"{self.name or 'worker'}: the weights stream ended without a report")
-        if leftover:
-            raise WeightStreamError(f"{self.name or 'worker'}: the sink left {leftover} tensors unconsumed")
-        return stream.report
+        stream = _CountingStream(self._engine().receive_weights())
+        try:
+            await sink.load_weights(stream, version=version)
+            leftover = 0
+            async for _ in stream:  # a sink that stopped early: drain, so the sender is not left waiting
+                leftover += 1
+            report = stream.report
+            if report is None:
+                raise LifecycleError(f"{self.name or 'worker'}: the weights stream ended without a report")
+            if leftover:
+                raise WeightStreamError(f"{self.name or 'worker'}: the sink left {leftover} tensors unconsumed")
+        except BaseException as exc:
+            if stream.delivered:
+                self.torn, self.held_version, self.held_digest = True, None, None
+            else:
+                # Nothing reached the model: it still holds what it held. The manager reads this mark.
+                mark_untouched(exc)
+            raise
+        self.torn, self.held_version, self.held_digest = False, report.version, report.digest
+        return report
+
+
+def mark_untouched(error: BaseException) -> None:
+    """Record on ``error`` (surviving pickling through Ray) that the failed update wrote nothing to the model."""
+    if isinstance(error, WeightsyncError):
+        error.details["untouched"] = True
+    error.untouched = True  # type: ignore[attr-defined]
+
+
+def is_untouched(error: BaseException) -> bool:
+    cause = getattr(error, "cause", None)
+    return bool(getattr(error, "untouched", False) or getattr(cause, "untouched", False))
+
+
+class _CountingStream:
+    """Passes a ``ReceivedWeights`` through, counting the tensors handed to the sink."""
+
+    def __init__(self, inner: ReceivedWeights) -> None:
+        self._inner = inner
+        self.delivered = 0
+
+    @property
+    def report(self) -> TransferReport | None:
+        return self._inner.report
+
+    def __aiter__(self) -> _CountingStream:
+        return self
+
+    async def __anext__(self) -> tuple[str, torch.Tensor]:
+        item = await self._inner.__anext__()
+        self.delivered += 1
+        return item

@@ -40,7 +40,7 @@ from weightsync.api.types import (
     WorkerMetadata,
     WorldMetadata,
 )
-from weightsync.core.host import engine_spec
+from weightsync.core.host import engine_spec, is_untouched
 
 __all__ = ["CheckpointEngineManager", "ReplicaStatus"]
 
@@ -189,15 +189,12 @@ class CheckpointEngineManager:
             outcomes = await _gather("transfer", timeouts.transfer, list(zip(labels, [*sends, *receives])),
                                      raise_first=False)
             stages["transfer"] = time.perf_counter() - step_start
-            for outcome, label in zip(outcomes[: len(sends)], labels):
-                if isinstance(outcome, BaseException):
-                    raise _typed(outcome, step="transfer", worker=label)
-                sender_reports.append(outcome)
             reports = outcomes[len(sends):]
-            first_error = next((o for o in reports if isinstance(o, BaseException)), None)
-            if first_error is not None:
-                index = reports.index(first_error)
-                raise _typed(first_error, step="transfer", worker=labels[len(sends) + index])
+            sender_reports = [outcome for outcome in outcomes[: len(sends)] if isinstance(outcome, TransferReport)]
+            errors = [_typed(outcome, step="transfer", worker=label)
+                      for outcome, label in zip(outcomes, labels) if isinstance(outcome, BaseException)]
+            if errors:
+                raise _root_cause(errors)
             self._check_digests(sender_reports, reports, workers)
             await self._stage(stages, "finalize", timeouts.finalize, self._all_workers("finalize", workers))
         except BaseException as exc:
@@ -294,9 +291,12 @@ class CheckpointEngineManager:
             verified = bool(mine) and all(
                 isinstance(report, TransferReport) and report.digest == digests.get(report.sender) for report in mine
             )
+            untouched = bool(mine) and all(
+                isinstance(report, BaseException) and is_untouched(report) for report in mine
+            )
             previous = self._states[r]
             state: ReplicaState
-            if not transfer_started:
+            if not transfer_started or untouched:
                 state, held = previous.state, previous.version
             elif verified:
                 state, held = "committed", version
@@ -359,6 +359,19 @@ def _unwrap(error: BaseException) -> BaseException:
     """Ray wraps a remote exception; its ``cause`` is the one the worker raised."""
     cause = getattr(error, "cause", None)
     return cause if isinstance(cause, BaseException) else error
+
+
+def _root_cause(errors: list[BaseException]) -> BaseException:
+    """Of several workers' failures in one step, the one that explains the others.
+
+    A worker that died or crashed (``WorkerError``) comes first: its peers' transfer errors are consequences. Then
+    the senders' errors (a bad weights stream), which come first in ``errors``. The others are attached as notes.
+    """
+    chosen = next((error for error in errors if isinstance(error, WorkerError)), errors[0])
+    for error in errors:
+        if error is not chosen:
+            chosen.add_note(f"also: {type(error).__name__}: {error}")
+    return chosen
 
 
 def _typed(error: BaseException, *, step: str, worker: str) -> BaseException:

@@ -12,7 +12,6 @@ has acknowledged what it last held. Frames from a connection that did not presen
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import secrets
@@ -23,17 +22,16 @@ from typing import ClassVar
 import msgspec
 import torch
 
-from weightsync.api.errors import LifecycleError, TopologyError, TransferError, WeightsyncError, WireError
+from weightsync.api.errors import LifecycleError, TopologyError, TransferError, WireError
 from weightsync.api.registry import KNOWN_BACKENDS, get_backend_spec, installed_backends
 from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
 from weightsync.core import codec
 from weightsync.core.engine import BucketCheckpointEngine
-from weightsync.core.framing import recv_frame, send_frame
+from weightsync.core.framing import accept_peers, recv_frame, send_frame
 from weightsync.core.transport import NO_SLOT, ReceivedBucket
 
 __all__ = ["ShmCheckpointEngine", "SharedSegment"]
 
-log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 _FRAME_PREFIX = 12  # int32 slot + int64 nbytes
 
@@ -227,38 +225,9 @@ class ShmCheckpointEngine(BucketCheckpointEngine):
         info = codec.encode(SegmentInfo(
             wire=codec.WIRE_VERSION, epoch=epoch, names=[s.name for s in self._segments], capacity=self.bucket_bytes,
         ))
-        deadline = time.monotonic() + self.timeout
-        peers: list[socket.socket | None] = [None] * receivers
-        try:
-            while any(peer is None for peer in peers):
-                sock = self._accept(self._listener, deadline)
-                try:
-                    hello = codec.decode_hello(recv_frame(sock, deadline=min(deadline, time.monotonic() + 10),
-                                                          peer="a connecting receiver", max_len=4096), epoch=epoch)
-                    if not 0 <= hello.rank < receivers or peers[hello.rank] is not None:
-                        raise WireError(f"hello from unexpected rollout rank {hello.rank}")
-                    send_frame(sock, info, deadline=deadline, peer=f"rollout rank {hello.rank}")
-                except WeightsyncError as exc:
-                    log.warning("shm sender rejected a connection: %s", exc)
-                    sock.close()
-                    continue
-                peers[hello.rank] = sock
-        except BaseException:
-            for peer in peers:
-                if peer is not None:
-                    peer.close()
-            raise
-        return _Sender(self._segments, [p for p in peers if p is not None], self.bucket_bytes, epoch)
-
-    @staticmethod
-    def _accept(listener: socket.socket, deadline: float) -> socket.socket:
-        listener.settimeout(max(deadline - time.monotonic(), 0.001))
-        try:
-            sock, _ = listener.accept()
-        except socket.timeout:
-            raise TransferError("shm sender: not every rollout worker connected in time", peer="rollout workers")
-        sock.setblocking(True)
-        return sock
+        peers = accept_peers(self._listener, expected=receivers, epoch=epoch, deadline=time.monotonic() + self.timeout,
+                             reply=lambda hello: info, what="shm sender")
+        return _Sender(self._segments, peers, self.bucket_bytes, epoch)
 
     def _connect_receiver(self, rank_args: RankArgs) -> _Receiver:
         address, rank, epoch = rank_args.get("address"), rank_args.get("rank"), str(rank_args["epoch"])
