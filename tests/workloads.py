@@ -6,6 +6,7 @@ Ray) so that Ray and ``multiprocessing`` can rebuild them by reference in worker
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -64,7 +65,12 @@ class ModelSource:
             if self.mode == "non_tensor" and index == 3:
                 yield name, [1.0, 2.0, 3.0]
                 continue
+            if self.mode == "raise_midway" and index == self.tensors // 2:
+                raise RuntimeError("the trainer's weight gather failed half-way")
             yield name, tensor
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def pg_constructions(self) -> int:
         return counting_groups()
@@ -101,6 +107,9 @@ class RecordingSink:
 
     def hook_log(self) -> list[str]:
         return list(self.hooks)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def pg_constructions(self) -> int:
         return counting_groups()

@@ -35,6 +35,7 @@ from weightsync.api.errors import (
     LifecycleError,
     TopologyError,
     TransferError,
+    WeightStreamError,
     WireError,
     reject_renamed_keywords,
 )
@@ -301,6 +302,8 @@ class BucketCheckpointEngine(abc.ABC):
                 index += 1
                 nbytes += sum(item.meta.nbytes for item in bucket.items)
                 tensors += sum(1 for item in bucket.items if item.meta.offset + item.meta.nbytes == item.meta.total_nbytes)
+            if tensors == 0:
+                raise WeightStreamError("the weights stream was empty: an update must carry at least one tensor")
             publish_seconds = 0.0
             for future in list(in_flight.values()):
                 publish_seconds += await future
