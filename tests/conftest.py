@@ -42,3 +42,15 @@ def ray_nodes() -> Iterator[RayNodes]:
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.fixture
+def hide_backend(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``hide_backend("nixl")``: make this process's registry behave as if that backend's package were absent."""
+    from weightsync.api import registry
+
+    def hide(name: str) -> None:
+        registry.installed_backends()  # scan the entry points first, then drop the one to hide
+        monkeypatch.setattr(registry, "_specs", {k: v for k, v in registry._specs.items() if k != name})
+
+    return hide

@@ -72,6 +72,11 @@ class ModelSource:
     def pid(self) -> int:
         return os.getpid()
 
+    def thread_names(self) -> list[str]:
+        import threading
+
+        return sorted(thread.name for thread in threading.enumerate())
+
     def pg_constructions(self) -> int:
         return counting_groups()
 
@@ -110,6 +115,11 @@ class RecordingSink:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def thread_names(self) -> list[str]:
+        import threading
+
+        return sorted(thread.name for thread in threading.enumerate())
 
     def pg_constructions(self) -> int:
         return counting_groups()

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import pytest
 
@@ -29,14 +30,16 @@ def test_resolution_is_idempotent() -> None:
     assert get_backend_spec("gloo") is get_backend_spec("gloo")
 
 
-def test_missing_backend_names_what_to_install() -> None:
+def test_missing_backend_names_what_to_install(hide_backend: Any) -> None:
+    hide_backend("mooncake")
     with pytest.raises(errors.UnknownBackendError) as caught:
         get_backend_spec("mooncake")
     assert caught.value.install == KNOWN_BACKENDS["mooncake"]
     assert "pip install weightsync-mooncake[cpu]" in str(caught.value)
 
 
-def test_unusable_backend_raises_with_its_reason() -> None:
+def test_unusable_backend_raises_with_its_reason(hide_backend: Any) -> None:
+    hide_backend("nixl")
     spec = BackendSpec(name="test-unusable", engine="nowhere:Nothing", distribution="x", devices=frozenset({"cuda"}),
                        cross_node=True, probe=lambda: "no CUDA device")
     register_backend(spec)

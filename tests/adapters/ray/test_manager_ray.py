@@ -212,7 +212,8 @@ def test_non_tensor_in_stream_is_a_typed_error(world: World) -> None:
         asyncio.run(manager.update_weights())
 
 
-def test_unknown_backend_names_the_package(world: World) -> None:
+def test_unknown_backend_names_the_package(world: World, hide_backend: Any) -> None:
+    hide_backend("nixl")
     with pytest.raises(UnknownBackendError, match="pip install weightsync-nixl"):
         CheckpointEngineManager(backend="nixl", actor_wg=world.actor_wg, replicas=world.replicas)
     with pytest.raises(UnknownBackendError, match="known backends"):

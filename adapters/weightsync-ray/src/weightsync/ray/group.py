@@ -97,6 +97,16 @@ def _actor_options(ray_options: Mapping[str, Any] | None, node_id: str | None) -
     return options
 
 
+def _close_then_kill(handles: Sequence[Any], timeout: float = 15.0) -> None:
+    # Synchronous on purpose: shutdown is called outside any event loop, after the last update.
+    refs = [handle.execute_checkpoint_engine.remote("close") for handle in handles]
+    try:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    finally:
+        for handle in handles:
+            ray.kill(handle)
+
+
 class RayActorWorkerGroup:
     """``ActorWorkerGroup`` over Ray actors, one per rank (``ActorRankHost``)."""
 
@@ -147,8 +157,8 @@ class RayActorWorkerGroup:
         return [handle.call.remote(method, *args, **kwargs) for handle in self.handles]
 
     def shutdown(self) -> None:
-        for handle in self.handles:
-            ray.kill(handle)
+        """Close every rank's engine (unlinking what it allocated), then end the actors."""
+        _close_then_kill(self.handles)
 
 
 class RayRolloutWorker:
@@ -228,5 +238,5 @@ class RayRolloutReplica:
         await self._hook("resume_generation")
 
     def shutdown(self) -> None:
-        for worker in self._workers:
-            ray.kill(worker.handle)
+        """Close every worker's engine, then end the actors."""
+        _close_then_kill([worker.handle for worker in self._workers])

@@ -22,7 +22,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -36,6 +36,7 @@ from weightsync.api.errors import (
     TopologyError,
     TransferError,
     WeightStreamError,
+    WeightsyncError,
     WireError,
     reject_renamed_keywords,
 )
@@ -287,7 +288,7 @@ class BucketCheckpointEngine(abc.ABC):
         pack_seconds = 0.0
         index = nbytes = tensors = 0
         try:
-            for bucket in plan_buckets(weights, bucket_bytes=self.bucket_bytes, devices=self.devices):
+            for bucket in plan_buckets(_stream(weights), bucket_bytes=self.bucket_bytes, devices=self.devices):
                 slot = index % transport.slots
                 previous = in_flight.pop(slot, None)
                 if previous is not None:
@@ -383,6 +384,21 @@ class BucketCheckpointEngine(abc.ABC):
         return f"actor rank {self._sender_rank}"
 
 
+def _stream(weights: Iterable[object]) -> Iterator[object]:
+    """The caller's weights stream, with its own failures (a gather that raised half-way) typed."""
+    iterator = iter(weights)
+    while True:
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        except WeightsyncError:
+            raise
+        except Exception as exc:
+            raise WeightStreamError(f"the weights stream raised {type(exc).__name__}: {exc}") from exc
+        yield item
+
+
 def with_epoch(topology: Topology) -> Topology:
     """Stamp every rank's arguments with one fresh membership-epoch token (kept where already present).
 
@@ -407,6 +423,13 @@ def _guard_build_topology(function: Any) -> Any:
                 f"{cls.__name__}.build_topology takes keyword arguments only: "
                 "build_topology(actor_wg_world_size=..., rollout_world_size=..., metadata=...)"
             )
+        metadata = kwargs.get("metadata")
+        if isinstance(metadata, WorldMetadata):
+            for side, size_key in (("actor", "actor_wg_world_size"), ("rollout", "rollout_world_size")):
+                size, got = kwargs.get(size_key), len(getattr(metadata, side))
+                if size != got:
+                    raise TopologyError(f"{cls.__name__}.build_topology: {size_key}={size} but metadata holds "
+                                        f"{got} {side} entries")
         topology = function(cls, **kwargs)
         return with_epoch(topology) if isinstance(topology, Topology) else topology
 

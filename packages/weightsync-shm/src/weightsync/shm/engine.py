@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import secrets
 import socket
 import time
@@ -218,6 +219,7 @@ class ShmCheckpointEngine(BucketCheckpointEngine):
         if self._listener is None:
             raise LifecycleError("shm: init_process_group before prepare on the sender")
         if self._segments is None:
+            _sweep_orphans()
             self._segments = [
                 SharedSegment(f"weightsync-{os.getpid()}-{secrets.token_hex(6)}-{slot}", self.bucket_bytes, create=True)
                 for slot in range(self.slots)
@@ -263,6 +265,35 @@ class ShmCheckpointEngine(BucketCheckpointEngine):
         for segment in self._segments or []:
             segment.close()
         self._segments = None
+
+
+_SEGMENT_NAME = re.compile(r"weightsync-(\d+)-[0-9a-f]{12}-\d+")
+
+
+def _sweep_orphans() -> None:
+    """Unlink ring segments whose creating process is gone (it was killed before ``close()`` could unlink them).
+
+    Segment names carry the creator's pid. Receivers that still map such a segment keep their mapping (unlinking
+    removes the name, not the memory). Limitation: two pid namespaces sharing one /dev/shm would see each other's
+    processes as gone; run one sender per pid namespace and /dev/shm, as containers normally do.
+    """
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        match = _SEGMENT_NAME.fullmatch(name)
+        if match is None or int(match.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass
+        except PermissionError:
+            pass  # alive, someone else's
 
 
 def _cross_node_backends() -> str:
