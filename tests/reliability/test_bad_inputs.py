@@ -63,7 +63,8 @@ class Pair:
 
     def update(self, weights: Any) -> tuple[BaseException | None, BaseException | None]:
         async def both() -> list[Any]:
-            return await asyncio.gather(self.sender.send_weights(weights), self._consume(), return_exceptions=True)
+            return list(await asyncio.gather(self.sender.send_weights(weights), self._consume(),
+                                             return_exceptions=True))
 
         sent, received = asyncio.run(both())
         return (sent if isinstance(sent, BaseException) else None,

@@ -15,6 +15,8 @@ Receivers keep their own ring of ``slots`` buffers, so receiving bucket k+1 over
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 import threading
 import time
 from typing import Any, ClassVar
@@ -150,11 +152,22 @@ class CollectiveCheckpointEngine(BucketCheckpointEngine):
 
     def _prepare(self) -> WorkerMetadata:
         if self.context.role == "actor" and self.context.rank == 0 and self._store is None:
-            # port 0: the kernel picks a free port; the store serves every epoch of this engine.
-            self._store = c10d.TCPStore(
-                self.context.host_ip, 0, is_master=True, wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=self.timeout),
-            )
+            # The store serves every epoch of this engine. Left to itself TCPStore listens on every interface; we
+            # bind the listening socket to the control plane's address ourselves and hand it over.
+            family, _, _, _, address = socket.getaddrinfo(self.context.host_ip, 0, type=socket.SOCK_STREAM)[0]
+            listener = socket.socket(family, socket.SOCK_STREAM)
+            listener.bind(address)
+            listener.listen(128)
+            port = listener.getsockname()[1]
+            descriptor = listener.detach()  # the store owns it from here on and closes it with itself
+            try:
+                self._store = c10d.TCPStore(
+                    self.context.host_ip, port, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=self.timeout), master_listen_fd=descriptor,
+                )
+            except BaseException:
+                os.close(descriptor)
+                raise
         if self._store is not None:
             return {"store_host": self.context.host_ip, "store_port": int(self._store.port)}
         return {}
