@@ -181,3 +181,29 @@ def test_replicas_added_and_removed_between_updates(cluster: Cluster, backend: s
     assert report.receivers == 2 and cluster.digests([1, 2]) == [expected, expected]
     assert cluster.digests([0]) != [expected]  # the removed replica was left alone
     assert weights_digest(model_tensors(5)) == expected
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_cancelling_an_update_behaves_like_a_failure(cluster: Cluster, backend: str) -> None:
+    manager = CheckpointEngineManager(backend=backend, actor_wg=cluster.actor_wg, replicas=cluster.replicas,
+                                      config=config())
+    asyncio.run(manager.update_weights())
+    _slow(cluster)
+
+    async def cancel_mid_transfer() -> float:
+        task = asyncio.create_task(manager.update_weights())
+        await asyncio.sleep(0.6)
+        started = time.perf_counter()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return time.perf_counter() - started
+
+    assert asyncio.run(cancel_mid_transfer()) < SLACK  # cleanup ran promptly, it did not wait for the transfer
+    for index, status in enumerate(manager.status()):
+        assert status.state == "torn"
+        assert cluster.hooks(index)[-1] == "release_kv_cache"  # paused, not resumed torn
+    ray.get(cluster.actor_wg.call("set_mode", "normal", 0.0))
+    expected = ray.get(cluster.actor_wg.call("set_version", 8))[0]
+    report = asyncio.run(manager.update_weights())  # connections were reset: this update rebuilds them
+    assert report.rebuilt and report.ok and cluster.digests([0, 1]) == [expected, expected]
