@@ -76,6 +76,10 @@ def test_soak(ray_nodes: RayNodes, backend: str) -> None:
                 names_before = thread_names(actor_wg, replicas)
                 segments_baseline = shm_segments()
         final = [usage(pid) for pid in pids]
+        for role, before, after in zip(["sender", "receiver0", "receiver1"], baseline, final):
+            print(f"soak {backend} {UPDATES} updates, {faults} faults, {role}: rss {before.rss / 2**20:.1f} -> "
+                  f"{after.rss / 2**20:.1f} MiB ({(after.rss / before.rss - 1) * 100:+.2f}%), fds {before.fds} -> "
+                  f"{after.fds}, threads {before.threads} -> {after.threads}")
         assert thread_names(actor_wg, replicas) == names_before  # every Python thread: ours, asyncio's, Ray's
         assert faults >= 2 and exact == UPDATES - faults
         for pid, before, after in zip(pids, baseline, final):
