@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from weightsync.api.config import SyncConfig
+from weightsync.api.protocols import ReceivedWeights
 from weightsync.api.errors import (
     ConcurrentUpdateError,
     ConfigError,
@@ -141,6 +142,8 @@ class BucketCheckpointEngine(abc.ABC):
         self._receiver: ReceiverTransport | None = None
         self._busy = threading.Lock()
         self._closed = False
+        self.trace_events: list[dict[str, Any]] | None = None
+        """When a list (``enable_tracing``), every pack/transfer/receive/unpack of a bucket is appended to it."""
         self._pack_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-pack")
         self._transfer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-xfer")
 
@@ -242,6 +245,18 @@ class BucketCheckpointEngine(abc.ABC):
         if role == "receiver" and self._role != "receiver":
             raise LifecycleError(f"{what} on a rank whose role in this topology is {self._role}")
 
+    def enable_tracing(self) -> list[dict[str, Any]]:
+        """Record Chrome-trace spans (``ph: X``, microseconds of CLOCK_MONOTONIC, shared by every process on the host)."""
+        self.trace_events = []
+        return self.trace_events
+
+    def _trace(self, stage: str, index: int, start: float, end: float) -> None:
+        if self.trace_events is not None:
+            self.trace_events.append({
+                "name": f"{stage} {index}", "cat": stage, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6,
+                "pid": f"{self.context.role} {self.context.rank}", "tid": threading.current_thread().name,
+            })
+
     @property
     def epoch(self) -> str | None:
         return self._epoch
@@ -283,7 +298,7 @@ class BucketCheckpointEngine(abc.ABC):
         loop = asyncio.get_running_loop()
         epoch = self._epoch or ""
         deadline = time.monotonic() + self.timeout
-        digest = UpdateDigest()
+        digest = self._new_digest()
         in_flight: dict[int, asyncio.Future[float]] = {}
         pack_seconds = 0.0
         index = nbytes = tensors = 0
@@ -298,7 +313,7 @@ class BucketCheckpointEngine(abc.ABC):
                 )
                 pack_seconds += seconds
                 in_flight[slot] = loop.run_in_executor(
-                    self._transfer_pool, _timed, transport.publish, slot, bucket.nbytes, header, deadline
+                    self._transfer_pool, self._publish, transport, index, slot, bucket.nbytes, header, deadline
                 )
                 index += 1
                 nbytes += sum(item.meta.nbytes for item in bucket.items)
@@ -326,6 +341,14 @@ class BucketCheckpointEngine(abc.ABC):
                     StageTiming(stage="publish", seconds=publish_seconds)),
         )
 
+    def _publish(self, transport: SenderTransport, index: int, slot: int, nbytes: int, header: bytes,
+                 deadline: float) -> float:
+        started = time.perf_counter()
+        transport.publish(slot, nbytes, header, deadline)
+        ended = time.perf_counter()
+        self._trace("transfer", index, started, ended)
+        return ended - started
+
     def _pack(
         self, transport: SenderTransport, slot: int, index: int, bucket: PlannedBucket, version: int, epoch: str,
         digest: UpdateDigest, deadline: float,
@@ -346,6 +369,7 @@ class BucketCheckpointEngine(abc.ABC):
             wire=codec.WIRE_VERSION, epoch=epoch, version=version, sender=self.context.rank, index=index, slot=slot,
             nbytes=bucket.nbytes, tensors=metas,
         )
+        self._trace("pack", index, started, time.perf_counter())
         return codec.encode(header), time.perf_counter() - started
 
     async def _abort(
@@ -372,13 +396,17 @@ class BucketCheckpointEngine(abc.ABC):
 
     # -- receiving -------------------------------------------------------------------------------------------------
 
-    def receive_weights(self) -> _ReceiveStream:
+    def receive_weights(self) -> ReceivedWeights:
         self._require("receiver", "receive_weights")
         if self._receiver is None:
             raise LifecycleError(f"{self.name}: receive_weights on a rank that is not connected as a receiver")
         if not self._busy.acquire(blocking=False):
             raise ConcurrentUpdateError(f"{self.name}: receive_weights while another update is in flight")
         return _ReceiveStream(self, self._receiver)
+
+    def _new_digest(self) -> UpdateDigest:
+        """Backend hook: the digest buckets are folded into (a device engine stages device payloads to host)."""
+        return UpdateDigest()
 
     def _peer_name(self) -> str:
         return f"actor rank {self._sender_rank}"
@@ -463,7 +491,7 @@ class _ReceiveStream:
         self._current: _Arrived | None = None
         self._position = 0
         self._scratch: torch.Tensor | None = None
-        self._digest = UpdateDigest()
+        self._digest = engine._new_digest()
         self._started = time.perf_counter()
         self._receive_seconds = 0.0
         self._nbytes = 0
@@ -471,6 +499,7 @@ class _ReceiveStream:
         self._buckets = 0
         self._finished = False
         self._stop = threading.Event()
+        self._unpack_started = 0.0
 
     def __aiter__(self) -> _ReceiveStream:
         return self
@@ -495,6 +524,7 @@ class _ReceiveStream:
                 if current is not None:
                     self._current = None
                     self._transport.release(current.token)
+                    self._engine._trace("unpack", current.header.index, self._unpack_started, time.perf_counter())
                 arrived = await self._queue.get()
                 if isinstance(arrived, BaseException):
                     raise arrived
@@ -509,6 +539,7 @@ class _ReceiveStream:
                     raise StopAsyncIteration
                 self._current = arrived
                 self._position = 0
+                self._unpack_started = time.perf_counter()
         except BaseException:
             self._close()
             raise
@@ -549,6 +580,7 @@ class _ReceiveStream:
                 if engine._hook is not None and hasattr(engine._hook, "after_receive"):
                     engine._hook.after_receive(header.index, payload)
                 self._digest.update_bucket(codec.encode_tensors(header.tensors), payload)
+                engine._trace("receive", header.index, started, time.perf_counter())
                 self._receive_seconds += time.perf_counter() - started
                 self._nbytes += sum(meta.nbytes for meta in header.tensors)
                 self._buckets += 1

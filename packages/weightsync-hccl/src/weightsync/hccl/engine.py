@@ -1,0 +1,65 @@
+"""Backend ``hccl``: the collective engine on Ascend NPU device buckets, in a private ``ProcessGroupHCCL``.
+
+The same design as ``nccl`` (see :mod:`weightsync.nccl.device`): ``torch_npu`` mirrors CUDA's stream and event API
+as ``torch.npu``, and its ``ProcessGroupHCCL`` takes the same ``(store, rank, size, options)`` as ``ProcessGroupNCCL``.
+Unlike verl's HCCL backend this one is not synchronous: copy and communication streams overlap as on CUDA.
+
+``torch_npu`` is imported when an engine is built, never at module import, and its absence raises
+``BackendUnavailableError`` with the install hint (the registry's probe says the same before the engine loads).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+from typing import Any, ClassVar
+
+import torch
+
+from weightsync.api.errors import BackendUnavailableError
+from weightsync.hccl.spec import npu_reason
+from weightsync.nccl.device import AcceleratorCollectiveEngine, AcceleratorOps, DeviceOps
+
+__all__ = ["HcclCheckpointEngine", "process_group_hccl"]
+
+
+def process_group_hccl() -> Any:
+    """torch_npu's ``ProcessGroupHCCL`` class (a private-module import: torch_npu exposes it nowhere else)."""
+    try:
+        module = importlib.import_module("torch_npu._C._distributed_c10d")
+    except ImportError as exc:
+        reason = f"torch_npu's ProcessGroupHCCL is not importable: {exc}"
+        raise BackendUnavailableError(f"weightsync backend 'hccl' cannot run here: {reason}", backend="hccl",
+                                      reason=reason) from None
+    return module.ProcessGroupHCCL
+
+
+class HcclCheckpointEngine(AcceleratorCollectiveEngine):
+    """Broadcast of NPU device buckets over HCCL. Options: ``device_index``, ``relays`` (see the device module)."""
+
+    name: ClassVar[str] = "hccl"
+    devices: ClassVar[frozenset[str]] = frozenset({"npu"})
+    device_type: ClassVar[str] = "npu"
+
+    def _make_ops(self, device_index: int | None) -> DeviceOps:
+        reason = npu_reason()
+        if reason is not None:
+            raise BackendUnavailableError(
+                f"weightsync backend 'hccl' cannot run here: {reason}", backend="hccl", reason=reason
+            )
+        npu: Any = getattr(torch, "npu")
+        index = int(npu.current_device()) if device_index is None else device_index
+        if index >= int(npu.device_count()):
+            raise BackendUnavailableError(
+                f"weightsync backend 'hccl': device_index {index} but only {npu.device_count()} NPUs are visible",
+                backend="hccl", reason="device_index out of range",
+            )
+        return AcceleratorOps(npu, "npu", index)
+
+    def _new_group(self, store: Any, rank: int, size: int) -> Any:
+        group_class = process_group_hccl()
+        options = group_class.Options()
+        options._timeout = datetime.timedelta(seconds=self.timeout)
+        npu: Any = getattr(torch, "npu")
+        npu.set_device(self.device)
+        return group_class(store, rank, size, options)

@@ -1,0 +1,51 @@
+"""Backend ``nccl``: the collective engine on CUDA device buckets, in a private ``ProcessGroupNCCL``.
+
+The group is built as ``ProcessGroupNCCL(PrefixStore(epoch, TCPStore), rank, size, options)`` — never through
+``torch.distributed.init_process_group`` — so it coexists with the trainer's (FSDP/Megatron) or the inference
+engine's default group in the same process. Everything else (streams, events, device rings, node-local senders) is
+:class:`weightsync.nccl.device.AcceleratorCollectiveEngine`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, ClassVar
+
+import torch
+
+from weightsync.api.errors import BackendUnavailableError
+from weightsync.gloo.collective import c10d
+from weightsync.nccl.device import AcceleratorCollectiveEngine, AcceleratorOps, DeviceOps
+from weightsync.nccl.spec import cuda_reason
+
+__all__ = ["NcclCheckpointEngine"]
+
+
+class NcclCheckpointEngine(AcceleratorCollectiveEngine):
+    """Broadcast of CUDA device buckets over NCCL. Options: ``device_index``, ``relays`` (see the device module)."""
+
+    name: ClassVar[str] = "nccl"
+    devices: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    device_type: ClassVar[str] = "cuda"
+
+    def _make_ops(self, device_index: int | None) -> DeviceOps:
+        reason = cuda_reason()
+        if reason is not None:
+            raise BackendUnavailableError(
+                f"weightsync backend 'nccl' cannot run here: {reason}", backend="nccl", reason=reason
+            )
+        index = torch.cuda.current_device() if device_index is None else device_index
+        if index >= torch.cuda.device_count():
+            raise BackendUnavailableError(
+                f"weightsync backend 'nccl': device_index {index} but only {torch.cuda.device_count()} CUDA devices "
+                "are visible", backend="nccl", reason="device_index out of range",
+            )
+        return AcceleratorOps(torch.cuda, "cuda", index)
+
+    def _new_group(self, store: Any, rank: int, size: int) -> Any:
+        options = c10d.ProcessGroupNCCL.Options()
+        options._timeout = datetime.timedelta(seconds=self.timeout)
+        # The trainer's own collectives keep priority: weight sync runs beside, not ahead of, them.
+        options.is_high_priority_stream = False
+        with torch.cuda.device(self.device):
+            return c10d.ProcessGroupNCCL(store, rank, size, options)
