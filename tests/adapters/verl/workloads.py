@@ -1,0 +1,158 @@
+"""What the verl tests run inside Ray actors: a toy actor worker, a recording server adapter, a replica stand-in.
+
+Importable by reference (``tests.adapters.verl.workloads``; tests/conftest.py puts the repository root on
+``PYTHONPATH`` before Ray starts) so that Ray can rebuild these objects in worker processes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import torch
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, register
+
+from weightsync.verl import WeightsyncActorMixin
+
+BUCKET_MEGABYTES = 1
+BUCKET_BYTES = BUCKET_MEGABYTES << 20
+
+RawTensor = tuple[str, tuple[int, ...], bytes]
+"""A received tensor as dtype name, shape and its raw bytes."""
+
+# name, dtype, numel: one tensor three buckets long (split and merged back), odd sizes, several dtypes.
+_LAYOUT: list[tuple[str, torch.dtype, int]] = [
+    ("embed.weight", torch.bfloat16, 1_600_003),
+    ("layers.0.attn.weight", torch.float32, 65_536),
+    ("layers.0.attn.bias", torch.float32, 1_001),
+    ("layers.0.mlp.weight", torch.float16, 200_000),
+    ("layers.0.norm.weight", torch.bfloat16, 777),
+    ("layers.1.attn.weight", torch.float32, 65_536),
+    ("layers.1.mlp.weight", torch.float16, 200_000),
+    ("layers.1.norm.steps", torch.int64, 3),
+    ("lm_head.mask", torch.uint8, 4_097),
+    ("lm_head.weight", torch.bfloat16, 300_000),
+]
+
+
+def model_weights(version: int) -> list[tuple[str, torch.Tensor]]:
+    """The actor's model at ``version``: random bytes (NaN patterns included), so only a byte comparison is exact."""
+    generator = torch.Generator().manual_seed(10_000 + version)
+    weights = []
+    for name, dtype, numel in _LAYOUT:
+        size = numel * torch.empty(0, dtype=dtype).element_size()
+        data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+        weights.append((name, data.view(dtype)))
+    return weights
+
+
+def raw(tensor: torch.Tensor) -> RawTensor:
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), bytes(flat.numpy().tobytes())
+
+
+def mismatches(received: dict[str, RawTensor], expected: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """Every way ``received`` differs from ``expected`` (names, dtypes, shapes, raw bytes); empty when bit-exact."""
+    problems = []
+    wanted = {name: raw(tensor) for name, tensor in expected}
+    for name in sorted(set(wanted) - set(received)):
+        problems.append(f"{name}: missing")
+    for name in sorted(set(received) - set(wanted)):
+        problems.append(f"{name}: unexpected")
+    for name in sorted(set(wanted) & set(received)):
+        (dtype, shape, data), (got_dtype, got_shape, got_data) = wanted[name], received[name]
+        if (dtype, shape) != (got_dtype, got_shape):
+            problems.append(f"{name}: {got_dtype}{list(got_shape)} instead of {dtype}{list(shape)}")
+        elif data != got_data:
+            first = next(index for index, (a, b) in enumerate(zip(data, got_data)) if a != b) if len(data) == len(
+                got_data) else -1
+            problems.append(f"{name}: bytes differ (first at {first})")
+    return problems
+
+
+class ToyActorWorker(WeightsyncActorMixin, Worker):  # type: ignore[misc]  # verl's Worker is untyped
+    """An actor rank whose "model" is ``model_weights(version)``; ``delay`` slows its weights stream."""
+
+    def __init__(self, checkpoint_config: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        torch.set_num_threads(1)
+        self.version = 0
+        self.delay = 0.0
+        self.init_checkpoint_engine(checkpoint_config)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]  # verl is untyped
+    def set_model(self, version: int, delay: float = 0.0) -> None:
+        self.version = version
+        self.delay = delay
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in model_weights(self.version):
+            if self.delay:
+                time.sleep(self.delay)  # gathering a real sharded model takes time too
+            yield name, tensor
+
+
+class RecordingServerAdapter:
+    """Stands in for verl's vLLM/SGLang server adapter inside ``CheckpointEngineWorker``: records what it receives.
+
+    ``fail_after = n`` makes the next update raise after ``n`` tensors (then it is cleared).
+    """
+
+    def __init__(self, replica_rank: int) -> None:
+        self.replica_rank = replica_rank
+        self.is_leader_rank = True
+        self.received: dict[str, RawTensor] = {}
+        self.updates: list[dict[str, Any]] = []
+        self.fail_after: int | None = None
+
+    async def update_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], **kwargs: Any) -> None:
+        received: dict[str, RawTensor] = {}
+        fail_after, self.fail_after = self.fail_after, None
+        async for name, tensor in weights:
+            if fail_after is not None and len(received) >= fail_after:
+                raise RuntimeError(f"injected server-adapter failure after {fail_after} tensors")
+            received[name] = raw(tensor)  # a copy: the tensor is a view into the engine's bucket
+        self.received = received
+        self.updates.append(dict(kwargs))
+
+
+def snapshot(worker: Any) -> tuple[dict[str, RawTensor], list[dict[str, Any]]]:
+    """Run in a ``CheckpointEngineWorker`` through Ray's ``__ray_call__``: what its server adapter recorded."""
+    adapter: RecordingServerAdapter = worker.server_adapter
+    return adapter.received, adapter.updates
+
+
+def fail_next_update(worker: Any, after: int) -> None:
+    worker.server_adapter.fail_after = after
+
+
+class ToyReplica:
+    """verl's ``RolloutReplica`` as the managers see it: ``workers`` and the coroutine hooks (recorded here)."""
+
+    def __init__(self, replica_rank: int, workers: list[Any]) -> None:
+        self.replica_rank = replica_rank
+        self.workers = list(workers)
+        self.hooks: list[str] = []
+
+    async def abort_all_requests(self, reject_request: bool = False) -> None:
+        self.hooks.append("abort_all_requests(reject)" if reject_request else "abort_all_requests")
+
+    async def release_kv_cache(self) -> None:
+        self.hooks.append("release_kv_cache")
+
+    async def resume_kv_cache(self) -> None:
+        self.hooks.append("resume_kv_cache")
+
+    async def resume_generation(self) -> None:
+        self.hooks.append("resume_generation")
+
+    async def sleep(self) -> None:
+        self.hooks.append("sleep")
+
+    async def wake_up(self) -> None:
+        self.hooks.append("wake_up")
+
+    async def clear_kv_cache(self) -> None:
+        self.hooks.append("clear_kv_cache")
