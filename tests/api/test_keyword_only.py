@@ -70,7 +70,7 @@ def test_every_definition_takes_actor_wg_keyword_only() -> None:
     assert positional == []
 
 
-EXPECTED_BACKENDS = {"shm", "gloo", "nccl", "hccl", "kimi"}
+EXPECTED_BACKENDS = {"shm", "gloo", "nixl", "mooncake", "nccl", "hccl", "kimi"}
 
 
 def _engine_class(name: str) -> Any:

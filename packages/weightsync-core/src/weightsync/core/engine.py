@@ -498,8 +498,11 @@ class _ReceiveStream:
         self._tensors = 0
         self._buckets = 0
         self._finished = False
-        self._stop = threading.Event()
+        self._abandoned = False
         self._unpack_started = 0.0
+        # The engine is busy until both the consumer side (close) and the receive thread are done with it.
+        self._holders = 1
+        self._holders_lock = threading.Lock()
 
     def __aiter__(self) -> _ReceiveStream:
         return self
@@ -510,6 +513,8 @@ class _ReceiveStream:
         if self._queue is None:
             loop = asyncio.get_running_loop()
             self._queue = asyncio.Queue()
+            with self._holders_lock:
+                self._holders += 1
             loop.run_in_executor(self._engine._transfer_pool, self._receive_loop, loop, self._queue)
         try:
             while True:
@@ -565,13 +570,21 @@ class _ReceiveStream:
         engine = self._engine
         deadline = time.monotonic() + engine.timeout
         expected = 0
+
+        def deliver(item: _Arrived | BaseException) -> None:
+            try:
+                loop.call_soon_threadsafe(self._deliver, queue, item)
+            except RuntimeError:  # the consumer's loop is gone: nobody will read it
+                if isinstance(item, _Arrived):
+                    self._transport.release(item.token)
+
         try:
-            while not self._stop.is_set():
+            while True:
                 started = time.perf_counter()
                 received: ReceivedBucket = self._transport.receive(deadline)
                 header = codec.decode_header(received.header, epoch=engine.epoch, capacity=self._transport.capacity)
                 if header.final or header.abort:
-                    loop.call_soon_threadsafe(queue.put_nowait, _Arrived(header, received.payload, received.token))
+                    deliver(_Arrived(header, received.payload, received.token))
                     return
                 if header.index != expected:
                     raise WireError(f"bucket {header.index} arrived where bucket {expected} was expected")
@@ -584,10 +597,31 @@ class _ReceiveStream:
                 self._receive_seconds += time.perf_counter() - started
                 self._nbytes += sum(meta.nbytes for meta in header.tensors)
                 self._buckets += 1
-                loop.call_soon_threadsafe(queue.put_nowait, _Arrived(header, payload, received.token))
+                deliver(_Arrived(header, payload, received.token))
         except BaseException as exc:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
+            deliver(exc)
+        finally:
+            self._release_hold()
+
+    def _deliver(self, queue: asyncio.Queue[_Arrived | BaseException], item: _Arrived | BaseException) -> None:
+        """On the consumer's loop. After the consumer left, buckets are acknowledged unread, so the sender (and
+        every other receiver) can finish the update instead of waiting for this one until the deadline."""
+        if self._abandoned:
+            if isinstance(item, _Arrived):
+                self._transport.release(item.token)
+            return
+        queue.put_nowait(item)
+
+    def _release_hold(self) -> None:
+        with self._holders_lock:
+            self._holders -= 1
+            free = self._holders == 0
+        if free:
+            self._engine._busy.release()
+
+    async def aclose(self) -> None:
+        """The consumer stops early (its sink failed): the rest of the update is received and dropped."""
+        self._close()
 
     def _complete(self, header: codec.BucketHeader) -> None:
         digest = self._digest.hexdigest()
@@ -612,11 +646,15 @@ class _ReceiveStream:
         if self._finished:
             return
         self._finished = True
-        self._stop.set()
+        self._abandoned = True
         if self._current is not None:
             self._transport.release(self._current.token)
             self._current = None
-        self._engine._busy.release()
+        while self._queue is not None and not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, _Arrived):
+                self._transport.release(item.token)
+        self._release_hold()
 
 
 def _typed_view(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -11,7 +11,7 @@ import logging
 import selectors
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from weightsync.api.errors import TransferError, WireError
 from weightsync.core.codec import Hello, decode_hello
@@ -69,21 +69,21 @@ def recv_frame(sock: socket.socket, *, deadline: float, peer: str, max_len: int 
 def accept_peers(
     listener: socket.socket,
     *,
-    expected: int,
+    ranks: Sequence[int],
     epoch: str,
     deadline: float,
     reply: Callable[[Hello], bytes],
     what: str,
     hello_seconds: float = 5.0,
 ) -> list[socket.socket]:
-    """Accept one connection per rank ``0..expected-1``, each opening with a ``Hello`` for ``epoch``.
+    """Accept one connection per rank of ``ranks``, each opening with a ``Hello`` for ``epoch`` and its rank.
 
     Connections are served concurrently (a selector), so a stranger that connects and says nothing, or sends garbage,
     a forged hello or a bucket header, delays nobody: it is logged and dropped (after ``hello_seconds`` at most),
     and the wait goes on for the real peers. ``reply`` builds the frame sent back to an accepted peer. Returns the
-    sockets in rank order, blocking; raises ``TransferError`` naming the ranks still missing at ``deadline``.
+    sockets in the order of ``ranks``, blocking; raises ``TransferError`` naming the ranks missing at ``deadline``.
     """
-    peers: list[socket.socket | None] = [None] * expected
+    peers: dict[int, socket.socket | None] = {rank: None for rank in ranks}
     pending: dict[socket.socket, tuple[bytearray, float]] = {}
     selector = selectors.DefaultSelector()
     listener.setblocking(False)
@@ -96,10 +96,10 @@ def accept_peers(
         sock.close()
 
     try:
-        while any(peer is None for peer in peers):
+        while any(peer is None for peer in peers.values()):
             now = time.monotonic()
             if now >= deadline:
-                missing = [rank for rank, peer in enumerate(peers) if peer is None]
+                missing = [rank for rank, peer in peers.items() if peer is None]
                 raise TransferError(f"{what}: ranks {missing} did not connect in time", peer=f"ranks {missing}")
             for sock, (_, expires) in list(pending.items()):
                 if now >= expires:
@@ -138,7 +138,7 @@ def accept_peers(
                     continue
                 try:
                     hello = decode_hello(bytes(buffer[4:4 + length]), epoch=epoch)
-                    if not 0 <= hello.rank < expected or peers[hello.rank] is not None:
+                    if hello.rank not in peers or peers[hello.rank] is not None:
                         raise WireError(f"hello from unexpected rank {hello.rank}")
                 except WireError as exc:
                     drop(sock, str(exc))
@@ -149,11 +149,11 @@ def accept_peers(
                 send_frame(sock, reply(hello), deadline=deadline, peer=f"rank {hello.rank}")
                 peers[hello.rank] = sock
     except BaseException:
-        for peer in [*peers, *pending]:
+        for peer in [*peers.values(), *pending]:
             if peer is not None:
                 peer.close()
         raise
     finally:
         selector.close()
         listener.setblocking(True)
-    return [peer for peer in peers if peer is not None]
+    return [peer for peer in peers.values() if peer is not None]

@@ -20,7 +20,7 @@ from weightsync.api.registry import load_engine_class
 from weightsync.api.types import RankArgs, Role, TransferReport, WorkerContext, WorkerMetadata
 from weightsync.core.engine import BucketCheckpointEngine
 
-__all__ = ["EngineHost", "engine_spec"]
+__all__ = ["EngineHost", "build_engine", "engine_spec"]
 
 _METHODS = ("prepare", "init_process_group", "finalize", "close", "held")
 
@@ -28,6 +28,26 @@ _METHODS = ("prepare", "init_process_group", "finalize", "close", "held")
 def engine_spec(*, backend: str, config: SyncConfig, role: Role, rank: int) -> dict[str, Any]:
     """The plain-data ``engine`` argument of ``prepare`` for one worker."""
     return {"backend": backend, "config": config.to_dict(), "role": role, "rank": rank}
+
+
+def build_engine(spec: Mapping[str, Any], *, node_id: str, host_ip: str) -> BucketCheckpointEngine:
+    """The engine an ``engine_spec`` describes, for a worker on ``node_id`` reachable at ``host_ip``."""
+    try:
+        backend = str(spec["backend"])
+        config = SyncConfig.from_dict(spec["config"])
+        role: Role = "actor" if spec["role"] == "actor" else "rollout"
+        rank = int(spec["rank"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"malformed engine spec {dict(spec)!r}: {exc!r}") from None
+    engine_class = load_engine_class(backend)
+    if not (isinstance(engine_class, type) and issubclass(engine_class, BucketCheckpointEngine)):
+        raise ConfigError(f"backend {backend!r} is not a weightsync BucketCheckpointEngine")
+    context = WorkerContext(role=role, rank=rank, node_id=node_id, host_ip=host_ip)
+    backend_options: dict[str, Any] = dict(config.backend_options)
+    return engine_class(
+        bucket_bytes=config.bucket_bytes, context=context, slots=config.slots, timeout=config.timeouts.transfer,
+        verify_digest=config.verify_digest, **backend_options,
+    )
 
 
 class EngineHost:
@@ -61,22 +81,7 @@ class EngineHost:
         return self.engine.prepare()
 
     def _build(self, spec: Mapping[str, Any]) -> BucketCheckpointEngine:
-        try:
-            backend = str(spec["backend"])
-            config = SyncConfig.from_dict(spec["config"])
-            role: Role = "actor" if spec["role"] == "actor" else "rollout"
-            rank = int(spec["rank"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"malformed engine spec {dict(spec)!r}: {exc!r}") from None
-        engine_class = load_engine_class(backend)
-        if not issubclass(engine_class, BucketCheckpointEngine):
-            raise ConfigError(f"backend {backend!r} is not a weightsync BucketCheckpointEngine")
-        context = WorkerContext(role=role, rank=rank, node_id=self.node_id, host_ip=self.host_ip)
-        backend_options: dict[str, Any] = dict(config.backend_options)
-        return engine_class(
-            bucket_bytes=config.bucket_bytes, context=context, slots=config.slots,
-            timeout=config.timeouts.transfer, verify_digest=config.verify_digest, **backend_options,
-        )
+        return build_engine(spec, node_id=self.node_id, host_ip=self.host_ip)
 
     def _init_process_group(self, *, rank_args: RankArgs) -> None:
         self._engine().init_process_group(rank_args=rank_args)
@@ -114,6 +119,7 @@ class EngineHost:
             if leftover:
                 raise WeightStreamError(f"{self.name or 'worker'}: the sink left {leftover} tensors unconsumed")
         except BaseException as exc:
+            await stream.aclose()  # let the sender and the other receivers finish without this one
             if stream.delivered:
                 self.torn, self.held_version, self.held_digest = True, None, None
             else:
@@ -146,6 +152,11 @@ class _CountingStream:
     @property
     def report(self) -> TransferReport | None:
         return self._inner.report
+
+    async def aclose(self) -> None:
+        close = getattr(self._inner, "aclose", None)
+        if close is not None:
+            await close()
 
     def __aiter__(self) -> _CountingStream:
         return self

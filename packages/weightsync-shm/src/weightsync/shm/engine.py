@@ -227,7 +227,7 @@ class ShmCheckpointEngine(BucketCheckpointEngine):
         info = codec.encode(SegmentInfo(
             wire=codec.WIRE_VERSION, epoch=epoch, names=[s.name for s in self._segments], capacity=self.bucket_bytes,
         ))
-        peers = accept_peers(self._listener, expected=receivers, epoch=epoch, deadline=time.monotonic() + self.timeout,
+        peers = accept_peers(self._listener, ranks=range(receivers), epoch=epoch, deadline=time.monotonic() + self.timeout,
                              reply=lambda hello: info, what="shm sender")
         return _Sender(self._segments, peers, self.bucket_bytes, epoch)
 

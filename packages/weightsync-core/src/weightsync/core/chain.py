@@ -1,0 +1,555 @@
+"""A pipelined chain (or tree) of one-sided reads: the transport and topology shared by ``nixl`` and ``mooncake``.
+
+Why it lives in core: both backends move buckets the same way and differ only in the library that registers memory
+and performs a one-sided read (``RegisteredRing`` / ``RemoteRing``), so each backend adds only its ``_make_ring``.
+
+Topology
+--------
+Positions: 0 is actor rank 0 (the only sender), position p >= 1 is rollout rank p - 1. With fan-out degree d the
+upstream of position p is position ``(p - 1) // d``: d = 1 is the chain rank0 → r0 → r1 → … (the sender's egress
+is one model's bytes whatever the number of receivers), larger d a d-ary tree (shorter, but each inner node serves d
+readers). The degree is the engine option ``fanout``, read from actor rank 0's metadata.
+
+Data path
+---------
+Every engine of a sender or receiver owns one *ring*: ``slots`` buckets in one buffer, registered with the library
+once when the engine is prepared, reused by every update of every epoch, deregistered on ``close()``. Per bucket:
+
+1. the upstream announces it on the control socket (:class:`BucketReady`: its slot, the byte count, the bucket
+   header produced by the pipeline);
+2. the reader waits until its own slot for that bucket is free (its consumer released what the slot last held and
+   every downstream has finished reading it), then reads the bytes straight out of the upstream's slot (one-sided);
+3. it acknowledges the read (``Ack``), which lets the upstream reuse its slot, announces the bucket from its own
+   slot to its downstreams, and hands the bucket to its local consumer.
+
+So a hop forwards bucket k (its downstream reads it) while it is already reading bucket k+1.
+
+Control plane: one TCP connection per edge, opened by the downstream, framed with :mod:`weightsync.core.framing`;
+the downstream presents the epoch token (``Hello``) and receives the upstream's :class:`RingEndpoint` — plain
+fields decoded by msgspec into a fixed schema; the library's transfer descriptors are rebuilt locally from them.
+Nothing a peer sends is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgspec
+import torch
+
+from weightsync.api.errors import (
+    ConfigError,
+    LifecycleError,
+    TopologyError,
+    TransferError,
+    WeightsyncError,
+    WireError,
+)
+from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
+from weightsync.core import codec
+from weightsync.core.engine import BucketCheckpointEngine
+from weightsync.core.framing import accept_peers, recv_frame, send_frame
+from weightsync.core.transport import NO_SLOT, ReceivedBucket
+
+__all__ = [
+    "DEFAULT_FANOUT",
+    "RingEndpoint",
+    "BucketReady",
+    "RemoteRing",
+    "RegisteredRing",
+    "ChainCheckpointEngine",
+    "chain_positions",
+    "wait_until",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FANOUT = 1
+"""Chain: the sender's egress stays one model whatever the number of receivers. Measured with ``weightsync bench``
+(1 GiB, 2 receivers, 64 MiB buckets, a 2-core host shared with other jobs, so noisy): nixl chain 0.37-0.84 GB/s
+per receiver vs star (fanout 2) 0.11; mooncake chain 0.16-0.31 vs star 0.17-0.47 — no consistent winner there, so
+both keep the chain, which is also the only shape whose sender egress does not grow with R."""
+
+_MAX_CONTROL_FRAME = 1 << 20  # headers of buckets with many tensors stay far below this
+_POLL_FIRST = 50e-6
+_POLL_MAX = 5e-3
+
+
+class RingEndpoint(msgspec.Struct, frozen=True, tag="ring"):
+    """What a downstream needs to read from an upstream's ring, sent by the upstream after a valid ``Hello``."""
+
+    wire: int
+    epoch: str
+    library: str
+    """``"nixl"`` or ``"mooncake"``: both ends must use the same library."""
+    agent: str
+    """The library's name for the upstream: a NIXL agent name, a Mooncake session id (``host:port``)."""
+    blob: bytes
+    """Opaque data the library itself parses (NIXL agent metadata); empty for Mooncake. Never unpickled by us."""
+    base: int
+    """Address of slot 0 in the upstream's process (device memory address for a GPU ring)."""
+    slot_bytes: int
+    slots: int
+    memory: str = "cpu"
+    """Device of the ring: ``"cpu"`` or ``"cuda:N"``."""
+
+
+class BucketReady(msgspec.Struct, frozen=True, tag="ready"):
+    """An upstream announces bucket ``seq`` (1-based, counted per epoch) in its ``slot``; ``slot`` = NO_SLOT for the
+    payload-less final and abort markers (``seq`` 0). ``header`` is the pipeline's encoded ``BucketHeader``."""
+
+    wire: int
+    epoch: str
+    seq: int
+    slot: int
+    nbytes: int
+    header: bytes
+
+
+_ring_decoder = msgspec.msgpack.Decoder(RingEndpoint)
+_ready_decoder = msgspec.msgpack.Decoder(BucketReady)
+
+
+def decode_ring(data: bytes, *, epoch: str, library: str, peer: str) -> RingEndpoint:
+    try:
+        ring = _ring_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"malformed ring endpoint from {peer}: {exc}") from None
+    if ring.wire != codec.WIRE_VERSION:
+        raise WireError(f"{peer} speaks wire version {ring.wire}, this side speaks {codec.WIRE_VERSION}")
+    if ring.epoch != epoch:
+        raise WireError(f"{peer} answered for another membership epoch")
+    if ring.library != library:
+        raise WireError(f"{peer} moves buckets with {ring.library!r}, this side with {library!r}")
+    if ring.slots < 1 or ring.slot_bytes < 1 or ring.base <= 0:
+        raise WireError(f"{peer} advertised an invalid ring ({ring.slots} slots of {ring.slot_bytes} bytes)")
+    return ring
+
+
+def decode_ready(data: bytes, *, epoch: str, peer: str) -> BucketReady:
+    try:
+        ready = _ready_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"malformed bucket announcement from {peer}: {exc}") from None
+    if ready.wire != codec.WIRE_VERSION:
+        raise WireError(f"{peer} speaks wire version {ready.wire}, this side speaks {codec.WIRE_VERSION}")
+    if ready.epoch != epoch:
+        raise WireError(f"bucket announcement from {peer} for another membership epoch")
+    return ready
+
+
+def wait_until(done: Any, *, deadline: float, peer: str, what: str) -> None:
+    """Poll ``done()`` with exponential back-off (50 µs → 5 ms sleeps) until true; ``TransferError`` at ``deadline``.
+
+    For libraries whose completion can only be polled: the sleeps keep a waiting thread off the CPU.
+    """
+    pause = _POLL_FIRST
+    while not done():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferError(f"timed out {what} {peer}", peer=peer)
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, _POLL_MAX)
+
+
+# -- the library-specific part ----------------------------------------------------------------------------------------
+
+
+class RemoteRing(abc.ABC):
+    """An upstream's ring, opened for one-sided reads into the local ring."""
+
+    @abc.abstractmethod
+    def read(self, *, local_offset: int, remote_offset: int, nbytes: int, deadline: float) -> None:
+        """Copy ``nbytes`` from the upstream's ring at ``remote_offset`` into the local ring at ``local_offset``.
+
+        Blocks (sleeping) until done; ``TransferError`` naming the upstream on failure or at ``deadline``.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class RegisteredRing(abc.ABC):
+    """One buffer of ``slots * slot_bytes`` bytes, registered with a transfer library for the engine's lifetime."""
+
+    library: ClassVar[str]
+
+    def __init__(self, *, slots: int, slot_bytes: int, device: str) -> None:
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        # Pre-fault every page now (first touch runs at ~0.5 GB/s): updates then only ever see warm memory.
+        self.tensor = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
+        self.tensor.fill_(0)
+        self.memory = str(self.tensor.device)
+
+    def slot(self, index: int) -> torch.Tensor:
+        return self.tensor[index * self.slot_bytes:(index + 1) * self.slot_bytes]
+
+    @property
+    def base(self) -> int:
+        return int(self.tensor.data_ptr())
+
+    def endpoint(self, *, epoch: str) -> RingEndpoint:
+        agent, blob = self.identity()
+        return RingEndpoint(
+            wire=codec.WIRE_VERSION, epoch=epoch, library=self.library, agent=agent, blob=blob, base=self.base,
+            slot_bytes=self.slot_bytes, slots=self.slots, memory=self.memory,
+        )
+
+    @abc.abstractmethod
+    def identity(self) -> tuple[str, bytes]:
+        """``(agent, blob)`` of :class:`RingEndpoint` for this process."""
+
+    @abc.abstractmethod
+    def open(self, endpoint: RingEndpoint, *, peer: str) -> RemoteRing:
+        """Prepare one-sided reads from ``endpoint`` (a library connection; no memory is registered)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Deregister the ring and release the library's resources. Idempotent."""
+
+
+# -- topology ---------------------------------------------------------------------------------------------------------
+
+
+def position_name(position: int) -> str:
+    return "actor rank 0" if position == 0 else f"rollout rank {position - 1}"
+
+
+def chain_positions(*, rollout_world_size: int, fanout: int) -> list[list[int]]:
+    """Children of every position (0 = the sender, p = rollout rank p - 1) of a ``fanout``-ary tree in rank order."""
+    children: list[list[int]] = [[] for _ in range(rollout_world_size + 1)]
+    for position in range(1, rollout_world_size + 1):
+        children[(position - 1) // fanout].append(position)
+    return children
+
+
+# -- the control plane's two ends ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Child:
+    name: str
+    sock: socket.socket
+    acked: int = 0
+
+
+class _Downstream:
+    """The connections to the positions that read from this one: announcements out, read acknowledgements in."""
+
+    def __init__(self, children: list[_Child], epoch: str) -> None:
+        self.children = children
+        self.epoch = epoch
+
+    def announce(self, *, seq: int, slot: int, nbytes: int, header: bytes, deadline: float) -> None:
+        frame = codec.encode(BucketReady(wire=codec.WIRE_VERSION, epoch=self.epoch, seq=seq, slot=slot,
+                                         nbytes=nbytes, header=header))
+        for child in self.children:
+            send_frame(child.sock, frame, deadline=deadline, peer=child.name)
+
+    def wait_read(self, seq: int, deadline: float) -> None:
+        """Block until every child has read bucket ``seq`` (and all before it)."""
+        for child in self.children:
+            while child.acked < seq:
+                ack = codec.decode_ack(recv_frame(child.sock, deadline=deadline, peer=child.name, max_len=4096),
+                                       epoch=self.epoch)
+                if ack.index != child.acked + 1:
+                    raise WireError(f"{child.name} acknowledged bucket {ack.index} after {child.acked}")
+                child.acked = ack.index
+
+    def abort(self, message: str) -> None:
+        """Best effort: tell children this position failed, so they stop now rather than at their deadline."""
+        header = codec.encode(codec.BucketHeader(
+            wire=codec.WIRE_VERSION, epoch=self.epoch, version=0, sender=0, index=0, slot=NO_SLOT, nbytes=0,
+            tensors=[], abort=message[:500] or "aborted",
+        ))
+        try:
+            self.announce(seq=0, slot=NO_SLOT, nbytes=0, header=header, deadline=time.monotonic() + 2.0)
+        except WeightsyncError:
+            pass
+
+    def close(self) -> None:
+        for child in self.children:
+            child.sock.close()
+
+
+class _ChainSender:
+    """``SenderTransport`` of position 0: pack into the local ring, announce, reuse a slot once children read it."""
+
+    def __init__(self, ring: RegisteredRing, downstream: _Downstream) -> None:
+        self.slots = ring.slots
+        self.capacity = ring.slot_bytes
+        self._ring = ring
+        self._downstream = downstream
+        self._announced = 0
+        self._slot_seq = [0] * ring.slots
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self._ring.slot(slot)
+
+    def wait_slot(self, slot: int, deadline: float) -> None:
+        self._downstream.wait_read(self._slot_seq[slot], deadline)
+
+    def publish(self, slot: int, nbytes: int, header: bytes, deadline: float) -> None:
+        # One-sided: children pull the bytes; wait_slot keeps the slot intact until they have.
+        seq = 0
+        if slot != NO_SLOT:
+            self._announced += 1
+            seq = self._slot_seq[slot] = self._announced
+        self._downstream.announce(seq=seq, slot=slot, nbytes=nbytes, header=header, deadline=deadline)
+
+    def close(self) -> None:
+        self._downstream.close()
+
+
+class _ChainReceiver:
+    """``ReceiverTransport`` of a rollout position: read from upstream into the local ring, forward, hand over."""
+
+    def __init__(
+        self, *, ring: RegisteredRing, upstream: socket.socket, upstream_name: str, remote: RemoteRing,
+        remote_ring: RingEndpoint, downstream: _Downstream, epoch: str, rank: int, timeout: float,
+    ) -> None:
+        self.capacity = ring.slot_bytes
+        self._ring = ring
+        self._upstream = upstream
+        self._upstream_name = upstream_name
+        self._remote = remote
+        self._remote_ring = remote_ring
+        self._downstream = downstream
+        self._epoch = epoch
+        self._rank = rank
+        self._timeout = timeout
+        self._received = 0
+        self._slot_seq = [0] * ring.slots
+        self._released = 0
+        self._consumer = threading.Condition()
+
+    def receive(self, deadline: float) -> ReceivedBucket:
+        try:
+            return self._receive(deadline)
+        except BaseException as exc:
+            self._downstream.abort(f"rollout rank {self._rank} failed to receive: {type(exc).__name__}: {exc}")
+            raise
+
+    def _receive(self, deadline: float) -> ReceivedBucket:
+        peer = self._upstream_name
+        ready = decode_ready(recv_frame(self._upstream, deadline=deadline, peer=peer, max_len=_MAX_CONTROL_FRAME),
+                             epoch=self._epoch, peer=peer)
+        if ready.slot == NO_SLOT:
+            # The final or abort marker: pass it down the chain, no payload to read.
+            self._downstream.announce(seq=0, slot=NO_SLOT, nbytes=0, header=ready.header, deadline=deadline)
+            return ReceivedBucket(header=ready.header, payload=torch.empty(0, dtype=torch.uint8), token=0)
+        remote = self._remote_ring
+        if ready.seq != self._received + 1:
+            raise WireError(f"{peer} announced bucket {ready.seq} after {self._received}")
+        if not 0 <= ready.slot < remote.slots or not 0 <= ready.nbytes <= min(remote.slot_bytes, self.capacity):
+            raise WireError(f"{peer} announced {ready.nbytes} bytes in slot {ready.slot}, outside the rings")
+        seq = self._received = ready.seq
+        slot = (seq - 1) % self._ring.slots
+        self._wait_consumer(self._slot_seq[slot], deadline)
+        self._downstream.wait_read(self._slot_seq[slot], deadline)
+        if ready.nbytes:
+            self._remote.read(local_offset=slot * self._ring.slot_bytes, remote_offset=ready.slot * remote.slot_bytes,
+                              nbytes=ready.nbytes, deadline=deadline)
+        ack = codec.Ack(wire=codec.WIRE_VERSION, epoch=self._epoch, rank=self._rank, index=seq)
+        send_frame(self._upstream, codec.encode(ack), deadline=deadline, peer=peer)
+        self._slot_seq[slot] = seq
+        self._downstream.announce(seq=seq, slot=slot, nbytes=ready.nbytes, header=ready.header, deadline=deadline)
+        return ReceivedBucket(header=ready.header, payload=self._ring.slot(slot)[:ready.nbytes], token=seq)
+
+    def _wait_consumer(self, seq: int, deadline: float) -> None:
+        with self._consumer:
+            while self._released < seq:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferError(f"rollout rank {self._rank}: the local consumer did not release bucket {seq} "
+                                        f"in time", peer=f"rollout rank {self._rank} (local consumer)")
+                self._consumer.wait(left)
+
+    def release(self, token: int) -> None:
+        if token <= 0:
+            return
+        with self._consumer:
+            self._released = max(self._released, token)
+            self._consumer.notify_all()
+
+    def close(self) -> None:
+        self._upstream.close()
+        self._downstream.close()
+        self._remote.close()
+
+
+# -- the engine -------------------------------------------------------------------------------------------------------
+
+
+class ChainCheckpointEngine(BucketCheckpointEngine):
+    """Base of the one-sided chain engines. Options: ``fanout`` (readers per position, 1 = chain, the default),
+    ``device`` (``"cpu"``, or ``"cuda"`` for a ring in GPU memory where the library supports it).
+
+    Subclasses provide ``_make_ring``. Sender: actor rank 0; every other actor rank drains its stream.
+    """
+
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
+    option_names: ClassVar[frozenset[str]] = frozenset({"fanout", "device"})
+    library: ClassVar[str]
+
+    def __init__(self, *, bucket_bytes: int, **options: Any) -> None:
+        super().__init__(bucket_bytes=bucket_bytes, **options)
+        fanout = self.options.get("fanout", DEFAULT_FANOUT)
+        if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
+            raise ConfigError(f"{self.name}: fanout must be an int >= 1 (1 = chain), got {fanout!r}")
+        device = self.options.get("device", "cpu")
+        if device not in ("cpu", "cuda"):
+            raise ConfigError(f"{self.name}: device must be 'cpu' or 'cuda', got {device!r}")
+        self.fanout: int = fanout
+        self.ring_device: str = device
+        self._ring: RegisteredRing | None = None
+        self._listener: socket.socket | None = None
+
+    @abc.abstractmethod
+    def _make_ring(self) -> RegisteredRing:
+        """Allocate and register this engine's ring (called once per engine)."""
+
+    # -- step 1 --------------------------------------------------------------------------------------------------------
+
+    def _serves(self) -> bool:
+        return self.context.role == "rollout" or self.context.rank == 0
+
+    def _prepare(self) -> WorkerMetadata:
+        if not self._serves():
+            return {}
+        if self._ring is None:
+            self._ring = self._make_ring()
+        if self._listener is None:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((self.context.host_ip, 0))
+            listener.listen(64)
+            self._listener = listener
+        host, port = self._listener.getsockname()[:2]
+        return {"address": f"{host}:{port}", "fanout": self.fanout, "library": self.library}
+
+    def _release(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.close()
+
+    # -- step 2 --------------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def build_topology(
+        cls, *, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata
+    ) -> Topology:
+        if actor_wg_world_size < 1 or len(metadata.actor) != actor_wg_world_size:
+            raise TopologyError(f"{cls.name}: metadata for {len(metadata.actor)} actor ranks, "
+                                f"actor_wg_world_size is {actor_wg_world_size}")
+        if len(metadata.rollout) != rollout_world_size:
+            raise TopologyError(f"{cls.name}: metadata for {len(metadata.rollout)} rollout ranks, "
+                                f"rollout_world_size is {rollout_world_size}")
+        workers = [metadata.actor[0], *metadata.rollout]
+        addresses: list[str] = []
+        for position, worker in enumerate(workers):
+            address = worker.get("address")
+            if not isinstance(address, str) or worker.get("library") != cls.library:
+                raise TopologyError(f"{cls.name}: {position_name(position)} did not advertise a {cls.library} "
+                                    f"endpoint (was prepare() called with this backend?)")
+            addresses.append(address)
+        fanout = workers[0].get("fanout", DEFAULT_FANOUT)
+        if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
+            raise TopologyError(f"{cls.name}: actor rank 0 advertised fanout {fanout!r}")
+        children = chain_positions(rollout_world_size=rollout_world_size, fanout=fanout)
+        actor: list[RankArgs] = [{"role": "sender", "sender": 0, "children": list(children[0])}]
+        actor += [{"role": "idle", "sender": 0} for _ in range(actor_wg_world_size - 1)]
+        rollout: list[RankArgs] = []
+        for position in range(1, rollout_world_size + 1):
+            upstream = (position - 1) // fanout
+            rollout.append({
+                "role": "receiver", "sender": 0, "rank": position - 1, "upstream": addresses[upstream],
+                "upstream_position": upstream, "children": list(children[position]),
+            })
+        return Topology(actor=actor, rollout=rollout, senders=(0,))
+
+    # -- step 3 --------------------------------------------------------------------------------------------------------
+
+    def _ready_ring(self) -> RegisteredRing:
+        if self._ring is None or self._listener is None:
+            raise LifecycleError(f"{self.name}: init_process_group before prepare on {self._self_name()}")
+        return self._ring
+
+    def _self_name(self) -> str:
+        return f"{self.context.role} rank {self.context.rank}"
+
+    def _connect_sender(self, rank_args: RankArgs) -> _ChainSender:
+        ring = self._ready_ring()
+        epoch = str(rank_args["epoch"])
+        downstream = self._accept_children(ring, rank_args, epoch)
+        return _ChainSender(ring, downstream)
+
+    def _connect_receiver(self, rank_args: RankArgs) -> _ChainReceiver:
+        ring = self._ready_ring()
+        epoch = str(rank_args["epoch"])
+        address, rank, upstream_position = (rank_args.get("upstream"), rank_args.get("rank"),
+                                            rank_args.get("upstream_position"))
+        if not isinstance(address, str) or not isinstance(rank, int) or not isinstance(upstream_position, int):
+            raise TopologyError(f"{self.name}: receiver rank_args need upstream, upstream_position and rank, "
+                                f"got {rank_args}")
+        peer = position_name(upstream_position)
+        deadline = time.monotonic() + self.timeout
+        sock = _connect(address, deadline=deadline, peer=peer)
+        remote: RemoteRing | None = None
+        try:
+            hello = codec.Hello(wire=codec.WIRE_VERSION, epoch=epoch, rank=rank + 1)
+            send_frame(sock, codec.encode(hello), deadline=deadline, peer=peer)
+            endpoint = decode_ring(recv_frame(sock, deadline=deadline, peer=peer, max_len=_MAX_CONTROL_FRAME),
+                                   epoch=epoch, library=self.library, peer=peer)
+            remote = ring.open(endpoint, peer=peer)
+            downstream = self._accept_children(ring, rank_args, epoch)
+        except BaseException:
+            sock.close()
+            if remote is not None:
+                remote.close()
+            raise
+        return _ChainReceiver(
+            ring=ring, upstream=sock, upstream_name=peer, remote=remote, remote_ring=endpoint, downstream=downstream,
+            epoch=epoch, rank=rank, timeout=self.timeout,
+        )
+
+    def _accept_children(self, ring: RegisteredRing, rank_args: RankArgs, epoch: str) -> _Downstream:
+        """Accept a connection from every child position; each must present this epoch's token and its position."""
+        listener = self._listener
+        expected = rank_args.get("children", [])
+        if listener is None or not isinstance(expected, list) or not all(isinstance(p, int) for p in expected):
+            raise TopologyError(f"{self.name}: bad children {expected!r} in rank_args")
+        positions = sorted(p for p in expected if isinstance(p, int))
+        endpoint = codec.encode(ring.endpoint(epoch=epoch))
+        socks = accept_peers(listener, ranks=positions, epoch=epoch, deadline=time.monotonic() + self.timeout,
+                             reply=lambda hello: endpoint, what=self._self_name())
+        for sock in socks:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        children = [_Child(position_name(p), sock) for p, sock in zip(positions, socks)]
+        return _Downstream(children, epoch)
+
+    def _peer_name(self) -> str:
+        return "actor rank 0"
+
+
+def _connect(address: str, *, deadline: float, peer: str) -> socket.socket:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise TopologyError(f"malformed address {address!r} for {peer}")
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=max(deadline - time.monotonic(), 0.001))
+    except OSError as exc:
+        raise TransferError(f"could not connect to {peer} at {address}: {exc}", peer=peer) from None
+    sock.setblocking(True)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock

@@ -1,0 +1,14 @@
+"""Backend ``nixl``: NIXL (UCX) one-sided reads along a pipelined chain. The engine is imported lazily
+(``NixlCheckpointEngine``)."""
+
+from typing import Any
+
+__all__ = ["NixlCheckpointEngine"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "NixlCheckpointEngine":
+        from weightsync.nixl.engine import NixlCheckpointEngine
+
+        return NixlCheckpointEngine
+    raise AttributeError(name)

@@ -1,0 +1,134 @@
+"""The ``nixl`` engine: the one-sided chain of :mod:`weightsync.core.chain` over NIXL (UCX backend).
+
+Each engine creates one NIXL agent (a unique name per process and engine) and registers its ring with it once.
+A downstream receives the upstream's agent metadata in a typed :class:`~weightsync.core.chain.RingEndpoint`
+(bytes that NIXL parses itself, never unpickled), adds the agent, and builds read descriptors locally from the
+advertised address and slot size. Transfers are polled with sleeping back-off until done or the deadline, when the
+request is released (NIXL cancels it) and a ``TransferError`` names the upstream — never ``exit()``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from typing import Any, ClassVar
+
+from weightsync.api.errors import BackendUnavailableError, TransferError, WireError
+from weightsync.core.chain import ChainCheckpointEngine, RegisteredRing, RemoteRing, RingEndpoint, wait_until
+
+__all__ = ["NixlCheckpointEngine", "NixlRing"]
+
+
+def _nixl_api() -> Any:
+    try:
+        from nixl import _api
+    except ImportError as exc:
+        raise BackendUnavailableError(f"the nixl library does not load here: {exc}; pip install weightsync-nixl",
+                                      backend="nixl", reason=str(exc)) from exc
+    return _api
+
+
+def _memory_kind(device: str) -> tuple[str, int]:
+    """NIXL's segment type and device id for a torch device string (``cpu``, ``cuda:1``)."""
+    if device.startswith("cuda"):
+        _, _, index = device.partition(":")
+        return "VRAM", int(index or 0)
+    return "DRAM", 0
+
+
+class _NixlPeer(RemoteRing):
+    def __init__(self, ring: NixlRing, agent_name: str, endpoint: RingEndpoint, peer: str) -> None:
+        self._ring = ring
+        self._agent_name = agent_name
+        self._endpoint = endpoint
+        self._remote_kind = _memory_kind(endpoint.memory)
+        self._peer = peer
+        self._closed = False
+
+    def read(self, *, local_offset: int, remote_offset: int, nbytes: int, deadline: float) -> None:
+        agent = self._ring.agent
+        local_kind, local_device = self._ring.kind
+        remote_kind, remote_device = self._remote_kind
+        try:
+            local = agent.get_xfer_descs([(self._ring.base + local_offset, nbytes, local_device)], local_kind)
+            remote = agent.get_xfer_descs([(self._endpoint.base + remote_offset, nbytes, remote_device)], remote_kind)
+            handle = agent.initialize_xfer("READ", local, remote, self._agent_name)
+        except Exception as exc:  # nixl raises its own binding errors (nixlNotFoundError, ...)
+            raise TransferError(f"nixl could not set up a {nbytes}-byte read from {self._peer}: {exc!r}",
+                                peer=self._peer) from None
+        try:
+            state = agent.transfer(handle)
+            if state == "PROC":
+                def finished() -> bool:
+                    nonlocal state
+                    state = agent.check_xfer_state(handle)
+                    return bool(state != "PROC")
+
+                wait_until(finished, deadline=deadline, peer=self._peer, what=f"reading {nbytes} bytes from")
+            if state != "DONE":
+                raise TransferError(f"nixl read of {nbytes} bytes from {self._peer} failed (state {state})",
+                                    peer=self._peer)
+        except TransferError:
+            raise
+        except Exception as exc:
+            raise TransferError(f"nixl read of {nbytes} bytes from {self._peer} failed: {exc!r}",
+                                peer=self._peer) from None
+        finally:
+            try:
+                agent.release_xfer_handle(handle)
+            except Exception:  # a request that cannot be cancelled is reclaimed with the agent
+                pass
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._ring.agent.remove_remote_agent(self._agent_name)
+        except Exception:  # already gone: nothing to release
+            pass
+
+
+class NixlRing(RegisteredRing):
+    library: ClassVar[str] = "nixl"
+
+    def __init__(self, *, slots: int, slot_bytes: int, device: str, agent_name: str) -> None:
+        super().__init__(slots=slots, slot_bytes=slot_bytes, device=device)
+        api = _nixl_api()
+        self.agent_name = agent_name
+        self.agent = api.nixl_agent(agent_name, api.nixl_agent_config(backends=["UCX"]))
+        self.kind = _memory_kind(self.memory)
+        # One registration for the whole ring, reused by every update and epoch.
+        self._registration: Any = self.agent.register_memory(self.tensor)
+        self._lock = threading.Lock()
+
+    def identity(self) -> tuple[str, bytes]:
+        return self.agent_name, bytes(self.agent.get_agent_metadata())
+
+    def open(self, endpoint: RingEndpoint, *, peer: str) -> RemoteRing:
+        try:
+            added = self.agent.add_remote_agent(endpoint.blob)
+        except Exception as exc:
+            raise WireError(f"nixl rejected the agent metadata of {peer}: {exc!r}") from None
+        name = added.decode() if isinstance(added, bytes) else str(added)
+        if name != endpoint.agent:
+            raise WireError(f"{peer} advertised agent {endpoint.agent!r} but its metadata describes {name!r}")
+        return _NixlPeer(self, name, endpoint, peer)
+
+    def close(self) -> None:
+        with self._lock:
+            registration, self._registration = self._registration, None
+        if registration is not None:
+            self.agent.deregister_memory(registration)
+
+
+class NixlCheckpointEngine(ChainCheckpointEngine):
+    """NIXL chain. Own options: ``fanout``, ``device`` (see the chain engine)."""
+
+    name: ClassVar[str] = "nixl"
+    library: ClassVar[str] = "nixl"
+
+    def _make_ring(self) -> RegisteredRing:
+        agent_name = f"weightsync-{self.context.role}{self.context.rank}-{os.getpid()}-{secrets.token_hex(4)}"
+        return NixlRing(slots=self.slots, slot_bytes=self.bucket_bytes, device=self.ring_device, agent_name=agent_name)
