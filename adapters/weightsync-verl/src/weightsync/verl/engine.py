@@ -38,10 +38,10 @@ from weightsync.api.errors import (
     reject_renamed_keywords,
 )
 from weightsync.api.registry import installed_backends, load_engine_class
-from weightsync.api.types import RankArgs, Role, StageTiming, Topology, TransferReport, WorkerContext, WorkerMetadata
+from weightsync.api.types import RankArgs, Role, StageTiming, Topology, TransferReport, WorkerMetadata
 from weightsync.api.types import WorldMetadata
 from weightsync.core.engine import BucketCheckpointEngine, default_node_id
-from weightsync.core.host import engine_spec
+from weightsync.core.host import build_engine, engine_spec
 
 __all__ = [
     "REGISTRY_PREFIX",
@@ -189,22 +189,7 @@ class VerlCheckpointEngine(_VerlCheckpointEngineABC):  # type: ignore[misc]  # v
             return self._engine
 
     def _build(self, spec: Mapping[str, Any]) -> BucketCheckpointEngine:
-        try:
-            backend = str(spec["backend"])
-            config = SyncConfig.from_dict(spec["config"])
-            role: Role = "actor" if spec["role"] == "actor" else "rollout"
-            rank = int(spec["rank"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"malformed engine spec {dict(spec)!r}: {exc!r}") from None
-        engine_class = load_engine_class(backend)
-        if not (isinstance(engine_class, type) and issubclass(engine_class, BucketCheckpointEngine)):
-            raise ConfigError(f"backend {backend!r} is not a weightsync BucketCheckpointEngine")
-        context = WorkerContext(role=role, rank=rank, node_id=default_node_id(), host_ip=_host_ip())
-        options: dict[str, Any] = dict(config.backend_options)
-        return engine_class(
-            bucket_bytes=config.bucket_bytes, context=context, slots=config.slots, timeout=config.timeouts.transfer,
-            verify_digest=config.verify_digest, **options,
-        )
+        return build_engine(spec, node_id=default_node_id(), host_ip=_host_ip())
 
     def _drop_engine(self) -> None:
         engine, self._engine, self._spec, self._stream = self._engine, None, None, None
