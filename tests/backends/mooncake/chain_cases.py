@@ -12,7 +12,6 @@ from tests.backends.mooncake.chain_world import (
     bytes_read_from,
     check_bit_exact,
     check_sender_sent_one_model,
-    expected_digest,
     reads_delta,
 )
 

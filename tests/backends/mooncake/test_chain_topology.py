@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import socket
+import json
+import subprocess
+import sys
 
 import pytest
 
-from weightsync.api.errors import TopologyError, TransferError
+from weightsync.api.errors import TopologyError
 from weightsync.api.types import WorkerMetadata, WorldMetadata
 from weightsync.core.chain import chain_positions
 from weightsync.mooncake.engine import MooncakeCheckpointEngine
@@ -50,25 +52,43 @@ def test_build_topology_rejects_foreign_metadata(engine: type[NixlCheckpointEngi
         engine.build_topology(actor_wg_world_size=2, rollout_world_size=4, metadata=_metadata(engine.library, 3))
 
 
+_UNREACHABLE = """
+import json, socket, sys
+from weightsync.api.errors import TransferError
+from weightsync.api.types import WorkerContext
+from weightsync.{module}.engine import {engine} as Engine
+
+with socket.socket() as probe:  # a port nobody listens on
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+receiver = Engine(bucket_bytes=1 << 16, timeout=5.0, context=WorkerContext(role="rollout", rank=1, node_id="n"))
+outcome = {{}}
+try:
+    receiver.prepare()
+    try:
+        receiver.init_process_group(rank_args={{
+            "role": "receiver", "epoch": "e" * 32, "rank": 1, "upstream": f"127.0.0.1:{{port}}",
+            "upstream_position": 1, "children": [],
+        }})
+    except TransferError as exc:
+        outcome = {{"type": type(exc).__name__, "peer": exc.peer, "message": str(exc)}}
+finally:
+    receiver.close()
+    receiver.close()  # idempotent
+print(json.dumps(outcome), flush=True)
+"""
+
+
 @pytest.mark.parametrize("engine", [NixlCheckpointEngine, MooncakeCheckpointEngine])
 def test_unreachable_upstream_is_a_transfer_error_naming_it(
     engine: type[NixlCheckpointEngine | MooncakeCheckpointEngine],
 ) -> None:
-    from weightsync.api.types import WorkerContext
-
-    with socket.socket() as probe:  # a port nobody listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    receiver = engine(bucket_bytes=1 << 16, timeout=5.0,
-                      context=WorkerContext(role="rollout", rank=1, node_id="n"))
-    try:
-        receiver.prepare()
-        with pytest.raises(TransferError, match="rollout rank 0") as caught:
-            receiver.init_process_group(rank_args={
-                "role": "receiver", "epoch": "e" * 32, "rank": 1, "upstream": f"127.0.0.1:{port}",
-                "upstream_position": 1, "children": [],
-            })
-        assert caught.value.peer == "rollout rank 0"
-    finally:
-        receiver.close()
-        receiver.close()  # idempotent
+    # In a child process: NIXL 1.5.1 crashes during interpreter teardown in any process that created an agent
+    # (see packages/weightsync-nixl/README.md), which would turn pytest's own exit status into a segfault.
+    code = _UNREACHABLE.format(module=engine.library, engine=engine.__name__)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines, result.stdout + result.stderr
+    outcome = json.loads(lines[-1])
+    assert outcome["type"] == "TransferError" and outcome["peer"] == "rollout rank 0", outcome
+    assert "rollout rank 0" in outcome["message"]
