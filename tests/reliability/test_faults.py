@@ -23,6 +23,9 @@ from weightsync.api.errors import DigestMismatchError, StepTimeoutError, Weights
 from weightsync.core.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 
+# The one-sided chain backends fail differently (a dead middle hop starves everything downstream of it), so the
+# kill, stall and corruption cases run for them too.
+ALL_CPU_BACKENDS = ["shm", "gloo", "nixl", "mooncake"]
 TRANSFER_TIMEOUT = 6.0
 SLACK = 1.0 + 3.0  # the 1 s, plus pause and resume round trips to Ray actors on a loaded 2-core machine
 
@@ -85,7 +88,7 @@ def _slow(cluster: Cluster) -> None:
     ray.get(cluster.actor_wg.call("set_mode", "normal", 0.15))  # 12 tensors, ~1.8 s of streaming
 
 
-@pytest.mark.parametrize("backend", ["shm", "gloo"])
+@pytest.mark.parametrize("backend", ALL_CPU_BACKENDS)
 def test_rollout_worker_killed_mid_transfer(cluster: Cluster, backend: str) -> None:
     manager = CheckpointEngineManager(backend=backend, actor_wg=cluster.actor_wg, replicas=cluster.replicas,
                                       config=config())
@@ -110,7 +113,7 @@ def test_rollout_worker_killed_mid_transfer(cluster: Cluster, backend: str) -> N
     cluster.replicas.remove(dead)
 
 
-@pytest.mark.parametrize("backend", ["shm", "gloo"])
+@pytest.mark.parametrize("backend", ALL_CPU_BACKENDS)
 def test_actor_rank_0_killed_mid_transfer(cluster: Cluster, backend: str) -> None:
     manager = CheckpointEngineManager(backend=backend, actor_wg=cluster.actor_wg, replicas=cluster.replicas,
                                       config=config())
@@ -128,7 +131,7 @@ def test_actor_rank_0_killed_mid_transfer(cluster: Cluster, backend: str) -> Non
     assert any(status.state == "torn" for status in manager.status())
 
 
-@pytest.mark.parametrize("backend", ["shm", "gloo"])
+@pytest.mark.parametrize("backend", ALL_CPU_BACKENDS)
 def test_stalled_receiver_times_out_naming_it_and_recovers(cluster: Cluster, backend: str) -> None:
     manager = CheckpointEngineManager(backend=backend, actor_wg=cluster.actor_wg, replicas=cluster.replicas,
                                       config=config())
@@ -149,7 +152,7 @@ def test_stalled_receiver_times_out_naming_it_and_recovers(cluster: Cluster, bac
     assert report.ok and cluster.digests([0, 1]) == [expected, expected]
 
 
-@pytest.mark.parametrize("backend", ["shm", "gloo"])
+@pytest.mark.parametrize("backend", ALL_CPU_BACKENDS)
 def test_bit_flip_in_transit_is_caught_and_repaired(cluster: Cluster, backend: str) -> None:
     manager = CheckpointEngineManager(backend=backend, actor_wg=cluster.actor_wg, replicas=cluster.replicas,
                                       config=config(transport_hook="tests.workloads:FLIP_ONCE"))

@@ -599,6 +599,10 @@ class _ReceiveStream:
                 self._buckets += 1
                 deliver(_Arrived(header, payload, received.token))
         except BaseException as exc:
+            # This update is lost on this rank. Closing the transport now tells the peers (an upstream waiting for
+            # our acknowledgement, a downstream waiting for our announcement) at once instead of at their deadline;
+            # the next update joins a new epoch with new connections anyway.
+            self._transport.close()
             deliver(exc)
         finally:
             self._release_hold()

@@ -191,8 +191,9 @@ class CheckpointEngineManager:
             stages["transfer"] = time.perf_counter() - step_start
             reports = outcomes[len(sends):]
             sender_reports = [outcome for outcome in outcomes[: len(sends)] if isinstance(outcome, TransferReport)]
-            errors = [_typed(outcome, step="transfer", worker=label)
-                      for outcome, label in zip(outcomes, labels) if isinstance(outcome, BaseException)]
+            failed = {id(outcome): (outcome, label) for outcome, label in zip(outcomes, labels)
+                      if isinstance(outcome, BaseException)}  # one timeout error stands for every pending worker
+            errors = [_typed(outcome, step="transfer", worker=label) for outcome, label in failed.values()]
             if errors:
                 raise _root_cause(errors)
             self._check_digests(sender_reports, reports, workers)
@@ -367,7 +368,9 @@ def _root_cause(errors: list[BaseException]) -> BaseException:
     A worker that died or crashed (``WorkerError``) comes first: its peers' transfer errors are consequences. Then
     the senders' errors (a bad weights stream), which come first in ``errors``. The others are attached as notes.
     """
-    chosen = next((error for error in errors if isinstance(error, WorkerError)), errors[0])
+    # A timeout is a symptom when another worker actually failed; it is the cause only when nothing else went wrong.
+    causes = [error for error in errors if not isinstance(error, StepTimeoutError)] or errors
+    chosen = next((error for error in causes if isinstance(error, WorkerError)), causes[0])
     for error in errors:
         if error is not chosen:
             chosen.add_note(f"also: {type(error).__name__}: {error}")
@@ -387,8 +390,9 @@ async def _gather(step: str, timeout: float, labelled: list[tuple[str, Awaitable
                   *, raise_first: bool = True) -> list[Any]:
     """Await every labelled awaitable under one timeout; the results in order.
 
-    With ``raise_first`` the first failure (in order) is raised as a typed error; otherwise failures are returned in
-    place of results. A timeout raises ``StepTimeoutError`` naming the step and every worker still pending.
+    With ``raise_first`` the first failure (in order) is raised as a typed error, and a timeout raises
+    ``StepTimeoutError`` naming the step and every worker still pending; otherwise failures, and that timeout error
+    for the pending workers, are returned in place of results.
     """
     if not labelled:
         return []
@@ -399,16 +403,22 @@ async def _gather(step: str, timeout: float, labelled: list[tuple[str, Awaitable
         for future in futures:
             future.cancel()
         raise
+    timed_out: StepTimeoutError | None = None
     if pending:
         for future in pending:
             future.cancel()
         names = [label for (label, _), future in zip(labelled, futures) if future in pending]
-        raise StepTimeoutError(
+        timed_out = StepTimeoutError(
             f"step {step!r} did not finish within {timeout:g}s; still waiting for: {', '.join(names)}",
             step=step, workers=names,
         )
+        if raise_first:
+            raise timed_out
     results: list[Any] = []
     for (label, _), future in zip(labelled, futures):
+        if future in pending:
+            results.append(timed_out)  # the caller weighs it against the other workers' failures
+            continue
         error = future.exception()
         if error is not None:
             if raise_first:
