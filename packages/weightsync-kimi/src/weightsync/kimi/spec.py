@@ -23,7 +23,8 @@ def probe() -> str | None:
 
     if not (os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")
             or ctypes.util.find_library("cuda")):
-        return "checkpoint-engine needs a CUDA GPU, and this machine has no NVIDIA driver"
+        return ("checkpoint-engine needs a CUDA GPU per worker, and this machine has no NVIDIA driver: run on a host "
+                "with NVIDIA GPUs and their driver, with a CUDA build of torch")
     import torch
 
     if torch.version.cuda is None:

@@ -18,7 +18,8 @@ def cuda_reason() -> str | None:
     if missing is not None:
         return missing
     if no_nvidia_driver():
-        return "no NVIDIA driver on this machine (no /dev/nvidiactl, /proc/driver/nvidia or libcuda)"
+        return ("no NVIDIA driver on this machine (no /dev/nvidiactl, /proc/driver/nvidia or libcuda): run on a host "
+                "with NVIDIA GPUs and their driver, with a CUDA build of torch")
     import torch
     import torch.distributed
 
