@@ -35,7 +35,19 @@ def weights_digest(weights: list[tuple[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
-class ModelSource:
+class _Inspectable:
+    """What tests ask a worker process about itself, from outside the engine."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def thread_names(self) -> list[str]:
+        import threading
+
+        return sorted(thread.name for thread in threading.enumerate())
+
+
+class ModelSource(_Inspectable):
     """An actor rank's model: deterministic tensors per version; ``set_mode`` injects faults in the stream."""
 
     def __init__(self, rank: int, world_size: int, *, tensors: int = 12, numel: int = 50_000) -> None:
@@ -69,19 +81,12 @@ class ModelSource:
                 raise RuntimeError("the trainer's weight gather failed half-way")
             yield name, tensor
 
-    def pid(self) -> int:
-        return os.getpid()
-
-    def thread_names(self) -> list[str]:
-        import threading
-
-        return sorted(thread.name for thread in threading.enumerate())
 
     def pg_constructions(self) -> int:
         return counting_groups()
 
 
-class RecordingSink:
+class RecordingSink(_Inspectable):
     """A rollout worker's model: keeps a copy of every tensor and records the pause/resume hooks it sees."""
 
     def __init__(self, replica: int, worker: int) -> None:
@@ -113,13 +118,6 @@ class RecordingSink:
     def hook_log(self) -> list[str]:
         return list(self.hooks)
 
-    def pid(self) -> int:
-        return os.getpid()
-
-    def thread_names(self) -> list[str]:
-        import threading
-
-        return sorted(thread.name for thread in threading.enumerate())
 
     def pg_constructions(self) -> int:
         return counting_groups()

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import ray
-
-from tests.conftest import RayNodes
-from tests.workloads import CountingModelSource, CountingSink, weights_digest, model_tensors
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import (
     ConcurrentUpdateError,
@@ -30,6 +26,10 @@ from weightsync.core import manager as manager_module
 from weightsync.core.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 from weightsync.shm.engine import ShmCheckpointEngine
+
+from tests.conftest import RayNodes
+from tests.liveness import measure_liveness
+from tests.workloads import CountingModelSource, CountingSink, model_tensors, weights_digest
 
 BUCKET = 256 * 1024
 
@@ -141,35 +141,10 @@ def test_second_update_reuses_gloo_groups(world: World) -> None:
         world.replicas.append(replica)
 
 
-async def _liveness(update: Callable[[], Awaitable[Any]]) -> tuple[int, float, float]:
-    """Run ``update`` while a ticker sleeps 10 ms at a time; return ticks, worst lateness and the update's seconds."""
-    ticks = 0
-    worst = 0.0
-    stop = asyncio.Event()
-
-    async def ticker() -> None:
-        nonlocal ticks, worst
-        while not stop.is_set():
-            before = time.perf_counter()
-            await asyncio.sleep(0.01)
-            worst = max(worst, time.perf_counter() - before - 0.01)
-            ticks += 1
-
-    task = asyncio.create_task(ticker())
-    started = time.perf_counter()
-    try:
-        await update()
-    finally:
-        seconds = time.perf_counter() - started
-        stop.set()
-        await task
-    return ticks, worst, seconds
-
-
 def test_manager_never_blocks_its_event_loop(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     manager = world.manager("shm")
     world.set_mode("normal", delay=0.2)  # 12 tensors x 0.2 s: an update of about 2.4 s
-    ticks, worst, seconds = asyncio.run(_liveness(lambda: manager.update_weights()))
+    ticks, worst, seconds = asyncio.run(measure_liveness(lambda: manager.update_weights()))
     assert seconds >= 2.0
     assert ticks >= 100 and worst < 0.2, (ticks, worst)
 
@@ -185,7 +160,7 @@ def test_manager_never_blocks_its_event_loop(world: World, monkeypatch: pytest.M
         return await original(step, timeout, resolved, **kwargs)
 
     monkeypatch.setattr(manager_module, "_gather", blocking_gather)
-    ticks, worst, seconds = asyncio.run(_liveness(lambda: manager.update_weights()))
+    ticks, worst, seconds = asyncio.run(measure_liveness(lambda: manager.update_weights()))
     assert seconds >= 2.0
     assert not (ticks >= 100 and worst < 0.2), (ticks, worst)
 

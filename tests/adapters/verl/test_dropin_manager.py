@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
 pytest.importorskip("verl")
 
-from tests.adapters.verl.conftest import VerlWorld  # noqa: E402
-from tests.adapters.verl.workloads import ToyReplica, mismatches, model_weights  # noqa: E402
 from verl.checkpoint_engine import CheckpointEngineManager as VerlManager  # noqa: E402
 from verl.utils.import_utils import load_class_from_fqn  # noqa: E402
 from weightsync.api.errors import ConfigError, RenamedKeywordError, StepTimeoutError, WeightsyncError  # noqa: E402
 from weightsync.verl import VerlActorWorkerGroup, VerlRolloutReplica  # noqa: E402
+
+from tests.adapters.verl.conftest import VerlWorld  # noqa: E402
+from tests.adapters.verl.workloads import ToyReplica, mismatches, model_weights  # noqa: E402
+from tests.liveness import measure_liveness  # noqa: E402
 
 FQN = "weightsync.verl.CheckpointEngineManager"
 PAUSE = ["abort_all_requests", "release_kv_cache"]
@@ -87,31 +87,6 @@ def test_membership_edits_of_the_replicas_list_are_picked_up(verl_world: VerlWor
     assert_bit_exact(verl_world, 11)
 
 
-async def _liveness(update: Callable[[], Awaitable[Any]]) -> tuple[int, float, float]:
-    """Run ``update`` while a ticker sleeps 10 ms at a time; return ticks, worst lateness and the update's seconds."""
-    ticks = 0
-    worst = 0.0
-    stop = asyncio.Event()
-
-    async def ticker() -> None:
-        nonlocal ticks, worst
-        while not stop.is_set():
-            before = time.perf_counter()
-            await asyncio.sleep(0.01)
-            worst = max(worst, time.perf_counter() - before - 0.01)
-            ticks += 1
-
-    task = asyncio.create_task(ticker())
-    started = time.perf_counter()
-    try:
-        await update()
-    finally:
-        seconds = time.perf_counter() - started
-        stop.set()
-        await task
-    return ticks, worst, seconds
-
-
 def test_the_manager_never_blocks_its_event_loop(verl_world: VerlWorld) -> None:
     manager = load_manager(verl_world)
     verl_world.set_model(20, delay=0.25)  # ten tensors x 0.25 s: an update of about 2.5 s
@@ -119,7 +94,7 @@ def test_the_manager_never_blocks_its_event_loop(verl_world: VerlWorld) -> None:
         async def ours() -> None:
             await manager.update_weights(global_steps=20)
 
-        ticks, worst, seconds = asyncio.run(_liveness(ours))
+        ticks, worst, seconds = asyncio.run(measure_liveness(ours))
         assert seconds >= 2.0
         assert ticks >= 100 and worst < 0.2, (ticks, worst)
         assert_bit_exact(verl_world, 20)
@@ -131,7 +106,7 @@ def test_the_manager_never_blocks_its_event_loop(verl_world: VerlWorld) -> None:
         async def verls() -> None:
             await verl_manager.update_weights(global_steps=21)
 
-        ticks, worst, seconds = asyncio.run(_liveness(verls))
+        ticks, worst, seconds = asyncio.run(measure_liveness(verls))
         assert seconds >= 2.0
         assert not (ticks >= 100 and worst < 0.2), (ticks, worst)
     finally:

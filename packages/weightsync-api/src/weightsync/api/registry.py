@@ -206,6 +206,16 @@ def backend_statuses() -> list[BackendStatus]:
     return statuses
 
 
+def nvidia_driver_present() -> bool:
+    """Probe helper: whether this machine shows any sign of an NVIDIA driver (checked without importing torch), so
+    a CUDA backend's probe can answer on a CPU-only machine without importing anything heavy."""
+    import ctypes.util
+    import os
+
+    return (os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")
+            or ctypes.util.find_library("cuda") is not None)
+
+
 def module_importable(*modules: str) -> str | None:
     """Probe helper: ``None`` when every module can be found, else which one is missing (without importing it)."""
     from importlib.util import find_spec

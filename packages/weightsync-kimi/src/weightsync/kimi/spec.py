@@ -3,7 +3,7 @@ a machine without an NVIDIA driver, and torch (to ask for a CUDA device) only wh
 
 from __future__ import annotations
 
-from weightsync.api.registry import BackendSpec, module_importable
+from weightsync.api.registry import BackendSpec, module_importable, nvidia_driver_present
 
 __all__ = ["SPEC", "probe", "CHECKPOINT_ENGINE_HINT", "P2P_HINT"]
 
@@ -18,11 +18,7 @@ def probe() -> str | None:
         return missing
     if module_importable("checkpoint_engine", "zmq") is not None:
         return f"Python module 'checkpoint_engine' is not installed: {CHECKPOINT_ENGINE_HINT}"
-    import ctypes.util
-    import os
-
-    if not (os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")
-            or ctypes.util.find_library("cuda")):
+    if not nvidia_driver_present():
         return ("checkpoint-engine needs a CUDA GPU per worker, and this machine has no NVIDIA driver: run on a host "
                 "with NVIDIA GPUs and their driver, with a CUDA build of torch")
     import torch

@@ -7,9 +7,9 @@ reason it returns says what to change, because ``weightsync doctor`` prints it a
 
 from __future__ import annotations
 
-from weightsync.api.registry import BackendSpec, module_importable
+from weightsync.api.registry import BackendSpec, module_importable, nvidia_driver_present
 
-__all__ = ["SPEC", "cuda_reason", "no_nvidia_driver", "probe"]
+__all__ = ["SPEC", "cuda_reason", "probe"]
 
 
 def cuda_reason() -> str | None:
@@ -17,7 +17,7 @@ def cuda_reason() -> str | None:
     missing = module_importable("torch", "msgspec")
     if missing is not None:
         return missing
-    if no_nvidia_driver():
+    if not nvidia_driver_present():
         return ("no NVIDIA driver on this machine (no /dev/nvidiactl, /proc/driver/nvidia or libcuda): run on a host "
                 "with NVIDIA GPUs and their driver, with a CUDA build of torch")
     import torch
@@ -35,15 +35,6 @@ def cuda_reason() -> str | None:
     except Exception as exc:  # a mismatched driver raises from the CUDA runtime on some builds
         return f"the CUDA runtime failed to initialise: {exc}"
     return None
-
-
-def no_nvidia_driver() -> bool:
-    """True when nothing of an NVIDIA driver is present (checked without importing torch)."""
-    import ctypes.util
-    import os
-
-    return not (os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")
-                or ctypes.util.find_library("cuda"))
 
 
 def probe() -> str | None:
