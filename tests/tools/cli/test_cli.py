@@ -74,5 +74,6 @@ def test_bench_reports_every_backend(tmp_path: pathlib.Path) -> None:
                         "--json", str(out))
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
-    assert [row["backend"] for row in data["results"]] == ["shm", "gloo"]
-    assert all(row["gbps_p50"] > 0 and len(row["seconds"]) == 2 for row in data["results"])
+    assert [row["backend"] for row in data["results"]] == ["shm", "gloo", "naive", "bucketed"]
+    assert all(row["gbps_p50"] > 0 and len(data["scenario"]["seconds"][row["backend"]]) == 2
+               for row in data["results"])

@@ -28,12 +28,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="throughput of each backend between processes on this machine")
     bench.add_argument("--backends", default="", help="comma-separated backends (default: all available)")
-    bench.add_argument("--model-mb", type=float, default=1024.0, help="model size in MiB (default 1024)")
+    bench.add_argument("--model-mb", type=float, default=None,
+                       help="model size in MiB (default 1024; with --mix small, 10,000 tensors of 4 KiB)")
     bench.add_argument("--receivers", type=int, default=2, help="receiving processes (default 2)")
     bench.add_argument("--bucket-mb", type=int, default=64, help="bucket size in MiB (default 64)")
     bench.add_argument("--mix", choices=["realistic", "small"], default="realistic")
     bench.add_argument("--repeat", type=int, default=5, help="timed runs per backend after a warm-up")
     bench.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON")
+    bench.add_argument("--plot", dest="plot_path", default=None,
+                       help="also sweep bucket size and R and plot GB/s per backend to this PNG (needs matplotlib)")
+    bench.add_argument("--trace", dest="trace_path", default=None,
+                       help="Chrome trace JSON of one update of the first backend (open in Perfetto)")
 
     doctor = commands.add_parser("doctor", help="list every known backend and whether it can run here")
     doctor.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
@@ -77,14 +82,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         from weightsync.cli.bench import BenchOptions, run_bench
 
-        if args.receivers < 1 or args.repeat < 1 or args.model_mb <= 0 or args.bucket_mb < 1:
+        if args.receivers < 1 or args.repeat < 1 or (args.model_mb is not None and args.model_mb <= 0) \
+                or args.bucket_mb < 1:
             print("weightsync bench: --receivers, --repeat, --model-mb and --bucket-mb must be positive",
                   file=sys.stderr)
             return 2
         return run_bench(BenchOptions(
             backends=tuple(name for name in args.backends.split(",") if name), model_mb=args.model_mb,
             receivers=args.receivers, bucket_mb=args.bucket_mb, mix=args.mix, repeat=args.repeat,
-            json_path=args.json_path,
+            json_path=args.json_path, plot_path=args.plot_path, trace_path=args.trace_path,
         ))
     from weightsync.cli.demo import DemoOptions, run_demo
 

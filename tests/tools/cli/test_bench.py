@@ -1,0 +1,107 @@
+"""`weightsync bench` as a user runs it: real spawned processes, real transports, a small model so it stays quick.
+
+No timing assertions: the machine is shared. What is checked is the shape of what the command writes and that its
+figures agree with each other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from weightsync.cli.bench.worker import bucket_plan
+
+RESULT_KEYS = {"backend", "gbps_p50", "gbps_p90", "ratio_bucketed", "ratio_limit", "peak_extra_rss_mb"}
+
+
+def bench(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GLOG_minloglevel": "2"}
+    return subprocess.run([sys.executable, "-m", "weightsync.cli", "bench", *args], capture_output=True, text=True,
+                          timeout=300, env=env, check=False)
+
+
+@pytest.fixture(scope="module")
+def shm_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any], str]:
+    folder = tmp_path_factory.mktemp("bench")
+    out, trace = folder / "bench.json", folder / "trace.json"
+    result = bench("--backends", "shm", "--model-mb", "16", "--bucket-mb", "4", "--repeat", "2",
+                   "--json", str(out), "--trace", str(trace))
+    assert result.returncode == 0, result.stderr
+    return json.loads(out.read_text()), json.loads(trace.read_text()), result.stdout
+
+
+def test_json_has_the_documented_schema(shm_run: tuple[dict[str, Any], dict[str, Any], str]) -> None:
+    data, _, _ = shm_run
+    assert set(data) == {"scenario", "limit_gbps", "raw_gloo_gbps", "results"}
+    assert [row["backend"] for row in data["results"]] == ["shm", "naive", "bucketed"]
+    assert all(set(row) == RESULT_KEYS for row in data["results"])
+    scenario = data["scenario"]
+    assert scenario["model_bytes"] == 16 * 2**20 and scenario["receivers"] == 2 and scenario["bucket_mb"] == 4
+    assert scenario["copiers"] == min(scenario["cores"], 3)
+    assert data["limit_gbps"] > 0 and data["raw_gloo_gbps"] > 0
+
+
+def test_ratios_agree_with_the_figures(shm_run: tuple[dict[str, Any], dict[str, Any], str]) -> None:
+    data, _, stdout = shm_run
+    rows = {row["backend"]: row for row in data["results"]}
+    bucketed = rows["bucketed"]["gbps_p50"]
+    assert rows["bucketed"]["ratio_bucketed"] == pytest.approx(1.0)
+    for row in rows.values():
+        assert row["gbps_p50"] > 0 and row["gbps_p90"] > 0
+        assert row["gbps_p90"] <= row["gbps_p50"]  # p90: 90% of updates were at least this fast
+        assert row["ratio_bucketed"] == pytest.approx(row["gbps_p50"] / bucketed, rel=1e-2)
+        assert row["ratio_limit"] == pytest.approx(row["gbps_p50"] / data["limit_gbps"], rel=1e-2)
+        assert row["peak_extra_rss_mb"] >= 0
+    # The limit is BW(k) / (1+R) per receiver.
+    scenario = data["scenario"]
+    assert data["limit_gbps"] == pytest.approx(scenario["copy_bandwidth_gbps"] / 3, rel=1e-2)
+    assert scenario["bucketed_over_raw_gloo"] == pytest.approx(bucketed / data["raw_gloo_gbps"], rel=1e-2)
+    # Every update of every case was timed; GB/s is S / time.
+    for name, seconds in scenario["seconds"].items():
+        assert len(seconds) == 2
+        assert rows[name]["gbps_p50"] == pytest.approx(scenario["model_bytes"] / min(seconds) / 1e9, rel=0.6)
+    for name in rows:
+        assert name in stdout
+
+
+def test_trace_merges_every_worker(shm_run: tuple[dict[str, Any], dict[str, Any], str]) -> None:
+    _, trace, _ = shm_run
+    events = trace["traceEvents"]
+    names = {event["pid"]: event["args"]["name"] for event in events if event["name"] == "process_name"}
+    spans = [event for event in events if event["ph"] == "X"]
+    assert all(isinstance(event["pid"], int) and event["dur"] >= 0 for event in spans)
+    by_stage: dict[str, set[str]] = {}
+    for event in spans:
+        by_stage.setdefault(event["cat"], set()).add(names[event["pid"]])
+    assert by_stage["pack"] == {"actor 0"}
+    assert by_stage["unpack"] == {"rollout 0", "rollout 1"}
+    assert "transfer" in by_stage
+    # 16 MiB in 4 MiB buckets: several buckets per worker, each on the host's one monotonic clock.
+    assert sum(1 for event in spans if event["cat"] == "unpack") >= 2 * 4
+    update = next(event for event in spans if event["cat"] == "update")
+    for event in spans:
+        assert update["ts"] - 1e3 <= event["ts"] <= update["ts"] + update["dur"] + 1e3
+
+
+def test_small_mix_defaults_to_ten_thousand_4k_tensors(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "small.json"
+    result = bench("--backends", "shm", "--mix", "small", "--repeat", "1", "--receivers", "1", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    scenario = json.loads(out.read_text())["scenario"]
+    assert scenario["tensors"] == 10_000 and scenario["model_bytes"] == 10_000 * 4096
+
+
+def test_baselines_are_not_backend_names() -> None:
+    result = bench("--backends", "naive")
+    assert result.returncode == 2 and "baseline" in result.stderr
+
+
+def test_bucket_plan_splits_large_tensors_and_fills_buckets() -> None:
+    plan = bucket_plan([6, 2, 10], bucket_bytes=8)
+    assert plan == [[(0, 0, 6, 0), (1, 0, 2, 6)], [(2, 0, 8, 0)], [(2, 8, 2, 0)]]
+    assert all(sum(size for _, _, size, _ in bucket) <= 8 for bucket in plan)
