@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import threading
+import functools
 from typing import Any
 
 from tests.backends.mooncake.chain_world import IoLog, ProbedSinkBase, ProbedSourceBase
 
-_lock = threading.Lock()
-_installed = False
 LOG = IoLog()
 
 
+@functools.cache  # once per process: every engine built there goes through the same wrappers
 def install() -> None:
-    global _installed
-    with _lock:
-        if _installed:
-            return
-        _installed = True
     from mooncake import engine
 
     engine_class: Any = engine.TransferEngine

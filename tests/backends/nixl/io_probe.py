@@ -6,22 +6,16 @@ every agent, registration and read the engine makes in that process goes through
 
 from __future__ import annotations
 
-import threading
+import functools
 from typing import Any
 
 from tests.backends.mooncake.chain_world import IoLog, ProbedSinkBase, ProbedSourceBase
 
-_lock = threading.Lock()
-_installed = False
 LOG = IoLog()
 
 
+@functools.cache  # once per process: every engine built there goes through the same wrappers
 def install() -> None:
-    global _installed
-    with _lock:
-        if _installed:
-            return
-        _installed = True
     from nixl import _api
 
     agent_class: Any = _api.nixl_agent
