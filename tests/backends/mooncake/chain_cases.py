@@ -26,11 +26,9 @@ class ChainCases:
         report = world.update(manager, 101)
         check_bit_exact(world.digests(), expected)
         assert report.nbytes == MODEL_BYTES
-        sender_ids = world.sender_log()["identities"]
-        assert sender_ids  # the wrappers saw the sender's agent (positive control of the identity capture)
         delta = reads_delta(before, world.receiver_logs())
         per_receiver = [sum(log["reads"].values()) for log in delta]
-        sender_bytes = bytes_read_from(delta, sender_ids)
+        sender_bytes = bytes_read_from(delta, world.sender_identity())
         check_sender_sent_one_model(sender_bytes=sender_bytes, per_receiver=per_receiver, model_bytes=MODEL_BYTES)
 
         # Negative control: the same check over a star (fan-out 3: every receiver reads from the sender) must fail,
@@ -41,8 +39,7 @@ class ChainCases:
         world.update(star, 102)
         check_bit_exact(world.digests(), expected)
         delta = reads_delta(before, world.receiver_logs())
-        sender_ids = world.sender_log()["identities"]
-        star_bytes = bytes_read_from(delta, sender_ids)
+        star_bytes = bytes_read_from(delta, world.sender_identity())
         assert star_bytes == 3 * MODEL_BYTES
         with pytest.raises(AssertionError, match="the sender sent"):
             check_sender_sent_one_model(sender_bytes=star_bytes, per_receiver=[MODEL_BYTES] * 3,
@@ -90,7 +87,7 @@ class ChainCases:
         check_bit_exact(world.digests(), expected)
         delta = reads_delta(before, world.receiver_logs())
         assert sum(delta[-1]["reads"].values()) == MODEL_BYTES  # the full model, not a difference
-        sender_bytes = bytes_read_from(delta, world.sender_log()["identities"])
+        sender_bytes = bytes_read_from(delta, world.sender_identity())
         check_sender_sent_one_model(sender_bytes=sender_bytes, per_receiver=[sum(d["reads"].values()) for d in delta],
                                     model_bytes=MODEL_BYTES)
         # And a replica removed: the chain is rebuilt around the gap.

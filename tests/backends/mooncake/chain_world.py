@@ -125,6 +125,16 @@ class ChainWorld:
         logs: list[dict[str, Any]] = ray.get(self.actor_wg.call("io_log"))
         return logs[0]
 
+    def sender_identity(self) -> str:
+        """The identity of the sender's live engine: the last one its process created.
+
+        Older identities are not used: once their engine is closed, the port (Mooncake's identity is host:port) can
+        be handed to a receiver's new engine, and reads from that receiver would be counted as the sender's.
+        """
+        identities: list[str] = self.sender_log()["identities"]
+        assert identities  # the wrappers saw the sender's engine (positive control of the identity capture)
+        return identities[-1]
+
     def receiver_logs(self, replicas: list[RayRolloutReplica] | None = None) -> list[dict[str, Any]]:
         return [ray.get(ref) for replica in (replicas or self.replicas) for ref in replica.call("io_log")]
 
@@ -148,9 +158,9 @@ def chain_world(*, backend: str, source: type[ProbedSourceBase], sink: type[Prob
             replica.shutdown()
 
 
-def bytes_read_from(logs: list[dict[str, Any]], identities: list[str]) -> int:
-    """Bytes the receivers' processes read from any of ``identities`` (counted on the receiving side)."""
-    return sum(nbytes for log in logs for target, nbytes in log["reads"].items() if target in identities)
+def bytes_read_from(logs: list[dict[str, Any]], identity: str) -> int:
+    """Bytes the receivers' processes read from ``identity`` (counted on the receiving side)."""
+    return sum(nbytes for log in logs for target, nbytes in log["reads"].items() if target == identity)
 
 
 def reads_delta(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[dict[str, Any]]:
