@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from weightsync.api.errors import EpochMismatchError, WireError
-from weightsync.api.types import TensorMeta
+from weightsync.core.codec import TensorMeta
 from weightsync.core import codec
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "DuplicateTensorError",
     "UnsupportedDtypeError",
     "UnsupportedDeviceError",
+    "DestinationError",
     "LifecycleError",
     "ConcurrentUpdateError",
     "WireError",
@@ -99,6 +100,13 @@ class UnsupportedDtypeError(WeightStreamError):
 
 class UnsupportedDeviceError(WeightStreamError):
     """A tensor lives on a device the backend does not serve (e.g. a CUDA tensor given to the shm backend)."""
+
+
+class DestinationError(WeightsyncError, ValueError):
+    """A received tensor cannot be copied into the destinations given for it (``ReceivedWeights.copy_into``): no
+    destination of its name and no fallback, or a destination whose dtype or shape differs. ``name`` names it."""
+
+    name: str
 
 
 class LifecycleError(WeightsyncError, RuntimeError):

@@ -37,9 +37,10 @@ event loop for more than a bucket's bookkeeping: copies and transfers run in wor
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
+from weightsync.api.errors import DestinationError
 from weightsync.api.types import RankArgs, Topology, TransferReport, WorkerMetadata, WorldMetadata
 
 if TYPE_CHECKING:
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckpointEngine",
     "ReceivedWeights",
+    "copy_stream_into",
+    "load_into",
     "ActorWorkerGroup",
     "RolloutWorker",
     "RolloutReplica",
@@ -75,6 +78,58 @@ class ReceivedWeights(Protocol):
     def __aiter__(self) -> AsyncIterator[tuple[str, torch.Tensor]]: ...
 
     async def __anext__(self) -> tuple[str, torch.Tensor]: ...
+
+    async def copy_into(
+        self, destinations: Mapping[str, torch.Tensor], *,
+        fallback: Callable[[str, torch.Tensor], object] | None = None,
+    ) -> int:
+        """Consume the rest of the stream, copying each tensor into ``destinations[name]``; return how many tensors
+        it consumed.
+
+        The fast way to load an update into tensors that already exist (an inference engine's parameters): an
+        engine copies straight from its receive buffers and hashes each piece right behind the copy, so every byte
+        is read once. A destination must have the tensor's dtype and shape (``DestinationError`` otherwise, before
+        it is written). A tensor with no destination goes to ``fallback(name, view)`` (a view with the lifetime
+        ``__anext__`` gives it), or raises ``DestinationError`` when there is none. The end of the stream, the
+        digest check and ``report`` are as with ``async for``. ``copy_stream_into`` implements it over ``__anext__``
+        for a stream that has nothing faster.
+        """
+        ...
+
+
+async def load_into(
+    weights: AsyncIterator[tuple[str, torch.Tensor]], destinations: Mapping[str, torch.Tensor], *,
+    fallback: Callable[[str, torch.Tensor], object] | None = None,
+) -> int:
+    """What a ``WeightSink`` calls to load an update into tensors it already has: the stream's own ``copy_into``
+    when it is a ``ReceivedWeights`` (the engine's fast path), else ``copy_stream_into``."""
+    copy_into = getattr(weights, "copy_into", None)
+    if copy_into is not None:
+        return int(await copy_into(destinations, fallback=fallback))
+    return await copy_stream_into(weights, destinations, fallback=fallback)
+
+
+async def copy_stream_into(
+    stream: AsyncIterator[tuple[str, torch.Tensor]], destinations: Mapping[str, torch.Tensor], *,
+    fallback: Callable[[str, torch.Tensor], object] | None = None,
+) -> int:
+    """``ReceivedWeights.copy_into`` over plain iteration: ``destinations[name].copy_(tensor)`` per tensor."""
+    count = 0
+    async for name, tensor in stream:
+        destination = destinations.get(name)
+        if destination is None:
+            if fallback is None:
+                raise DestinationError(f"no destination for received tensor {name!r} (and no fallback)", name=name)
+            fallback(name, tensor)
+        elif destination.dtype != tensor.dtype or destination.shape != tensor.shape:
+            raise DestinationError(
+                f"received tensor {name!r} is {tensor.dtype}{list(tensor.shape)}, its destination "
+                f"{destination.dtype}{list(destination.shape)}", name=name,
+            )
+        else:
+            destination.copy_(tensor)
+        count += 1
+    return count
 
 
 @runtime_checkable

@@ -22,7 +22,6 @@ __all__ = [
     "RankArgs",
     "Role",
     "WorkerContext",
-    "TensorMeta",
     "WorldMetadata",
     "Topology",
     "TransferReport",
@@ -57,33 +56,6 @@ class WorkerContext:
     rank: int
     node_id: str
     host_ip: str = "127.0.0.1"
-
-
-@dataclass(frozen=True, kw_only=True)
-class TensorMeta:
-    """One tensor, or one contiguous byte range of one tensor, as carried in a bucket.
-
-    A tensor larger than a bucket travels as several ``TensorMeta`` with the same ``name`` and increasing
-    ``offset``; a sender that owns only part of a tensor sends only that range. The receiver yields the tensor once
-    it holds all ``total_nbytes`` bytes. ``dtype`` is the torch dtype's name without the ``torch.`` prefix
-    (``"bfloat16"``); ``shape`` is the full tensor's shape. Bytes are the tensor's contiguous row-major bytes.
-    """
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    """Byte offset of this range within the full tensor's bytes."""
-    nbytes: int
-    """Length of this range in bytes."""
-    total_nbytes: int
-    """Bytes of the whole tensor (``numel * element_size``)."""
-    bucket_offset: int = 0
-    """Where this range starts inside its bucket."""
-
-    @property
-    def is_whole(self) -> bool:
-        return self.offset == 0 and self.nbytes == self.total_nbytes
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -32,6 +32,7 @@ from weightsync.api.protocols import ReceivedWeights
 from weightsync.api.errors import (
     ConcurrentUpdateError,
     ConfigError,
+    DestinationError,
     DigestMismatchError,
     LifecycleError,
     TopologyError,
@@ -44,7 +45,6 @@ from weightsync.api.errors import (
 from weightsync.api.types import (
     RankArgs,
     StageTiming,
-    TensorMeta,
     Topology,
     TransferReport,
     WorkerContext,
@@ -53,8 +53,9 @@ from weightsync.api.types import (
 )
 from weightsync.core import codec
 from weightsync.core.digest import UpdateDigest
+from weightsync.core.codec import TensorMeta
 from weightsync.core.planner import PlannedBucket, plan_buckets, validate_pair
-from weightsync.core.tensors import dtype_from_name
+from weightsync.core.tensors import DTYPES, copy_bytes, dtype_from_name
 from weightsync.core.transport import NO_SLOT, ReceivedBucket, ReceiverTransport, SenderTransport, TransportHook
 
 __all__ = ["BucketCheckpointEngine", "default_node_id", "load_transport_hook", "RankRole", "with_epoch"]
@@ -356,15 +357,23 @@ class BucketCheckpointEngine(abc.ABC):
         transport.wait_slot(slot, deadline)
         started = time.perf_counter()
         buffer = transport.buffer(slot)
-        for item in bucket.items:
-            if item.meta.nbytes:
-                start = item.meta.bucket_offset
-                buffer[start:start + item.meta.nbytes].copy_(item.source)
-        payload = buffer[: bucket.nbytes]
-        if self._hook is not None and hasattr(self._hook, "after_pack"):
-            self._hook.after_pack(index, payload)
         metas = [item.meta for item in bucket.items]
-        digest.update_bucket(codec.encode_tensors(metas), payload)
+        table = codec.encode_tensors(metas)
+        after_pack = getattr(self._hook, "after_pack", None)
+        if after_pack is None and digest.fusable and buffer.device.type == "cpu" and (
+            self.devices == _CPU_ONLY or all(item.source.device.type == "cpu" for item in bucket.items)
+        ):
+            digest.begin_bucket(table, bucket.nbytes)
+            _pack_hashing(buffer.data_ptr(), bucket, digest)
+        else:
+            for item in bucket.items:
+                if item.meta.nbytes:
+                    start = item.meta.bucket_offset
+                    buffer[start:start + item.meta.nbytes].copy_(item.byte_view())
+            payload = buffer[: bucket.nbytes]
+            if after_pack is not None:
+                after_pack(index, payload)  # a test hook: the bytes are hashed after it, as they stand
+            digest.update_bucket(table, payload)
         header = codec.BucketHeader(
             wire=codec.WIRE_VERSION, epoch=epoch, version=version, sender=self.context.rank, index=index, slot=slot,
             nbytes=bucket.nbytes, tensors=metas,
@@ -465,6 +474,34 @@ def _guard_build_topology(function: Any) -> Any:
     return build_topology
 
 
+_CPU_ONLY = frozenset({"cpu"})
+_PIECE = 256 * 1024
+"""Bytes copied between two digest updates: small enough that the hash reads them back from the core's own cache."""
+
+
+def _pack_hashing(base: int, bucket: PlannedBucket, digest: UpdateDigest) -> None:
+    """Copy host sources into the host bucket at ``base``, hashing the bucket as it fills (padding included)."""
+    hashed = 0
+    for item in bucket.items:
+        nbytes = item.meta.nbytes
+        if not nbytes:
+            continue
+        offset = item.meta.bucket_offset
+        source = item.source.data_ptr() + item.start
+        if nbytes <= _PIECE:  # most tensors: one copy, the hash catches up every _PIECE bytes
+            copy_bytes(base + offset, source, nbytes)
+            if offset + nbytes - hashed >= _PIECE:
+                digest.update_at(base + hashed, offset + nbytes - hashed)
+                hashed = offset + nbytes
+            continue
+        for done in range(0, nbytes, _PIECE):
+            end = offset + min(done + _PIECE, nbytes)
+            copy_bytes(base + offset + done, source + done, end - offset - done)
+            digest.update_at(base + hashed, end - hashed)
+            hashed = end
+    digest.update_at(base + hashed, bucket.nbytes - hashed)
+
+
 def _timed(function: Any, *args: Any) -> float:
     started = time.perf_counter()
     function(*args)
@@ -472,16 +509,26 @@ def _timed(function: Any, *args: Any) -> float:
 
 
 class _Arrived:
-    __slots__ = ("header", "payload", "token")
+    __slots__ = ("header", "payload", "token", "table", "fused")
 
-    def __init__(self, header: codec.BucketHeader, payload: torch.Tensor, token: int) -> None:
+    def __init__(self, header: codec.BucketHeader, payload: torch.Tensor, token: int, table: bytes = b"",
+                 fused: bool = False) -> None:
         self.header = header
         self.payload = payload
         self.token = token
+        self.table = table
+        self.fused = fused
+        """The consumer hashes this bucket as it reads it (a host payload); else the receive thread hashed it."""
 
 
 class _ReceiveStream:
-    """The ``ReceivedWeights`` of one update (see the Protocol for the view-validity contract)."""
+    """The ``ReceivedWeights`` of one update (see the Protocol for the view-validity contract).
+
+    A receive thread pulls buckets off the transport and queues them; the consumer's side yields views (or copies
+    into destinations, ``copy_into``) and releases each bucket once it moved past it. A host bucket is hashed by
+    the consumer's side right behind its reads, piece by piece, while the bytes are still in the core's cache; a
+    device bucket is hashed whole by the receive thread (its digest stages it to the host).
+    """
 
     def __init__(self, engine: BucketCheckpointEngine, transport: ReceiverTransport) -> None:
         self.report: TransferReport | None = None
@@ -490,6 +537,7 @@ class _ReceiveStream:
         self._queue: asyncio.Queue[_Arrived | BaseException] | None = None
         self._current: _Arrived | None = None
         self._position = 0
+        self._hashed = 0
         self._scratch: torch.Tensor | None = None
         self._digest = engine._new_digest()
         self._started = time.perf_counter()
@@ -507,47 +555,137 @@ class _ReceiveStream:
     def __aiter__(self) -> _ReceiveStream:
         return self
 
-    async def __anext__(self) -> tuple[str, torch.Tensor]:
-        if self._finished:
-            raise StopAsyncIteration
+    def _start(self) -> asyncio.Queue[_Arrived | BaseException]:
         if self._queue is None:
             loop = asyncio.get_running_loop()
             self._queue = asyncio.Queue()
             with self._holders_lock:
                 self._holders += 1
             loop.run_in_executor(self._engine._transfer_pool, self._receive_loop, loop, self._queue)
+        return self._queue
+
+    async def __anext__(self) -> tuple[str, torch.Tensor]:
+        if self._finished:
+            raise StopAsyncIteration
         try:
             while True:
                 current = self._current
                 if current is not None and self._position < len(current.header.tensors):
                     meta = current.header.tensors[self._position]
                     self._position += 1
+                    if current.fused and meta.bucket_offset - self._hashed >= _PIECE:
+                        # The consumer is done with every earlier piece: hash them while they are in cache.
+                        self._hash_to(current, meta.bucket_offset)
                     ready = self._tensor(meta, current.payload)
                     if ready is not None:
                         return ready
                     continue
-                if current is not None:
-                    self._current = None
-                    self._transport.release(current.token)
-                    self._engine._trace("unpack", current.header.index, self._unpack_started, time.perf_counter())
-                arrived = await self._queue.get()
-                if isinstance(arrived, BaseException):
-                    raise arrived
-                header = arrived.header
-                if header.abort:
-                    raise TransferError(
-                        f"{self._engine._peer_name()} aborted the update: {header.abort}",
-                        peer=self._engine._peer_name(),
-                    )
-                if header.final:
-                    self._complete(header)
+                if not await self._advance():
                     raise StopAsyncIteration
-                self._current = arrived
-                self._position = 0
-                self._unpack_started = time.perf_counter()
         except BaseException:
             self._close()
             raise
+
+    async def copy_into(
+        self, destinations: Mapping[str, torch.Tensor], *, fallback: Callable[[str, torch.Tensor], object] | None = None,
+    ) -> int:
+        """The rest of the stream, copied straight from the receive buffers into ``destinations`` (see the Protocol).
+
+        A host destination of the tensor's dtype and shape, contiguous, is filled by ``memmove`` in pieces, each
+        hashed right after it is copied; a piece of a tensor split across buckets lands at its offset directly (no
+        reassembly buffer). Any other destination gets ``Tensor.copy_`` of the tensor's view.
+        """
+        if self._finished:
+            return 0
+        count = 0
+        try:
+            while True:
+                current = self._current
+                if current is not None and self._position < len(current.header.tensors):
+                    count += self._copy_out(current, destinations, fallback)
+                    continue
+                if not await self._advance():
+                    return count
+        except BaseException:
+            self._close()
+            raise
+
+    async def _advance(self) -> bool:
+        """Finish the current bucket and make the next one current; False at the end of the update."""
+        current = self._current
+        if current is not None:
+            if current.fused:
+                self._hash_to(current, current.header.nbytes)
+            self._current = None
+            self._transport.release(current.token)
+            self._engine._trace("unpack", current.header.index, self._unpack_started, time.perf_counter())
+        arrived = await self._start().get()
+        if isinstance(arrived, BaseException):
+            raise arrived
+        header = arrived.header
+        if header.abort:
+            raise TransferError(
+                f"{self._engine._peer_name()} aborted the update: {header.abort}", peer=self._engine._peer_name(),
+            )
+        if header.final:
+            self._complete(header)
+            return False
+        self._current = arrived
+        self._position = 0
+        self._hashed = 0
+        if arrived.fused:
+            self._digest.begin_bucket(arrived.table, header.nbytes)
+        self._unpack_started = time.perf_counter()
+        return True
+
+    def _hash_to(self, current: _Arrived, end: int) -> None:
+        if end > self._hashed:
+            self._digest.update_at(current.payload.data_ptr() + self._hashed, end - self._hashed)
+            self._hashed = end
+
+    def _copy_out(
+        self, current: _Arrived, destinations: Mapping[str, torch.Tensor],
+        fallback: Callable[[str, torch.Tensor], object] | None,
+    ) -> int:
+        """Copy the current bucket's remaining pieces to their destinations; the number of tensors completed."""
+        tensors = current.header.tensors
+        payload = current.payload
+        base = payload.data_ptr() if current.fused else 0
+        count = 0
+        while self._position < len(tensors):
+            meta = tensors[self._position]
+            self._position += 1
+            destination = destinations.get(meta.name)
+            if destination is None and fallback is None:
+                raise DestinationError(f"no destination for received tensor {meta.name!r} (and no fallback)",
+                                       name=meta.name)
+            address = _host_address(meta, destination, current.fused)
+            if address is None:
+                # The view path: a fallback, or a destination memmove cannot fill.
+                if current.fused and meta.bucket_offset - self._hashed >= _PIECE:
+                    self._hash_to(current, meta.bucket_offset)
+                ready = self._tensor(meta, payload)
+                if ready is not None:
+                    if destination is not None:
+                        destination.copy_(ready[1])
+                    elif fallback is not None:
+                        fallback(*ready)
+                    count += 1
+                continue
+            nbytes = meta.nbytes
+            source, target = base + meta.bucket_offset, address + meta.offset
+            if nbytes <= _PIECE:  # most tensors: one copy, the hash catches up every _PIECE bytes
+                copy_bytes(target, source, nbytes)
+                if meta.bucket_offset + nbytes - self._hashed >= _PIECE:
+                    self._hash_to(current, meta.bucket_offset + nbytes)
+            else:
+                for done in range(0, nbytes, _PIECE):
+                    copy_bytes(target + done, source + done, min(_PIECE, nbytes - done))
+                    self._hash_to(current, meta.bucket_offset + min(done + _PIECE, nbytes))
+            if meta.offset + nbytes == meta.total_nbytes:
+                self._tensors += 1
+                count += 1
+        return count
 
     def _tensor(self, meta: TensorMeta, payload: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         dtype = dtype_from_name(meta.dtype)
@@ -570,6 +708,7 @@ class _ReceiveStream:
         engine = self._engine
         deadline = time.monotonic() + engine.timeout
         expected = 0
+        fused: bool | None = None
 
         def deliver(item: _Arrived | BaseException) -> None:
             try:
@@ -592,12 +731,16 @@ class _ReceiveStream:
                 payload = received.payload[: header.nbytes]
                 if engine._hook is not None and hasattr(engine._hook, "after_receive"):
                     engine._hook.after_receive(header.index, payload)
-                self._digest.update_bucket(codec.encode_tensors(header.tensors), payload)
+                table = codec.encode_tensors(header.tensors)
+                if fused is None:  # one way for the whole update: the digest folds buckets in order
+                    fused = self._digest.fusable and payload.device.type == "cpu"
+                if not fused:
+                    self._digest.update_bucket(table, payload)
                 engine._trace("receive", header.index, started, time.perf_counter())
                 self._receive_seconds += time.perf_counter() - started
                 self._nbytes += sum(meta.nbytes for meta in header.tensors)
                 self._buckets += 1
-                deliver(_Arrived(header, payload, received.token))
+                deliver(_Arrived(header, payload, received.token, table, fused))
         except BaseException as exc:
             # This update is lost on this rank. Closing the transport now tells the peers (an upstream waiting for
             # our acknowledgement, a downstream waiting for our announcement) at once instead of at their deadline;
@@ -659,6 +802,23 @@ class _ReceiveStream:
             if isinstance(item, _Arrived):
                 self._transport.release(item.token)
         self._release_hold()
+
+
+def _host_address(meta: TensorMeta, destination: torch.Tensor | None, host_payload: bool) -> int | None:
+    """Where ``memmove`` may write ``meta``'s tensor from a host payload: a contiguous host destination; None for
+    another destination, which ``Tensor.copy_`` fills; ``DestinationError`` for one of another dtype or shape.
+    Runs once per tensor: cheap attribute reads only (``is_cpu``, not a ``device`` object)."""
+    if destination is None:
+        return None
+    if destination.dtype is not DTYPES.get(meta.dtype) or destination.shape != meta.shape:
+        raise DestinationError(
+            f"received tensor {meta.name!r} is {meta.dtype}{list(meta.shape)}, its destination "
+            f"{str(destination.dtype).removeprefix('torch.')}{list(destination.shape)}", name=meta.name,
+        )
+    if not (host_payload and destination.is_cpu and destination.is_contiguous()) or destination.is_conj() \
+            or destination.is_neg():
+        return None
+    return destination.data_ptr()
 
 
 def _typed_view(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -8,7 +8,7 @@ configuration are asked for, and runs the engine's blocking steps in a thread so
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -165,3 +165,32 @@ class _CountingStream:
         item = await self._inner.__anext__()
         self.delivered += 1
         return item
+
+    async def copy_into(
+        self, destinations: Mapping[str, torch.Tensor], *,
+        fallback: Callable[[str, torch.Tensor], object] | None = None,
+    ) -> int:
+        """Counted from outside the engine: a destination looked up, or a fallback called, is about to be written."""
+
+        def counted(name: str, tensor: torch.Tensor) -> object:
+            self.delivered += 1
+            return fallback(name, tensor) if fallback is not None else None
+
+        return await self._inner.copy_into(_Lookups(self, destinations), fallback=counted if fallback else None)
+
+
+class _Lookups(Mapping[str, "torch.Tensor"]):
+    def __init__(self, stream: _CountingStream, inner: Mapping[str, torch.Tensor]) -> None:
+        self._stream = stream
+        self._inner = inner
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._inner[name]
+        self._stream.delivered += 1
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._inner)
+
+    def __len__(self) -> int:
+        return len(self._inner)

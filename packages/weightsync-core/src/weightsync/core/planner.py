@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -24,22 +25,30 @@ from weightsync.api.errors import (
     UnsupportedDtypeError,
     WeightStreamError,
 )
-from weightsync.api.types import TensorMeta
-from weightsync.core.codec import MAX_NAME_BYTES, MAX_TENSORS_PER_BUCKET
-from weightsync.core.tensors import as_byte_view, dtype_name
+from weightsync.core.codec import MAX_NAME_BYTES, TensorMeta
+from weightsync.core.tensors import as_byte_view, contiguous_source, dtype_name
 
-__all__ = ["PackItem", "PlannedBucket", "plan_buckets", "validate_pair", "align_up"]
+__all__ = ["PackItem", "PlannedBucket", "plan_buckets", "validate_pair", "align_up", "PIPELINE_TENSORS"]
+
+PIPELINE_TENSORS = 1024
+"""A bucket is closed once it lists this many tensors, even with room left: a stream of many small tensors then
+still moves as several buckets, so packing, transfer and unpacking overlap instead of running one after another. Far below the wire's ``MAX_TENSORS_PER_BUCKET``."""
 
 
 def align_up(value: int, alignment: int = BUCKET_ALIGNMENT) -> int:
     return (value + alignment - 1) // alignment * alignment
 
 
-@dataclass(frozen=True)
-class PackItem:
+class PackItem(NamedTuple):
     meta: TensorMeta
     source: torch.Tensor
-    """The bytes to copy: a flat uint8 tensor of ``meta.nbytes`` bytes (a view of the caller's tensor if possible)."""
+    """The caller's tensor, or a contiguous copy of it: its storage from ``data_ptr()`` holds the row-major bytes."""
+    start: int
+    """Byte offset of this piece in ``source``'s bytes (``meta.offset``)."""
+
+    def byte_view(self) -> torch.Tensor:
+        """The piece as a flat uint8 tensor (for ``Tensor.copy_`` where raw addresses do not apply)."""
+        return as_byte_view(self.source)[self.start:self.start + self.meta.nbytes]
 
 
 @dataclass
@@ -52,24 +61,30 @@ class PlannedBucket:
 
 
 def validate_pair(item: object, *, devices: frozenset[str], seen: set[str]) -> tuple[str, torch.Tensor]:
-    """Check one stream item; return it as ``(name, tensor)`` or raise a ``WeightStreamError`` subclass."""
+    """Check one stream item; return it as ``(name, tensor)`` or raise a ``WeightStreamError`` subclass.
+
+    Runs once per tensor, so the common case (an ASCII name, a dense tensor) takes only cheap checks.
+    """
     if not isinstance(item, tuple) or len(item) != 2:
         raise WeightStreamError(f"the weights stream must yield (name, tensor) pairs, got {type(item).__name__}")
     name, tensor = item
     if not isinstance(name, str) or not name:
         raise WeightStreamError(f"tensor names must be non-empty strings, got {name!r}")
-    try:
-        encoded = name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise WeightStreamError(f"tensor name {name!r} is not valid UTF-8") from None
-    if len(encoded) > MAX_NAME_BYTES:
-        raise WeightStreamError(f"tensor name {name[:48]!r}... is {len(encoded)} bytes long (limit {MAX_NAME_BYTES})")
+    if not (name.isascii() and len(name) <= MAX_NAME_BYTES):
+        try:
+            encoded = name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise WeightStreamError(f"tensor name {name!r} is not valid UTF-8") from None
+        if len(encoded) > MAX_NAME_BYTES:
+            raise WeightStreamError(
+                f"tensor name {name[:48]!r}... is {len(encoded)} bytes long (limit {MAX_NAME_BYTES})"
+            )
     if not isinstance(tensor, torch.Tensor):
         raise WeightStreamError(f"the weights stream yielded a {type(tensor).__name__} for {name!r}, not a tensor")
     if tensor.layout != torch.strided:
         raise UnsupportedDtypeError(f"tensor {name!r} has layout {tensor.layout}; only dense tensors move")
     dtype_name(tensor.dtype)  # raises UnsupportedDtypeError
-    if tensor.device.type not in devices:
+    if not (tensor.is_cpu and "cpu" in devices) and tensor.device.type not in devices:
         raise UnsupportedDeviceError(
             f"tensor {name!r} is on {tensor.device}, but this backend moves tensors on: {', '.join(sorted(devices))}"
         )
@@ -87,30 +102,26 @@ def plan_buckets(
     bucket = PlannedBucket()
     for item in weights:
         name, tensor = validate_pair(item, devices=devices, seen=seen)
-        source = as_byte_view(tensor)
-        total = source.numel()
+        source = contiguous_source(tensor)
+        total = source.numel() * source.element_size()
         dtype = dtype_name(tensor.dtype)
-        shape = tuple(int(dim) for dim in tensor.shape)
+        shape = tuple(tensor.shape)
         offset = 0
         while True:
             start = align_up(bucket.nbytes)
             room = bucket_bytes - start
             remaining = total - offset
-            if remaining > room and (remaining <= bucket_bytes and offset == 0 or room <= 0) and bucket.items:
+            if bucket.items and (
+                remaining > room and (remaining <= bucket_bytes and offset == 0 or room <= 0)
+                or len(bucket.items) >= PIPELINE_TENSORS
+            ):
                 # Close the bucket instead of splitting a tensor that fits a fresh one (or when it is full).
                 yield bucket
                 bucket = PlannedBucket()
                 continue
-            if len(bucket.items) >= MAX_TENSORS_PER_BUCKET:
-                yield bucket
-                bucket = PlannedBucket()
-                continue
-            take = min(remaining, bucket_bytes - start)
-            meta = TensorMeta(
-                name=name, dtype=dtype, shape=shape, offset=offset, nbytes=take, total_nbytes=total,
-                bucket_offset=start,
-            )
-            bucket.items.append(PackItem(meta, source[offset:offset + take]))
+            take = min(remaining, room)
+            meta = TensorMeta(name, dtype, shape, offset, take, total, start)
+            bucket.items.append(PackItem(meta, source, offset))
             bucket.nbytes = start + take
             offset += take
             if offset >= total:

@@ -53,11 +53,12 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
 
+from weightsync.api.protocols import copy_stream_into
 from weightsync.api.errors import (
     BackendUnavailableError,
     ConcurrentUpdateError,
@@ -439,6 +440,13 @@ class _KimiStream:
         loop, queue = self._loop, self._queue
         if loop is not None and queue is not None and not loop.is_closed():
             loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+    async def copy_into(
+        self, destinations: Mapping[str, torch.Tensor], *,
+        fallback: Callable[[str, torch.Tensor], object] | None = None,
+    ) -> int:
+        """checkpoint-engine hands over its own views; nothing faster than copying each (see ``copy_stream_into``)."""
+        return await copy_stream_into(self, destinations, fallback=fallback)
 
     async def __anext__(self) -> tuple[str, torch.Tensor]:
         if self._finished:

@@ -355,7 +355,9 @@ def node_local_plan(*, actor_nodes: Sequence[str], rollout_nodes: Sequence[str])
 
 
 class _StagedDigest(UpdateDigest):
-    """The pipeline's digest, fed device buckets: each payload is staged to host bytes first."""
+    """The pipeline's digest, fed device buckets: each payload is staged to host bytes first (whole buckets only)."""
+
+    fusable = False
 
     def __init__(self, inner: UpdateDigest, stage: Any) -> None:
         # No super().__init__(): every call is delegated to ``inner``, which owns the hash state.

@@ -23,7 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from weightsync.api.config import MiB, SyncConfig
-from weightsync.api.errors import WeightStreamError, WeightsyncError
+from weightsync.api.errors import WeightsyncError
+from weightsync.api.protocols import load_into
 from weightsync.cli.model import LlamaConfig, TinyLlama, config_for_megabytes
 from weightsync.core.digest import UpdateDigest
 from weightsync.core.tensors import as_byte_view, memoryview_of
@@ -101,11 +102,9 @@ class DemoRolloutModel:
 
     async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
         with torch.no_grad():
-            async for name, tensor in weights:
-                target = self.parameters.get(name)
-                if target is None or target.shape != tensor.shape or target.dtype != tensor.dtype:
-                    raise WeightStreamError(f"rollout model has no parameter {name} of {tensor.dtype}{tuple(tensor.shape)}")
-                target.copy_(tensor)  # the view is only valid until the next item: copy it
+            # Straight from the engine's receive buffers into the parameters; a name the model lacks, or a shape or
+            # dtype that differs, raises DestinationError before anything of that tensor is written.
+            await load_into(weights, self.parameters)
         self.version = version
 
     def logits(self, prompt: list[list[int]]) -> bytes:

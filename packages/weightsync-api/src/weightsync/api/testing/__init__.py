@@ -100,6 +100,16 @@ class EngineConformance:
         second = harness.update("mixed", 4)
         assert first[0]["digest"] != second[0]["digest"]
 
+    @pytest.mark.parametrize("case", ["dtypes", "zero_size", "three_buckets", "many_small", "mixed"])
+    def test_copy_into(self, harness: EngineHarness, case: str) -> None:
+        results = harness.update(case, 6, mode="copy_into")
+        assert all(result["count"] == len(case_tensors(case, 6, harness.bucket_bytes)) for result in results[1:])
+
+    def test_copy_into_rejects_a_destination_of_another_shape(self, harness: EngineHarness) -> None:
+        results = harness.update("mixed", 7, mode="wrong_shape")
+        assert all(result["raised"] == "DestinationError" for result in results[1:])
+        harness.update("mixed", 8, mode="copy_into")  # the engines are fine afterwards
+
     def test_new_epoch_after_rebuild(self, harness: EngineHarness) -> None:
         harness.setup()
         harness.update("mixed", 5)

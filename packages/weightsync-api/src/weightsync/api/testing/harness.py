@@ -72,7 +72,8 @@ def _worker_main(conn: multiprocessing.connection.Connection, backend: str, role
                 report = asyncio.run(engine.send_weights(case_tensors(command["case"], command["update"], bucket_bytes)))
                 reply = report.to_dict()
             elif op == "receive":
-                reply = asyncio.run(_receive_and_check(engine, command["case"], command["update"], bucket_bytes))
+                reply = asyncio.run(_receive_and_check(engine, command["case"], command["update"], bucket_bytes,
+                                                       command.get("mode", "iterate")))
             elif op == "finalize":
                 engine.finalize()
                 reply = None
@@ -90,14 +91,19 @@ def _worker_main(conn: multiprocessing.connection.Connection, backend: str, role
             }).encode())
 
 
-async def _receive_and_check(engine: Any, case: str, update: int, bucket_bytes: int) -> dict[str, Any]:
+RECEIVE_MODES = ("iterate", "copy_into", "wrong_shape")
+"""How a receiver consumes the stream: ``async for``; ``copy_into`` destinations (some non-contiguous, some names
+left to the fallback); or ``copy_into`` with one destination of the wrong shape (it must raise before writing)."""
+
+
+async def _receive_and_check(engine: Any, case: str, update: int, bucket_bytes: int, mode: str) -> dict[str, Any]:
     from weightsync.api.testing.cases import case_tensors, raw_bytes
 
     expected = {name: tensor for name, tensor in case_tensors(case, update, bucket_bytes)}
     problems: list[str] = []
     seen: list[str] = []
-    stream = engine.receive_weights()
-    async for name, tensor in stream:
+
+    def check(name: str, tensor: Any) -> None:
         seen.append(name)
         want = expected.get(name)
         if want is None:
@@ -108,6 +114,20 @@ async def _receive_and_check(engine: Any, case: str, update: int, bucket_bytes: 
             got, sent = raw_bytes(tensor), raw_bytes(want)
             if got.numel() != sent.numel() or not bool((got == sent).all()):
                 problems.append(f"{name}: bytes differ")
+
+    stream = engine.receive_weights()
+    if mode == "iterate":
+        async for name, tensor in stream:
+            check(name, tensor)
+    else:
+        destinations = _destinations(expected)
+        if mode == "wrong_shape":
+            return await _expect_destination_error(stream, expected, destinations)
+        count = await stream.copy_into(destinations, fallback=check)
+        for name, destination in destinations.items():
+            check(name, destination)
+        if count != len(seen):
+            problems.append(f"copy_into returned {count} for {len(seen)} tensors")
     missing = sorted(set(expected) - set(seen))
     if missing:
         problems.append(f"missing tensors: {missing[:5]}{'...' if len(missing) > 5 else ''}")
@@ -115,6 +135,42 @@ async def _receive_and_check(engine: Any, case: str, update: int, bucket_bytes: 
         problems.append("a tensor was yielded twice")
     report = stream.report
     return {"problems": problems, "count": len(seen), "report": report.to_dict() if report is not None else None}
+
+
+def _destinations(expected: dict[str, Any]) -> dict[str, Any]:
+    """Zeroed destinations for most tensors: every 5th matrix a non-contiguous one (``copy_`` fills it), and every
+    7th name left out (the fallback gets its view)."""
+    import torch
+
+    destinations: dict[str, Any] = {}
+    for index, (name, tensor) in enumerate(expected.items()):
+        if index % 7 == 3:
+            continue
+        if index % 5 == 1 and tensor.dim() == 2:
+            destinations[name] = torch.zeros(tuple(reversed(tensor.shape)), dtype=tensor.dtype).t()
+        else:
+            destinations[name] = torch.zeros(tensor.shape, dtype=tensor.dtype)
+    return destinations
+
+
+async def _expect_destination_error(stream: Any, expected: dict[str, Any], destinations: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from weightsync.api.errors import DestinationError
+
+    name = next(name for name, tensor in expected.items() if tensor.numel() > 1)
+    wrong = torch.zeros(expected[name].numel() + 1, dtype=expected[name].dtype)
+    destinations = {**destinations, name: wrong}
+    problems: list[str] = []
+    try:
+        await stream.copy_into(destinations, fallback=lambda _name, _tensor: None)
+        problems.append(f"copy_into accepted a {tuple(wrong.shape)} destination for {name!r}")
+    except DestinationError as exc:
+        if getattr(exc, "name", None) != name:
+            problems.append(f"DestinationError names {getattr(exc, 'name', None)!r}, not {name!r}")
+    if bool(wrong.any()):
+        problems.append(f"the mismatched destination of {name!r} was written")
+    return {"problems": problems, "count": 0, "report": None, "raised": "DestinationError"}
 
 
 class EngineHarness:
@@ -212,9 +268,15 @@ class EngineHarness:
         self._all("init", rank_args)
         return topology
 
-    def update(self, case: str, update: int = 0) -> list[dict[str, Any]]:
-        """One update of ``case``; returns each receiver's result. Raises ``WorkerFailed`` if any worker raised."""
-        commands = [{"case": case, "update": update}] * len(self._workers)
+    def update(self, case: str, update: int = 0, *, mode: str = "iterate") -> list[dict[str, Any]]:
+        """One update of ``case``; returns each receiver's result. Raises ``WorkerFailed`` if any worker raised.
+
+        ``mode`` is how the receivers consume it (``RECEIVE_MODES``); with ``wrong_shape`` they must raise
+        ``DestinationError`` without writing, and the sender must still finish.
+        """
+        if mode not in RECEIVE_MODES:
+            raise ValueError(f"mode must be one of {RECEIVE_MODES}, got {mode!r}")
+        commands = [{"case": case, "update": update, "mode": mode}] * len(self._workers)
         self._send(0, {"op": "send", **commands[0]})
         for index in range(1, len(self._workers)):
             self._send(index, {"op": "receive", **commands[index]})
@@ -236,6 +298,8 @@ class EngineHarness:
             if result["problems"]:
                 raise ConformanceFailure(f"{self.backend}, case {case}, rollout rank {rank}: "
                                          + "; ".join(result["problems"][:10]))
+            if mode == "wrong_shape":
+                continue
             if result["report"] is None or result["report"]["digest"] != sender["digest"]:
                 raise ConformanceFailure(f"{self.backend}, case {case}, rollout rank {rank}: digest differs")
         return [sender, *results]

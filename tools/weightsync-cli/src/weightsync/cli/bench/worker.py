@@ -176,8 +176,8 @@ def serve(conn: multiprocessing.connection.Connection, spec: dict[str, Any]) -> 
     copy_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     async def receive() -> None:
-        async for name, tensor in engine.receive_weights():
-            by_name[name].copy_(tensor)
+        # The receiver's model exists already: the stream copies straight into it (``ReceivedWeights.copy_into``).
+        await engine.receive_weights().copy_into(by_name)
 
     def update() -> None:
         if engine is not None:
