@@ -17,10 +17,14 @@ import pytest
 from weightsync.cli.bench.worker import bucket_plan
 
 RESULT_KEYS = {"backend", "gbps_p50", "gbps_p90", "ratio_bucketed", "ratio_limit", "peak_extra_rss_mb"}
+RAY_KEYS = {"backend", "model_bytes", "bucket_bytes", "workers", "repeat", "update_ms_p50", "noop_ms_p50", "ratio",
+            "target_ratio", "meets", "stages_ms_p50"}
 
 
-def bench(*args: str) -> subprocess.CompletedProcess[str]:
+def bench(*args: str, pythonpath: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "GLOG_minloglevel": "2"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-m", "weightsync.cli", "bench", *args], capture_output=True, text=True,
                           timeout=300, env=env, check=False)
 
@@ -37,7 +41,7 @@ def shm_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], d
 
 def test_json_has_the_documented_schema(shm_run: tuple[dict[str, Any], dict[str, Any], str]) -> None:
     data, _, _ = shm_run
-    assert set(data) == {"scenario", "limit_gbps", "raw_gloo_gbps", "results"}
+    assert set(data) == {"scenario", "limit_gbps", "raw_gloo_gbps", "results", "ray_end_to_end"}
     assert [row["backend"] for row in data["results"]] == ["shm", "naive", "bucketed"]
     assert all(set(row) == RESULT_KEYS for row in data["results"])
     scenario = data["scenario"]
@@ -88,12 +92,50 @@ def test_trace_merges_every_worker(shm_run: tuple[dict[str, Any], dict[str, Any]
         assert update["ts"] - 1e3 <= event["ts"] <= update["ts"] + update["dur"] + 1e3
 
 
+def test_ray_end_to_end_update_against_a_gathered_noop(shm_run: tuple[dict[str, Any], dict[str, Any], str]) -> None:
+    data, _, stdout = shm_run
+    e2e = data["ray_end_to_end"]
+    assert set(e2e) == RAY_KEYS
+    # 2 actor ranks plus one worker per receiver (2 replicas); the model is 1 MiB whatever --model-mb says.
+    assert e2e["backend"] == "shm" and e2e["workers"] == 4 and e2e["model_bytes"] == 2**20
+    assert e2e["bucket_bytes"] == 4 * 2**20 and e2e["repeat"] >= 5
+    assert e2e["update_ms_p50"] > 0 and e2e["noop_ms_p50"] > 0
+    assert e2e["ratio"] == pytest.approx(e2e["update_ms_p50"] / e2e["noop_ms_p50"], rel=1e-2)
+    assert e2e["meets"] == (e2e["ratio"] <= e2e["target_ratio"]) and e2e["target_ratio"] == 5
+    # pause → transfer → finalize → resume, every one timed; together they are most of the update (the rest is
+    # the manager's own bookkeeping), never more than it.
+    stages = e2e["stages_ms_p50"]
+    assert list(stages) == ["pause", "transfer", "finalize", "resume"]
+    assert all(ms > 0 for ms in stages.values())
+    assert 0.5 * e2e["update_ms_p50"] <= sum(stages.values()) <= 1.5 * e2e["update_ms_p50"]
+    line = next(line for line in stdout.splitlines() if line.startswith("ray end-to-end"))
+    assert f"{e2e['ratio']:.2f} x a no-op call gathered from 4 workers" in line
+    assert ("meets" if e2e["meets"] else "MISSES") in line
+
+
 def test_small_mix_defaults_to_ten_thousand_4k_tensors(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "small.json"
-    result = bench("--backends", "shm", "--mix", "small", "--repeat", "1", "--receivers", "1", "--json", str(out))
+    result = bench("--backends", "shm", "--mix", "small", "--repeat", "1", "--receivers", "1", "--no-ray",
+                   "--json", str(out))
     assert result.returncode == 0, result.stderr
-    scenario = json.loads(out.read_text())["scenario"]
+    data = json.loads(out.read_text())
+    scenario = data["scenario"]
     assert scenario["tensors"] == 10_000 and scenario["model_bytes"] == 10_000 * 4096
+    assert data["ray_end_to_end"] == {"skipped": "--no-ray"}
+    assert "ray end-to-end: skipped (--no-ray)" in result.stdout
+
+
+def test_ray_end_to_end_is_skipped_without_ray(tmp_path: pathlib.Path) -> None:
+    # A `ray` package earlier on the path that fails to import, as when Ray is not installed.
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "__init__.py").write_text("raise ImportError('No module named ray (hidden by the test)')\n")
+    out = tmp_path / "bench.json"
+    result = bench("--backends", "shm", "--model-mb", "1", "--bucket-mb", "1", "--repeat", "1", "--receivers", "1",
+                   "--json", str(out), pythonpath=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    skipped = json.loads(out.read_text())["ray_end_to_end"]["skipped"]
+    assert "hidden by the test" in skipped and "weightsync-ray" in skipped
+    assert "ray end-to-end: skipped (" in result.stdout
 
 
 def test_baselines_are_not_backend_names() -> None:

@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also sweep bucket size and R and plot GB/s per backend to this PNG (needs matplotlib)")
     bench.add_argument("--trace", dest="trace_path", default=None,
                        help="Chrome trace JSON of one update of the first backend (open in Perfetto)")
+    bench.add_argument("--no-ray", dest="ray", action="store_false",
+                       help="skip the Ray end-to-end figure (a 1 MiB update against a no-op gathered from every worker)")
+    bench.add_argument("--ray-backend", default=None,
+                       help="backend of the Ray end-to-end figure (default: shm where it can run)")
 
     doctor = commands.add_parser("doctor", help="list every known backend and whether it can run here")
     doctor.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
@@ -90,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_bench(BenchOptions(
             backends=tuple(name for name in args.backends.split(",") if name), model_mb=args.model_mb,
             receivers=args.receivers, bucket_mb=args.bucket_mb, mix=args.mix, repeat=args.repeat,
-            json_path=args.json_path, plot_path=args.plot_path, trace_path=args.trace_path,
+            json_path=args.json_path, plot_path=args.plot_path, trace_path=args.trace_path, ray=args.ray,
+            ray_backend=args.ray_backend,
         ))
     from weightsync.cli.demo import DemoOptions, run_demo
 

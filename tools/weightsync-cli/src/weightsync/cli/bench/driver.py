@@ -11,6 +11,10 @@ The yardsticks, measured in the same run:
   best k = min(cores, 1+R) processes copy at once: t_min = S·(1+R) / BW(k), BW(k) being the aggregate copy
   bandwidth of k processes copying between pre-faulted buffers (best of several tries). Per receiver that is
   S / t_min = BW(k) / (1+R).
+
+Also measured, unless ``--no-ray`` (see ``ray_e2e``): ``CheckpointEngineManager.update_weights`` of a 1 MiB model
+through the Ray adapter, pause → resume included, against one no-op call gathered from every worker (target: at
+most 5 ×). The JSON's ``ray_end_to_end`` holds those figures, or ``{"skipped": reason}``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch.distributed as dist
 from weightsync.api.config import MiB
 from weightsync.api.registry import available_backends, load_engine_class
 from weightsync.api.types import WorldMetadata
+from weightsync.cli.bench.ray_e2e import E2E_TARGET, RayEndToEnd, measure_ray_end_to_end, ray_unavailable
 from weightsync.cli.bench.worker import Layout, serve
 from weightsync.core.engine import default_node_id
 
@@ -44,6 +49,9 @@ SMALL_DEFAULT_TENSORS = 10_000
 COPY_BYTES = 256 * MiB
 COPY_TRIES = 5
 RAW_TRIES = 3
+RAY_WARMUP = 3
+RAY_REPEAT = 20
+RAY_ACTOR_RANKS = 2
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,10 @@ class BenchOptions:
     json_path: str | None = None
     plot_path: str | None = None
     trace_path: str | None = None
+    ray: bool = True
+    """Also measure the Ray end-to-end update against a gathered no-op (``--no-ray`` turns it off)."""
+    ray_backend: str | None = None
+    """Backend of the Ray end-to-end update; None: shm where it can run, else the first measured backend."""
 
 
 @dataclass(frozen=True)
@@ -306,6 +318,12 @@ def run_bench(options: BenchOptions) -> int:
             print(f"weightsync bench: {backend!r} is a baseline and always runs; do not list it", file=sys.stderr)
             return 2
         load_engine_class(backend)  # an unknown or uninstalled backend fails here, naming what to install
+    ray_skipped = ray_unavailable() if options.ray else "--no-ray"
+    ray_backend = options.ray_backend or ""
+    if ray_skipped is None:
+        if not ray_backend:
+            ray_backend = "shm" if "shm" in available_backends() else backends[0]
+        load_engine_class(ray_backend)
     plotting = None
     if options.plot_path:
         try:
@@ -317,6 +335,8 @@ def run_bench(options: BenchOptions) -> int:
         plotting = _sweep_cases(options, backends)
     names = [*backends, *BASELINES]
     steps = len(names) * (1 + options.repeat) + RAW_TRIES + COPY_TRIES + (1 if options.trace_path else 0)
+    if ray_skipped is None:
+        steps += RAY_WARMUP + RAY_REPEAT
     if plotting is not None:
         steps += sum(1 + case.repeat for case in {(case.name, case.bucket_bytes, case.receivers): case
                                                   for _, case in plotting}.values())
@@ -328,6 +348,18 @@ def run_bench(options: BenchOptions) -> int:
         case = _case(name, options)
         results[name] = _measure(case, progress, trace=trace if options.trace_path and index == 0 else None,
                                  yardsticks=yardsticks if name == "bucketed" else None)
+    ray_e2e: RayEndToEnd | None = None
+    ray_failed = False
+    if ray_skipped is None:
+        progress.step(f"ray e2e: starting Ray ({ray_backend})", count=0)
+        try:
+            ray_e2e = measure_ray_end_to_end(
+                backend=ray_backend, workers=RAY_ACTOR_RANKS, replicas=options.receivers, repeat=RAY_REPEAT,
+                warmup=RAY_WARMUP, bucket_bytes=options.bucket_mb * MiB, step=progress.step,
+            )
+        except Exception as exc:  # noqa: BLE001 - the table is measured already: report the failure, keep it
+            ray_skipped = f"failed: {type(exc).__name__}: {exc}"
+            ray_failed = True
     sweep: list[tuple[str, str, float, float]] = []  # (axis, backend, x, GB/s p50)
     if plotting is not None:
         measured: dict[tuple[str, int, int], float] = {}  # the point (B, R) sits on both axes: measured once
@@ -368,17 +400,27 @@ def run_bench(options: BenchOptions) -> int:
     for row in rows:
         print(f"{row['backend']:<10} {row['gbps_p50']:>7.2f} {row['gbps_p90']:>7.2f} {row['ratio_bucketed']:>11.2f} "
               f"{row['ratio_limit']:>8.2f} {row['peak_extra_rss_mb']:>19.1f}")
+    if ray_e2e is not None:
+        stages = " + ".join(f"{step} {ms:.1f}" for step, ms in ray_e2e.to_json()["stages_ms_p50"].items())
+        print(f"ray end-to-end ({ray_e2e.backend}): {ray_e2e.model_bytes / MiB:g} MiB update "
+              f"{ray_e2e.update_p50 * 1e3:.2f} ms p50 = {ray_e2e.ratio:.2f} x a no-op call gathered from "
+              f"{ray_e2e.workers} workers ({ray_e2e.noop_p50 * 1e3:.2f} ms p50); {stages} ms "
+              f"({'meets' if ray_e2e.meets else 'MISSES'} the <= {E2E_TARGET:g} x bar)")
+    else:
+        print(f"ray end-to-end: {'FAILED' if ray_failed else 'skipped'} ({ray_skipped})")
     print(f"wall time {wall:.0f} s")
     if options.json_path:
         with open(options.json_path, "w") as handle:
             json.dump({"scenario": scenario, "limit_gbps": round(limit_gbps, 4), "raw_gloo_gbps": round(raw_gbps, 4),
-                       "results": rows}, handle, indent=2)
+                       "results": rows,
+                       "ray_end_to_end": ray_e2e.to_json() if ray_e2e is not None else {"skipped": ray_skipped}},
+                      handle, indent=2)
     if options.trace_path:
         with open(options.trace_path, "w") as handle:
             json.dump(_chrome_trace(trace), handle)
     if options.plot_path:
         _plot(options.plot_path, sweep, options, total_bytes=_sweep_bytes(options))
-    return 0
+    return 1 if ray_failed else 0
 
 
 def _sweep_bytes(options: BenchOptions) -> int:
