@@ -93,6 +93,7 @@ class RecordingSink(_Inspectable):
         torch.set_num_threads(1)
         self.weights: dict[str, torch.Tensor] = {}
         self.hooks: list[str] = []
+        self.hook_times: list[tuple[str, float]] = []
         self.version = 0
 
     async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
@@ -104,19 +105,26 @@ class RecordingSink(_Inspectable):
         return weights_digest(list(self.weights.items()))
 
     def abort_all_requests(self) -> None:
-        self.hooks.append("abort_all_requests")
+        self._hook("abort_all_requests")
 
     def release_kv_cache(self) -> None:
-        self.hooks.append("release_kv_cache")
+        self._hook("release_kv_cache")
 
     def resume_kv_cache(self) -> None:
-        self.hooks.append("resume_kv_cache")
+        self._hook("resume_kv_cache")
 
     def resume_generation(self) -> None:
-        self.hooks.append("resume_generation")
+        self._hook("resume_generation")
+
+    def _hook(self, hook: str) -> None:
+        self.hooks.append(hook)
+        self.hook_times.append((hook, time.monotonic()))  # CLOCK_MONOTONIC: comparable across this host's workers
 
     def hook_log(self) -> list[str]:
         return list(self.hooks)
+
+    def hook_clock(self) -> list[tuple[str, float]]:
+        return list(self.hook_times)
 
 
     def pg_constructions(self) -> int:

@@ -256,6 +256,26 @@ def test_bad_arguments_raise_at_the_call(world: World) -> None:
     asyncio.run(two_at_once())
 
 
+def check_phase_order(clocks: list[list[tuple[str, float]]], first: str, second: str) -> None:
+    firsts = [at for clock in clocks for hook, at in clock if hook == first]
+    seconds = [at for clock in clocks for hook, at in clock if hook == second]
+    if len(firsts) != len(clocks) or len(seconds) != len(clocks):
+        raise AssertionError(f"expected one {first} and one {second} per worker: {clocks}")
+    if max(firsts) >= min(seconds):
+        raise AssertionError(f"a worker ran {second} before every worker ran {first}: {clocks}")
+
+
+def test_phase_order_check_can_fail() -> None:
+    # Negative control: worker 1 releases its cache before worker 0 has stopped generating.
+    with pytest.raises(AssertionError, match="before every worker"):
+        check_phase_order([[("abort_all_requests", 2.0), ("release_kv_cache", 3.0)],
+                           [("abort_all_requests", 0.5), ("release_kv_cache", 1.0)]],
+                          "abort_all_requests", "release_kv_cache")
+    check_phase_order([[("abort_all_requests", 1.0), ("release_kv_cache", 3.0)],
+                       [("abort_all_requests", 0.5), ("release_kv_cache", 2.0)]],
+                      "abort_all_requests", "release_kv_cache")
+
+
 def test_multi_worker_replicas(ray_nodes: RayNodes) -> None:
     actor_wg = RayActorWorkerGroup.create(world_size=1, source_factory=CountingModelSource, node_id=ray_nodes.head)
     replica = RayRolloutReplica.create(replica=0, sink_factory=CountingSink, num_workers=3, node_id=ray_nodes.head)
@@ -266,6 +286,11 @@ def test_multi_worker_replicas(ray_nodes: RayNodes) -> None:
         assert report.receivers == 3
         expected = weights_digest(model_tensors(1))
         assert ray.get(replica.call("digest")) == [expected] * 3
+        # Across the replica's workers, no worker drops its KV cache before every worker stopped generating, and
+        # none generates again before every worker has its KV cache back.
+        clocks = [list(map(tuple, clock)) for clock in ray.get(replica.call("hook_clock"))]
+        check_phase_order(clocks, "abort_all_requests", "release_kv_cache")
+        check_phase_order(clocks, "resume_kv_cache", "resume_generation")
     finally:
         actor_wg.shutdown()
         replica.shutdown()

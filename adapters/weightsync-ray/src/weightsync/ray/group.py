@@ -76,12 +76,15 @@ class RolloutWorkerHost:
     async def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         return await _invoke(self.sink, method, *args, **kwargs)
 
-    async def pause_hook(self, hook: str) -> None:
-        """Forward a replica pause/resume hook to the sink when it implements it (an inference engine does)."""
-        if hook not in _PAUSE_HOOKS:
-            raise ConfigError(f"unknown replica hook {hook!r}")
-        if hasattr(self.sink, hook):
-            await _invoke(self.sink, hook)
+    async def pause_hook(self, *hooks: str) -> None:
+        """Forward replica pause/resume hooks, in order, to the sink where it implements them (an inference engine
+        does)."""
+        unknown = [hook for hook in hooks if hook not in _PAUSE_HOOKS]
+        if unknown:
+            raise ConfigError(f"unknown replica hooks {unknown}")
+        for hook in hooks:
+            if hasattr(self.sink, hook):
+                await _invoke(self.sink, hook)
 
     def node_id(self) -> str:
         return self.host.node_id
@@ -221,9 +224,25 @@ class RayRolloutReplica:
     def call(self, method: str, /, *args: Any, **kwargs: Any) -> list[Any]:
         return [worker.call(method, *args, **kwargs) for worker in self._workers]
 
-    async def _hook(self, hook: str) -> None:
-        refs: list[Awaitable[None]] = [worker.handle.pause_hook.remote(hook) for worker in self._workers]
+    async def _hook(self, *hooks: str) -> None:
+        refs: list[Awaitable[None]] = [worker.handle.pause_hook.remote(*hooks) for worker in self._workers]
         await asyncio.gather(*refs)
+
+    async def _hooks(self, first: str, second: str) -> None:
+        """``first`` on every worker, then ``second``: one round trip when the replica has a single worker; with
+        several, two, so that no worker runs ``second`` before every worker ran ``first`` (a tensor-parallel
+        engine must stop generating on all its workers before any of them drops its KV cache)."""
+        if len(self._workers) == 1:
+            await self._hook(first, second)
+        else:
+            await self._hook(first)
+            await self._hook(second)
+
+    async def pause(self) -> None:
+        await self._hooks("abort_all_requests", "release_kv_cache")
+
+    async def resume(self) -> None:
+        await self._hooks("resume_kv_cache", "resume_generation")
 
     async def abort_all_requests(self) -> None:
         await self._hook("abort_all_requests")

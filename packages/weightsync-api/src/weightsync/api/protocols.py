@@ -54,6 +54,7 @@ __all__ = [
     "ActorWorkerGroup",
     "RolloutWorker",
     "RolloutReplica",
+    "PausableReplica",
     "WeightSource",
     "WeightSink",
 ]
@@ -268,6 +269,17 @@ class RolloutReplica(Protocol):
     async def resume_kv_cache(self) -> None: ...
 
     async def resume_generation(self) -> None: ...
+
+
+@runtime_checkable
+class PausableReplica(Protocol):
+    """Optional, on a ``RolloutReplica``: a whole pause (``abort_all_requests`` then ``release_kv_cache``) or resume
+    (``resume_kv_cache`` then ``resume_generation``) in one call, hence one round trip to its workers. The manager
+    uses these when a replica has them, the four hooks otherwise."""
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
 
 
 @runtime_checkable

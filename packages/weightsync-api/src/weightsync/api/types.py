@@ -126,6 +126,9 @@ class TransferReport:
     sender: int = 0
     """For a receiver: the actor rank whose stream this report covers."""
     stages: tuple[StageTiming, ...] = ()
+    finalized: bool = False
+    """The worker already ran the engine's ``finalize`` after this transfer (a host that does so in the same call
+    spares the manager a round trip); False: the manager calls ``finalize`` on it."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -8,6 +8,7 @@ configuration are asked for, and runs the engine's blocking steps in a thread so
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -101,7 +102,13 @@ class EngineHost:
         return self.engine
 
     async def send(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int) -> TransferReport:
-        return await self._engine().send_weights(weights, version=version)
+        report = await self._engine().send_weights(weights, version=version)
+        return self._finalized(report)
+
+    def _finalized(self, report: TransferReport) -> TransferReport:
+        """Finalize right after a successful transfer, in the same call: one round trip fewer for the manager."""
+        self._finalize()
+        return dataclasses.replace(report, finalized=True)
 
     def _held(self) -> dict[str, Any]:
         return {"version": self.held_version, "digest": self.held_digest, "torn": self.torn}
@@ -127,7 +134,7 @@ class EngineHost:
                 mark_untouched(exc)
             raise
         self.torn, self.held_version, self.held_digest = False, report.version, report.digest
-        return report
+        return self._finalized(report)
 
 
 def mark_untouched(error: BaseException) -> None:

@@ -1,8 +1,8 @@
 """``CheckpointEngineManager``: drives one update from the driver, without ever blocking its event loop.
 
 pause replicas → (prepare → build_topology → init_process_group, only when membership changed or the last update
-failed) → send/receive → finalize → resume. Every step awaits the workers' awaitables together under the step's
-timeout from ``SyncConfig.timeouts``; a timeout names the step and the workers still pending. Resuming runs in
+failed) → send/receive → finalize (unless every worker's host did it within its transfer call, as ours do) → resume.
+Every step awaits the workers' awaitables together under the step's timeout from ``SyncConfig.timeouts``; a timeout names the step and the workers still pending. Resuming runs in
 ``finally``: a replica resumes when it holds a complete, verified model — the new version (committed) or its old
 one because no byte reached it (untouched). A replica the failed update may have half-written (torn) stays paused
 and is repaired by the next update.
@@ -29,7 +29,7 @@ from weightsync.api.errors import (
     WorkerError,
     reject_renamed_keywords,
 )
-from weightsync.api.protocols import ActorWorkerGroup, RolloutReplica, RolloutWorker
+from weightsync.api.protocols import ActorWorkerGroup, PausableReplica, RolloutReplica, RolloutWorker
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import (
     ReplicaOutcome,
@@ -197,7 +197,9 @@ class CheckpointEngineManager:
             if errors:
                 raise _root_cause(errors)
             self._check_digests(sender_reports, reports, workers)
-            await self._stage(stages, "finalize", timeouts.finalize, self._all_workers("finalize", workers))
+            if not all(isinstance(report, TransferReport) and report.finalized for report in outcomes):
+                # A host that does not finalize within its transfer call (ours do: one round trip fewer).
+                await self._stage(stages, "finalize", timeouts.finalize, self._all_workers("finalize", workers))
         except BaseException as exc:
             failure = exc
             self._epoch = None  # connections may be mid-message: rebuild them next time
@@ -339,11 +341,17 @@ class CheckpointEngineManager:
 
 
 async def _pause(replica: RolloutReplica) -> None:
+    if isinstance(replica, PausableReplica):  # both hooks in one round trip
+        await replica.pause()
+        return
     await replica.abort_all_requests()
     await replica.release_kv_cache()
 
 
 async def _resume(replica: RolloutReplica) -> None:
+    if isinstance(replica, PausableReplica):
+        await replica.resume()
+        return
     await replica.resume_kv_cache()
     await replica.resume_generation()
 
