@@ -44,12 +44,13 @@ class SyncConfig:
     """How an update is carried out.
 
     ``bucket_bytes``: size of one bucket (the unit packed, moved and unpacked); each engine keeps ``slots`` of them
-    per side (2 = double buffering: one is filled while the other moves). ``backend_options`` are passed to the
+    per side (2 = double buffering: one is filled while the other moves); None: the backend's own default (2, and 3
+    for ``shm``, whose ring is one copy in host memory shared by every receiver). ``backend_options`` are passed to the
     backend's constructor as keywords. ``verify_digest`` makes receivers check the end-to-end digest.
     """
 
     bucket_bytes: int = 64 * MiB
-    slots: int = 2
+    slots: int | None = None
     timeouts: StepTimeouts = field(default_factory=StepTimeouts)
     backend_options: Mapping[str, JsonValue] = field(default_factory=dict)
     verify_digest: bool = True
@@ -63,7 +64,9 @@ class SyncConfig:
             )
         if self.bucket_bytes % BUCKET_ALIGNMENT:
             raise ConfigError(f"bucket_bytes must be a multiple of {BUCKET_ALIGNMENT}, got {self.bucket_bytes}")
-        if isinstance(self.slots, bool) or not isinstance(self.slots, int) or not 1 <= self.slots <= 16:
+        if self.slots is not None and (
+            isinstance(self.slots, bool) or not isinstance(self.slots, int) or not 1 <= self.slots <= 16
+        ):
             raise ConfigError(f"slots must be an int between 1 and 16, got {self.slots!r}")
         if not isinstance(self.timeouts, StepTimeouts):
             raise ConfigError("timeouts must be a StepTimeouts")

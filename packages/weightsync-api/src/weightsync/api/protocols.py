@@ -139,8 +139,8 @@ class CheckpointEngine(Protocol):
 
     One instance lives in each worker process (actor rank or rollout worker), built by the hosting adapter as
     ``Engine(bucket_bytes=..., **options)``. Options common to all engines: ``context`` (a ``WorkerContext``:
-    role, rank, node, address, supplied by the host), ``slots`` (buckets per side, default 2). Backends document
-    their own options.
+    role, rank, node, address, supplied by the host), ``slots`` (buckets per side; the backend's default when not
+    given). Backends document their own options.
 
     Class attributes (data, read without constructing an engine): ``name`` (the registry name) and ``devices``
     (the tensor devices it moves, e.g. ``frozenset({"cpu"})``).

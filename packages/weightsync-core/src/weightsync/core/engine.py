@@ -89,7 +89,8 @@ def load_transport_hook(spec: str | None) -> TransportHook | None:
 class BucketCheckpointEngine(abc.ABC):
     """Base of every weightsync engine; implements the ``CheckpointEngine`` Protocol over a transport.
 
-    Options common to every backend: ``context`` (``WorkerContext``, from the host), ``slots`` (buckets per side),
+    Options common to every backend: ``context`` (``WorkerContext``, from the host), ``slots`` (buckets per side;
+    default ``default_slots``),
     ``timeout`` (seconds any single blocking wait may take), ``verify_digest``, ``transport_hook`` (tests only).
     Backends list their own options in ``option_names``; an unknown option is a ``ConfigError``.
     """
@@ -97,6 +98,8 @@ class BucketCheckpointEngine(abc.ABC):
     name: ClassVar[str]
     devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
     option_names: ClassVar[frozenset[str]] = frozenset()
+    default_slots: ClassVar[int] = 2
+    """Buckets per side when ``slots`` is not given."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Give every backend's ``build_topology`` the same runtime guard against the old calling conventions.
@@ -115,7 +118,7 @@ class BucketCheckpointEngine(abc.ABC):
         *,
         bucket_bytes: int,
         context: WorkerContext | None = None,
-        slots: int = 2,
+        slots: int | None = None,
         timeout: float = 600.0,
         verify_digest: bool = True,
         transport_hook: str | None = None,
@@ -130,7 +133,7 @@ class BucketCheckpointEngine(abc.ABC):
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.bucket_bytes = bucket_bytes
-        self.slots = slots
+        self.slots = slots if slots is not None else self.default_slots
         self.timeout = float(timeout)
         self.verify_digest = verify_digest
         self.context = context or WorkerContext(role="actor", rank=0, node_id=default_node_id())
