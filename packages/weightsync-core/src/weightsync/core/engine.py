@@ -320,8 +320,8 @@ class BucketCheckpointEngine(abc.ABC):
                     self._transfer_pool, self._publish, transport, index, slot, bucket.nbytes, header, deadline
                 )
                 index += 1
-                nbytes += sum(item.meta.nbytes for item in bucket.items)
-                tensors += sum(1 for item in bucket.items if item.meta.offset + item.meta.nbytes == item.meta.total_nbytes)
+                nbytes += bucket.payload_bytes
+                tensors += bucket.completed
             if tensors == 0:
                 raise WeightStreamError("the weights stream was empty: an update must carry at least one tensor")
             publish_seconds = 0.0
@@ -485,21 +485,19 @@ _PIECE = 256 * 1024
 def _pack_hashing(base: int, bucket: PlannedBucket, digest: UpdateDigest) -> None:
     """Copy host sources into the host bucket at ``base``, hashing the bucket as it fills (padding included)."""
     hashed = 0
-    for item in bucket.items:
-        nbytes = item.meta.nbytes
-        if not nbytes:
-            continue
-        offset = item.meta.bucket_offset
-        source = item.source.data_ptr() + item.start
+    for meta, source, start in bucket.items:
+        nbytes, at = meta.nbytes, meta.bucket_offset
         if nbytes <= _PIECE:  # most tensors: one copy, the hash catches up every _PIECE bytes
-            copy_bytes(base + offset, source, nbytes)
-            if offset + nbytes - hashed >= _PIECE:
-                digest.update_at(base + hashed, offset + nbytes - hashed)
-                hashed = offset + nbytes
+            if nbytes:
+                copy_bytes(base + at, source.data_ptr() + start, nbytes)
+                if at + nbytes - hashed >= _PIECE:
+                    digest.update_at(base + hashed, at + nbytes - hashed)
+                    hashed = at + nbytes
             continue
+        address = source.data_ptr() + start
         for done in range(0, nbytes, _PIECE):
-            end = offset + min(done + _PIECE, nbytes)
-            copy_bytes(base + offset + done, source + done, end - offset - done)
+            end = at + min(done + _PIECE, nbytes)
+            copy_bytes(base + at + done, address + done, end - at - done)
             digest.update_at(base + hashed, end - hashed)
             hashed = end
     digest.update_at(base + hashed, bucket.nbytes - hashed)
@@ -650,45 +648,58 @@ class _ReceiveStream:
         self, current: _Arrived, destinations: Mapping[str, torch.Tensor],
         fallback: Callable[[str, torch.Tensor], object] | None,
     ) -> int:
-        """Copy the current bucket's remaining pieces to their destinations; the number of tensors completed."""
+        """Copy the current bucket's remaining pieces to their destinations; the number of tensors completed.
+
+        Runs once per tensor of the update: the common case (a host destination memmove can fill, a piece of at most
+        ``_PIECE`` bytes) is kept to a few attribute reads and one ``memmove``.
+        """
         tensors = current.header.tensors
-        payload = current.payload
-        base = payload.data_ptr() if current.fused else 0
+        fused = current.fused
+        base = current.payload.data_ptr() if fused else 0
         count = 0
         while self._position < len(tensors):
             meta = tensors[self._position]
             self._position += 1
             destination = destinations.get(meta.name)
-            if destination is None and fallback is None:
-                raise DestinationError(f"no destination for received tensor {meta.name!r} (and no fallback)",
-                                       name=meta.name)
-            address = _host_address(meta, destination, current.fused)
+            address = _host_address(meta, destination) if fused and destination is not None else None
             if address is None:
-                # The view path: a fallback, or a destination memmove cannot fill.
-                if current.fused and meta.bucket_offset - self._hashed >= _PIECE:
-                    self._hash_to(current, meta.bucket_offset)
-                ready = self._tensor(meta, payload)
-                if ready is not None:
-                    if destination is not None:
-                        destination.copy_(ready[1])
-                    elif fallback is not None:
-                        fallback(*ready)
-                    count += 1
+                count += self._copy_viewed(current, meta, destination, fallback)
                 continue
-            nbytes = meta.nbytes
-            source, target = base + meta.bucket_offset, address + meta.offset
+            nbytes, at = meta.nbytes, meta.bucket_offset
             if nbytes <= _PIECE:  # most tensors: one copy, the hash catches up every _PIECE bytes
-                copy_bytes(target, source, nbytes)
-                if meta.bucket_offset + nbytes - self._hashed >= _PIECE:
-                    self._hash_to(current, meta.bucket_offset + nbytes)
+                copy_bytes(address + meta.offset, base + at, nbytes)
+                if at + nbytes - self._hashed >= _PIECE:
+                    self._hash_to(current, at + nbytes)
             else:
+                target, source = address + meta.offset, base + at
                 for done in range(0, nbytes, _PIECE):
                     copy_bytes(target + done, source + done, min(_PIECE, nbytes - done))
-                    self._hash_to(current, meta.bucket_offset + min(done + _PIECE, nbytes))
+                    self._hash_to(current, at + min(done + _PIECE, nbytes))
             if meta.offset + nbytes == meta.total_nbytes:
                 self._tensors += 1
                 count += 1
         return count
+
+    def _copy_viewed(
+        self, current: _Arrived, meta: TensorMeta, destination: torch.Tensor | None,
+        fallback: Callable[[str, torch.Tensor], object] | None,
+    ) -> int:
+        """One piece through the view path: a fallback, or a destination ``memmove`` cannot fill (``copy_``)."""
+        if destination is None and fallback is None:
+            raise DestinationError(f"no destination for received tensor {meta.name!r} (and no fallback)",
+                                   name=meta.name)
+        if destination is not None:
+            _check_destination(meta, destination)
+        if current.fused and meta.bucket_offset - self._hashed >= _PIECE:
+            self._hash_to(current, meta.bucket_offset)
+        ready = self._tensor(meta, current.payload)
+        if ready is None:
+            return 0
+        if destination is not None:
+            destination.copy_(ready[1])
+        elif fallback is not None:
+            fallback(*ready)
+        return 1
 
     def _tensor(self, meta: TensorMeta, payload: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         dtype = dtype_from_name(meta.dtype)
@@ -807,20 +818,23 @@ class _ReceiveStream:
         self._release_hold()
 
 
-def _host_address(meta: TensorMeta, destination: torch.Tensor | None, host_payload: bool) -> int | None:
-    """Where ``memmove`` may write ``meta``'s tensor from a host payload: a contiguous host destination; None for
-    another destination, which ``Tensor.copy_`` fills; ``DestinationError`` for one of another dtype or shape.
-    Runs once per tensor: cheap attribute reads only (``is_cpu``, not a ``device`` object)."""
-    if destination is None:
-        return None
+def _check_destination(meta: TensorMeta, destination: torch.Tensor) -> None:
     if destination.dtype is not DTYPES.get(meta.dtype) or destination.shape != meta.shape:
         raise DestinationError(
             f"received tensor {meta.name!r} is {meta.dtype}{list(meta.shape)}, its destination "
             f"{str(destination.dtype).removeprefix('torch.')}{list(destination.shape)}", name=meta.name,
         )
-    if not (host_payload and destination.is_cpu and destination.is_contiguous()) or destination.is_conj() \
-            or destination.is_neg():
+
+
+def _host_address(meta: TensorMeta, destination: torch.Tensor) -> int | None:
+    """Where ``memmove`` may write ``meta``'s tensor from a host payload: a contiguous host destination; None for
+    another destination, which ``Tensor.copy_`` fills; ``DestinationError`` for one of another dtype or shape.
+    Runs once per tensor: cheap attribute reads only (``is_cpu``, not a ``device`` object)."""
+    _check_destination(meta, destination)
+    if not (destination.is_cpu and destination.is_contiguous()):
         return None
+    if destination.dtype.is_complex and (destination.is_conj() or destination.is_neg()):
+        return None  # a lazily conjugated/negated view: its memory does not hold the values it shows
     return destination.data_ptr()
 
 

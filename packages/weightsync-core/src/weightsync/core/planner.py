@@ -55,6 +55,11 @@ class PackItem(NamedTuple):
 class PlannedBucket:
     items: list[PackItem] = field(default_factory=list)
     nbytes: int = 0
+    """Bytes of the bucket's payload (the last piece's end, alignment padding included)."""
+    payload_bytes: int = 0
+    """Bytes of tensor data in it (padding excluded)."""
+    completed: int = 0
+    """Tensors whose last piece is in this bucket."""
 
     def __len__(self) -> int:
         return len(self.items)
@@ -97,18 +102,22 @@ def validate_pair(item: object, *, devices: frozenset[str], seen: set[str]) -> t
 def plan_buckets(
     weights: Iterable[object], *, bucket_bytes: int, devices: frozenset[str]
 ) -> Iterator[PlannedBucket]:
-    """Yield the buckets for ``weights`` lazily (the stream is read as buckets are requested)."""
+    """Yield the buckets for ``weights`` lazily (the stream is read as buckets are requested).
+
+    Runs once per tensor: for the common tensor (contiguous, whole in one bucket) it stays at a few attribute reads.
+    """
     seen: set[str] = set()
     bucket = PlannedBucket()
+    mask = ~(BUCKET_ALIGNMENT - 1)
     for item in weights:
         name, tensor = validate_pair(item, devices=devices, seen=seen)
         source = contiguous_source(tensor)
-        total = source.numel() * source.element_size()
+        total = source.nbytes
         dtype = dtype_name(tensor.dtype)
         shape = tuple(tensor.shape)
         offset = 0
         while True:
-            start = align_up(bucket.nbytes)
+            start = (bucket.nbytes + BUCKET_ALIGNMENT - 1) & mask
             room = bucket_bytes - start
             remaining = total - offset
             if bucket.items and (
@@ -119,12 +128,13 @@ def plan_buckets(
                 yield bucket
                 bucket = PlannedBucket()
                 continue
-            take = min(remaining, room)
-            meta = TensorMeta(name, dtype, shape, offset, take, total, start)
-            bucket.items.append(PackItem(meta, source, offset))
+            take = remaining if remaining <= room else room
+            bucket.items.append(PackItem(TensorMeta(name, dtype, shape, offset, take, total, start), source, offset))
             bucket.nbytes = start + take
+            bucket.payload_bytes += take
             offset += take
             if offset >= total:
+                bucket.completed += 1
                 break
             yield bucket
             bucket = PlannedBucket()

@@ -66,13 +66,11 @@ def contiguous_source(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().resolve_conj().resolve_neg().contiguous()
 
 
-def copy_bytes(destination: int, source: int, nbytes: int) -> None:
-    """Copy ``nbytes`` between two host addresses (libc ``memmove``; ctypes releases the GIL for the call).
-
-    For host buffers this beats ``Tensor.copy_`` here: about 7 GB/s against 6 for 1 MiB pieces on one core, and
-    no per-call tensor views to build, which is what many small tensors cost.
-    """
-    ctypes.memmove(destination, source, nbytes)
+copy_bytes = ctypes.memmove
+"""``copy_bytes(destination, source, nbytes)`` between two host addresses: libc ``memmove`` (ctypes releases the
+GIL for the call), bound directly so a small tensor pays no wrapper call. For host buffers it beats
+``Tensor.copy_`` here: about 7 GB/s against 6 for 1 MiB pieces on one core, and no tensor views to build per call,
+which is what many small tensors cost."""
 
 
 def memoryview_at(address: int, nbytes: int) -> memoryview:
