@@ -44,7 +44,7 @@ class SyncConfig:
     """How an update is carried out.
 
     ``bucket_bytes``: size of one bucket (the unit packed, moved and unpacked); each engine keeps ``slots`` of them
-    per side (2 = double buffering: one is filled while the other moves); None: the backend's own default (2, and 3
+    per side (2 = double buffering: one is filled while the other moves); None: the backend's own default (2, and 4
     for ``shm``, whose ring is one copy in host memory shared by every receiver). ``backend_options`` are passed to the
     backend's constructor as keywords. ``verify_digest`` makes receivers check the end-to-end digest.
     """
