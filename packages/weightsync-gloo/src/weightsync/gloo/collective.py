@@ -8,8 +8,10 @@ in actor rank 0's engine for the engine's lifetime; each membership epoch gets a
 Subclasses supply the device and the group: ``GlooCheckpointEngine`` (CPU tensors, gloo) here; the NCCL and HCCL
 backends override ``device_type``, ``devices`` and ``_new_group``.
 
-Per bucket, three broadcasts: a small control tensor (slot, nbytes, header length), the header bytes, the payload.
-Receivers keep their own ring of ``slots`` buffers, so receiving bucket k+1 overlaps the consumer unpacking bucket k.
+Per bucket, two broadcasts: a control block of ``CONTROL_BYTES`` (slot, nbytes, header length, and the header
+itself when it fits, as it does up to about a thousand tensors), then the payload; a longer header takes one more
+broadcast between the two. Receivers keep their own ring of ``slots`` buffers, so receiving bucket k+1 overlaps the
+consumer unpacking bucket k.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import struct
 import threading
 import time
 from typing import Any, ClassVar
@@ -65,13 +68,20 @@ class _Group:
                     continue
 
 
+CONTROL_BYTES = 64 * 1024
+_PREFIX = struct.Struct("<qqq")  # slot, nbytes, header length
+_INLINE = CONTROL_BYTES - _PREFIX.size
+MAX_HEADER_BYTES = 64 << 20
+
+
 class _Sender:
     def __init__(self, group: _Group, buffers: list[torch.Tensor], capacity: int) -> None:
         self.slots = len(buffers)
         self.capacity = capacity
         self._group = group
         self._buffers = buffers
-        self._control = torch.zeros(3, dtype=torch.int64, device=group.device)
+        self._control = bytearray(CONTROL_BYTES)
+        self._control_tensor = torch.frombuffer(self._control, dtype=torch.uint8)
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self._buffers[slot]
@@ -80,10 +90,12 @@ class _Sender:
         """A broadcast returns once its buffer may be reused, so a published slot is free by construction."""
 
     def publish(self, slot: int, nbytes: int, header: bytes, deadline: float) -> None:
-        control = torch.tensor([slot, nbytes, len(header)], dtype=torch.int64)
-        self._control.copy_(control)
-        self._group.broadcast(self._control)
-        self._group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self._group.device))
+        _PREFIX.pack_into(self._control, 0, slot, nbytes, len(header))
+        inline = header[:_INLINE]
+        self._control[_PREFIX.size:_PREFIX.size + len(inline)] = inline
+        self._group.broadcast(self._control_tensor)
+        if len(header) > _INLINE:
+            self._group.broadcast(torch.frombuffer(bytearray(header[_INLINE:]), dtype=torch.uint8))
         if nbytes:
             self._group.broadcast(self._buffers[slot][:nbytes])
 
@@ -98,7 +110,8 @@ class _Receiver:
         self._buffers = buffers
         self._free = list(range(len(buffers)))
         self._cond = threading.Condition()
-        self._control = torch.zeros(3, dtype=torch.int64, device=group.device)
+        self._control = bytearray(CONTROL_BYTES)
+        self._control_tensor = torch.frombuffer(self._control, dtype=torch.uint8)
 
     def receive(self, deadline: float) -> ReceivedBucket:
         with self._cond:
@@ -107,23 +120,25 @@ class _Receiver:
                                     peer="local consumer")
             slot = self._free.pop(0)
         try:
-            self._group.broadcast(self._control)
-            sender_slot, nbytes, header_len = (int(v) for v in self._control.cpu().tolist())
-            if not 0 <= nbytes <= self.capacity or not 0 <= header_len <= 64 << 20:
+            self._group.broadcast(self._control_tensor)
+            sender_slot, nbytes, header_len = _PREFIX.unpack_from(self._control, 0)
+            if not 0 <= nbytes <= self.capacity or not 0 <= header_len <= MAX_HEADER_BYTES:
                 raise TransferError(f"{self._group.peer} announced {nbytes} bytes / header {header_len}",
                                     peer=self._group.peer)
-            header = torch.empty(header_len, dtype=torch.uint8, device=self._group.device)
-            self._group.broadcast(header)
+            header = bytes(self._control[_PREFIX.size:_PREFIX.size + min(header_len, _INLINE)])
+            if header_len > _INLINE:
+                rest = torch.empty(header_len - _INLINE, dtype=torch.uint8)
+                self._group.broadcast(rest)
+                header += _to_bytes(rest)
             if sender_slot == NO_SLOT or nbytes == 0:
                 self.release(slot + 1)
-                return ReceivedBucket(header=_to_bytes(header),
-                                      payload=self._buffers[slot][:0], token=0)
+                return ReceivedBucket(header=header, payload=self._buffers[slot][:0], token=0)
             payload = self._buffers[slot][:nbytes]
             self._group.broadcast(payload)
         except BaseException:
             self.release(slot + 1)
             raise
-        return ReceivedBucket(header=_to_bytes(header), payload=payload, token=slot + 1)
+        return ReceivedBucket(header=header, payload=payload, token=slot + 1)
 
     def release(self, token: int) -> None:
         if token <= 0:

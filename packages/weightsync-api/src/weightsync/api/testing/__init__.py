@@ -90,6 +90,10 @@ class EngineConformance:
         results = harness.update("many_small")
         assert all(result["count"] == 1000 for result in results[1:])
 
+    def test_long_names(self, harness: EngineHarness) -> None:
+        results = harness.update("long_names")
+        assert all(result["count"] == 400 for result in results[1:])
+
     def test_partial_update(self, harness: EngineHarness) -> None:
         harness.update("mixed", 1)
         results = harness.update("partial", 2)

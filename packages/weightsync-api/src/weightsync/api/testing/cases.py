@@ -86,6 +86,12 @@ def _many_small(update: int, bucket_bytes: int) -> Weights:
     return [(f"layers.{i}.bias", _random((16 + i % 85,), dtypes[i % len(dtypes)], g)) for i in range(1000)]
 
 
+def _long_names(update: int, bucket_bytes: int) -> Weights:
+    """Names near the 1024-byte limit, multi-byte UTF-8 included: a bucket's table runs to hundreds of KiB."""
+    g = _generator("long_names", update)
+    return [(f"{i:04d}." + "é" * 300 + "w" * 300, _random((3, 5), torch.float32, g)) for i in range(400)]
+
+
 def _mixed(update: int, bucket_bytes: int) -> Weights:
     g = _generator("mixed", update)
     weights: Weights = []
@@ -108,6 +114,7 @@ CASES: dict[str, Callable[[int, int], Weights]] = {
     "non_contiguous": _non_contiguous,
     "three_buckets": _three_buckets,
     "many_small": _many_small,
+    "long_names": _long_names,
     "mixed": _mixed,
     "partial": _partial,
 }
