@@ -58,7 +58,9 @@ from weightsync.core.planner import PlannedBucket, plan_buckets, validate_pair
 from weightsync.core.tensors import DTYPES, copy_bytes, dtype_from_name
 from weightsync.core.transport import NO_SLOT, ReceivedBucket, ReceiverTransport, SenderTransport, TransportHook
 
-__all__ = ["BucketCheckpointEngine", "default_node_id", "load_transport_hook", "RankRole", "with_epoch"]
+__all__ = [
+    "BucketCheckpointEngine", "default_node_id", "load_transport_hook", "RankRole", "with_epoch", "PIECE_BYTES",
+]
 
 RankRole = Literal["sender", "receiver", "idle"]
 _ROLES: dict[str, RankRole] = {"sender": "sender", "receiver": "receiver", "idle": "idle"}
@@ -478,7 +480,7 @@ def _guard_build_topology(function: Any) -> Any:
 
 
 _CPU_ONLY = frozenset({"cpu"})
-_PIECE = 256 * 1024
+PIECE_BYTES = 256 * 1024
 """Bytes copied between two digest updates: small enough that the hash reads them back from the core's own cache."""
 
 
@@ -487,16 +489,16 @@ def _pack_hashing(base: int, bucket: PlannedBucket, digest: UpdateDigest) -> Non
     hashed = 0
     for meta, source, start in bucket.items:
         nbytes, at = meta.nbytes, meta.bucket_offset
-        if nbytes <= _PIECE:  # most tensors: one copy, the hash catches up every _PIECE bytes
+        if nbytes <= PIECE_BYTES:  # most tensors: one copy, the hash catches up every PIECE_BYTES bytes
             if nbytes:
                 copy_bytes(base + at, source.data_ptr() + start, nbytes)
-                if at + nbytes - hashed >= _PIECE:
+                if at + nbytes - hashed >= PIECE_BYTES:
                     digest.update_at(base + hashed, at + nbytes - hashed)
                     hashed = at + nbytes
             continue
         address = source.data_ptr() + start
-        for done in range(0, nbytes, _PIECE):
-            end = at + min(done + _PIECE, nbytes)
+        for done in range(0, nbytes, PIECE_BYTES):
+            end = at + min(done + PIECE_BYTES, nbytes)
             copy_bytes(base + at + done, address + done, end - at - done)
             digest.update_at(base + hashed, end - hashed)
             hashed = end
@@ -574,7 +576,7 @@ class _ReceiveStream:
                 if current is not None and self._position < len(current.header.tensors):
                     meta = current.header.tensors[self._position]
                     self._position += 1
-                    if current.fused and meta.bucket_offset - self._hashed >= _PIECE:
+                    if current.fused and meta.bucket_offset - self._hashed >= PIECE_BYTES:
                         # The consumer is done with every earlier piece: hash them while they are in cache.
                         self._hash_to(current, meta.bucket_offset)
                     ready = self._tensor(meta, current.payload)
@@ -651,7 +653,7 @@ class _ReceiveStream:
         """Copy the current bucket's remaining pieces to their destinations; the number of tensors completed.
 
         Runs once per tensor of the update: the common case (a host destination memmove can fill, a piece of at most
-        ``_PIECE`` bytes) is kept to a few attribute reads and one ``memmove``.
+        ``PIECE_BYTES`` bytes) is kept to a few attribute reads and one ``memmove``.
         """
         tensors = current.header.tensors
         fused = current.fused
@@ -666,15 +668,15 @@ class _ReceiveStream:
                 count += self._copy_viewed(current, meta, destination, fallback)
                 continue
             nbytes, at = meta.nbytes, meta.bucket_offset
-            if nbytes <= _PIECE:  # most tensors: one copy, the hash catches up every _PIECE bytes
+            if nbytes <= PIECE_BYTES:  # most tensors: one copy, the hash catches up every PIECE_BYTES bytes
                 copy_bytes(address + meta.offset, base + at, nbytes)
-                if at + nbytes - self._hashed >= _PIECE:
+                if at + nbytes - self._hashed >= PIECE_BYTES:
                     self._hash_to(current, at + nbytes)
             else:
                 target, source = address + meta.offset, base + at
-                for done in range(0, nbytes, _PIECE):
-                    copy_bytes(target + done, source + done, min(_PIECE, nbytes - done))
-                    self._hash_to(current, at + min(done + _PIECE, nbytes))
+                for done in range(0, nbytes, PIECE_BYTES):
+                    copy_bytes(target + done, source + done, min(PIECE_BYTES, nbytes - done))
+                    self._hash_to(current, at + min(done + PIECE_BYTES, nbytes))
             if meta.offset + nbytes == meta.total_nbytes:
                 self._tensors += 1
                 count += 1
@@ -690,7 +692,7 @@ class _ReceiveStream:
                                    name=meta.name)
         if destination is not None:
             _check_destination(meta, destination)
-        if current.fused and meta.bucket_offset - self._hashed >= _PIECE:
+        if current.fused and meta.bucket_offset - self._hashed >= PIECE_BYTES:
             self._hash_to(current, meta.bucket_offset)
         ready = self._tensor(meta, current.payload)
         if ready is None:
