@@ -114,7 +114,10 @@ async def copy_stream_into(
     stream: AsyncIterator[tuple[str, torch.Tensor]], destinations: Mapping[str, torch.Tensor], *,
     fallback: Callable[[str, torch.Tensor], object] | None = None,
 ) -> int:
-    """``ReceivedWeights.copy_into`` over plain iteration: ``destinations[name].copy_(tensor)`` per tensor."""
+    """``ReceivedWeights.copy_into`` over plain iteration: ``destinations[name].copy_(tensor)`` per tensor (outside
+    autograd, so a model's parameters are valid destinations)."""
+    import torch  # only here: whoever hands us tensors has torch
+
     count = 0
     async for name, tensor in stream:
         destination = destinations.get(name)
@@ -128,7 +131,8 @@ async def copy_stream_into(
                 f"{destination.dtype}{list(destination.shape)}", name=name,
             )
         else:
-            destination.copy_(tensor)
+            with torch.no_grad():
+                destination.copy_(tensor)
         count += 1
     return count
 

@@ -698,7 +698,8 @@ class _ReceiveStream:
         if ready is None:
             return 0
         if destination is not None:
-            destination.copy_(ready[1])
+            with torch.no_grad():  # a model's parameters are valid destinations
+                destination.copy_(ready[1])
         elif fallback is not None:
             fallback(*ready)
         return 1

@@ -125,7 +125,7 @@ async def _receive_and_check(engine: Any, case: str, update: int, bucket_bytes: 
             return await _expect_destination_error(stream, expected, destinations)
         count = await stream.copy_into(destinations, fallback=check)
         for name, destination in destinations.items():
-            check(name, destination)
+            check(name, destination.detach())
         if count != len(seen):
             problems.append(f"copy_into returned {count} for {len(seen)} tensors")
     missing = sorted(set(expected) - set(seen))
@@ -138,8 +138,9 @@ async def _receive_and_check(engine: Any, case: str, update: int, bucket_bytes: 
 
 
 def _destinations(expected: dict[str, Any]) -> dict[str, Any]:
-    """Zeroed destinations for most tensors: every 5th matrix a non-contiguous one (``copy_`` fills it), and every
-    7th name left out (the fallback gets its view)."""
+    """Zeroed destinations for most tensors: every 5th matrix a non-contiguous one (``copy_`` fills it), every 4th
+    floating-point tensor a ``Parameter`` that requires grad (a model's own), and every 7th name left out (the
+    fallback gets its view)."""
     import torch
 
     destinations: dict[str, Any] = {}
@@ -148,6 +149,8 @@ def _destinations(expected: dict[str, Any]) -> dict[str, Any]:
             continue
         if index % 5 == 1 and tensor.dim() == 2:
             destinations[name] = torch.zeros(tuple(reversed(tensor.shape)), dtype=tensor.dtype).t()
+        elif index % 4 == 2 and tensor.dtype.is_floating_point:
+            destinations[name] = torch.nn.Parameter(torch.zeros(tensor.shape, dtype=tensor.dtype))
         else:
             destinations[name] = torch.zeros(tensor.shape, dtype=tensor.dtype)
     return destinations
