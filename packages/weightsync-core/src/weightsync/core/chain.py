@@ -71,10 +71,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_FANOUT = 1
-"""Chain: the sender's egress stays one model whatever the number of receivers. Measured with ``weightsync bench``
-(1 GiB, 2 receivers, 64 MiB buckets, a 2-core host shared with other jobs, so noisy): nixl chain 0.37-0.84 GB/s
-per receiver vs star (fanout 2) 0.11; mooncake chain 0.16-0.31 vs star 0.17-0.47 — no consistent winner there, so
-both keep the chain, which is also the only shape whose sender egress does not grow with R."""
+"""Chain: the sender's egress stays one model whatever the number of receivers. Measured side by side with
+``weightsync bench`` (1 GiB, 2 receivers, 64 MiB buckets, a 2-core host shared with other jobs): nixl chain 1.8-1.9
+GB/s per receiver vs star (fanout 2) 1.77-1.79; mooncake chain 0.52-0.57 vs star 0.52-0.59. No faster shape, so
+both keep the chain, the only one whose sender egress does not grow with R."""
 
 _MAX_CONTROL_FRAME = 1 << 20  # headers of buckets with many tensors stay far below this
 _POLL_FIRST = 50e-6
