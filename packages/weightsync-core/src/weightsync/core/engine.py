@@ -204,8 +204,11 @@ class BucketCheckpointEngine(abc.ABC):
         if not self._busy.locked():
             return
         self._disconnect()
-        if not self._busy.acquire(timeout=min(self.timeout, 30.0)):
-            raise ConcurrentUpdateError(f"{self.name}: an abandoned update did not stop within 30 s")
+        # A transport call already blocked (a collective that cannot be interrupted) ends at its own deadline, one
+        # ``timeout`` at most; what follows it fails at once on the closed transport.
+        wait = self.timeout + 5.0
+        if not self._busy.acquire(timeout=wait):
+            raise ConcurrentUpdateError(f"{self.name}: an abandoned update did not stop within {wait:g} s")
         self._busy.release()
 
     @abc.abstractmethod

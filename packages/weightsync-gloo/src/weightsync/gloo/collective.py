@@ -47,8 +47,12 @@ class _Group:
         self.group = group
         self.device = device
         self.peer = peer
+        self.closed = False
 
     def broadcast(self, tensor: torch.Tensor) -> None:
+        if self.closed:
+            # An abandoned update: fail at once instead of starting a collective that waits out its timeout.
+            raise TransferError(f"the group with {self.peer} was closed (the update was abandoned)", peer=self.peer)
         options = dist.BroadcastOptions()
         options.rootRank = 0
         options.rootTensor = 0
@@ -58,6 +62,7 @@ class _Group:
             raise TransferError(f"broadcast with {self.peer} failed: {exc}", peer=self.peer) from None
 
     def close(self) -> None:
+        self.closed = True
         for method in ("shutdown", "abort"):
             function = getattr(self.group, method, None)
             if function is not None:
