@@ -187,6 +187,8 @@ class _CountingStream:
 
 
 class _Lookups(Mapping[str, "torch.Tensor"]):
+    """The sink's destinations, counting every lookup that finds one (that tensor is about to be written)."""
+
     def __init__(self, stream: _CountingStream, inner: Mapping[str, torch.Tensor]) -> None:
         self._stream = stream
         self._inner = inner
