@@ -593,7 +593,8 @@ class _ReceiveStream:
             raise
 
     async def copy_into(
-        self, destinations: Mapping[str, torch.Tensor], *, fallback: Callable[[str, torch.Tensor], object] | None = None,
+        self, destinations: Mapping[str, torch.Tensor], *,
+        fallback: Callable[[str, torch.Tensor], object] | None = None,
     ) -> int:
         """The rest of the stream, copied straight from the receive buffers into ``destinations`` (see the Protocol).
 

@@ -2,8 +2,8 @@
 
 pause replicas → (prepare → build_topology → init_process_group, only when membership changed or the last update
 failed) → send/receive → finalize (unless every worker's host did it within its transfer call, as ours do) → resume.
-Every step awaits the workers' awaitables together under the step's timeout from ``SyncConfig.timeouts``; a timeout names the step and the workers still pending. Resuming runs in
-``finally``: a replica resumes when it holds a complete, verified model — the new version (committed) or its old
+Every step awaits the workers' awaitables together under the step's timeout from ``SyncConfig.timeouts``; a timeout
+names the step and the workers still pending. Resuming runs in ``finally``: a replica resumes when it holds a complete, verified model — the new version (committed) or its old
 one because no byte reached it (untouched). A replica the failed update may have half-written (torn) stays paused
 and is repaired by the next update.
 """

@@ -156,7 +156,9 @@ def _destinations(expected: dict[str, Any]) -> dict[str, Any]:
     return destinations
 
 
-async def _expect_destination_error(stream: Any, expected: dict[str, Any], destinations: dict[str, Any]) -> dict[str, Any]:
+async def _expect_destination_error(
+    stream: Any, expected: dict[str, Any], destinations: dict[str, Any]
+) -> dict[str, Any]:
     import torch
 
     from weightsync.api.errors import DestinationError
