@@ -5,9 +5,11 @@ A backend subclasses it and supplies only what is its own: ``build_topology`` (w
 :class:`~weightsync.core.transport.SenderTransport` / ``ReceiverTransport`` for the epoch).
 
 Sender pipeline: the weights stream is planned into buckets on the event loop thread (cheap bookkeeping); packing
-bucket k+1 (copies into slot (k+1) % slots, digest) runs on a packing thread while bucket k is published on a
-transfer thread. Receiver pipeline: a receive thread pulls buckets, validates their headers and hashes them while
-the consumer copies tensors out of the previous bucket. Copies and hashes release the GIL, so the stages overlap.
+bucket k+1 (copies into slot (k+1) % slots) runs on a packing thread while bucket k is published on a transfer
+thread. Receiver pipeline: a receive thread pulls buckets and validates their headers while the consumer copies
+tensors out of the previous bucket. Host copies are ``memmove`` in ``PIECE_BYTES`` pieces with the digest folded in
+right behind each piece, while the bytes are still in cache (device buckets are hashed whole, staged to the host).
+Copies and hashes release the GIL, so the stages overlap.
 """
 
 from __future__ import annotations
