@@ -44,38 +44,29 @@ def test_kit_fails_an_engine_that_writes_a_mismatched_destination() -> None:
     # Negative control of the wrong_shape mode: a stream that copies without checking shapes is caught.
     from weightsync.api.testing.harness import _expect_destination_error
 
-    class Careless:
-        def __init__(self, items: list[tuple[str, torch.Tensor]]) -> None:
-            self._items = iter(items)
-
-        def __aiter__(self) -> Careless:
-            return self
-
-        async def __anext__(self) -> tuple[str, torch.Tensor]:
-            try:
-                return next(self._items)
-            except StopIteration:
-                raise StopAsyncIteration from None
-
-        async def copy_into(self, destinations: dict[str, torch.Tensor], **_: object) -> int:
+    class Careless(_Stream):
+        async def copy_into(self, destinations: dict[str, torch.Tensor],
+                            fallback: Callable[[str, torch.Tensor], object] | None = None) -> int:
             for name, tensor in self._items:
                 destinations[name].view(-1)[: tensor.numel()].copy_(tensor.view(-1))
             return 0
 
     weights = {"w": torch.ones(4, 3), "b": torch.ones(3)}
-    result = asyncio.run(_expect_destination_error(Careless(list(weights.items())), weights, {
-        name: torch.zeros_like(tensor) for name, tensor in weights.items()
-    }))
+
+    def zeros() -> dict[str, torch.Tensor]:
+        return {name: torch.zeros_like(tensor) for name, tensor in weights.items()}
+
+    result = asyncio.run(_expect_destination_error(Careless(list(weights.items())), weights, zeros()))
     assert any("accepted" in problem for problem in result["problems"])
     assert any("was written" in problem for problem in result["problems"])
     # Positive control: the generic implementation checks shapes before writing.
-    honest = asyncio.run(_expect_destination_error(_Stream(list(weights.items())), weights, {
-        name: torch.zeros_like(tensor) for name, tensor in weights.items()
-    }))
+    honest = asyncio.run(_expect_destination_error(_Stream(list(weights.items())), weights, zeros()))
     assert honest["problems"] == []
 
 
 class _Stream:
+    """A plain stream of ``items`` whose ``copy_into`` is the generic one (shapes checked before writing)."""
+
     def __init__(self, items: list[tuple[str, torch.Tensor]]) -> None:
         self._items = iter(items)
 
