@@ -72,6 +72,12 @@ class ReceivedWeights(Protocol):
     When the stream ends normally, ``report`` holds the receiver's :class:`TransferReport` and the stream has
     already checked the end-to-end digest (a mismatch raises ``DigestMismatchError`` from the last ``__anext__``).
     Errors from the transport surface as ``TransferError`` / ``WireError`` from ``__anext__``.
+
+    A consumer that leaves before the end (a ``break``, an error of its own) calls ``aclose()`` — or iterates under
+    ``contextlib.aclosing(stream)``, since a ``break`` alone does not tell an iterator it was left. The update is not
+    stalled: the engine receives and drops the rest in the background. A ``receive_weights()`` called meanwhile
+    returns a stream that starts once that is done; a second one, or one while a stream is still being consumed,
+    raises ``ConcurrentUpdateError``. ``aclose()`` after the end, or twice, does nothing.
     """
 
     report: TransferReport | None
@@ -95,6 +101,10 @@ class ReceivedWeights(Protocol):
         digest check and ``report`` are as with ``async for``. ``copy_stream_into`` implements it over ``__anext__``
         for a stream that has nothing faster.
         """
+        ...
+
+    async def aclose(self) -> None:
+        """Leave the stream before its end (see above); the views it gave are no longer valid."""
         ...
 
 

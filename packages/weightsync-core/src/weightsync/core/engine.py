@@ -149,6 +149,12 @@ class BucketCheckpointEngine(abc.ABC):
         self._sender: SenderTransport | None = None
         self._receiver: ReceiverTransport | None = None
         self._busy = threading.Lock()
+        self._claim = threading.Lock()
+        """Guards the hand-over of ``_busy`` from a draining stream to the next one (``receive_weights``)."""
+        self._draining: _ReceiveStream | None = None
+        """A stream whose consumer left early while its receive thread still drops the rest of its update."""
+        self._successor: _ReceiveStream | None = None
+        """The stream waiting for ``_draining`` to finish before it starts."""
         self._closed = False
         self.trace_events: list[dict[str, Any]] | None = None
         """When a list (``enable_tracing``), every pack/transfer/receive/unpack of a bucket is appended to it."""
@@ -419,9 +425,34 @@ class BucketCheckpointEngine(abc.ABC):
         self._require("receiver", "receive_weights")
         if self._receiver is None:
             raise LifecycleError(f"{self.name}: receive_weights on a rank that is not connected as a receiver")
-        if not self._busy.acquire(blocking=False):
-            raise ConcurrentUpdateError(f"{self.name}: receive_weights while another update is in flight")
-        return _ReceiveStream(self, self._receiver)
+        with self._claim:
+            if self._busy.acquire(blocking=False):
+                return _ReceiveStream(self, self._receiver, owns_engine=True)
+            if self._draining is None or self._successor is not None:
+                raise ConcurrentUpdateError(f"{self.name}: receive_weights while another update is in flight")
+            # The previous update's consumer left early and its rest is still being received and dropped: the new
+            # stream takes the engine over once that is done, without blocking this (event-loop) thread meanwhile.
+            self._successor = _ReceiveStream(self, self._receiver, owns_engine=False)
+            return self._successor
+
+    async def _take_over(self, stream: _ReceiveStream) -> None:
+        """Wait (polling with back-off) until the draining stream releases the engine, then hold it for ``stream``."""
+        limit = self.timeout + 5.0
+        deadline = time.monotonic() + limit
+        pause = 0.001
+        try:
+            while not self._busy.acquire(blocking=False):
+                if time.monotonic() > deadline:
+                    raise ConcurrentUpdateError(
+                        f"{self.name}: the previous update, left early by its consumer, was still being received "
+                        f"{limit:g} s later"
+                    )
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.05)
+        finally:
+            with self._claim:
+                if self._successor is stream:
+                    self._successor = None
 
     def _new_digest(self) -> UpdateDigest:
         """Backend hook: the digest buckets are folded into (a device engine stages device payloads to host)."""
@@ -538,7 +569,7 @@ class _ReceiveStream:
     device bucket is hashed whole by the receive thread (its digest stages it to the host).
     """
 
-    def __init__(self, engine: BucketCheckpointEngine, transport: ReceiverTransport) -> None:
+    def __init__(self, engine: BucketCheckpointEngine, transport: ReceiverTransport, *, owns_engine: bool) -> None:
         self.report: TransferReport | None = None
         self._engine = engine
         self._transport = transport
@@ -556,19 +587,22 @@ class _ReceiveStream:
         self._finished = False
         self._abandoned = False
         self._unpack_started = 0.0
-        # The engine is busy until both the consumer side (close) and the receive thread are done with it.
-        self._holders = 1
-        self._holders_lock = threading.Lock()
+        # The engine is busy until both the consumer side (close) and the receive thread are done with it. A stream
+        # born while another drains holds it only once ``_take_over`` got it. Counted under the engine's ``_claim``.
+        self._holders = 1 if owns_engine else 0
 
     def __aiter__(self) -> _ReceiveStream:
         return self
 
-    def _start(self) -> asyncio.Queue[_Arrived | BaseException]:
+    async def _start(self) -> asyncio.Queue[_Arrived | BaseException]:
         if self._queue is None:
+            took_over = self._holders == 0
+            if took_over:
+                await self._engine._take_over(self)
             loop = asyncio.get_running_loop()
             self._queue = asyncio.Queue()
-            with self._holders_lock:
-                self._holders += 1
+            with self._engine._claim:  # the consumer's hold (when taken over) and the receive thread's
+                self._holders += 2 if took_over else 1
             loop.run_in_executor(self._engine._transfer_pool, self._receive_loop, loop, self._queue)
         return self._queue
 
@@ -628,7 +662,7 @@ class _ReceiveStream:
             self._current = None
             self._transport.release(current.token)
             self._engine._trace("unpack", current.header.index, self._unpack_started, time.perf_counter())
-        arrived = await self._start().get()
+        arrived = await (await self._start()).get()
         if isinstance(arrived, BaseException):
             raise arrived
         header = arrived.header
@@ -783,11 +817,19 @@ class _ReceiveStream:
         queue.put_nowait(item)
 
     def _release_hold(self) -> None:
-        with self._holders_lock:
+        engine = self._engine
+        with engine._claim:
+            if self._holders == 0:  # closed before it took the engine over
+                if engine._successor is self:
+                    engine._successor = None
+                return
             self._holders -= 1
-            free = self._holders == 0
-        if free:
-            self._engine._busy.release()
+            if self._holders == 0:
+                if engine._draining is self:
+                    engine._draining = None
+                engine._busy.release()
+            elif self._finished:  # the consumer left; the receive thread still drops the rest of the update
+                engine._draining = self
 
     async def aclose(self) -> None:
         """The consumer stops early (its sink failed): the rest of the update is received and dropped."""

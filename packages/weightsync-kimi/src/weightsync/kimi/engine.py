@@ -506,6 +506,10 @@ class _KimiStream:
         finally:
             self._close()
 
+    async def aclose(self) -> None:
+        """The consumer leaves early: checkpoint-engine's remaining buckets are let through untaken."""
+        self._close()
+
     def _close(self) -> None:
         if self._finished:
             return

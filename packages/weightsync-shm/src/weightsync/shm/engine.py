@@ -72,13 +72,15 @@ class SharedSegment:
             self.tensor.zero_()  # pre-fault every page once, here, not during the first update
 
     def close(self) -> None:
-        del self.tensor
+        """Idempotent: an engine closing under a transport that closes its segments too is fine."""
         mapping, self._map = self._map, None
-        if mapping is not None:
-            try:
-                mapping.close()
-            except BufferError:
-                pass  # a consumer still holds a view; the mapping goes when it does
+        if mapping is None:
+            return
+        del self.tensor
+        try:
+            mapping.close()
+        except BufferError:
+            pass  # a consumer still holds a view; the mapping goes when it does
         if self.owner:
             try:
                 os.unlink(self.path)
