@@ -11,7 +11,7 @@ CPU = frozenset({"cpu"})
 
 
 def plan(weights: list[tuple[str, torch.Tensor]], bucket_bytes: int = 4096) -> list[list[tuple[str, int, int, int]]]:
-    return [[(item.meta.name, item.meta.offset, item.meta.nbytes, item.meta.bucket_offset) for item in bucket.items]
+    return [[(meta.name, meta.offset, meta.nbytes, meta.bucket_offset) for meta, _, _ in bucket.items]
             for bucket in plan_buckets(weights, bucket_bytes=bucket_bytes, devices=CPU)]
 
 

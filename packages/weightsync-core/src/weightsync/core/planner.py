@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
-
 import torch
 
 from weightsync.api.config import BUCKET_ALIGNMENT
@@ -26,9 +24,9 @@ from weightsync.api.errors import (
     WeightStreamError,
 )
 from weightsync.core.codec import MAX_NAME_BYTES, TensorMeta
-from weightsync.core.tensors import as_byte_view, contiguous_source, dtype_name
+from weightsync.core.tensors import _NAMES, as_byte_view, contiguous_source, dtype_name
 
-__all__ = ["PackItem", "PlannedBucket", "plan_buckets", "validate_pair", "PIPELINE_TENSORS"]
+__all__ = ["PackItem", "PlannedBucket", "plan_buckets", "piece_bytes", "validate_pair", "PIPELINE_TENSORS"]
 
 PIPELINE_TENSORS = 1024
 """A bucket is closed once it lists this many tensors, even with room left: a stream of many small tensors then
@@ -36,19 +34,19 @@ still moves as several buckets, so packing, transfer and unpacking overlap inste
 (far below the wire's ``MAX_TENSORS_PER_BUCKET``). 256 was slower here, 512 no faster."""
 
 
-class PackItem(NamedTuple):
-    meta: TensorMeta
-    source: torch.Tensor
-    """The caller's tensor, or a contiguous copy of it: its storage from ``data_ptr()`` holds the row-major bytes."""
-    start: int
-    """Byte offset of this piece in ``source``'s bytes (``meta.offset``)."""
-
-    def byte_view(self) -> torch.Tensor:
-        """The piece as a flat uint8 tensor (for ``Tensor.copy_`` where raw addresses do not apply)."""
-        return as_byte_view(self.source)[self.start:self.start + self.meta.nbytes]
+PackItem = tuple[TensorMeta, torch.Tensor, int]
+"""One piece of a bucket: ``(meta, source, start)``. ``source`` is the caller's tensor, or a contiguous copy of it
+(its storage from ``data_ptr()`` holds the row-major bytes); ``start`` is the piece's byte offset in those bytes
+(``meta.offset``). A plain tuple: the planner builds one per tensor, and a named tuple costs several times more."""
 
 
-@dataclass
+def piece_bytes(item: PackItem) -> torch.Tensor:
+    """The piece as a flat uint8 tensor (for ``Tensor.copy_`` where raw addresses do not apply)."""
+    meta, source, start = item
+    return as_byte_view(source)[start:start + meta.nbytes]
+
+
+@dataclass(slots=True)
 class PlannedBucket:
     items: list[PackItem] = field(default_factory=list)
     nbytes: int = 0
@@ -101,32 +99,54 @@ def plan_buckets(
 ) -> Iterator[PlannedBucket]:
     """Yield the buckets for ``weights`` lazily (the stream is read as buckets are requested).
 
-    Runs once per tensor: for the common tensor (contiguous, whole in one bucket) it stays at a few attribute reads.
+    Runs once per tensor. The common item (a tuple of a new ASCII name and a dense, contiguous tensor on a device
+    this backend serves, whole in the current bucket) takes one chain of cheap checks and one append; anything else
+    goes through ``validate_pair``, which raises the precise error, and the general placement loop.
     """
     seen: set[str] = set()
     bucket = PlannedBucket()
-    mask = ~(BUCKET_ALIGNMENT - 1)
+    items = bucket.items
+    align = BUCKET_ALIGNMENT - 1
+    mask = ~align
+    host_ok = "cpu" in devices
+    strided = torch.strided
     for item in weights:
-        name, tensor = validate_pair(item, devices=devices, seen=seen)
-        source = contiguous_source(tensor)
+        if (type(item) is tuple and len(item) == 2 and type(name := item[0]) is str and name.isascii()
+                and 0 < len(name) <= MAX_NAME_BYTES and name not in seen
+                and isinstance(tensor := item[1], torch.Tensor) and tensor.layout is strided
+                and (host_ok and tensor.is_cpu or tensor.device.type in devices)):
+            seen.add(name)
+        else:
+            name, tensor = validate_pair(item, devices=devices, seen=seen)
+        dtype = _NAMES.get(tensor.dtype) or dtype_name(tensor.dtype)
+        if tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg():
+            source = tensor
+        else:
+            source = contiguous_source(tensor)
         total = source.nbytes
-        dtype = dtype_name(tensor.dtype)
-        shape = tuple(tensor.shape)
+        start = (bucket.nbytes + align) & mask
+        if total <= bucket_bytes - start and len(items) < PIPELINE_TENSORS:  # the common case: whole, here
+            items.append((TensorMeta(name, dtype, tensor.shape, 0, total, total, start), source, 0))
+            bucket.nbytes = start + total
+            bucket.payload_bytes += total
+            bucket.completed += 1
+            continue
         offset = 0
         while True:
-            start = (bucket.nbytes + BUCKET_ALIGNMENT - 1) & mask
+            start = (bucket.nbytes + align) & mask
             room = bucket_bytes - start
             remaining = total - offset
-            if bucket.items and (
+            if items and (
                 remaining > room and (remaining <= bucket_bytes and offset == 0 or room <= 0)
-                or len(bucket.items) >= PIPELINE_TENSORS
+                or len(items) >= PIPELINE_TENSORS
             ):
                 # Close the bucket instead of splitting a tensor that fits a fresh one (or when it is full).
                 yield bucket
                 bucket = PlannedBucket()
+                items = bucket.items
                 continue
             take = remaining if remaining <= room else room
-            bucket.items.append(PackItem(TensorMeta(name, dtype, shape, offset, take, total, start), source, offset))
+            items.append((TensorMeta(name, dtype, tensor.shape, offset, take, total, start), source, offset))
             bucket.nbytes = start + take
             bucket.payload_bytes += take
             offset += take
@@ -135,5 +155,6 @@ def plan_buckets(
                 break
             yield bucket
             bucket = PlannedBucket()
-    if bucket.items:
+            items = bucket.items
+    if items:
         yield bucket

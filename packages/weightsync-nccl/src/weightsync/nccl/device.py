@@ -495,8 +495,8 @@ class AcceleratorCollectiveEngine(CollectiveCheckpointEngine):
         with ops.use(self._copy_stream):
             if self._producer_stream is not None:
                 ops.stream_wait_stream(self._copy_stream, self._producer_stream)
-            for item in bucket.items:
-                ops.keep_alive(item.source, self._copy_stream)
+            for _, source, _ in bucket.items:
+                ops.keep_alive(source, self._copy_stream)
             result = super()._pack(
                 transport, slot, index, bucket, version, epoch, digest, deadline
             )
