@@ -26,6 +26,9 @@ __all__ = [
     "Ack",
     "encode",
     "decode_header",
+    "decode_bucket",
+    "encode_bucket",
+    "TableCache",
     "decode_hello",
     "decode_ack",
     "encode_tensors",
@@ -81,6 +84,48 @@ class BucketHeader(msgspec.Struct, frozen=True, tag="bucket"):
     abort: str = ""
 
 
+class _TableHeader(msgspec.Struct, frozen=True, tag="bucket"):
+    """``BucketHeader`` on the wire, its table left as the encoded bytes: the sender writes the table it already
+    encoded for the digest, and a receiver looks it up before decoding it (see ``TableCache``)."""
+
+    wire: int
+    epoch: str
+    version: int
+    sender: int
+    index: int
+    slot: int
+    nbytes: int
+    tensors: msgspec.Raw
+    final: bool = False
+    digest: str = ""
+    abort: str = ""
+
+
+class TableCache:
+    """Bucket tables this receiver decoded and validated, keyed by their bytes and their bucket's size.
+
+    Each update of a model carries the tables of the update before (names, dtypes, shapes and places do not change),
+    so a receiver decodes and checks each once: a table of 1,024 small tensors costs a millisecond to decode and
+    validate, and microseconds to look up. Only byte-identical tables hit, so what a peer sends is never trusted
+    beyond what was validated. Bounded: cleared once it holds ``limit`` bytes of tables.
+    """
+
+    def __init__(self, limit: int = 32 << 20) -> None:
+        self.limit = limit
+        self._tables: dict[tuple[bytes, int], list[TensorMeta]] = {}
+        self._bytes = 0
+
+    def get(self, table: bytes, bucket_nbytes: int) -> list[TensorMeta] | None:
+        return self._tables.get((table, bucket_nbytes))
+
+    def put(self, table: bytes, bucket_nbytes: int, tensors: list[TensorMeta]) -> None:
+        if self._bytes + len(table) > self.limit:
+            self._tables.clear()
+            self._bytes = 0
+        self._tables[(table, bucket_nbytes)] = tensors
+        self._bytes += len(table)
+
+
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
     """First message on a connection of ours: who is connecting, for which epoch."""
 
@@ -100,7 +145,8 @@ class Ack(msgspec.Struct, frozen=True, tag="ack"):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_header_decoder = msgspec.msgpack.Decoder(BucketHeader)
+_header_decoder = msgspec.msgpack.Decoder(_TableHeader)
+_table_decoder = msgspec.msgpack.Decoder(list[TensorMeta])
 _hello_decoder = msgspec.msgpack.Decoder(Hello)
 _ack_decoder = msgspec.msgpack.Decoder(Ack)
 _tensors_encoder = msgspec.msgpack.Encoder()
@@ -116,6 +162,15 @@ def encode_tensors(tensors: Sequence[TensorMeta]) -> bytes:
     return _tensors_encoder.encode(list(tensors))
 
 
+def encode_bucket(*, epoch: str, version: int, sender: int, index: int, slot: int, nbytes: int, table: bytes) -> bytes:
+    """A bucket's header around its already encoded table (``encode_tensors``): the bytes of
+    ``encode(BucketHeader(..., tensors=<that table's entries>))``, without encoding the entries a second time."""
+    return _encoder.encode(_TableHeader(
+        wire=WIRE_VERSION, epoch=epoch, version=version, sender=sender, index=index, slot=slot, nbytes=nbytes,
+        tensors=msgspec.Raw(table),
+    ))
+
+
 def _check_common(wire: int, epoch: str, expected_epoch: str | None) -> None:
     if wire != WIRE_VERSION:
         raise WireError(f"peer speaks wire version {wire}, this side speaks {WIRE_VERSION}")
@@ -125,20 +180,43 @@ def _check_common(wire: int, epoch: str, expected_epoch: str | None) -> None:
 
 def decode_header(data: bytes, *, epoch: str | None, capacity: int) -> BucketHeader:
     """Decode and validate a bucket header; ``capacity`` is the receiving bucket's size in bytes."""
+    return decode_bucket(data, epoch=epoch, capacity=capacity)[0]
+
+
+def decode_bucket(
+    data: bytes, *, epoch: str | None, capacity: int, cache: TableCache | None = None
+) -> tuple[BucketHeader, bytes]:
+    """Decode and validate a bucket header; also return its table's encoded bytes (what the digest covers).
+
+    ``cache`` holds tables validated before: a byte-identical table (and bucket size) is not decoded again.
+    """
     try:
-        header = _header_decoder.decode(data)
+        raw = _header_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise WireError(f"malformed bucket header: {exc}") from None
-    _check_common(header.wire, header.epoch, epoch)
-    if not 0 <= header.nbytes <= capacity:
-        raise WireError(f"bucket of {header.nbytes} bytes does not fit a {capacity}-byte buffer")
-    if len(header.tensors) > MAX_TENSORS_PER_BUCKET:
-        raise WireError(f"bucket lists {len(header.tensors)} tensors (limit {MAX_TENSORS_PER_BUCKET})")
-    if header.index < 0 or header.version < 0 or header.sender < 0:
+    _check_common(raw.wire, raw.epoch, epoch)
+    if not 0 <= raw.nbytes <= capacity:
+        raise WireError(f"bucket of {raw.nbytes} bytes does not fit a {capacity}-byte buffer")
+    if raw.index < 0 or raw.version < 0 or raw.sender < 0:
         raise WireError("negative index, version or sender in bucket header")
-    for meta in header.tensors:
-        check_tensor_meta(meta, bucket_nbytes=header.nbytes)
-    return header
+    table = bytes(raw.tensors)
+    tensors = cache.get(table, raw.nbytes) if cache is not None else None
+    if tensors is None:
+        try:
+            tensors = _table_decoder.decode(table)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise WireError(f"malformed bucket header: {exc}") from None
+        if len(tensors) > MAX_TENSORS_PER_BUCKET:
+            raise WireError(f"bucket lists {len(tensors)} tensors (limit {MAX_TENSORS_PER_BUCKET})")
+        for meta in tensors:
+            check_tensor_meta(meta, bucket_nbytes=raw.nbytes)
+        if cache is not None:
+            cache.put(table, raw.nbytes, tensors)
+    header = BucketHeader(
+        wire=raw.wire, epoch=raw.epoch, version=raw.version, sender=raw.sender, index=raw.index, slot=raw.slot,
+        nbytes=raw.nbytes, tensors=tensors, final=raw.final, digest=raw.digest, abort=raw.abort,
+    )
+    return header, table
 
 
 def check_tensor_meta(meta: TensorMeta, *, bucket_nbytes: int) -> None:

@@ -57,7 +57,7 @@ from weightsync.core import codec
 from weightsync.core.digest import UpdateDigest
 from weightsync.core.codec import TensorMeta
 from weightsync.core.planner import PlannedBucket, piece_bytes, plan_buckets, validate_pair
-from weightsync.core.tensors import DTYPES, copy_bytes, dtype_from_name
+from weightsync.core.tensors import DTYPES, copy_bytes, copy_small, dtype_from_name
 from weightsync.core.transport import NO_SLOT, ReceivedBucket, ReceiverTransport, SenderTransport, TransportHook
 
 __all__ = [
@@ -155,6 +155,8 @@ class BucketCheckpointEngine(abc.ABC):
         """A stream whose consumer left early while its receive thread still drops the rest of its update."""
         self._successor: _ReceiveStream | None = None
         """The stream waiting for ``_draining`` to finish before it starts."""
+        self._tables = codec.TableCache()
+        """Bucket tables received and validated before: a model's next update repeats them."""
         self._closed = False
         self.trace_events: list[dict[str, Any]] | None = None
         """When a list (``enable_tracing``), every pack/transfer/receive/unpack of a bucket is appended to it."""
@@ -396,12 +398,10 @@ class BucketCheckpointEngine(abc.ABC):
             if after_pack is not None:
                 after_pack(index, payload)  # a test hook: the bytes are hashed after it, as they stand
             digest.update_bucket(table, payload)
-        header = codec.BucketHeader(
-            wire=codec.WIRE_VERSION, epoch=epoch, version=version, sender=self.context.rank, index=index, slot=slot,
-            nbytes=bucket.nbytes, tensors=metas,
-        )
+        header = codec.encode_bucket(epoch=epoch, version=version, sender=self.context.rank, index=index, slot=slot,
+                                     nbytes=bucket.nbytes, table=table)
         self._trace("pack", index, started, time.perf_counter())
-        return codec.encode(header), time.perf_counter() - started
+        return header, time.perf_counter() - started
 
     async def _abort(
         self, transport: SenderTransport, in_flight: dict[int, asyncio.Future[float]], *, epoch: str, version: int,
@@ -534,7 +534,7 @@ def _pack_hashing(base: int, bucket: PlannedBucket, digest: UpdateDigest) -> Non
         nbytes, at = meta.nbytes, meta.bucket_offset
         if nbytes <= PIECE_BYTES:  # most tensors: one copy, the hash catches up every PIECE_BYTES bytes
             if nbytes:
-                copy_bytes(base + at, source.data_ptr() + start, nbytes)
+                copy_small(base + at, source.data_ptr() + start, nbytes)
                 if at + nbytes - hashed >= PIECE_BYTES:
                     digest.update_at(base + hashed, at + nbytes - hashed)
                     hashed = at + nbytes
@@ -734,7 +734,7 @@ class _ReceiveStream:
                     continue
                 nbytes, at = meta.nbytes, meta.bucket_offset
                 if nbytes <= PIECE_BYTES:  # most tensors: one copy, the hash catches up every PIECE_BYTES bytes
-                    copy_bytes(address + meta.offset, base + at, nbytes)
+                    copy_small(address + meta.offset, base + at, nbytes)
                     if at + nbytes - hashed >= PIECE_BYTES:
                         self._digest.update_at(base + hashed, at + nbytes - hashed)
                         hashed = at + nbytes
@@ -808,7 +808,8 @@ class _ReceiveStream:
             while True:
                 started = time.perf_counter()
                 received: ReceivedBucket = self._transport.receive(deadline)
-                header = codec.decode_header(received.header, epoch=engine.epoch, capacity=self._transport.capacity)
+                header, table = codec.decode_bucket(received.header, epoch=engine.epoch,
+                                                    capacity=self._transport.capacity, cache=engine._tables)
                 if header.final or header.abort:
                     deliver(_Arrived(header, received.payload, received.token))
                     return
@@ -818,7 +819,6 @@ class _ReceiveStream:
                 payload = received.payload[: header.nbytes]
                 if engine._hook is not None and hasattr(engine._hook, "after_receive"):
                     engine._hook.after_receive(header.index, payload)
-                table = codec.encode_tensors(header.tensors)
                 if fused is None:  # one way for the whole update: the digest folds buckets in order
                     fused = self._digest.fusable and payload.device.type == "cpu"
                 if not fused:
