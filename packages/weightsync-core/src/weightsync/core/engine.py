@@ -24,7 +24,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -40,7 +40,6 @@ from weightsync.api.errors import (
     TopologyError,
     TransferError,
     WeightStreamError,
-    WeightsyncError,
     WireError,
     reject_renamed_keywords,
 )
@@ -56,7 +55,7 @@ from weightsync.api.types import (
 from weightsync.core import codec
 from weightsync.core.digest import UpdateDigest
 from weightsync.core.codec import TensorMeta
-from weightsync.core.planner import PlannedBucket, piece_bytes, plan_buckets, validate_pair
+from weightsync.core.planner import _COMPLEX, PlannedBucket, piece_bytes, plan_buckets, validate_pair
 from weightsync.core.tensors import DTYPES, copy_bytes, copy_small, dtype_from_name
 from weightsync.core.transport import NO_SLOT, ReceivedBucket, ReceiverTransport, SenderTransport, TransportHook
 
@@ -326,7 +325,7 @@ class BucketCheckpointEngine(abc.ABC):
             # for small tensors, and two threads contending for the GIL around every memmove cost more than they
             # save (measured: the small mix 10% slower overlapped).
             planned = time.perf_counter()
-            for bucket in plan_buckets(_stream(weights), bucket_bytes=self.bucket_bytes, devices=self.devices):
+            for bucket in plan_buckets(weights, bucket_bytes=self.bucket_bytes, devices=self.devices):
                 self._trace("plan", index, planned, time.perf_counter())
                 slot = index % transport.slots
                 previous = in_flight.pop(slot, None)
@@ -468,21 +467,6 @@ class BucketCheckpointEngine(abc.ABC):
         return f"actor rank {self._sender_rank}"
 
 
-def _stream(weights: Iterable[object]) -> Iterator[object]:
-    """The caller's weights stream, with its own failures (a gather that raised half-way) typed."""
-    iterator = iter(weights)
-    while True:
-        try:
-            item = next(iterator)
-        except StopIteration:
-            return
-        except WeightsyncError:
-            raise
-        except Exception as exc:
-            raise WeightStreamError(f"the weights stream raised {type(exc).__name__}: {exc}") from exc
-        yield item
-
-
 def with_epoch(topology: Topology) -> Topology:
     """Stamp every rank's arguments with one fresh membership-epoch token (kept where already present).
 
@@ -522,7 +506,6 @@ def _guard_build_topology(function: Any) -> Any:
 
 
 _CPU_ONLY = frozenset({"cpu"})
-_COMPLEX = frozenset(name for name, dtype in DTYPES.items() if dtype.is_complex)
 PIECE_BYTES = 256 * 1024
 """Bytes copied between two digest updates: small enough that the hash reads them back from the core's own cache."""
 

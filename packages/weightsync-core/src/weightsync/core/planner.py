@@ -19,14 +19,17 @@ import torch
 from weightsync.api.config import BUCKET_ALIGNMENT
 from weightsync.api.errors import (
     DuplicateTensorError,
+    WeightsyncError,
     UnsupportedDeviceError,
     UnsupportedDtypeError,
     WeightStreamError,
 )
 from weightsync.core.codec import MAX_NAME_BYTES, TensorMeta
-from weightsync.core.tensors import _NAMES, as_byte_view, contiguous_source, dtype_name
+from weightsync.core.tensors import _NAMES, DTYPES, as_byte_view, contiguous_source, dtype_name
 
 __all__ = ["PackItem", "PlannedBucket", "plan_buckets", "piece_bytes", "validate_pair", "PIPELINE_TENSORS"]
+
+_COMPLEX = frozenset(name for name, dtype in DTYPES.items() if dtype.is_complex)
 
 PIPELINE_TENSORS = 1024
 """A bucket is closed once it lists this many tensors, even with room left: a stream of many small tensors then
@@ -99,7 +102,7 @@ def plan_buckets(
 ) -> Iterator[PlannedBucket]:
     """Yield the buckets for ``weights`` lazily (the stream is read as buckets are requested).
 
-    Runs once per tensor. The common item (a tuple of a new ASCII name and a dense, contiguous tensor on a device
+    The stream's own exceptions become ``WeightStreamError``. Runs once per tensor. The common item (a tuple of a new ASCII name and a dense, contiguous tensor on a device
     this backend serves, whole in the current bucket) takes one chain of cheap checks and one append; anything else
     goes through ``validate_pair``, which raises the precise error, and the general placement loop.
     """
@@ -110,7 +113,16 @@ def plan_buckets(
     mask = ~align
     host_ok = "cpu" in devices
     strided = torch.strided
-    for item in weights:
+    iterator = iter(weights)
+    while True:
+        try:  # the caller's own failures (a gather that raised half-way), typed
+            item = next(iterator)
+        except StopIteration:
+            break
+        except WeightsyncError:
+            raise
+        except Exception as exc:
+            raise WeightStreamError(f"the weights stream raised {type(exc).__name__}: {exc}") from exc
         if (type(item) is tuple and len(item) == 2 and type(name := item[0]) is str and name.isascii()
                 and 0 < len(name) <= MAX_NAME_BYTES and name not in seen
                 and isinstance(tensor := item[1], torch.Tensor) and tensor.layout is strided
@@ -119,7 +131,8 @@ def plan_buckets(
         else:
             name, tensor = validate_pair(item, devices=devices, seen=seen)
         dtype = _NAMES.get(tensor.dtype) or dtype_name(tensor.dtype)
-        if tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg():
+        # (Only a complex tensor can carry the conjugate bit; any can carry the negative one.)
+        if tensor.is_contiguous() and not tensor.is_neg() and (dtype not in _COMPLEX or not tensor.is_conj()):
             source = tensor
         else:
             source = contiguous_source(tensor)
