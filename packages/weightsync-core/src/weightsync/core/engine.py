@@ -55,8 +55,8 @@ from weightsync.api.types import (
 from weightsync.core import codec
 from weightsync.core.digest import UpdateDigest
 from weightsync.core.codec import TensorMeta
-from weightsync.core.planner import _COMPLEX, PlannedBucket, piece_bytes, plan_buckets, validate_pair
-from weightsync.core.tensors import DTYPES, copy_bytes, copy_small, dtype_from_name
+from weightsync.core.planner import PlannedBucket, piece_bytes, plan_buckets, validate_pair
+from weightsync.core.tensors import COMPLEX_NAMES, DTYPES, copy_bytes, copy_small, dtype_from_name
 from weightsync.core.transport import NO_SLOT, ReceivedBucket, ReceiverTransport, SenderTransport, TransportHook
 
 __all__ = [
@@ -698,41 +698,39 @@ class _ReceiveStream:
         hashed = self._hashed
         position = self._position
         count = copied = 0  # tensors completed; those of them completed here (``_copy_viewed`` counts its own)
-        try:
-            while position < len(tensors):
-                meta = tensors[position]
-                position += 1
-                destination = get(meta.name)
-                # The common destination, checked inline: the tensor's dtype and shape, contiguous, on the host, and
-                # its memory holding the values it shows (not a lazily negated view, which even a real tensor can be:
-                # a complex tensor's conjugate's ``imag``; nor a lazily conjugated complex one).
-                if (destination is not None and destination.dtype is DTYPES.get(meta.dtype)
-                        and destination.shape == meta.shape and destination.is_cpu and destination.is_contiguous()
-                        and not destination.is_neg() and (meta.dtype not in _COMPLEX or not destination.is_conj())):
-                    address = destination.data_ptr()
-                else:
-                    self._position, self._hashed = position, hashed
-                    count += self._copy_viewed(current, meta, destination, fallback)
-                    hashed = self._hashed
-                    continue
-                nbytes, at = meta.nbytes, meta.bucket_offset
-                if nbytes <= PIECE_BYTES:  # most tensors: one copy, the hash catches up every PIECE_BYTES bytes
-                    copy_small(address + meta.offset, base + at, nbytes)
-                    if at + nbytes - hashed >= PIECE_BYTES:
-                        self._digest.update_at(base + hashed, at + nbytes - hashed)
-                        hashed = at + nbytes
-                else:
-                    target, source = address + meta.offset, base + at
-                    for done in range(0, nbytes, PIECE_BYTES):
-                        copy_bytes(target + done, source + done, min(PIECE_BYTES, nbytes - done))
-                        end = at + min(done + PIECE_BYTES, nbytes)
-                        self._digest.update_at(base + hashed, end - hashed)
-                        hashed = end
-                if meta.offset + nbytes == meta.total_nbytes:
-                    copied += 1
-        finally:
-            self._position, self._hashed = position, hashed
-            self._tensors += copied
+        while position < len(tensors):
+            meta = tensors[position]
+            position += 1
+            destination = get(meta.name)
+            # The common destination, checked inline: the tensor's dtype and shape, contiguous, on the host, and
+            # its memory holding the values it shows (not a lazily negated view, which even a real tensor can be:
+            # a complex tensor's conjugate's ``imag``; nor a lazily conjugated complex one).
+            if (destination is not None and destination.dtype is DTYPES.get(meta.dtype)
+                    and destination.shape == meta.shape and destination.is_cpu and destination.is_contiguous()
+                    and not destination.is_neg() and (meta.dtype not in COMPLEX_NAMES or not destination.is_conj())):
+                address = destination.data_ptr()
+            else:
+                self._position, self._hashed = position, hashed
+                count += self._copy_viewed(current, meta, destination, fallback)
+                hashed = self._hashed
+                continue
+            nbytes, at = meta.nbytes, meta.bucket_offset
+            if nbytes <= PIECE_BYTES:  # most tensors: one copy, the hash catches up every PIECE_BYTES bytes
+                copy_small(address + meta.offset, base + at, nbytes)
+                if at + nbytes - hashed >= PIECE_BYTES:
+                    self._digest.update_at(base + hashed, at + nbytes - hashed)
+                    hashed = at + nbytes
+            else:
+                target, source = address + meta.offset, base + at
+                for done in range(0, nbytes, PIECE_BYTES):
+                    copy_bytes(target + done, source + done, min(PIECE_BYTES, nbytes - done))
+                    end = at + min(done + PIECE_BYTES, nbytes)
+                    self._digest.update_at(base + hashed, end - hashed)
+                    hashed = end
+            if meta.offset + nbytes == meta.total_nbytes:
+                copied += 1
+        self._position, self._hashed = position, hashed  # (after an error the stream is closed: no write-back)
+        self._tensors += copied
         return count + copied
 
     def _copy_viewed(

@@ -25,11 +25,9 @@ from weightsync.api.errors import (
     WeightStreamError,
 )
 from weightsync.core.codec import MAX_NAME_BYTES, TensorMeta
-from weightsync.core.tensors import _NAMES, DTYPES, as_byte_view, contiguous_source, dtype_name
+from weightsync.core.tensors import _NAMES, COMPLEX_NAMES, as_byte_view, contiguous_source, dtype_name
 
 __all__ = ["PackItem", "PlannedBucket", "plan_buckets", "piece_bytes", "validate_pair", "PIPELINE_TENSORS"]
-
-_COMPLEX = frozenset(name for name, dtype in DTYPES.items() if dtype.is_complex)
 
 PIPELINE_TENSORS = 1024
 """A bucket is closed once it lists this many tensors, even with room left: a stream of many small tensors then
@@ -132,7 +130,7 @@ def plan_buckets(
             name, tensor = validate_pair(item, devices=devices, seen=seen)
         dtype = _NAMES.get(tensor.dtype) or dtype_name(tensor.dtype)
         # (Only a complex tensor can carry the conjugate bit; any can carry the negative one.)
-        if tensor.is_contiguous() and not tensor.is_neg() and (dtype not in _COMPLEX or not tensor.is_conj()):
+        if tensor.is_contiguous() and not tensor.is_neg() and (dtype not in COMPLEX_NAMES or not tensor.is_conj()):
             source = tensor
         else:
             source = contiguous_source(tensor)

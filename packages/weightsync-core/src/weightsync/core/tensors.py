@@ -12,7 +12,7 @@ from weightsync.api.errors import UnsupportedDtypeError
 
 __all__ = [
     "DTYPES", "dtype_name", "dtype_from_name", "as_byte_view", "contiguous_source", "memoryview_of", "memoryview_at",
-    "copy_bytes", "copy_small",
+    "copy_bytes", "copy_small", "COMPLEX_NAMES",
 ]
 
 _DTYPE_NAMES = [
@@ -27,6 +27,8 @@ DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in _DTYPE_NAMES if isinstance(getattr(torch, name, None), torch.dtype)
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
+COMPLEX_NAMES = frozenset(name for name, dtype in DTYPES.items() if dtype.is_complex)
+"""Names of the complex dtypes: the only tensors that can carry the lazy conjugate bit."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
