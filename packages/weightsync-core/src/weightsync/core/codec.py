@@ -107,7 +107,8 @@ class TableCache:
     Each update of a model carries the tables of the update before (names, dtypes, shapes and places do not change),
     so a receiver decodes and checks each once: a table of 1,024 small tensors costs a millisecond to decode and
     validate, and microseconds to look up. Only byte-identical tables hit, so what a peer sends is never trusted
-    beyond what was validated. Bounded: cleared once it holds ``limit`` bytes of tables.
+    beyond what was validated. Bounded: cleared once it holds ``limit`` bytes of tables (the decoded entries take a
+    few times that).
     """
 
     def __init__(self, limit: int = 32 << 20) -> None:
@@ -162,7 +163,9 @@ def encode_tensors(tensors: Sequence[TensorMeta]) -> bytes:
     return _tensors_encoder.encode(list(tensors))
 
 
-def encode_bucket(*, epoch: str, version: int, sender: int, index: int, slot: int, nbytes: int, table: bytes) -> bytes:
+def encode_bucket(
+    *, epoch: str, version: int, sender: int, index: int, slot: int, nbytes: int, table: bytes
+) -> bytes:
     """A bucket's header around its already encoded table (``encode_tensors``): the bytes of
     ``encode(BucketHeader(..., tensors=<that table's entries>))``, without encoding the entries a second time."""
     return _encoder.encode(_TableHeader(

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+
 import torch
 
 from weightsync.api.config import BUCKET_ALIGNMENT
 from weightsync.api.errors import (
     DuplicateTensorError,
-    WeightsyncError,
     UnsupportedDeviceError,
     UnsupportedDtypeError,
     WeightStreamError,
+    WeightsyncError,
 )
 from weightsync.core.codec import MAX_NAME_BYTES, TensorMeta
 from weightsync.core.tensors import _NAMES, COMPLEX_NAMES, as_byte_view, contiguous_source, dtype_name
@@ -100,9 +101,10 @@ def plan_buckets(
 ) -> Iterator[PlannedBucket]:
     """Yield the buckets for ``weights`` lazily (the stream is read as buckets are requested).
 
-    The stream's own exceptions become ``WeightStreamError``. Runs once per tensor. The common item (a tuple of a new ASCII name and a dense, contiguous tensor on a device
-    this backend serves, whole in the current bucket) takes one chain of cheap checks and one append; anything else
-    goes through ``validate_pair``, which raises the precise error, and the general placement loop.
+    The stream's own exceptions become ``WeightStreamError``. Runs once per tensor: the common item (a tuple of a new
+    ASCII name and a dense, contiguous tensor on a device this backend serves, whole in the current bucket) takes
+    one chain of cheap checks and one append; anything else goes through ``validate_pair``, which raises the precise
+    error, and the general placement loop.
     """
     seen: set[str] = set()
     bucket = PlannedBucket()
