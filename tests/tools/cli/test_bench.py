@@ -150,3 +150,15 @@ def test_bucket_plan_splits_large_tensors_and_fills_buckets() -> None:
     plan = bucket_plan([6, 2, 10], bucket_bytes=8)
     assert plan == [[(0, 0, 6, 0), (1, 0, 2, 6)], [(2, 0, 8, 0)], [(2, 8, 2, 0)]]
     assert all(sum(size for _, _, size, _ in bucket) <= 8 for bucket in plan)
+
+
+def test_the_printed_ratio_is_the_reported_one_at_a_rounding_edge() -> None:
+    from weightsync.cli.bench.ray_e2e import RayEndToEnd
+
+    # 3.0451: printed unrounded it reads 3.05, while the JSON's 3.045 (a double just under it) prints as 3.04.
+    result = RayEndToEnd(backend="shm", model_bytes=1, bucket_bytes=1, workers=4, update_seconds=[3.0451e-3],
+                         noop_seconds=[1e-3])
+    reported = result.to_json()["ratio"]
+    assert reported == 3.045 and f"{result.ratio:.2f}" == f"{reported:.2f}"
+    # Negative control: the unrounded figure is the one that would disagree.
+    assert f"{result.update_p50 / result.noop_p50:.2f}" != f"{reported:.2f}"
