@@ -68,8 +68,8 @@ class TensorMeta(msgspec.Struct, frozen=True, array_like=True, gc=False):
         return self.offset == 0 and self.nbytes == self.total_nbytes
 
 
-class BucketHeader(msgspec.Struct, frozen=True, tag="bucket"):
-    """Announces one bucket (or the end of an update: ``final``; or its failure: ``abort``)."""
+class _BucketFields(msgspec.Struct, frozen=True, tag="bucket"):
+    """What a bucket header says besides its table (the two forms below add the table)."""
 
     wire: int
     epoch: str
@@ -78,27 +78,22 @@ class BucketHeader(msgspec.Struct, frozen=True, tag="bucket"):
     index: int
     slot: int
     nbytes: int
-    tensors: list[TensorMeta]
     final: bool = False
     digest: str = ""
     abort: str = ""
 
 
-class _TableHeader(msgspec.Struct, frozen=True, tag="bucket"):
+class BucketHeader(_BucketFields, frozen=True, tag="bucket", kw_only=True):
+    """Announces one bucket (or the end of an update: ``final``; or its failure: ``abort``)."""
+
+    tensors: list[TensorMeta]
+
+
+class _TableHeader(_BucketFields, frozen=True, tag="bucket", kw_only=True):
     """``BucketHeader`` on the wire, its table left as the encoded bytes: the sender writes the table it already
     encoded for the digest, and a receiver looks it up before decoding it (see ``TableCache``)."""
 
-    wire: int
-    epoch: str
-    version: int
-    sender: int
-    index: int
-    slot: int
-    nbytes: int
     tensors: msgspec.Raw
-    final: bool = False
-    digest: str = ""
-    abort: str = ""
 
 
 class TableCache:
