@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from weightsync.cli.bench.worker import bucket_plan
 
-RESULT_KEYS = {"backend", "gbps_p50", "gbps_p90", "ratio_bucketed", "ratio_limit", "ratio_memmove_limit",
+RESULT_KEYS = {"backend", "gbps_p50", "gbps_p90", "ratio_bucketed", "ratio_limit", "ratio_engine_copy_limit",
                "peak_extra_rss_mb"}
 RAY_KEYS = {"backend", "model_bytes", "bucket_bytes", "workers", "repeat", "update_ms_p50", "noop_ms_p50", "ratio",
             "target_ratio", "meets", "stages_ms_p50"}
@@ -42,7 +42,8 @@ def shm_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], d
 
 def test_json_has_the_documented_schema(shm_run: tuple[dict[str, Any], dict[str, Any], str]) -> None:
     data, _, _ = shm_run
-    assert set(data) == {"scenario", "limit_gbps", "memmove_limit_gbps", "raw_gloo_gbps", "results", "ray_end_to_end"}
+    assert set(data) == {"scenario", "limit_gbps", "engine_copy_limit_gbps", "raw_gloo_gbps", "results",
+                         "ray_end_to_end"}
     assert [row["backend"] for row in data["results"]] == ["shm", "naive", "bucketed"]
     assert all(set(row) == RESULT_KEYS for row in data["results"])
     scenario = data["scenario"]
@@ -61,12 +62,13 @@ def test_ratios_agree_with_the_figures(shm_run: tuple[dict[str, Any], dict[str, 
         assert row["gbps_p90"] <= row["gbps_p50"]  # p90: 90% of updates were at least this fast
         assert row["ratio_bucketed"] == pytest.approx(row["gbps_p50"] / bucketed, rel=1e-2)
         assert row["ratio_limit"] == pytest.approx(row["gbps_p50"] / data["limit_gbps"], rel=1e-2)
-        assert row["ratio_memmove_limit"] == pytest.approx(row["gbps_p50"] / data["memmove_limit_gbps"], rel=1e-2)
+        assert row["ratio_engine_copy_limit"] == pytest.approx(row["gbps_p50"] / data["engine_copy_limit_gbps"],
+                                                               rel=1e-2)
         assert row["peak_extra_rss_mb"] >= 0
     # The limit is BW(k) / (1+R) per receiver.
     scenario = data["scenario"]
     assert data["limit_gbps"] == pytest.approx(scenario["copy_bandwidth_gbps"] / 3, rel=1e-2)
-    assert data["memmove_limit_gbps"] == pytest.approx(scenario["memmove_bandwidth_gbps"] / 3, rel=1e-2)
+    assert data["engine_copy_limit_gbps"] == pytest.approx(scenario["engine_copy_bandwidth_gbps"] / 3, rel=1e-2)
     assert scenario["bucketed_over_raw_gloo"] == pytest.approx(bucketed / data["raw_gloo_gbps"], rel=1e-2)
     # Every update of every case was timed; GB/s is S / time.
     for name, seconds in scenario["seconds"].items():

@@ -36,6 +36,7 @@ def test_doctor_json_lists_every_known_backend() -> None:
 def test_doctor_table() -> None:
     result = weightsync("doctor")
     assert result.returncode == 0 and "shm" in result.stdout and "available" in result.stdout
+    assert "host copies of large tensors: " in result.stdout
 
 
 @pytest.mark.parametrize("megabytes", [8, 64, 100])

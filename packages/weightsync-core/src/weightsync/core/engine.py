@@ -7,9 +7,10 @@ A backend subclasses it and supplies only what is its own: ``build_topology`` (w
 Sender pipeline: the weights stream is planned into buckets on the event loop thread (cheap bookkeeping); packing
 bucket k+1 (copies into slot (k+1) % slots) runs on a packing thread while bucket k is published on a transfer
 thread. Receiver pipeline: a receive thread pulls buckets and validates their headers while the consumer copies
-tensors out of the previous bucket. Host copies are ``memmove`` in ``PIECE_BYTES`` pieces with the digest folded in
-right behind each piece, while the bytes are still in cache (device buckets are hashed whole, staged to the host).
-Copies and hashes release the GIL, so the stages overlap.
+tensors out of the previous bucket. Host copies run in ``PIECE_BYTES`` pieces with the digest folded in right behind
+each piece, from whichever side of the copy is still in cache (device buckets are hashed whole, staged to the
+host): small tensors by ``memmove`` holding the GIL, larger ones streamed (``copy_stream``, non-temporal stores)
+with the GIL released, so the stages overlap.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from weightsync.core import codec
 from weightsync.core.digest import UpdateDigest
 from weightsync.core.codec import TensorMeta
 from weightsync.core.planner import PlannedBucket, piece_bytes, plan_buckets, validate_pair
-from weightsync.core.tensors import COMPLEX_NAMES, DTYPES, copy_bytes, copy_small, dtype_from_name
+from weightsync.core.tensors import COMPLEX_NAMES, DTYPES, copy_small, copy_stream, dtype_from_name
 from weightsync.core.transport import NO_SLOT, ReceivedBucket, ReceiverTransport, SenderTransport, TransportHook
 
 __all__ = [
@@ -522,12 +523,15 @@ def _pack_hashing(base: int, bucket: PlannedBucket, digest: UpdateDigest) -> Non
                     digest.update_at(base + hashed, at + nbytes - hashed)
                     hashed = at + nbytes
             continue
+        digest.update_at(base + hashed, at - hashed)  # the small tensors and padding before this one
         address = source.data_ptr() + start
         for done in range(0, nbytes, PIECE_BYTES):
-            end = at + min(done + PIECE_BYTES, nbytes)
-            copy_bytes(base + at + done, address + done, end - at - done)
-            digest.update_at(base + hashed, end - hashed)
-            hashed = end
+            size = min(PIECE_BYTES, nbytes - done)
+            # Streamed into the bucket, so the bucket's copy is not in cache: the source's, just read, is, and holds
+            # the same bytes (a receiver hashing the bucket checks this copy too).
+            copy_stream(base + at + done, address + done, size)
+            digest.update_at(address + done, size)
+        hashed = at + nbytes
     digest.update_at(base + hashed, bucket.nbytes - hashed)
 
 
@@ -624,9 +628,10 @@ class _ReceiveStream:
     ) -> int:
         """The rest of the stream, copied straight from the receive buffers into ``destinations`` (see the Protocol).
 
-        A host destination of the tensor's dtype and shape, contiguous, is filled by ``memmove`` in pieces, each
-        hashed right after it is copied; a piece of a tensor split across buckets lands at its offset directly (no
-        reassembly buffer). Any other destination gets ``Tensor.copy_`` of the tensor's view.
+        A host destination of the tensor's dtype and shape, contiguous, is filled by raw copies in pieces (a large
+        tensor streamed, ``copy_stream``), each piece of the bucket hashed right after it is copied; a piece of a
+        tensor split across buckets lands at its offset directly (no reassembly buffer). Any other destination gets
+        ``Tensor.copy_`` of the tensor's view.
         """
         if self._finished:
             return 0
@@ -682,8 +687,8 @@ class _ReceiveStream:
     ) -> int:
         """Copy the current bucket's remaining pieces to their destinations; the number of tensors completed.
 
-        Runs once per tensor of the update: the common case (a host destination memmove can fill, a piece of at most
-        ``PIECE_BYTES`` bytes) is kept to a few attribute reads and one ``memmove``.
+        Runs once per tensor of the update: the common case (a host destination a raw copy can fill, a piece of at
+        most ``PIECE_BYTES`` bytes) is kept to a few attribute reads and one ``memmove``.
         """
         tensors = current.header.tensors
         if not current.fused:  # a device payload: every tensor goes through its view
@@ -722,8 +727,8 @@ class _ReceiveStream:
                     hashed = at + nbytes
             else:
                 target, source = address + meta.offset, base + at
-                for done in range(0, nbytes, PIECE_BYTES):
-                    copy_bytes(target + done, source + done, min(PIECE_BYTES, nbytes - done))
+                for done in range(0, nbytes, PIECE_BYTES):  # streamed: the model's memory is not read back here
+                    copy_stream(target + done, source + done, min(PIECE_BYTES, nbytes - done))
                     end = at + min(done + PIECE_BYTES, nbytes)
                     self._digest.update_at(base + hashed, end - hashed)
                     hashed = end
@@ -737,7 +742,7 @@ class _ReceiveStream:
         self, current: _Arrived, meta: TensorMeta, destination: torch.Tensor | None,
         fallback: Callable[[str, torch.Tensor], object] | None,
     ) -> int:
-        """One piece through the view path: a fallback, or a destination ``memmove`` cannot fill (``copy_``)."""
+        """One piece through the view path: a fallback, or a destination a raw copy cannot fill (``copy_``)."""
         if destination is None and fallback is None:
             raise DestinationError(f"no destination for received tensor {meta.name!r} (and no fallback)",
                                    name=meta.name)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -12,7 +14,7 @@ from weightsync.api.errors import UnsupportedDtypeError
 
 __all__ = [
     "DTYPES", "dtype_name", "dtype_from_name", "as_byte_view", "contiguous_source", "memoryview_of", "memoryview_at",
-    "copy_bytes", "copy_small", "COMPLEX_NAMES",
+    "copy_bytes", "copy_small", "copy_stream", "STREAM_COPY", "COMPLEX_NAMES",
 ]
 
 _DTYPE_NAMES = [
@@ -92,6 +94,46 @@ copy_small = _held_memmove()
 keeps the GIL. Releasing it around a copy of a few KiB costs more than the copy whenever another thread of the
 process wants the GIL (the receive thread decoding a header, the sender's planner): every call becomes a forced
 switch between the two threads."""
+
+
+def _stream_copier() -> tuple[Callable[[int, int, int], object], str]:
+    """The compiled streaming copy (``_stream_copy.c``, built with the package) and what it runs, else memmove."""
+    if os.environ.get("WEIGHTSYNC_STREAM_COPY") == "0":
+        return copy_bytes, "memmove (WEIGHTSYNC_STREAM_COPY=0)"
+    path = Path(__file__).with_name("_stream_copy.so")
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError:
+        return copy_bytes, "memmove (no compiled _stream_copy helper)"
+    function = library.weightsync_stream_copy
+    function.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    function.restype = None
+    kind = {2: "avx2", 1: "sse2"}.get(library.weightsync_stream_copy_kind())
+    if kind is None:
+        return copy_bytes, "memmove (no streaming stores for this CPU)"
+    if not _copies_exactly(function):
+        return copy_bytes, "memmove (the compiled _stream_copy helper failed its self-test)"
+    return cast(Callable[[int, int, int], object], function), f"{kind} non-temporal stores"
+
+
+def _copies_exactly(function: Callable[[int, int, int], object]) -> bool:
+    """A copy of odd length between odd offsets (head, streamed body and tail all used) lands byte for byte."""
+    nbytes = 3 * 4096 + 77
+    source = bytes(range(256)) * (nbytes // 256 + 2)
+    source_buffer = ctypes.create_string_buffer(source, len(source))
+    destination = ctypes.create_string_buffer(len(source))
+    function(ctypes.addressof(destination) + 5, ctypes.addressof(source_buffer) + 3, nbytes)
+    expected = bytes(5) + source[3:3 + nbytes]
+    return destination.raw == expected + bytes(len(source) - len(expected))
+
+
+copy_stream, STREAM_COPY = _stream_copier()
+"""``copy_stream(destination, source, nbytes)``: ``copy_bytes`` for pieces the copying core will not read back soon
+(a bucket it packs, a model tensor it fills), with non-temporal stores: they skip reading each destination line
+into the cache first, a third of an ordinary copy's memory traffic (measured here: 10 GB/s against memmove's 7 for
+256 KiB pieces). The bytes are therefore not in this core's cache afterwards: hash the source instead, which is.
+Releases the GIL. ``STREAM_COPY`` says which copy runs (``weightsync doctor`` shows it); ``WEIGHTSYNC_STREAM_COPY=0``
+in the environment turns it off (memmove)."""
 
 
 def memoryview_at(address: int, nbytes: int) -> memoryview:

@@ -68,6 +68,9 @@ def _doctor(as_json: bool) -> int:
         if status.status == "not installed":
             detail = status.install
         print(f"{status.backend:<{width}}  {status.status:<14}  {detail}")
+    from weightsync.core.tensors import STREAM_COPY  # imports torch: only for the table, after the backends
+
+    print(f"host copies of large tensors: {STREAM_COPY}")
     return 0
 
 

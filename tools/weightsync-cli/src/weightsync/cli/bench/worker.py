@@ -24,7 +24,7 @@ import torch.distributed as dist
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import WorkerContext
 from weightsync.core.engine import PIECE_BYTES
-from weightsync.core.tensors import copy_bytes
+from weightsync.core.tensors import copy_stream
 
 __all__ = ["Layout", "bucket_plan", "serve"]
 
@@ -231,12 +231,13 @@ def serve(conn: multiprocessing.connection.Connection, spec: dict[str, Any]) -> 
                 raise RuntimeError("copy before copy_setup")
             source, destination = copy_buffers
             started = time.perf_counter()
-            if command.get("method", "tensor") == "memmove":
-                # What the engines do: libc memmove in the pieces the digest follows (see weightsync.core.engine).
+            if command.get("method", "tensor") == "engine":
+                # What the engines do with large tensors: ``copy_stream`` in the pieces the digest follows (see
+                # weightsync.core.engine).
                 to, frm, nbytes = destination.data_ptr(), source.data_ptr(), source.numel()
                 for _ in range(command["times"]):
                     for offset in range(0, nbytes, PIECE_BYTES):
-                        copy_bytes(to + offset, frm + offset, min(PIECE_BYTES, nbytes - offset))
+                        copy_stream(to + offset, frm + offset, min(PIECE_BYTES, nbytes - offset))
             else:
                 for _ in range(command["times"]):
                     destination.copy_(source)
