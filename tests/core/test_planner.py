@@ -5,7 +5,7 @@ import torch
 
 from weightsync.api.config import BUCKET_ALIGNMENT
 from weightsync.api.errors import DuplicateTensorError, UnsupportedDeviceError, UnsupportedDtypeError, WeightStreamError
-from weightsync.core.planner import plan_buckets
+from weightsync.core.planner import PIECE_BYTES, plan_buckets
 
 CPU = frozenset({"cpu"})
 
@@ -52,3 +52,25 @@ def test_zero_size_tensors_are_carried() -> None:
 def test_bad_streams_are_rejected_before_packing(weights: list[object], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         list(plan_buckets(weights, bucket_bytes=4096, devices=CPU))
+
+
+def test_every_piece_is_either_batched_or_streamed_once() -> None:
+    # Small pieces become (bucket offset, source address, nbytes) triples for one batched copy; larger ones are
+    # streamed item by item. Together they cover each bucket's items exactly once, at the items' own addresses.
+    big = 3 * PIECE_BYTES + 100  # split across two buckets of 2 * PIECE_BYTES, both pieces larger than a piece
+    weights = [("a", torch.zeros(10)), ("big", torch.zeros(big, dtype=torch.uint8)), ("b", torch.zeros(3)),
+               ("huge", torch.zeros(PIECE_BYTES + 1, dtype=torch.uint8))]
+    sources = dict(weights)
+    buckets = list(plan_buckets(weights, bucket_bytes=2 * PIECE_BYTES, devices=CPU))
+    for bucket in buckets:
+        copies = bucket.copies
+        triples = [(copies[index], copies[index + 1], copies[index + 2]) for index in range(0, len(copies), 3)]
+        streamed = [(meta.bucket_offset, source.data_ptr() + start, meta.nbytes)
+                    for meta, source, start in bucket.large]
+        expected = [(meta.bucket_offset, sources[meta.name].data_ptr() + meta.offset, meta.nbytes)
+                    for meta, _, _ in bucket.items]
+        assert sorted(triples + streamed) == sorted(expected)
+        assert all(nbytes <= PIECE_BYTES for _, _, nbytes in triples)
+        assert all(meta.nbytes > PIECE_BYTES for meta, _, _ in bucket.large)
+    assert sum(len(bucket.large) for bucket in buckets) == 3  # the two pieces of "big", and "huge"
+    assert sum(len(bucket.copies) for bucket in buckets) == 2 * 3  # "a" and "b"

@@ -22,7 +22,8 @@ import torch
 import weightsync.core.engine as engine_module
 from weightsync.api.errors import DigestMismatchError
 from weightsync.core.engine import PIECE_BYTES
-from weightsync.core.tensors import STREAM_COPY, _copies_exactly, copy_stream
+import weightsync.core.tensors as tensors
+from weightsync.core.tensors import STREAM_COPY, _copies_exactly, copy_batch, copy_stream
 
 import tests.reliability.test_bad_inputs as bad_inputs
 from tests.reliability.test_bad_inputs import Pair
@@ -144,3 +145,33 @@ def test_a_wrong_pack_copy_is_caught_by_the_receivers_digest(pair: Pair, monkeyp
     error, _ = send_large(pair, sent)
     assert isinstance(error, DigestMismatchError), error
     assert flipped
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_batch_lands_exactly(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not compiled:  # the pure-Python fallback, one copy per triple
+        monkeypatch.setattr(tensors, "_HELPER", None)
+    source = torch.arange(50_000, dtype=torch.int32).view(torch.uint8)
+    # (destination offset, source offset, nbytes): odd sizes and offsets, one empty, out of order.
+    entries = [100, 7, 4096, 0, 9000, 33, 20_000, 123, 5000, 5000, 0, 0]
+    for gather in (True, False):  # absolute sources into one buffer (a sender), or the reverse (a receiver)
+        destination = torch.full((30_000,), 0xEE, dtype=torch.uint8)
+        expected = destination.clone()
+        if gather:
+            absolute = list(entries)
+            for index in range(0, len(entries), 3):
+                absolute[index + 1] += source.data_ptr()
+            copy_batch(absolute, destination.data_ptr(), 0)
+        else:
+            absolute = list(entries)
+            for index in range(0, len(entries), 3):
+                absolute[index] += destination.data_ptr()
+            copy_batch(absolute, 0, source.data_ptr())
+        for index in range(0, len(entries), 3):
+            to, frm, nbytes = entries[index:index + 3]
+            expected[to:to + nbytes] = source[frm:frm + nbytes]
+        assert torch.equal(destination, expected)
+        # Negative control: the same comparison sees one triple copied one byte short.
+        broken = destination.clone()
+        broken[100 + 4095] = 0xEE
+        assert not torch.equal(broken, expected)

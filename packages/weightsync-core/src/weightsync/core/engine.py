@@ -56,8 +56,8 @@ from weightsync.api.types import (
 from weightsync.core import codec
 from weightsync.core.digest import UpdateDigest
 from weightsync.core.codec import TensorMeta
-from weightsync.core.planner import PlannedBucket, piece_bytes, plan_buckets, validate_pair
-from weightsync.core.tensors import COMPLEX_NAMES, DTYPES, copy_small, copy_stream, dtype_from_name
+from weightsync.core.planner import PIECE_BYTES, PlannedBucket, piece_bytes, plan_buckets, validate_pair
+from weightsync.core.tensors import COMPLEX_NAMES, DTYPES, copy_batch, copy_stream, dtype_from_name
 from weightsync.core.transport import NO_SLOT, ReceivedBucket, ReceiverTransport, SenderTransport, TransportHook
 
 __all__ = [
@@ -507,23 +507,15 @@ def _guard_build_topology(function: Any) -> Any:
 
 
 _CPU_ONLY = frozenset({"cpu"})
-PIECE_BYTES = 256 * 1024
-"""Bytes copied between two digest updates: small enough that the hash reads them back from the core's own cache."""
 
 
 def _pack_hashing(base: int, bucket: PlannedBucket, digest: UpdateDigest) -> None:
-    """Copy host sources into the host bucket at ``base``, hashing the bucket as it fills (padding included)."""
+    """Copy host sources into the host bucket at ``base``, hashing the bucket in order (padding included)."""
+    copy_batch(bucket.copies, base, 0)  # every small piece in one call
     hashed = 0
-    for meta, source, start in bucket.items:
+    for meta, source, start in bucket.large:
         nbytes, at = meta.nbytes, meta.bucket_offset
-        if nbytes <= PIECE_BYTES:  # most tensors: one copy, the hash catches up every PIECE_BYTES bytes
-            if nbytes:
-                copy_small(base + at, source.data_ptr() + start, nbytes)
-                if at + nbytes - hashed >= PIECE_BYTES:
-                    digest.update_at(base + hashed, at + nbytes - hashed)
-                    hashed = at + nbytes
-            continue
-        digest.update_at(base + hashed, at - hashed)  # the small tensors and padding before this one
+        digest.update_at(base + hashed, at - hashed)  # the small pieces and padding before this one
         address = source.data_ptr() + start
         for done in range(0, nbytes, PIECE_BYTES):
             size = min(PIECE_BYTES, nbytes - done)
@@ -688,7 +680,9 @@ class _ReceiveStream:
         """Copy the current bucket's remaining pieces to their destinations; the number of tensors completed.
 
         Runs once per tensor of the update: the common case (a host destination a raw copy can fill, a piece of at
-        most ``PIECE_BYTES`` bytes) is kept to a few attribute reads and one ``memmove``.
+        most ``PIECE_BYTES`` bytes) is kept to a few attribute reads and three appends to a batch, copied by one
+        ``copy_batch`` call every ``PIECE_BYTES`` bytes and then hashed. Copies land in stream order (a batch is
+        flushed before any other copy), should two names share a destination.
         """
         tensors = current.header.tensors
         if not current.fused:  # a device payload: every tensor goes through its view
@@ -702,6 +696,7 @@ class _ReceiveStream:
         get = destinations.get
         hashed = self._hashed
         position = self._position
+        batch: list[int] = []  # (destination address, bucket offset, nbytes) triples not copied yet
         count = copied = 0  # tensors completed; those of them completed here (``_copy_viewed`` counts its own)
         while position < len(tensors):
             meta = tensors[position]
@@ -715,17 +710,25 @@ class _ReceiveStream:
                     and not destination.is_neg() and (meta.dtype not in COMPLEX_NAMES or not destination.is_conj())):
                 address = destination.data_ptr()
             else:
+                if batch:
+                    copy_batch(batch, 0, base)
+                    batch.clear()
                 self._position, self._hashed = position, hashed
                 count += self._copy_viewed(current, meta, destination, fallback)
                 hashed = self._hashed
                 continue
             nbytes, at = meta.nbytes, meta.bucket_offset
-            if nbytes <= PIECE_BYTES:  # most tensors: one copy, the hash catches up every PIECE_BYTES bytes
-                copy_small(address + meta.offset, base + at, nbytes)
+            if nbytes <= PIECE_BYTES:  # most tensors: batched, the hash catches up every PIECE_BYTES bytes
+                batch += (address + meta.offset, at, nbytes)
                 if at + nbytes - hashed >= PIECE_BYTES:
+                    copy_batch(batch, 0, base)
+                    batch.clear()
                     self._digest.update_at(base + hashed, at + nbytes - hashed)
                     hashed = at + nbytes
             else:
+                if batch:
+                    copy_batch(batch, 0, base)
+                    batch.clear()
                 target, source = address + meta.offset, base + at
                 for done in range(0, nbytes, PIECE_BYTES):  # streamed: the model's memory is not read back here
                     copy_stream(target + done, source + done, min(PIECE_BYTES, nbytes - done))
@@ -734,6 +737,8 @@ class _ReceiveStream:
                     hashed = end
             if meta.offset + nbytes == meta.total_nbytes:
                 copied += 1
+        if batch:
+            copy_batch(batch, 0, base)
         self._position, self._hashed = position, hashed  # (after an error the stream is closed: no write-back)
         self._tensors += copied
         return count + copied

@@ -28,13 +28,20 @@ from weightsync.api.errors import (
 from weightsync.core.codec import MAX_NAME_BYTES, TensorMeta
 from weightsync.core.tensors import _NAMES, COMPLEX_NAMES, as_byte_view, contiguous_source, dtype_name
 
-__all__ = ["PackItem", "PlannedBucket", "plan_buckets", "piece_bytes", "validate_pair", "PIPELINE_TENSORS"]
+__all__ = [
+    "PackItem", "PlannedBucket", "plan_buckets", "piece_bytes", "validate_pair", "PIPELINE_TENSORS", "PIECE_BYTES",
+]
 
 PIPELINE_TENSORS = 1024
 """A bucket is closed once it lists this many tensors, even with room left: a stream of many small tensors then
 still moves as several buckets, so packing, transfer and unpacking overlap instead of running one after another
 (far below the wire's ``MAX_TENSORS_PER_BUCKET``). 256 was slower here, 512 no faster."""
 
+
+PIECE_BYTES = 256 * 1024
+"""Bytes copied between two digest updates: small enough that the hash reads them back from the core's own cache.
+A piece of at most this size is copied in a batch with its neighbours (``PlannedBucket.copies``), a larger one
+streamed in pieces of this size (``PlannedBucket.large``)."""
 
 PackItem = tuple[TensorMeta, torch.Tensor, int]
 """One piece of a bucket: ``(meta, source, start)``. ``source`` is the caller's tensor, or a contiguous copy of it
@@ -57,6 +64,11 @@ class PlannedBucket:
     """Bytes of tensor data in it (padding excluded)."""
     completed: int = 0
     """Tensors whose last piece is in this bucket."""
+    copies: list[int] = field(default_factory=list)
+    """The pieces of at most ``PIECE_BYTES``, flat ``(bucket offset, source address, nbytes)`` triples for one
+    ``copy_batch`` (addresses of host sources; the device path copies ``items`` instead)."""
+    large: list[PackItem] = field(default_factory=list)
+    """The other pieces, in bucket order."""
 
     def __len__(self) -> int:
         return len(self.items)
@@ -108,7 +120,7 @@ def plan_buckets(
     """
     seen: set[str] = set()
     bucket = PlannedBucket()
-    items = bucket.items
+    items, copies = bucket.items, bucket.copies
     align = BUCKET_ALIGNMENT - 1
     mask = ~align
     host_ok = "cpu" in devices
@@ -139,7 +151,12 @@ def plan_buckets(
         total = source.nbytes
         start = (bucket.nbytes + align) & mask
         if total <= bucket_bytes - start and len(items) < PIPELINE_TENSORS:  # the common case: whole, here
-            items.append((TensorMeta(name, dtype, tensor.shape, 0, total, total, start), source, 0))
+            item = (TensorMeta(name, dtype, tensor.shape, 0, total, total, start), source, 0)
+            items.append(item)
+            if total <= PIECE_BYTES:
+                copies += (start, source.data_ptr(), total)
+            else:
+                bucket.large.append(item)
             bucket.nbytes = start + total
             bucket.payload_bytes += total
             bucket.completed += 1
@@ -156,10 +173,15 @@ def plan_buckets(
                 # Close the bucket instead of splitting a tensor that fits a fresh one (or when it is full).
                 yield bucket
                 bucket = PlannedBucket()
-                items = bucket.items
+                items, copies = bucket.items, bucket.copies
                 continue
             take = remaining if remaining <= room else room
-            items.append((TensorMeta(name, dtype, tensor.shape, offset, take, total, start), source, offset))
+            item = (TensorMeta(name, dtype, tensor.shape, offset, take, total, start), source, offset)
+            items.append(item)
+            if take <= PIECE_BYTES:
+                copies += (start, source.data_ptr() + offset, take)
+            else:
+                bucket.large.append(item)
             bucket.nbytes = start + take
             bucket.payload_bytes += take
             offset += take
@@ -168,6 +190,6 @@ def plan_buckets(
                 break
             yield bucket
             bucket = PlannedBucket()
-            items = bucket.items
+            items, copies = bucket.items, bucket.copies
     if items:
         yield bucket
