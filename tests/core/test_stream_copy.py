@@ -154,7 +154,7 @@ def test_a_batch_lands_exactly(compiled: bool, monkeypatch: pytest.MonkeyPatch) 
     source = torch.arange(50_000, dtype=torch.int32).view(torch.uint8)
     # (destination offset, source offset, nbytes): odd sizes and offsets, one empty, out of order.
     entries = [100, 7, 4096, 0, 9000, 33, 20_000, 123, 5000, 5000, 0, 0]
-    for gather in (True, False):  # absolute sources into one buffer (a sender), or the reverse (a receiver)
+    for gather in (True, False):  # absolute sources into one buffer (a sender), or the reverse (a receiver, streamed)
         destination = torch.full((30_000,), 0xEE, dtype=torch.uint8)
         expected = destination.clone()
         if gather:
@@ -166,7 +166,7 @@ def test_a_batch_lands_exactly(compiled: bool, monkeypatch: pytest.MonkeyPatch) 
             absolute = list(entries)
             for index in range(0, len(entries), 3):
                 absolute[index] += destination.data_ptr()
-            copy_batch(absolute, 0, source.data_ptr())
+            copy_batch(absolute, 0, source.data_ptr(), stream=True)
         for index in range(0, len(entries), 3):
             to, frm, nbytes = entries[index:index + 3]
             expected[to:to + nbytes] = source[frm:frm + nbytes]

@@ -84,14 +84,22 @@ void weightsync_stream_copy(void *destination, const void *source, size_t nbytes
 
 /* Many small copies in one call, one call from Python instead of one per tensor: entries holds count
  * (destination offset, source offset, nbytes) triples, copied from source_base + source offset to destination_base +
- * destination offset with memcpy (the ranges of one batch never overlap). A sender passes its bucket as the
- * destination base and absolute source addresses; a receiver the reverse. */
-void weightsync_copy_batch(const uint64_t *entries, size_t count, uint64_t destination_base, uint64_t source_base) {
+ * destination offset (the ranges of one batch never overlap). A sender passes its bucket as the destination base and
+ * absolute source addresses; a receiver the reverse, with stream set: its destinations (model tensors) are not read
+ * back, so they are written like weightsync_stream_copy's. */
+void weightsync_copy_batch(const uint64_t *entries, size_t count, uint64_t destination_base, uint64_t source_base,
+                           int stream) {
     for (size_t i = 0; i < count; i++, entries += 3) {
-        if (entries[2] == 0) {
+        void *destination = (void *)(uintptr_t)(destination_base + entries[0]);
+        const void *source = (const void *)(uintptr_t)(source_base + entries[1]);
+        size_t nbytes = (size_t)entries[2];
+        if (nbytes == 0) {
             continue; /* an empty tensor's address may be null */
         }
-        memcpy((void *)(uintptr_t)(destination_base + entries[0]), (const void *)(uintptr_t)(source_base + entries[1]),
-               (size_t)entries[2]);
+        if (stream) {
+            weightsync_stream_copy(destination, source, nbytes);
+        } else {
+            memcpy(destination, source, nbytes);
+        }
     }
 }

@@ -711,7 +711,7 @@ class _ReceiveStream:
                 address = destination.data_ptr()
             else:
                 if batch:
-                    copy_batch(batch, 0, base)
+                    copy_batch(batch, 0, base, stream=True)
                     batch.clear()
                 self._position, self._hashed = position, hashed
                 count += self._copy_viewed(current, meta, destination, fallback)
@@ -721,13 +721,13 @@ class _ReceiveStream:
             if nbytes <= PIECE_BYTES:  # most tensors: batched, the hash catches up every PIECE_BYTES bytes
                 batch += (address + meta.offset, at, nbytes)
                 if at + nbytes - hashed >= PIECE_BYTES:
-                    copy_batch(batch, 0, base)
+                    copy_batch(batch, 0, base, stream=True)
                     batch.clear()
                     self._digest.update_at(base + hashed, at + nbytes - hashed)
                     hashed = at + nbytes
             else:
                 if batch:
-                    copy_batch(batch, 0, base)
+                    copy_batch(batch, 0, base, stream=True)
                     batch.clear()
                 target, source = address + meta.offset, base + at
                 for done in range(0, nbytes, PIECE_BYTES):  # streamed: the model's memory is not read back here
@@ -738,7 +738,7 @@ class _ReceiveStream:
             if meta.offset + nbytes == meta.total_nbytes:
                 copied += 1
         if batch:
-            copy_batch(batch, 0, base)
+            copy_batch(batch, 0, base, stream=True)
         self._position, self._hashed = position, hashed  # (after an error the stream is closed: no write-back)
         self._tensors += copied
         return count + copied

@@ -120,7 +120,8 @@ def plan_buckets(
     """
     seen: set[str] = set()
     bucket = PlannedBucket()
-    items, copies = bucket.items, bucket.copies
+    items, copies, large = bucket.items, bucket.copies, bucket.large
+    used = payload = completed = count = 0  # the open bucket's fields, kept in locals until it is yielded
     align = BUCKET_ALIGNMENT - 1
     mask = ~align
     host_ok = "cpu" in devices
@@ -149,31 +150,34 @@ def plan_buckets(
         else:
             source = contiguous_source(tensor)
         total = source.nbytes
-        start = (bucket.nbytes + align) & mask
-        if total <= bucket_bytes - start and len(items) < PIPELINE_TENSORS:  # the common case: whole, here
+        start = (used + align) & mask
+        if total <= bucket_bytes - start and count < PIPELINE_TENSORS:  # the common case: whole, here
             item = (TensorMeta(name, dtype, tensor.shape, 0, total, total, start), source, 0)
             items.append(item)
             if total <= PIECE_BYTES:
                 copies += (start, source.data_ptr(), total)
             else:
-                bucket.large.append(item)
-            bucket.nbytes = start + total
-            bucket.payload_bytes += total
-            bucket.completed += 1
+                large.append(item)
+            used = start + total
+            payload += total
+            completed += 1
+            count += 1
             continue
         offset = 0
         while True:
-            start = (bucket.nbytes + align) & mask
+            start = (used + align) & mask
             room = bucket_bytes - start
             remaining = total - offset
-            if items and (
+            if count and (
                 remaining > room and (remaining <= bucket_bytes and offset == 0 or room <= 0)
-                or len(items) >= PIPELINE_TENSORS
+                or count >= PIPELINE_TENSORS
             ):
                 # Close the bucket instead of splitting a tensor that fits a fresh one (or when it is full).
+                bucket.nbytes, bucket.payload_bytes, bucket.completed = used, payload, completed
                 yield bucket
                 bucket = PlannedBucket()
-                items, copies = bucket.items, bucket.copies
+                items, copies, large = bucket.items, bucket.copies, bucket.large
+                used = payload = completed = count = 0
                 continue
             take = remaining if remaining <= room else room
             item = (TensorMeta(name, dtype, tensor.shape, offset, take, total, start), source, offset)
@@ -181,15 +185,19 @@ def plan_buckets(
             if take <= PIECE_BYTES:
                 copies += (start, source.data_ptr() + offset, take)
             else:
-                bucket.large.append(item)
-            bucket.nbytes = start + take
-            bucket.payload_bytes += take
+                large.append(item)
+            used = start + take
+            payload += take
+            count += 1
             offset += take
             if offset >= total:
-                bucket.completed += 1
+                completed += 1
                 break
+            bucket.nbytes, bucket.payload_bytes, bucket.completed = used, payload, completed
             yield bucket
             bucket = PlannedBucket()
-            items, copies = bucket.items, bucket.copies
-    if items:
+            items, copies, large = bucket.items, bucket.copies, bucket.large
+            used = payload = completed = count = 0
+    if count:
+        bucket.nbytes, bucket.payload_bytes, bucket.completed = used, payload, completed
         yield bucket

@@ -107,11 +107,12 @@ def _load_helper() -> tuple[ctypes.CDLL | None, str]:
         return None, "no compiled _stream_copy helper"
     library.weightsync_stream_copy.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
     library.weightsync_stream_copy.restype = None
-    library.weightsync_copy_batch.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint64)
+    library.weightsync_copy_batch.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint64,
+                                              ctypes.c_int)
     library.weightsync_copy_batch.restype = None
     if not _copies_exactly(library.weightsync_stream_copy) or not _copies_exactly(
         lambda destination, source, nbytes: library.weightsync_copy_batch(
-            (ctypes.c_uint64 * 3)(5, 3, nbytes), 1, destination - 5, source - 3)
+            (ctypes.c_uint64 * 3)(5, 3, nbytes), 1, destination - 5, source - 3, 1)
     ):
         return None, "the compiled _stream_copy helper failed its self-test"
     return library, ""
@@ -147,16 +148,17 @@ Releases the GIL. ``STREAM_COPY`` says which copy runs (``weightsync doctor`` sh
 in the environment turns the compiled helper off (memmove, and ``copy_batch`` one call per copy)."""
 
 
-def copy_batch(entries: list[int], destination_base: int, source_base: int) -> None:
+def copy_batch(entries: list[int], destination_base: int, source_base: int, *, stream: bool = False) -> None:
     """Copy every ``(destination offset, source offset, nbytes)`` triple of the flat list ``entries``, from
     ``source_base + source offset`` to ``destination_base + destination offset``; the ranges must not overlap.
 
     One call for many small tensors (a bucket's worth on a sender, a few hundred KiB's worth on a receiver) instead
-    of one ctypes call each, which costs more than a 4 KiB copy itself. Releases the GIL for the batch.
+    of one ctypes call each, which costs more than a 4 KiB copy itself. ``stream``: write like ``copy_stream`` (for
+    destinations not read back soon, such as a receiver's model tensors). Releases the GIL for the batch.
     """
     if _HELPER is not None:
         table = array.array("Q", entries)
-        _HELPER.weightsync_copy_batch(table.buffer_info()[0], len(table) // 3, destination_base, source_base)
+        _HELPER.weightsync_copy_batch(table.buffer_info()[0], len(table) // 3, destination_base, source_base, stream)
         return
     for index in range(0, len(entries), 3):
         copy_small(destination_base + entries[index], source_base + entries[index + 1], entries[index + 2])
