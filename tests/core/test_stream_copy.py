@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import pathlib
 import platform
 import shutil
 import subprocess
@@ -175,3 +176,21 @@ def test_a_batch_lands_exactly(compiled: bool, monkeypatch: pytest.MonkeyPatch) 
         broken = destination.clone()
         broken[100 + 4095] = 0xEE
         assert not torch.equal(broken, expected)
+
+
+def test_a_helper_built_from_another_version_is_not_used(tmp_path: pathlib.Path) -> None:
+    # A stale in-place build (its C source changed since) must not be called with today's signatures: a library
+    # whose ABI number differs is refused, and the copies fall back to memmove.
+    compiler = shutil.which("cc")
+    if compiler is None or platform.machine() != "x86_64":
+        pytest.skip("needs a C compiler on x86-64 to build the stale helper")
+    source = pathlib.Path(tensors.__file__).with_name("_stream_copy.c").read_text()
+    assert "WEIGHTSYNC_STREAM_COPY_ABI 2" in source
+    (tmp_path / "stale.c").write_text(source.replace("WEIGHTSYNC_STREAM_COPY_ABI 2", "WEIGHTSYNC_STREAM_COPY_ABI 1"))
+    subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(tmp_path / "stale.so"), str(tmp_path / "stale.c")],
+                   check=True, timeout=120)
+    library, why = tensors._load_helper(tmp_path / "stale.so")
+    assert library is None and "built from another version" in why
+    # Control: the same loader takes the helper installed with the package.
+    library, why = tensors._load_helper()
+    assert library is not None and why == ""

@@ -5,15 +5,22 @@
  * cache, then writes it back: three memory transfers per byte copied. Non-temporal stores make it two, which on a
  * memory-bound host is most of a copy's time (measured here: 7 GB/s for memmove in 256 KiB pieces, 10 GB/s this way).
  *
- * Loaded through ctypes (no Python API): weightsync_stream_copy(destination, source, nbytes), memmove's contract
- * except the return value. Small or overlapping copies, and CPUs without SSE2/AVX2 code here, go to memmove.
- * weightsync_stream_copy_kind() says which path large copies take: 2 AVX2, 1 SSE2, 0 memmove.
+ * Loaded through ctypes (no Python API; see weightsync.core.tensors):
+ * - weightsync_stream_copy(destination, source, nbytes): memmove's contract except the return value. Small or
+ *   overlapping copies, and CPUs without SSE2/AVX2 code here, go to memmove;
+ * - weightsync_copy_batch(...): many small copies in one call (below);
+ * - weightsync_stream_copy_kind(): which path large copies take, 2 AVX2, 1 SSE2, 0 memmove;
+ * - weightsync_stream_copy_abi(): the version of these signatures.
  */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
 #define WEIGHTSYNC_STREAM_MIN 4096 /* below this, memmove's cached copy is as fast and keeps the bytes cached */
+#define WEIGHTSYNC_STREAM_COPY_ABI 2 /* bumped with any change of these functions' signatures or meaning */
+
+/* The Python side refuses a library built from another version of this file (a stale in-place build). */
+int weightsync_stream_copy_abi(void) { return WEIGHTSYNC_STREAM_COPY_ABI; }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>

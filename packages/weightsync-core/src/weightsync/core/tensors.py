@@ -97,14 +97,21 @@ process wants the GIL (the receive thread decoding a header, the sender's planne
 switch between the two threads."""
 
 
-def _load_helper() -> tuple[ctypes.CDLL | None, str]:
+_HELPER_ABI = 2
+"""``WEIGHTSYNC_STREAM_COPY_ABI`` of the ``_stream_copy.c`` this module calls."""
+
+
+def _load_helper(path: Path = Path(__file__).with_name("_stream_copy.so")) -> tuple[ctypes.CDLL | None, str]:
     """The compiled helper (``_stream_copy.c``, built with the package), or None and why not."""
     if os.environ.get("WEIGHTSYNC_STREAM_COPY") == "0":
         return None, "WEIGHTSYNC_STREAM_COPY=0"
     try:
-        library = ctypes.CDLL(str(Path(__file__).with_name("_stream_copy.so")))
+        library = ctypes.CDLL(str(path))
     except OSError:
         return None, "no compiled _stream_copy helper"
+    abi = getattr(library, "weightsync_stream_copy_abi", None)
+    if abi is None or abi() != _HELPER_ABI:
+        return None, "a _stream_copy helper built from another version: reinstall weightsync-core"
     library.weightsync_stream_copy.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
     library.weightsync_stream_copy.restype = None
     library.weightsync_copy_batch.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint64,
