@@ -18,7 +18,9 @@ from typing import Any
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 SOURCE = Path("src/weightsync/core/_stream_copy.c")
-LIBRARY = SOURCE.with_suffix(".so")
+# Not ``*.so``: that suffix makes the file look like an extension module to anything that walks the package
+# (pkgutil.walk_packages, documentation tools), which would then fail to import it.
+LIBRARY = SOURCE.with_name("_stream_copy.so.1")
 
 
 class StreamCopyHook(BuildHookInterface):

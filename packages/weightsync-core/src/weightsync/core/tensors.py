@@ -101,7 +101,7 @@ _HELPER_ABI = 2
 """``WEIGHTSYNC_STREAM_COPY_ABI`` of the ``_stream_copy.c`` this module calls."""
 
 
-def _load_helper(path: Path = Path(__file__).with_name("_stream_copy.so")) -> tuple[ctypes.CDLL | None, str]:
+def _load_helper(path: Path = Path(__file__).with_name("_stream_copy.so.1")) -> tuple[ctypes.CDLL | None, str]:
     """The compiled helper (``_stream_copy.c``, built with the package), or None and why not."""
     if os.environ.get("WEIGHTSYNC_STREAM_COPY") == "0":
         return None, "WEIGHTSYNC_STREAM_COPY=0"
