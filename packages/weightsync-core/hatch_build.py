@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+from packaging.tags import sys_tags
 
 SOURCE = Path("src/weightsync/core/_stream_copy.c")
 # Not ``*.so``: that suffix makes the file look like an extension module to anything that walks the package
@@ -32,7 +33,8 @@ class StreamCopyHook(BuildHookInterface):
             return
         if version != "editable":  # an editable install loads it from the source tree, where it was just built
             build_data["pure_python"] = False
-            build_data["infer_tag"] = True
+            # No Python API in the library: any Python 3 of this platform can load it.
+            build_data["tag"] = f"py3-none-{next(sys_tags()).platform}"
             build_data["force_include"][str(root / LIBRARY)] = str(Path("weightsync/core") / LIBRARY.name)
 
 
