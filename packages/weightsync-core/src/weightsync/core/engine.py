@@ -9,8 +9,8 @@ bucket k+1 (copies into slot (k+1) % slots) runs on a packing thread while bucke
 thread. Receiver pipeline: a receive thread pulls buckets and validates their headers while the consumer copies
 tensors out of the previous bucket. Host copies run in ``PIECE_BYTES`` pieces with the digest folded in right behind
 each piece, from whichever side of the copy is still in cache (device buckets are hashed whole, staged to the
-host): small tensors by ``memmove`` holding the GIL, larger ones streamed (``copy_stream``, non-temporal stores)
-with the GIL released, so the stages overlap.
+host): small tensors in batches (``copy_batch``, one C call for many), larger ones streamed (``copy_stream``,
+non-temporal stores). Both release the GIL, so the stages overlap.
 """
 
 from __future__ import annotations
