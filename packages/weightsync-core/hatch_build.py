@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hatchling.builders.config import BuilderConfig
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 from packaging.tags import sys_tags
 
@@ -24,7 +25,7 @@ SOURCE = Path("src/weightsync/core/_stream_copy.c")
 LIBRARY = SOURCE.with_name("_stream_copy.so.1")
 
 
-class StreamCopyHook(BuildHookInterface):
+class StreamCopyHook(BuildHookInterface[BuilderConfig]):
     PLUGIN_NAME = "custom"
 
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
