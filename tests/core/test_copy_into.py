@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+from typing import Any
 
+import pytest
 import torch
+
+import weightsync.core.engine as engine_module
+from weightsync.core.tensors import copy_columns
 
 from tests.reliability.test_bad_inputs import Pair, pair  # noqa: F401  (the fixture)
 
@@ -44,3 +49,75 @@ def test_the_check_sees_a_raw_write_into_a_negated_view() -> None:
     sent = torch.tensor([2.5])
     ctypes.memmove(negated.data_ptr(), sent.data_ptr(), sent.nbytes)
     assert not torch.equal(negated.resolve_neg(), sent)
+
+
+def counting(monkeypatch: pytest.MonkeyPatch, attribute: str) -> list[int]:
+    """Wrap the engine's ``attribute`` copy function; the list grows by one per call (seen from outside)."""
+    calls: list[int] = []
+    inner = getattr(engine_module, attribute)
+
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        inner(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, attribute, wrapper)
+    return calls
+
+
+def small_model() -> dict[str, torch.Tensor]:
+    # 64 KiB buckets (the pair fixture): many small tensors, and one of 150 KB split across three buckets whose
+    # tail (an offset inside its tensor) lands in a bucket of small pieces only.
+    sent = {f"v{i}": torch.arange(i, i + 300, dtype=torch.float32) for i in range(40)}
+    sent["split"] = torch.arange(37_500, dtype=torch.float32)
+    sent.update({f"w{i}": torch.full((77,), float(i), dtype=torch.bfloat16) for i in range(40)})
+    return sent
+
+
+def test_buckets_of_small_pieces_are_copied_column_wise(pair: Pair,  # noqa: F811
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    sent = small_model()
+    columns = counting(monkeypatch, "copy_columns")
+    destinations = {name: torch.zeros_like(tensor) for name, tensor in sent.items()}
+    assert receive_into(pair, sent, destinations) == len(sent)
+    assert columns  # the bulk path ran
+    assert all(torch.equal(destinations[name], sent[name]) for name in sent)
+    # The next update repeats every table (the plans are cached): still exact.
+    destinations = {name: torch.zeros_like(tensor) for name, tensor in sent.items()}
+    assert receive_into(pair, sent, destinations) == len(sent)
+    assert all(torch.equal(destinations[name], sent[name]) for name in sent)
+
+
+def test_a_bucket_with_one_unusual_destination_goes_tensor_by_tensor(pair: Pair,  # noqa: F811
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    sent = small_model()
+    batches = counting(monkeypatch, "copy_batch")
+    destinations = {name: torch.zeros_like(tensor) for name, tensor in sent.items()}
+    destinations["v3"] = torch.zeros(600)[::2]  # not contiguous: filled through Tensor.copy_
+    del destinations["w5"]
+    caught: dict[str, torch.Tensor] = {}
+    count = asyncio.run(_receive_with_fallback(pair, sent, destinations, caught))
+    assert count == len(sent) and set(caught) == {"w5"} and torch.equal(caught["w5"], sent["w5"])
+    assert batches  # those buckets went through the per-tensor loop
+    assert all(torch.equal(destinations[name], sent[name]) for name in destinations)
+
+
+async def _receive_with_fallback(pair: Pair, sent: dict[str, torch.Tensor],  # noqa: F811
+                                 destinations: dict[str, torch.Tensor], caught: dict[str, torch.Tensor]) -> int:
+    sending = asyncio.ensure_future(pair.sender.send_weights(list(sent.items())))
+    count = await pair.receiver.receive_weights().copy_into(
+        destinations, fallback=lambda name, tensor: caught.__setitem__(name, tensor.clone()))
+    await sending
+    return count
+
+
+def test_the_comparison_sees_a_skipped_column_entry(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    # Negative control: a column copy that drops its last entry leaves a destination unwritten, and the byte
+    # comparison of the tests above sees it.
+    def drops_one(destinations: Any, sources: Any, sizes: Any, start: int, stop: int, base: int) -> None:
+        copy_columns(destinations, sources, sizes, start, max(start, stop - 1), base)
+
+    monkeypatch.setattr(engine_module, "copy_columns", drops_one)
+    sent = small_model()
+    destinations = {name: torch.zeros_like(tensor) for name, tensor in sent.items()}
+    receive_into(pair, sent, destinations)
+    assert not all(torch.equal(destinations[name], sent[name]) for name in sent)

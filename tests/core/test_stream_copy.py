@@ -7,6 +7,7 @@ receiver the bucket it read).
 
 from __future__ import annotations
 
+import array
 import asyncio
 import ctypes
 import os
@@ -24,7 +25,7 @@ import weightsync.core.engine as engine_module
 from weightsync.api.errors import DigestMismatchError
 from weightsync.core.engine import PIECE_BYTES
 import weightsync.core.tensors as tensors
-from weightsync.core.tensors import STREAM_COPY, _copies_exactly, copy_batch, copy_stream
+from weightsync.core.tensors import STREAM_COPY, _copies_exactly, copy_batch, copy_columns, copy_stream
 
 import tests.reliability.test_bad_inputs as bad_inputs
 from tests.reliability.test_bad_inputs import Pair
@@ -185,8 +186,8 @@ def test_a_helper_built_from_another_version_is_not_used(tmp_path: pathlib.Path)
     if compiler is None or platform.machine() != "x86_64":
         pytest.skip("needs a C compiler on x86-64 to build the stale helper")
     source = pathlib.Path(tensors.__file__).with_name("_stream_copy.c").read_text()
-    assert "WEIGHTSYNC_STREAM_COPY_ABI 2" in source
-    (tmp_path / "stale.c").write_text(source.replace("WEIGHTSYNC_STREAM_COPY_ABI 2", "WEIGHTSYNC_STREAM_COPY_ABI 1"))
+    assert "WEIGHTSYNC_STREAM_COPY_ABI 3" in source
+    (tmp_path / "stale.c").write_text(source.replace("WEIGHTSYNC_STREAM_COPY_ABI 3", "WEIGHTSYNC_STREAM_COPY_ABI 2"))
     subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(tmp_path / "stale.so"), str(tmp_path / "stale.c")],
                    check=True, timeout=120)
     library, why = tensors._load_helper(tmp_path / "stale.so")
@@ -194,3 +195,23 @@ def test_a_helper_built_from_another_version_is_not_used(tmp_path: pathlib.Path)
     # Control: the same loader takes the helper installed with the package.
     library, why = tensors._load_helper()
     assert library is not None and why == ""
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_columns_land_exactly(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not compiled:
+        monkeypatch.setattr(tensors, "_HELPER", None)
+    source = torch.arange(50_000, dtype=torch.int32).view(torch.uint8)
+    destination = torch.full((30_000,), 0xEE, dtype=torch.uint8)
+    # (destination offset, source offset, nbytes), the first and last outside start:stop.
+    rows = [(0, 0, 10), (100, 7, 4096), (9000, 33, 20_000), (5000, 5000, 0), (29_000, 1, 999), (29_999, 0, 1)]
+    addresses = array.array("Q", [destination.data_ptr() + row[0] for row in rows])
+    sources = array.array("Q", [row[1] for row in rows])
+    sizes = array.array("Q", [row[2] for row in rows])
+    expected = destination.clone()
+    for to, frm, nbytes in rows[1:5]:
+        expected[to:to + nbytes] = source[frm:frm + nbytes]
+    copy_columns(addresses, sources, sizes, 1, 5, source.data_ptr())
+    assert torch.equal(destination, expected)
+    expected[0] = source[0]  # negative control: an entry outside start:stop would have shown
+    assert not torch.equal(destination, expected)

@@ -8,7 +8,7 @@
  * Loaded through ctypes (no Python API; see weightsync.core.tensors):
  * - weightsync_stream_copy(destination, source, nbytes): memmove's contract except the return value. Small or
  *   overlapping copies, and CPUs without SSE2/AVX2 code here, go to memmove;
- * - weightsync_copy_batch(...): many small copies in one call (below);
+ * - weightsync_copy_batch(...), weightsync_copy_columns(...): many small copies in one call (below);
  * - weightsync_stream_copy_kind(): which path large copies take, 2 AVX2, 1 SSE2, 0 memmove;
  * - weightsync_stream_copy_abi(): the version of these signatures.
  */
@@ -17,7 +17,7 @@
 #include <string.h>
 
 #define WEIGHTSYNC_STREAM_MIN 4096 /* below this, memmove's cached copy is as fast and keeps the bytes cached */
-#define WEIGHTSYNC_STREAM_COPY_ABI 2 /* bumped with any change of these functions' signatures or meaning */
+#define WEIGHTSYNC_STREAM_COPY_ABI 3 /* bumped with any change of these functions' signatures or meaning */
 
 /* The Python side refuses a library built from another version of this file (a stale in-place build). */
 int weightsync_stream_copy_abi(void) { return WEIGHTSYNC_STREAM_COPY_ABI; }
@@ -107,6 +107,18 @@ void weightsync_copy_batch(const uint64_t *entries, size_t count, uint64_t desti
             weightsync_stream_copy(destination, source, nbytes);
         } else {
             memcpy(destination, source, nbytes);
+        }
+    }
+}
+
+/* The same with the triples as three columns, a receiver's layout: absolute destination addresses, source offsets
+ * from source_base (its bucket), sizes; every destination streamed. */
+void weightsync_copy_columns(const uint64_t *destinations, const uint64_t *sources, const uint64_t *sizes, size_t count,
+                             uint64_t source_base) {
+    for (size_t i = 0; i < count; i++) {
+        if (sizes[i] != 0) {
+            weightsync_stream_copy((void *)(uintptr_t)destinations[i],
+                                   (const void *)(uintptr_t)(source_base + sources[i]), (size_t)sizes[i]);
         }
     }
 }

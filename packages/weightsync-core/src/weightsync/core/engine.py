@@ -16,6 +16,7 @@ non-temporal stores). Both release the GIL, so the stages overlap.
 from __future__ import annotations
 
 import abc
+import array
 import asyncio
 import concurrent.futures
 import functools
@@ -57,7 +58,7 @@ from weightsync.core import codec
 from weightsync.core.digest import UpdateDigest
 from weightsync.core.codec import TensorMeta
 from weightsync.core.planner import PIECE_BYTES, PlannedBucket, piece_bytes, plan_buckets, validate_pair
-from weightsync.core.tensors import COMPLEX_NAMES, DTYPES, copy_batch, copy_stream, dtype_from_name
+from weightsync.core.tensors import COMPLEX_NAMES, DTYPES, copy_batch, copy_columns, copy_stream, dtype_from_name
 from weightsync.core.transport import NO_SLOT, ReceivedBucket, ReceiverTransport, SenderTransport, TransportHook
 
 __all__ = [
@@ -157,6 +158,8 @@ class BucketCheckpointEngine(abc.ABC):
         """The stream waiting for ``_draining`` to finish before it starts."""
         self._tables = codec.TableCache()
         """Bucket tables received and validated before: a model's next update repeats them."""
+        self._bulk_plans: dict[int, tuple[list[TensorMeta], _BulkPlan | None]] = {}
+        self._bulk_entries = 0
         self._closed = False
         self.trace_events: list[dict[str, Any]] | None = None
         """When a list (``enable_tracing``), every pack/transfer/receive/unpack of a bucket is appended to it."""
@@ -460,6 +463,20 @@ class BucketCheckpointEngine(abc.ABC):
                 if self._successor is stream:
                     self._successor = None
 
+    def _bulk_plan(self, tensors: list[TensorMeta]) -> _BulkPlan | None:
+        """``_BulkPlan`` of a bucket's table, built once per table (the ``TableCache`` hands the same list back for
+        every update that repeats it); None for a bucket it does not apply to."""
+        cached = self._bulk_plans.get(id(tensors))
+        if cached is not None and cached[0] is tensors:  # the list is held there: its identity is not reused
+            return cached[1]
+        plan = _BulkPlan.of(tensors)
+        if self._bulk_entries + len(tensors) > _MAX_BULK_ENTRIES:
+            self._bulk_plans.clear()
+            self._bulk_entries = 0
+        self._bulk_plans[id(tensors)] = (tensors, plan)
+        self._bulk_entries += len(tensors)
+        return plan
+
     def _new_digest(self) -> UpdateDigest:
         """Backend hook: the digest buckets are folded into (a device engine stages device payloads to host)."""
         return UpdateDigest()
@@ -531,6 +548,39 @@ def _timed(function: Any, *args: Any) -> float:
     started = time.perf_counter()
     function(*args)
     return time.perf_counter() - started
+
+
+_MAX_BULK_ENTRIES = 1 << 18
+"""Bound of the table entries behind an engine's cached ``_BulkPlan``s (cleared when full, like the TableCache)."""
+
+
+class _BulkPlan:
+    """A bucket of small pieces of real dtypes (the many-small-tensors case) in columns, for ``_copy_bulk``."""
+
+    __slots__ = ("names", "dtypes", "shapes", "sources", "sizes", "offsets", "chunks", "completed")
+
+    def __init__(self, tensors: list[TensorMeta]) -> None:
+        self.names = [meta.name for meta in tensors]
+        self.dtypes = [DTYPES[meta.dtype] for meta in tensors]
+        self.shapes = [meta.shape for meta in tensors]
+        self.sources = array.array("Q", [meta.bucket_offset for meta in tensors])
+        self.sizes = array.array("Q", [meta.nbytes for meta in tensors])
+        self.offsets = [(index, meta.offset) for index, meta in enumerate(tensors) if meta.offset] or None
+        self.completed = sum(meta.offset + meta.nbytes == meta.total_nbytes for meta in tensors)
+        # Where to hash: as ``_copy_out`` does, every time PIECE_BYTES or more were copied since the last hash.
+        self.chunks: list[tuple[int, int, int]] = []
+        start = hashed = 0
+        for index, meta in enumerate(tensors):
+            end = meta.bucket_offset + meta.nbytes
+            if end - hashed >= PIECE_BYTES or index == len(tensors) - 1:
+                self.chunks.append((start, index + 1, end))
+                start, hashed = index + 1, end
+
+    @classmethod
+    def of(cls, tensors: list[TensorMeta]) -> _BulkPlan | None:
+        if not tensors or any(meta.nbytes > PIECE_BYTES or meta.dtype in COMPLEX_NAMES for meta in tensors):
+            return None
+        return cls(tensors)
 
 
 class _Arrived:
@@ -694,6 +744,10 @@ class _ReceiveStream:
             return count
         base = current.payload.data_ptr()
         get = destinations.get
+        if self._position == 0:
+            plan = self._engine._bulk_plan(tensors)
+            if plan is not None and (completed := self._copy_bulk(plan, base, list(map(get, plan.names)))):
+                return completed
         hashed = self._hashed
         position = self._position
         batch: list[int] = []  # (destination address, bucket offset, nbytes) triples not copied yet
@@ -742,6 +796,27 @@ class _ReceiveStream:
         self._position, self._hashed = position, hashed  # (after an error the stream is closed: no write-back)
         self._tensors += copied
         return count + copied
+
+    def _copy_bulk(self, plan: _BulkPlan, base: int, found: list[torch.Tensor | None]) -> int:
+        """A whole bucket of small pieces whose destinations all pass the inline check of ``_copy_out``: checked in
+        one pass, then copied column-wise, one C call and one hash per ``PIECE_BYTES``. The tensors completed, or 0
+        when any destination does not pass (then nothing was copied and the per-tensor loop takes the bucket)."""
+        if not all(destination is not None and destination.dtype is dtype and destination.shape == shape
+                   and destination.is_cpu and destination.is_contiguous() and not destination.is_neg()
+                   for destination, dtype, shape in zip(found, plan.dtypes, plan.shapes)):
+            return 0
+        addresses = array.array("Q", [destination.data_ptr() for destination in found])  # type: ignore[union-attr]
+        if plan.offsets is not None:  # the tail of a tensor split across buckets lands at its offset
+            for index, offset in plan.offsets:
+                addresses[index] += offset
+        hashed = 0
+        for start, stop, end in plan.chunks:
+            copy_columns(addresses, plan.sources, plan.sizes, start, stop, base)
+            self._digest.update_at(base + hashed, end - hashed)
+            hashed = end
+        self._position, self._hashed = len(found), hashed
+        self._tensors += plan.completed
+        return plan.completed
 
     def _copy_viewed(
         self, current: _Arrived, meta: TensorMeta, destination: torch.Tensor | None,

@@ -15,7 +15,7 @@ from weightsync.api.errors import UnsupportedDtypeError
 
 __all__ = [
     "DTYPES", "dtype_name", "dtype_from_name", "as_byte_view", "contiguous_source", "memoryview_of", "memoryview_at",
-    "copy_bytes", "copy_small", "copy_stream", "copy_batch", "STREAM_COPY", "COMPLEX_NAMES",
+    "copy_bytes", "copy_small", "copy_stream", "copy_batch", "copy_columns", "STREAM_COPY", "COMPLEX_NAMES",
 ]
 
 _DTYPE_NAMES = [
@@ -97,7 +97,7 @@ process wants the GIL (the receive thread decoding a header, the sender's planne
 switch between the two threads."""
 
 
-_HELPER_ABI = 2
+_HELPER_ABI = 3
 """``WEIGHTSYNC_STREAM_COPY_ABI`` of the ``_stream_copy.c`` this module calls."""
 
 
@@ -117,6 +117,9 @@ def _load_helper(path: Path = Path(__file__).with_name("_stream_copy.so.1")) -> 
     library.weightsync_copy_batch.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint64,
                                               ctypes.c_int)
     library.weightsync_copy_batch.restype = None
+    library.weightsync_copy_columns.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                                ctypes.c_uint64)
+    library.weightsync_copy_columns.restype = None
     if not _copies_exactly(library.weightsync_stream_copy) or not _copies_exactly(
         lambda destination, source, nbytes: library.weightsync_copy_batch(
             (ctypes.c_uint64 * 3)(5, 3, nbytes), 1, destination - 5, source - 3, 1)
@@ -169,6 +172,21 @@ def copy_batch(entries: list[int], destination_base: int, source_base: int, *, s
         return
     for index in range(0, len(entries), 3):
         copy_small(destination_base + entries[index], source_base + entries[index + 1], entries[index + 2])
+
+
+def copy_columns(destinations: array.array[int], sources: array.array[int], sizes: array.array[int], start: int,
+                 stop: int, source_base: int) -> None:
+    """Copy entries ``start:stop`` of three aligned columns — absolute destination addresses, source offsets from
+    ``source_base``, sizes — streaming every destination (``copy_stream``). A receiver's batch for a bucket whose
+    entries are known in advance: built without per-tensor appends. Releases the GIL."""
+    if _HELPER is not None:
+        step = destinations.itemsize
+        _HELPER.weightsync_copy_columns(destinations.buffer_info()[0] + step * start,
+                                        sources.buffer_info()[0] + step * start,
+                                        sizes.buffer_info()[0] + step * start, stop - start, source_base)
+        return
+    for index in range(start, stop):
+        copy_small(destinations[index], source_base + sources[index], sizes[index])
 
 
 def memoryview_at(address: int, nbytes: int) -> memoryview:
