@@ -746,8 +746,10 @@ class _ReceiveStream:
         get = destinations.get
         if self._position == 0:
             plan = self._engine._bulk_plan(tensors)
-            if plan is not None and (completed := self._copy_bulk(plan, base, list(map(get, plan.names)))):
-                return completed
+            if plan is not None:
+                completed = self._copy_bulk(plan, base, list(map(get, plan.names)))
+                if completed is not None:
+                    return completed
         hashed = self._hashed
         position = self._position
         batch: list[int] = []  # (destination address, bucket offset, nbytes) triples not copied yet
@@ -797,14 +799,14 @@ class _ReceiveStream:
         self._tensors += copied
         return count + copied
 
-    def _copy_bulk(self, plan: _BulkPlan, base: int, found: list[torch.Tensor | None]) -> int:
+    def _copy_bulk(self, plan: _BulkPlan, base: int, found: list[torch.Tensor | None]) -> int | None:
         """A whole bucket of small pieces whose destinations all pass the inline check of ``_copy_out``: checked in
-        one pass, then copied column-wise, one C call and one hash per ``PIECE_BYTES``. The tensors completed, or 0
-        when any destination does not pass (then nothing was copied and the per-tensor loop takes the bucket)."""
+        one pass, then copied column-wise, one C call and one hash per ``PIECE_BYTES``. The tensors completed, or
+        None when any destination does not pass (then nothing was copied and the per-tensor loop takes the bucket)."""
         if not all(destination is not None and destination.dtype is dtype and destination.shape == shape
                    and destination.is_cpu and destination.is_contiguous() and not destination.is_neg()
                    for destination, dtype, shape in zip(found, plan.dtypes, plan.shapes)):
-            return 0
+            return None
         addresses = array.array("Q", [destination.data_ptr() for destination in found])  # type: ignore[union-attr]
         if plan.offsets is not None:  # the tail of a tensor split across buckets lands at its offset
             for index, offset in plan.offsets:
