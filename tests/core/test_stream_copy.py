@@ -27,8 +27,7 @@ from weightsync.core.engine import PIECE_BYTES
 import weightsync.core.tensors as tensors
 from weightsync.core.tensors import STREAM_COPY, _copies_exactly, copy_batch, copy_columns, copy_stream
 
-import tests.reliability.test_bad_inputs as bad_inputs
-from tests.reliability.test_bad_inputs import Pair
+from tests.reliability.test_bad_inputs import Pair, connected_pair
 
 Copier = Callable[[int, int, int], object]
 # Sizes around the helper's thresholds (4 KiB: memmove below; 128-byte blocks; 64-byte head alignment).
@@ -102,15 +101,9 @@ def test_the_environment_can_turn_it_off() -> None:
 
 
 @pytest.fixture
-def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
+def pair() -> Iterator[Pair]:
     """A shm sender and receiver in this process, with buckets large enough for pieces the helper copies."""
-    monkeypatch.setattr(bad_inputs, "BUCKET", 4 * PIECE_BYTES)
-    made = Pair()
-    made.connect()
-    try:
-        yield made
-    finally:
-        made.close()
+    yield from connected_pair(bucket_bytes=4 * PIECE_BYTES)
 
 
 def send_large(pair: Pair, sent: dict[str, torch.Tensor]) -> tuple[BaseException | None, dict[str, torch.Tensor]]:

@@ -37,11 +37,11 @@ BUCKET = 64 * 1024
 class Pair:
     """A shm sender and one receiver in this process, connected for one epoch."""
 
-    def __init__(self, *, timeout: float = 10.0) -> None:
+    def __init__(self, *, timeout: float = 10.0, bucket_bytes: int = BUCKET) -> None:
         node = default_node_id()
-        self.sender = ShmCheckpointEngine(bucket_bytes=BUCKET, timeout=timeout,
+        self.sender = ShmCheckpointEngine(bucket_bytes=bucket_bytes, timeout=timeout,
                                           context=WorkerContext(role="actor", rank=0, node_id=node))
-        self.receiver = ShmCheckpointEngine(bucket_bytes=BUCKET, timeout=timeout,
+        self.receiver = ShmCheckpointEngine(bucket_bytes=bucket_bytes, timeout=timeout,
                                             context=WorkerContext(role="rollout", rank=0, node_id=node))
         self.delivered: list[str] = []
 
@@ -75,14 +75,19 @@ class Pair:
         self.receiver.close()
 
 
-@pytest.fixture
-def pair() -> Iterator[Pair]:
-    made = Pair()
+def connected_pair(*, bucket_bytes: int = BUCKET) -> Iterator[Pair]:
+    """A connected ``Pair``, closed afterwards (the body of a fixture)."""
+    made = Pair(bucket_bytes=bucket_bytes)
     made.connect()
     try:
         yield made
     finally:
         made.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    yield from connected_pair()
 
 
 def good(count: int = 3) -> list[tuple[str, torch.Tensor]]:
