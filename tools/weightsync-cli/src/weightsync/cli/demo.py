@@ -12,7 +12,6 @@ import asyncio
 import functools
 import os
 import socket
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from weightsync.api.config import MiB, SyncConfig
 from weightsync.api.errors import WeightsyncError
 from weightsync.api.protocols import load_into
 from weightsync.cli.model import LlamaConfig, TinyLlama, config_for_megabytes
+from weightsync.cli.progress import Progress
 from weightsync.core.digest import UpdateDigest
 from weightsync.core.tensors import as_byte_view, memoryview_of
 
@@ -136,26 +136,6 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class _Progress:
-    """A one-line progress bar on stderr (redrawn in place on a terminal, one line per update otherwise)."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.tty = sys.stderr.isatty()
-
-    def show(self, done: int, label: str) -> None:
-        width = 30
-        filled = int(width * done / max(self.total, 1))
-        line = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} {label}"
-        if self.tty:
-            sys.stderr.write("\r" + line.ljust(70))
-            if done == self.total:
-                sys.stderr.write("\n")
-        else:
-            sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-
-
 async def run_demo(options: DemoOptions) -> int:
     import ray
 
@@ -173,7 +153,7 @@ async def run_demo(options: DemoOptions) -> int:
     model_bytes = config.parameters * 4
     print(f"weightsync demo: backend {options.backend}, TinyLlama {config.num_layers} layers "
           f"({model_bytes / 1e6:.1f} MB fp32), actor_wg of 2 ranks, {options.replicas} rollout replicas")
-    progress = _Progress(options.steps)
+    progress = Progress(options.steps)
     actor_wg: Any = None
     replicas: list[Any] = []
     exact_steps = 0
