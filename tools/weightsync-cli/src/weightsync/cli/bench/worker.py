@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import WorkerContext
-from weightsync.core.engine import PIECE_BYTES
+from weightsync.core.planner import PIECE_BYTES
 from weightsync.core.tensors import copy_stream
 
-__all__ = ["Layout", "bucket_plan", "serve"]
+__all__ = ["Layout", "bucket_plan", "c10d", "serve"]
 
 # torch.distributed re-exports its C++ classes without declaring them to type checkers.
 c10d: Any = dist
@@ -156,97 +156,119 @@ class _Gloo:
                 return
 
 
+class _Worker:
+    """One rank's state between the driver's commands: its model, its engine or gloo group, and the yardsticks'
+    buffers."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        layout: Layout = [(name, tuple(shape)) for name, shape in spec["layout"]]
+        # torch.ones touches every page: the receivers' model copies are pre-faulted, as an inference engine's are.
+        self.tensors = [torch.ones(shape, dtype=torch.bfloat16) for _, shape in layout]
+        self.by_name = dict(zip((name for name, _ in layout), self.tensors))
+        self.engine: Any = None
+        self.gloo: _Gloo | None = None
+        if spec["kind"] == "engine":
+            self.engine = load_engine_class(spec["backend"])(
+                bucket_bytes=spec["bucket_bytes"],
+                context=WorkerContext(role=spec["role"], rank=spec["rank"], node_id=spec["node_id"]),
+            )
+        self.rss_before = 0
+        self.reset_worked = False
+        self.raw: torch.Tensor | None = None
+        self.copy_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def handle(self, command: dict[str, Any]) -> Any:
+        """Carry out one command other than ``close``; the reply (None when there is nothing to say)."""
+        op = command["op"]
+        if op == "prepare":
+            return self.engine.prepare()
+        if op == "init":
+            if self.engine is not None:
+                self.engine.init_process_group(rank_args=command["rank_args"])
+            else:
+                self.gloo = _Gloo(self.spec, self.tensors)
+        elif op == "mark":
+            # Before the first update: what the process holds once its model and connections exist.
+            self.rss_before = _rss_bytes()
+            self.reset_worked = _reset_peak()
+        elif op == "run":
+            self.update()
+        elif op == "rss":
+            return max(0, _peak_bytes(self.reset_worked) - self.rss_before)
+        elif op == "trace":
+            return self.traced_update()
+        elif op == "raw_setup":
+            self.raw = torch.ones(command["nbytes"], dtype=torch.uint8)  # pre-faulted
+        elif op == "raw":
+            if self.gloo is None or self.raw is None:
+                raise RuntimeError("raw before init/raw_setup")
+            self.gloo._broadcast(self.raw).wait()
+        elif op == "copy_setup":
+            self.raw = None
+            self.copy_buffers = (torch.ones(command["nbytes"], dtype=torch.uint8),
+                                 torch.zeros(command["nbytes"], dtype=torch.uint8))
+            self.copy_buffers[1].fill_(1)  # pre-fault the destination too
+        elif op == "copy":
+            return self.copy(command["times"], command.get("method", "tensor"))
+        return None
+
+    def update(self) -> None:
+        if self.engine is not None:
+            if self.spec["role"] == "actor":
+                asyncio.run(self.engine.send_weights(zip(self.by_name.keys(), self.tensors)))
+            else:
+                asyncio.run(self._receive())
+            self.engine.finalize()
+        elif self.gloo is not None:
+            self.gloo.update()
+
+    async def _receive(self) -> None:
+        # The receiver's model exists already: the stream copies straight into it (``ReceivedWeights.copy_into``).
+        await self.engine.receive_weights().copy_into(self.by_name)
+
+    def traced_update(self) -> list[Any]:
+        engine = self.engine
+        events = engine.enable_tracing() if engine is not None and hasattr(engine, "enable_tracing") else None
+        self.update()
+        reply = list(events or [])
+        engine.trace_events = None
+        return reply
+
+    def copy(self, times: int, method: str) -> list[float]:
+        """Copy the copy buffer ``times`` times; the span [start, end] on this host's monotonic clock."""
+        if self.copy_buffers is None:
+            raise RuntimeError("copy before copy_setup")
+        source, destination = self.copy_buffers
+        started = time.perf_counter()
+        if method == "engine":
+            # What the engines do with large tensors: ``copy_stream`` in the pieces the digest follows (see
+            # weightsync.core.engine).
+            to, frm, nbytes = destination.data_ptr(), source.data_ptr(), source.numel()
+            for _ in range(times):
+                for offset in range(0, nbytes, PIECE_BYTES):
+                    copy_stream(to + offset, frm + offset, min(PIECE_BYTES, nbytes - offset))
+        else:
+            for _ in range(times):
+                destination.copy_(source)
+        return [started, time.perf_counter()]
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        if self.gloo is not None:
+            self.gloo.close()
+
+
 def serve(conn: multiprocessing.connection.Connection, spec: dict[str, Any]) -> None:
     """Answer the driver's commands until ``close``; every reply is JSON (``null`` when there is nothing to say)."""
     # One intra-op thread: R+1 processes already share the cores, and torch's own threads would fight over them.
     torch.set_num_threads(1)
-    layout: Layout = [(name, tuple(shape)) for name, shape in spec["layout"]]
-    # torch.ones touches every page: the receivers' model copies are pre-faulted, as an inference engine's are.
-    tensors = [torch.ones(shape, dtype=torch.bfloat16) for _, shape in layout]
-    by_name = dict(zip((name for name, _ in layout), tensors))
-    kind: str = spec["kind"]
-    engine: Any = None
-    gloo: _Gloo | None = None
-    if kind == "engine":
-        engine = load_engine_class(spec["backend"])(
-            bucket_bytes=spec["bucket_bytes"],
-            context=WorkerContext(role=spec["role"], rank=spec["rank"], node_id=spec["node_id"]),
-        )
-    rss_before = 0
-    reset_worked = False
-    raw: torch.Tensor | None = None
-    copy_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    async def receive() -> None:
-        # The receiver's model exists already: the stream copies straight into it (``ReceivedWeights.copy_into``).
-        await engine.receive_weights().copy_into(by_name)
-
-    def update() -> None:
-        if engine is not None:
-            if spec["role"] == "actor":
-                asyncio.run(engine.send_weights(zip(by_name.keys(), tensors)))
-            else:
-                asyncio.run(receive())
-            engine.finalize()
-        elif gloo is not None:
-            gloo.update()
-
+    worker = _Worker(spec)
     while True:
         command = json.loads(conn.recv_bytes())
-        op = command["op"]
-        reply: Any = None
-        if op == "prepare":
-            reply = engine.prepare()
-        elif op == "init":
-            if engine is not None:
-                engine.init_process_group(rank_args=command["rank_args"])
-            else:
-                gloo = _Gloo(spec, tensors)
-        elif op == "mark":
-            # Before the first update: what the process holds once its model and connections exist.
-            rss_before = _rss_bytes()
-            reset_worked = _reset_peak()
-        elif op == "run":
-            update()
-        elif op == "rss":
-            reply = max(0, _peak_bytes(reset_worked) - rss_before)
-        elif op == "trace":
-            events = engine.enable_tracing() if engine is not None and hasattr(engine, "enable_tracing") else None
-            update()
-            reply = list(events or [])
-            engine.trace_events = None
-        elif op == "raw_setup":
-            raw = torch.ones(command["nbytes"], dtype=torch.uint8)  # pre-faulted
-        elif op == "raw":
-            if gloo is None or raw is None:
-                raise RuntimeError("raw before init/raw_setup")
-            gloo._broadcast(raw).wait()
-        elif op == "copy_setup":
-            raw = None
-            copy_buffers = (torch.ones(command["nbytes"], dtype=torch.uint8),
-                            torch.zeros(command["nbytes"], dtype=torch.uint8))
-            copy_buffers[1].fill_(1)  # pre-fault the destination too
-        elif op == "copy":
-            if copy_buffers is None:
-                raise RuntimeError("copy before copy_setup")
-            source, destination = copy_buffers
-            started = time.perf_counter()
-            if command.get("method", "tensor") == "engine":
-                # What the engines do with large tensors: ``copy_stream`` in the pieces the digest follows (see
-                # weightsync.core.engine).
-                to, frm, nbytes = destination.data_ptr(), source.data_ptr(), source.numel()
-                for _ in range(command["times"]):
-                    for offset in range(0, nbytes, PIECE_BYTES):
-                        copy_stream(to + offset, frm + offset, min(PIECE_BYTES, nbytes - offset))
-            else:
-                for _ in range(command["times"]):
-                    destination.copy_(source)
-            reply = [started, time.perf_counter()]
-        elif op == "close":
-            if engine is not None:
-                engine.close()
-            if gloo is not None:
-                gloo.close()
+        if command["op"] == "close":
+            worker.close()
             conn.send_bytes(b"null")
             return
-        conn.send_bytes(json.dumps(reply).encode())
+        conn.send_bytes(json.dumps(worker.handle(command)).encode())

@@ -1,0 +1,132 @@
+"""What ``weightsync bench`` prints and writes once everything is measured: the table, the JSON and the trace."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from weightsync.api.config import MiB
+from weightsync.cli.bench.measure import BenchResult, Yardsticks, cores
+from weightsync.cli.bench.ray_e2e import E2E_TARGET, RayEndToEnd
+from weightsync.cli.bench.scenario import BenchOptions, Case
+from weightsync.core.tensors import STREAM_COPY
+
+__all__ = ["RayOutcome", "Summary", "chrome_trace", "print_report", "write_json"]
+
+
+@dataclass(frozen=True)
+class RayOutcome:
+    """The Ray end-to-end figure, or why there is none (``skipped``: the reason, or the failure when ``failed``)."""
+
+    measured: RayEndToEnd | None
+    skipped: str | None = None
+    failed: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return self.measured.to_json() if self.measured is not None else {"skipped": self.skipped}
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One run's measurements, and the figures derived from them that the table and the JSON share."""
+
+    options: BenchOptions
+    backends: tuple[str, ...]
+    main: Case
+    """The case as the options describe it: its model and R are the ones every figure is per."""
+    results: dict[str, BenchResult]
+    yardsticks: Yardsticks
+    wall_seconds: float
+
+    @property
+    def limit_gbps(self) -> float:
+        return self.yardsticks.copy_bandwidth / (1 + self.main.receivers) / 1e9
+
+    @property
+    def engine_copy_limit_gbps(self) -> float:
+        return self.yardsticks.engine_copy_bandwidth / (1 + self.main.receivers) / 1e9
+
+    @property
+    def raw_gbps(self) -> float:
+        return self.main.total_bytes / self.yardsticks.raw_gloo_seconds / 1e9
+
+    @property
+    def bucketed_gbps(self) -> float:
+        return self.results["bucketed"].gbps_p50
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [{
+            "backend": result.backend, "gbps_p50": round(result.gbps_p50, 4), "gbps_p90": round(result.gbps_p90, 4),
+            "ratio_bucketed": round(result.gbps_p50 / self.bucketed_gbps, 4),
+            "ratio_limit": round(result.gbps_p50 / self.limit_gbps, 4),
+            "ratio_engine_copy_limit": round(result.gbps_p50 / self.engine_copy_limit_gbps, 4),
+            "peak_extra_rss_mb": round(result.peak_extra_rss_mb, 1),
+        } for result in self.results.values()]
+
+    def scenario(self) -> dict[str, Any]:
+        options, total, yardsticks = self.options, self.main.total_bytes, self.yardsticks
+        return {
+            "backends": list(self.backends), "model_bytes": total, "model_mb": round(total / MiB, 3),
+            "mix": options.mix, "tensors": len(self.main.layout), "receivers": self.main.receivers,
+            "bucket_mb": options.bucket_mb, "repeat": options.repeat, "cores": cores(), "copiers": yardsticks.copiers,
+            "copy_bandwidth_gbps": round(yardsticks.copy_bandwidth / 1e9, 3),
+            "engine_copy_bandwidth_gbps": round(yardsticks.engine_copy_bandwidth / 1e9, 3),
+            "bucketed_over_raw_gloo": round(self.bucketed_gbps / self.raw_gbps, 4),
+            "wall_seconds": round(self.wall_seconds, 1),
+            "seconds": {result.backend: [round(s, 4) for s in result.seconds] for result in self.results.values()},
+        }
+
+
+def print_report(summary: Summary, ray: RayOutcome) -> None:
+    options, main, yardsticks = summary.options, summary.main, summary.yardsticks
+    raw_gbps, bucketed = summary.raw_gbps, summary.bucketed_gbps
+    print(f"model {main.total_bytes / MiB:g} MiB ({options.mix}, {len(main.layout)} tensors), {main.receivers} "
+          f"receivers, buckets {options.bucket_mb} MiB, {options.repeat} updates after a warm-up; GB/s per receiver")
+    print(f"limit {summary.limit_gbps:.2f} GB/s = BW(k={yardsticks.copiers}) {yardsticks.copy_bandwidth / 1e9:.2f} "
+          f"GB/s / (1+R); raw gloo broadcast {raw_gbps:.2f} GB/s; bucketed = {bucketed / raw_gbps:.2f} x raw "
+          f"({'meets' if bucketed >= 0.8 * raw_gbps else 'BELOW'} the 0.8 x raw bar)")
+    print(f"(the engines copy large tensors with {STREAM_COPY} in 256 KiB pieces: BW(k) that way "
+          f"{yardsticks.engine_copy_bandwidth / 1e9:.2f} GB/s, a limit of {summary.engine_copy_limit_gbps:.2f} GB/s "
+          "per receiver; JSON: ratio_engine_copy_limit)")
+    print(f"{'backend':<10} {'p50':>7} {'p90':>7} {'x bucketed':>11} {'x limit':>8} {'peak extra RSS MiB':>19}")
+    for row in summary.rows():
+        print(f"{row['backend']:<10} {row['gbps_p50']:>7.2f} {row['gbps_p90']:>7.2f} {row['ratio_bucketed']:>11.2f} "
+              f"{row['ratio_limit']:>8.2f} {row['peak_extra_rss_mb']:>19.1f}")
+    e2e = ray.measured
+    if e2e is not None:
+        stages = " + ".join(f"{step} {ms:.1f}" for step, ms in e2e.to_json()["stages_ms_p50"].items())
+        print(f"ray end-to-end ({e2e.backend}): {e2e.model_bytes / MiB:g} MiB update "
+              f"{e2e.update_p50 * 1e3:.2f} ms p50 = {e2e.ratio:.2f} x a no-op call gathered from "
+              f"{e2e.workers} workers ({e2e.noop_p50 * 1e3:.2f} ms p50); {stages} ms "
+              f"({'meets' if e2e.meets else 'MISSES'} the <= {E2E_TARGET:g} x bar)")
+    else:
+        print(f"ray end-to-end: {'FAILED' if ray.failed else 'skipped'} ({ray.skipped})")
+    print(f"wall time {summary.wall_seconds:.0f} s")
+
+
+def write_json(path: str, summary: Summary, ray: RayOutcome) -> None:
+    with open(path, "w") as handle:
+        json.dump({"scenario": summary.scenario(), "limit_gbps": round(summary.limit_gbps, 4),
+                   "engine_copy_limit_gbps": round(summary.engine_copy_limit_gbps, 4),
+                   "raw_gloo_gbps": round(summary.raw_gbps, 4), "results": summary.rows(),
+                   "ray_end_to_end": ray.to_json()},
+                  handle, indent=2)
+
+
+def chrome_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Numeric pid/tid with name metadata: Chrome's and Perfetto's JSON importers expect integers there."""
+    pids: dict[str, int] = {}
+    tids: dict[tuple[str, str], int] = {}
+    out: list[dict[str, Any]] = []
+    for event in sorted(events, key=lambda event: float(event["ts"])):
+        pid_name, tid_name = str(event["pid"]), str(event["tid"])
+        if pid_name not in pids:
+            pids[pid_name] = len(pids) + 1
+            out.append({"name": "process_name", "ph": "M", "pid": pids[pid_name], "args": {"name": pid_name}})
+        if (pid_name, tid_name) not in tids:
+            tids[pid_name, tid_name] = len(tids) + 1
+            out.append({"name": "thread_name", "ph": "M", "pid": pids[pid_name], "tid": tids[pid_name, tid_name],
+                        "args": {"name": tid_name}})
+        out.append({**event, "pid": pids[pid_name], "tid": tids[pid_name, tid_name]})
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
