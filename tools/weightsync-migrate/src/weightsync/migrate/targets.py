@@ -29,9 +29,8 @@ _VERL_MANAGER_NAMES: Final = frozenset(
     {f"{_VERL_PACKAGE}.CheckpointEngineManager", f"{_VERL_PACKAGE}.base.CheckpointEngineManager"}
 )
 
-# verl 0.9.1's engine base and every engine class it ships, each reachable from the package (it re-exports them) and
-# from its defining module. Subclassing a concrete backend to override build_topology is as common as subclassing the
-# ABC, so both count as "verl's engine base".
+# verl 0.9.1's engine base and every engine it ships, by package (which re-exports them) and by defining module: a
+# concrete backend is subclassed to override build_topology as often as the ABC is, so both count as the base.
 _VERL_ENGINE_CLASSES_BY_MODULE: Final[dict[str, tuple[str, ...]]] = {
     "base": ("CheckpointEngine", "CheckpointEngineWithCache", "ColocatedCheckpointEngine"),
     "nccl_checkpoint_engine": ("NCCLCheckpointEngine",),
