@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-import weightsync.core.engine as engine_module
+import weightsync.core.unpack as unpack_module
 from weightsync.core.tensors import copy_columns
 
 from tests.reliability.test_bad_inputs import Pair, pair  # noqa: F401  (the fixture)
@@ -52,15 +52,15 @@ def test_the_check_sees_a_raw_write_into_a_negated_view() -> None:
 
 
 def counting(monkeypatch: pytest.MonkeyPatch, attribute: str) -> list[int]:
-    """Wrap the engine's ``attribute`` copy function; the list grows by one per call (seen from outside)."""
+    """Wrap the receiver's ``attribute`` copy function; the list grows by one per call (seen from outside)."""
     calls: list[int] = []
-    inner = getattr(engine_module, attribute)
+    inner = getattr(unpack_module, attribute)
 
     def wrapper(*args: Any, **kwargs: Any) -> None:
         calls.append(1)
         inner(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, attribute, wrapper)
+    monkeypatch.setattr(unpack_module, attribute, wrapper)
     return calls
 
 
@@ -116,7 +116,7 @@ def test_the_comparison_sees_a_skipped_column_entry(pair: Pair, monkeypatch: pyt
     def drops_one(destinations: Any, sources: Any, sizes: Any, start: int, stop: int, base: int) -> None:
         copy_columns(destinations, sources, sizes, start, max(start, stop - 1), base)
 
-    monkeypatch.setattr(engine_module, "copy_columns", drops_one)
+    monkeypatch.setattr(unpack_module, "copy_columns", drops_one)
     sent = small_model()
     destinations = {name: torch.zeros_like(tensor) for name, tensor in sent.items()}
     receive_into(pair, sent, destinations)

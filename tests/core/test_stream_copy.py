@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-import weightsync.core.engine as engine_module
+import weightsync.core.send as send_module
 from weightsync.api.errors import DigestMismatchError
-from weightsync.core.engine import PIECE_BYTES
+from weightsync.core.planner import PIECE_BYTES
 import weightsync.core.tensors as tensors
 from weightsync.core.tensors import STREAM_COPY, _copies_exactly, copy_batch, copy_columns, copy_stream
 
@@ -136,7 +136,7 @@ def test_a_wrong_pack_copy_is_caught_by_the_receivers_digest(pair: Pair, monkeyp
             byte = ctypes.c_uint8.from_address(destination + 7)
             byte.value ^= 0x10
 
-    monkeypatch.setattr(engine_module, "copy_stream", flips_a_byte)
+    monkeypatch.setattr(send_module, "copy_stream", flips_a_byte)
     error, _ = send_large(pair, sent)
     assert isinstance(error, DigestMismatchError), error
     assert flipped

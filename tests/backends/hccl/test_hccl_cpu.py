@@ -38,9 +38,9 @@ def test_loading_and_building_raise_backend_unavailable_not_import_error() -> No
 
 def test_hccl_shares_the_accelerator_engine_and_its_options() -> None:
     from weightsync.hccl.engine import HcclCheckpointEngine
-    from weightsync.nccl.device import AcceleratorCollectiveEngine
+    from weightsync.core.backend import AcceleratorCollectiveTransport
 
-    assert issubclass(HcclCheckpointEngine, AcceleratorCollectiveEngine)
+    assert issubclass(HcclCheckpointEngine.transport_class, AcceleratorCollectiveTransport)
     assert HcclCheckpointEngine.option_names == frozenset({"device_index", "relays"})
 
 

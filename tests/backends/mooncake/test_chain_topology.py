@@ -10,6 +10,7 @@ import pytest
 
 from weightsync.api.errors import TopologyError
 from weightsync.api.types import WorkerMetadata, WorldMetadata
+from weightsync.core.backend import BucketCheckpointEngine
 from weightsync.core.chain import chain_positions
 from weightsync.mooncake.engine import MooncakeCheckpointEngine
 from weightsync.nixl.engine import NixlCheckpointEngine
@@ -22,6 +23,10 @@ def test_chain_and_trees() -> None:
     assert chain_positions(rollout_world_size=0, fanout=1) == [[]]
 
 
+def _library(engine: type[BucketCheckpointEngine]) -> str:
+    return str(getattr(engine.transport_class, "library"))
+
+
 def _metadata(library: str, rollout: int, fanout: int = 1) -> WorldMetadata:
     actor: list[WorkerMetadata] = [{"address": "10.0.0.1:100", "fanout": fanout, "library": library}, {}]
     workers: list[WorkerMetadata] = [{"address": f"10.0.0.{2 + j}:100", "fanout": fanout, "library": library} for j in range(rollout)]
@@ -29,9 +34,9 @@ def _metadata(library: str, rollout: int, fanout: int = 1) -> WorldMetadata:
 
 
 @pytest.mark.parametrize("engine", [NixlCheckpointEngine, MooncakeCheckpointEngine])
-def test_build_topology_is_a_chain_by_rank(engine: type[NixlCheckpointEngine | MooncakeCheckpointEngine]) -> None:
+def test_build_topology_is_a_chain_by_rank(engine: type[BucketCheckpointEngine]) -> None:
     topology = engine.build_topology(actor_wg_world_size=2, rollout_world_size=3,
-                                     metadata=_metadata(engine.library, 3))
+                                     metadata=_metadata(_library(engine), 3))
     topology.check(actor_wg_world_size=2, rollout_world_size=3)
     assert topology.senders == (0,)
     assert [args["role"] for args in topology.actor] == ["sender", "idle"]
@@ -41,15 +46,15 @@ def test_build_topology_is_a_chain_by_rank(engine: type[NixlCheckpointEngine | M
 
 
 @pytest.mark.parametrize("engine", [NixlCheckpointEngine, MooncakeCheckpointEngine])
-def test_build_topology_rejects_foreign_metadata(engine: type[NixlCheckpointEngine | MooncakeCheckpointEngine]) -> None:
-    other = "mooncake" if engine.library == "nixl" else "nixl"
+def test_build_topology_rejects_foreign_metadata(engine: type[BucketCheckpointEngine]) -> None:
+    other = "mooncake" if _library(engine) == "nixl" else "nixl"
     with pytest.raises(TopologyError, match="rollout rank 1 did not advertise"):
-        metadata = _metadata(engine.library, 3)
+        metadata = _metadata(_library(engine), 3)
         engine.build_topology(actor_wg_world_size=2, rollout_world_size=3, metadata=WorldMetadata(
             actor=metadata.actor, rollout=[metadata.rollout[0], {"library": other, "address": "x:1"},
                                            metadata.rollout[2]]))
     with pytest.raises(TopologyError, match="rollout_world_size=4"):
-        engine.build_topology(actor_wg_world_size=2, rollout_world_size=4, metadata=_metadata(engine.library, 3))
+        engine.build_topology(actor_wg_world_size=2, rollout_world_size=4, metadata=_metadata(_library(engine), 3))
 
 
 _UNREACHABLE = """
@@ -81,11 +86,11 @@ print(json.dumps(outcome), flush=True)
 
 @pytest.mark.parametrize("engine", [NixlCheckpointEngine, MooncakeCheckpointEngine])
 def test_unreachable_upstream_is_a_transfer_error_naming_it(
-    engine: type[NixlCheckpointEngine | MooncakeCheckpointEngine],
+    engine: type[BucketCheckpointEngine],
 ) -> None:
     # In a child process: NIXL 1.5.1 crashes during interpreter teardown in any process that created an agent
     # (see packages/weightsync-nixl/README.md), which would turn pytest's own exit status into a segfault.
-    code = _UNREACHABLE.format(module=engine.library, engine=engine.__name__)
+    code = _UNREACHABLE.format(module=_library(engine), engine=engine.__name__)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     assert lines, result.stdout + result.stderr

@@ -1,6 +1,6 @@
-"""The CPU instance of the accelerator collective engine: host ops and a gloo group, registered as a test backend.
+"""The CPU instance of the accelerator collective transport: host ops and a gloo group, registered as a test backend.
 
-It runs every line of ``weightsync.nccl.device`` that does not need a device (transports, events as placeholders,
+It runs every line of ``weightsync.core.devicecollective`` that does not need a device (transports, events as placeholders,
 digest staging, node-local topology), so the NCCL/HCCL code paths are exercised here through real gloo groups.
 """
 
@@ -9,16 +9,19 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from weightsync.api.registry import BackendSpec, module_importable
-from weightsync.nccl.device import AcceleratorCollectiveEngine, DeviceOps, HostOps
+from weightsync.core.backend import AcceleratorCollectiveTransport, DeviceOps, HostOps, engine_class
 
 
-class GlooAcceleratorEngine(AcceleratorCollectiveEngine):
+class GlooAcceleratorTransport(AcceleratorCollectiveTransport):
     name: ClassVar[str] = "test-accel-gloo"
     devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
     device_type: ClassVar[str] = "cpu"
 
-    def _make_ops(self, device_index: int | None) -> DeviceOps:
+    def make_ops(self, device_index: int | None) -> DeviceOps:
         return HostOps()
+
+
+GlooAcceleratorEngine = engine_class(GlooAcceleratorTransport)
 
 
 class RecordingOps(HostOps):
@@ -47,15 +50,18 @@ class RecordingOps(HostOps):
         self.calls.append(("record", event, stream))
 
 
-class RecordingEngine(GlooAcceleratorEngine):
+class RecordingTransport(GlooAcceleratorTransport):
     name: ClassVar[str] = "test-accel-recording"
     last_ops: ClassVar[dict[str, RecordingOps]] = {}
     """The ops of the last engine built per role (tests run one world at a time)."""
 
-    def _make_ops(self, device_index: int | None) -> DeviceOps:
+    def make_ops(self, device_index: int | None) -> DeviceOps:
         ops = RecordingOps()
-        RecordingEngine.last_ops[self.context.role] = ops
+        RecordingTransport.last_ops[self.settings.context.role] = ops
         return ops
+
+
+RecordingEngine = engine_class(RecordingTransport)
 
 
 SPEC = BackendSpec(

@@ -12,12 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests.backends.nccl.accel_gloo import SPEC, GlooAcceleratorEngine, RecordingEngine, RecordingOps
+from tests.backends.nccl.accel_gloo import (
+    SPEC, GlooAcceleratorEngine, RecordingEngine, RecordingOps, RecordingTransport,
+)
 from weightsync.api.errors import BackendUnavailableError, ConfigError, RenamedKeywordError, TopologyError
 from weightsync.api.registry import get_backend_spec, load_engine_class, register_backend
 from weightsync.api.testing import EngineConformance, case_tensors, raw_bytes
 from weightsync.api.types import Topology, TransferReport, WorkerContext, WorldMetadata
-from weightsync.nccl.device import node_local_plan
+from weightsync.core.backend import BucketCheckpointEngine, node_local_plan
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -139,7 +141,7 @@ class TestAcceleratorEngineOnGloo(EngineConformance):
         return test_backend_on_path
 
 
-def _run_world(engine_class: type[GlooAcceleratorEngine], actor_nodes: list[str], rollout_nodes: list[str],
+def _run_world(engine_class: type[BucketCheckpointEngine], actor_nodes: list[str], rollout_nodes: list[str],
                *, relays: str, case: str = "mixed") -> tuple[Topology, list[Any], list[Any]]:
     """Every worker in a thread of this process, each with its own engine and gloo group (a whole lifecycle)."""
     bucket_bytes = 1 << 16
@@ -156,7 +158,7 @@ def _run_world(engine_class: type[GlooAcceleratorEngine], actor_nodes: list[str]
         engines = [*actors, *rollouts]
         errors: list[BaseException] = []
 
-        def init(engine: GlooAcceleratorEngine, args: Any) -> None:
+        def init(engine: BucketCheckpointEngine, args: Any) -> None:
             try:
                 engine.init_process_group(rank_args=args)
             except BaseException as exc:
@@ -172,17 +174,17 @@ def _run_world(engine_class: type[GlooAcceleratorEngine], actor_nodes: list[str]
         expected = {name: raw_bytes(tensor) for name, tensor in case_tensors(case, 1, bucket_bytes)}
         results: list[Any] = [None] * len(engines)
 
-        def send(index: int, engine: GlooAcceleratorEngine) -> None:
+        def send(index: int, engine: BucketCheckpointEngine) -> None:
             results[index] = asyncio.run(engine.send_weights(case_tensors(case, 1, bucket_bytes), version=1))
 
-        async def receive_all(engine: GlooAcceleratorEngine) -> tuple[TransferReport | None, dict[str, bool]]:
+        async def receive_all(engine: BucketCheckpointEngine) -> tuple[TransferReport | None, dict[str, bool]]:
             stream = engine.receive_weights()
             same = {}
             async for name, tensor in stream:
                 same[name] = bool(torch.equal(raw_bytes(tensor), expected[name]))
             return stream.report, same
 
-        def receive(index: int, engine: GlooAcceleratorEngine) -> None:
+        def receive(index: int, engine: BucketCheckpointEngine) -> None:
             try:
                 results[index] = asyncio.run(receive_all(engine))
             except BaseException as exc:
@@ -216,8 +218,8 @@ def test_copy_and_comm_streams_are_ordered_by_events_only() -> None:
     topology, senders, receivers = _run_world(RecordingEngine, ["a"], ["a"], relays="none")
     assert senders[0].buckets >= 2 and receivers[0][0] is not None
     # The sender's ops: broadcasts wait on "packed" (recorded on the copy stream), packing waits on "sent".
-    sender_ops: RecordingOps = RecordingEngine.last_ops["actor"]
-    copy_stream, comm_stream = "stream1", "stream2"
+    sender_ops: RecordingOps = RecordingTransport.last_ops["actor"]
+    copy_stream, comm_stream = "stream1", "stream3"  # made in this order: copy, staging, comm
     packed = {event for kind, event, stream in sender_ops.calls if kind == "record" and stream == copy_stream}
     waited = {event for kind, stream, event in sender_ops.calls if kind == "wait_event" and stream == comm_stream}
     assert packed and packed <= waited

@@ -1,7 +1,7 @@
 """A pipelined chain (or tree) of one-sided reads: the transport and topology shared by ``nixl`` and ``mooncake``.
 
 Why it lives in core: both backends move buckets the same way and differ only in the library that registers memory
-and performs a one-sided read (``RegisteredRing`` / ``RemoteRing``), so each backend adds only its ``_make_ring``.
+and performs a one-sided read (:mod:`weightsync.core.rings`), so each backend adds only its ``make_ring``.
 
 Topology
 --------
@@ -33,71 +33,33 @@ Nothing a peer sends is ever unpickled.
 from __future__ import annotations
 
 import abc
-import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import msgspec
 import torch
 
-from weightsync.api.errors import (
-    ConfigError,
-    LifecycleError,
-    TopologyError,
-    TransferError,
-    WeightsyncError,
-    WireError,
-)
+from weightsync.api.errors import ConfigError, LifecycleError, TopologyError, TransferError, WeightsyncError, WireError
 from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
 from weightsync.core import codec
-from weightsync.core.engine import BucketCheckpointEngine
 from weightsync.core.framing import accept_peers, recv_frame, send_frame
-from weightsync.core.transport import NO_SLOT, ReceivedBucket
+from weightsync.core.rings import RegisteredRing, RemoteRing, RingEndpoint, decode_ring
+from weightsync.core.settings import EngineSettings
+from weightsync.core.transport import NO_SLOT, ReceivedBucket, Transport
+from weightsync.core.waiting import AckedPeers, SlotSequence
 
 __all__ = [
-    "DEFAULT_FANOUT",
+    "DEFAULT_FANOUT", "BucketReady", "ChainTransport", "chain_positions", "RegisteredRing", "RemoteRing",
     "RingEndpoint",
-    "BucketReady",
-    "RemoteRing",
-    "RegisteredRing",
-    "ChainCheckpointEngine",
-    "chain_positions",
-    "wait_until",
 ]
 
-log = logging.getLogger(__name__)
-
 DEFAULT_FANOUT = 1
-"""Chain: the sender's egress stays one model whatever the number of receivers. Measured side by side with
-``weightsync bench`` (1 GiB, 2 receivers, 64 MiB buckets, a 2-core host shared with other jobs): nixl chain 1.8-1.9
-GB/s per receiver vs star (fanout 2) 1.77-1.79; mooncake chain 0.52-0.57 vs star 0.52-0.59. No faster shape, so
-both keep the chain, the only one whose sender egress does not grow with R."""
+"""Chain: the sender's egress stays one model whatever the number of receivers (docs/performance.md compares the
+fan-outs)."""
 
 _MAX_CONTROL_FRAME = 1 << 20  # headers of buckets with many tensors stay far below this
-_POLL_FIRST = 50e-6
-_POLL_MAX = 5e-3
-
-
-class RingEndpoint(msgspec.Struct, frozen=True, tag="ring"):
-    """What a downstream needs to read from an upstream's ring, sent by the upstream after a valid ``Hello``."""
-
-    wire: int
-    epoch: str
-    library: str
-    """``"nixl"`` or ``"mooncake"``: both ends must use the same library."""
-    agent: str
-    """The library's name for the upstream: a NIXL agent name, a Mooncake session id (``host:port``)."""
-    blob: bytes
-    """Opaque data the library itself parses (NIXL agent metadata); empty for Mooncake. Never unpickled by us."""
-    base: int
-    """Address of slot 0 in the upstream's process (device memory address for a GPU ring)."""
-    slot_bytes: int
-    slots: int
-    memory: str = "cpu"
-    """Device of the ring: ``"cpu"`` or ``"cuda:N"``."""
 
 
 class BucketReady(msgspec.Struct, frozen=True, tag="ready"):
@@ -112,24 +74,7 @@ class BucketReady(msgspec.Struct, frozen=True, tag="ready"):
     header: bytes
 
 
-_ring_decoder = msgspec.msgpack.Decoder(RingEndpoint)
 _ready_decoder = msgspec.msgpack.Decoder(BucketReady)
-
-
-def decode_ring(data: bytes, *, epoch: str, library: str, peer: str) -> RingEndpoint:
-    try:
-        ring = _ring_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"malformed ring endpoint from {peer}: {exc}") from None
-    if ring.wire != codec.WIRE_VERSION:
-        raise WireError(f"{peer} speaks wire version {ring.wire}, this side speaks {codec.WIRE_VERSION}")
-    if ring.epoch != epoch:
-        raise WireError(f"{peer} answered for another membership epoch")
-    if ring.library != library:
-        raise WireError(f"{peer} moves buckets with {ring.library!r}, this side with {library!r}")
-    if ring.slots < 1 or ring.slot_bytes < 1 or ring.base <= 0:
-        raise WireError(f"{peer} advertised an invalid ring ({ring.slots} slots of {ring.slot_bytes} bytes)")
-    return ring
 
 
 def decode_ready(data: bytes, *, epoch: str, peer: str) -> BucketReady:
@@ -142,77 +87,6 @@ def decode_ready(data: bytes, *, epoch: str, peer: str) -> BucketReady:
     if ready.epoch != epoch:
         raise WireError(f"bucket announcement from {peer} for another membership epoch")
     return ready
-
-
-def wait_until(done: Any, *, deadline: float, peer: str, what: str) -> None:
-    """Poll ``done()`` with exponential back-off (50 µs → 5 ms sleeps) until true; ``TransferError`` at ``deadline``.
-
-    For libraries whose completion can only be polled: the sleeps keep a waiting thread off the CPU.
-    """
-    pause = _POLL_FIRST
-    while not done():
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TransferError(f"timed out {what} {peer}", peer=peer)
-        time.sleep(min(pause, left))
-        pause = min(pause * 2, _POLL_MAX)
-
-
-# -- the library-specific part ----------------------------------------------------------------------------------------
-
-
-class RemoteRing(abc.ABC):
-    """An upstream's ring, opened for one-sided reads into the local ring."""
-
-    @abc.abstractmethod
-    def read(self, *, local_offset: int, remote_offset: int, nbytes: int, deadline: float) -> None:
-        """Copy ``nbytes`` from the upstream's ring at ``remote_offset`` into the local ring at ``local_offset``.
-
-        Blocks (sleeping) until done; ``TransferError`` naming the upstream on failure or at ``deadline``.
-        """
-
-    @abc.abstractmethod
-    def close(self) -> None: ...
-
-
-class RegisteredRing(abc.ABC):
-    """One buffer of ``slots * slot_bytes`` bytes, registered with a transfer library for the engine's lifetime."""
-
-    library: ClassVar[str]
-
-    def __init__(self, *, slots: int, slot_bytes: int, device: str) -> None:
-        self.slots = slots
-        self.slot_bytes = slot_bytes
-        # Pre-fault every page now (first touch runs at ~0.5 GB/s): updates then only ever see warm memory.
-        self.tensor = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
-        self.tensor.fill_(0)
-        self.memory = str(self.tensor.device)
-
-    def slot(self, index: int) -> torch.Tensor:
-        return self.tensor[index * self.slot_bytes:(index + 1) * self.slot_bytes]
-
-    @property
-    def base(self) -> int:
-        return int(self.tensor.data_ptr())
-
-    def endpoint(self, *, epoch: str) -> RingEndpoint:
-        agent, blob = self.identity()
-        return RingEndpoint(
-            wire=codec.WIRE_VERSION, epoch=epoch, library=self.library, agent=agent, blob=blob, base=self.base,
-            slot_bytes=self.slot_bytes, slots=self.slots, memory=self.memory,
-        )
-
-    @abc.abstractmethod
-    def identity(self) -> tuple[str, bytes]:
-        """``(agent, blob)`` of :class:`RingEndpoint` for this process."""
-
-    @abc.abstractmethod
-    def open(self, endpoint: RingEndpoint, *, peer: str) -> RemoteRing:
-        """Prepare one-sided reads from ``endpoint`` (a library connection; no memory is registered)."""
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Deregister the ring and release the library's resources. Idempotent."""
 
 
 # -- topology ---------------------------------------------------------------------------------------------------------
@@ -233,35 +107,18 @@ def chain_positions(*, rollout_world_size: int, fanout: int) -> list[list[int]]:
 # -- the control plane's two ends ------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Child:
-    name: str
-    sock: socket.socket
-    acked: int = 0
-
-
 class _Downstream:
     """The connections to the positions that read from this one: announcements out, read acknowledgements in."""
 
-    def __init__(self, children: list[_Child], epoch: str) -> None:
-        self.children = children
+    def __init__(self, children: list[tuple[str, socket.socket]], epoch: str) -> None:
+        self.reads = AckedPeers(children, epoch)
         self.epoch = epoch
 
     def announce(self, *, seq: int, slot: int, nbytes: int, header: bytes, deadline: float) -> None:
         frame = codec.encode(BucketReady(wire=codec.WIRE_VERSION, epoch=self.epoch, seq=seq, slot=slot,
                                          nbytes=nbytes, header=header))
-        for child in self.children:
-            send_frame(child.sock, frame, deadline=deadline, peer=child.name)
-
-    def wait_read(self, seq: int, deadline: float) -> None:
-        """Block until every child has read bucket ``seq`` (and all before it)."""
-        for child in self.children:
-            while child.acked < seq:
-                ack = codec.decode_ack(recv_frame(child.sock, deadline=deadline, peer=child.name, max_len=4096),
-                                       epoch=self.epoch)
-                if ack.index != child.acked + 1:
-                    raise WireError(f"{child.name} acknowledged bucket {ack.index} after {child.acked}")
-                child.acked = ack.index
+        for name, sock in self.reads.peers:
+            send_frame(sock, frame, deadline=deadline, peer=name)
 
     def abort(self, message: str) -> None:
         """Best effort: tell children this position failed, so they stop now rather than at their deadline."""
@@ -275,8 +132,7 @@ class _Downstream:
             pass
 
     def close(self) -> None:
-        for child in self.children:
-            child.sock.close()
+        self.reads.close()
 
 
 class _ChainSender:
@@ -287,21 +143,17 @@ class _ChainSender:
         self.capacity = ring.slot_bytes
         self._ring = ring
         self._downstream = downstream
-        self._announced = 0
-        self._slot_seq = [0] * ring.slots
+        self._sequence = SlotSequence(ring.slots)
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self._ring.slot(slot)
 
     def wait_slot(self, slot: int, deadline: float) -> None:
-        self._downstream.wait_read(self._slot_seq[slot], deadline)
+        self._downstream.reads.wait(self._sequence.last(slot), deadline)
 
     def publish(self, slot: int, nbytes: int, header: bytes, deadline: float) -> None:
         # One-sided: children pull the bytes; wait_slot keeps the slot intact until they have.
-        seq = 0
-        if slot != NO_SLOT:
-            self._announced += 1
-            seq = self._slot_seq[slot] = self._announced
+        seq = self._sequence.publish(slot) if slot != NO_SLOT else 0
         self._downstream.announce(seq=seq, slot=slot, nbytes=nbytes, header=header, deadline=deadline)
 
     def close(self) -> None:
@@ -326,7 +178,7 @@ class _ChainReceiver:
         self._rank = rank
         self._timeout = timeout
         self._received = 0
-        self._slot_seq = [0] * ring.slots
+        self._sequence = SlotSequence(ring.slots)
         self._released = 0
         self._consumer = threading.Condition()
 
@@ -352,14 +204,14 @@ class _ChainReceiver:
             raise WireError(f"{peer} announced {ready.nbytes} bytes in slot {ready.slot}, outside the rings")
         seq = self._received = ready.seq
         slot = (seq - 1) % self._ring.slots
-        self._wait_consumer(self._slot_seq[slot], deadline)
-        self._downstream.wait_read(self._slot_seq[slot], deadline)
+        self._wait_consumer(self._sequence.last(slot), deadline)
+        self._downstream.reads.wait(self._sequence.last(slot), deadline)
         if ready.nbytes:
             self._remote.read(local_offset=slot * self._ring.slot_bytes, remote_offset=ready.slot * remote.slot_bytes,
                               nbytes=ready.nbytes, deadline=deadline)
         ack = codec.Ack(wire=codec.WIRE_VERSION, epoch=self._epoch, rank=self._rank, index=seq)
         send_frame(self._upstream, codec.encode(ack), deadline=deadline, peer=peer)
-        self._slot_seq[slot] = seq
+        self._sequence.record(slot, seq)
         self._downstream.announce(seq=seq, slot=slot, nbytes=ready.nbytes, header=ready.header, deadline=deadline)
         return ReceivedBucket(header=ready.header, payload=self._ring.slot(slot)[:ready.nbytes], token=seq)
 
@@ -385,57 +237,58 @@ class _ChainReceiver:
         self._remote.close()
 
 
-# -- the engine -------------------------------------------------------------------------------------------------------
+# -- the transport -------------------------------------------------------------------------------------------------------
 
 
-class ChainCheckpointEngine(BucketCheckpointEngine):
-    """Base of the one-sided chain engines. Options: ``fanout`` (readers per position, 1 = chain, the default),
-    ``device`` (``"cpu"``, or ``"cuda"`` for a ring in GPU memory where the library supports it).
+class ChainTransport(Transport):
+    """The one-sided chain. Options: ``fanout`` (readers per position, 1 = chain, the default), ``device``
+    (``"cpu"``, or ``"cuda"`` for a ring in GPU memory where the library supports it).
 
-    Subclasses provide ``_make_ring``. Sender: actor rank 0; every other actor rank drains its stream.
+    A backend provides ``library`` and ``make_ring``. Sender: actor rank 0; every other actor rank drains its stream.
     """
 
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     option_names: ClassVar[frozenset[str]] = frozenset({"fanout", "device"})
     library: ClassVar[str]
 
-    def __init__(self, *, bucket_bytes: int, **options: Any) -> None:
-        super().__init__(bucket_bytes=bucket_bytes, **options)
-        fanout = self.options.get("fanout", DEFAULT_FANOUT)
+    def __init__(self, settings: EngineSettings) -> None:
+        super().__init__(settings)
+        fanout = settings.options.get("fanout", DEFAULT_FANOUT)
         if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
             raise ConfigError(f"{self.name}: fanout must be an int >= 1 (1 = chain), got {fanout!r}")
-        device = self.options.get("device", "cpu")
+        device = settings.options.get("device", "cpu")
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"{self.name}: device must be 'cpu' or 'cuda', got {device!r}")
         self.fanout: int = fanout
         self.ring_device: str = device
+        self.buffers = "host" if device == "cpu" else "device"
         self._ring: RegisteredRing | None = None
         self._listener: socket.socket | None = None
 
     @abc.abstractmethod
-    def _make_ring(self) -> RegisteredRing:
+    def make_ring(self) -> RegisteredRing:
         """Allocate and register this engine's ring (called once per engine)."""
 
     # -- step 1 --------------------------------------------------------------------------------------------------------
 
     def _serves(self) -> bool:
-        return self.context.role == "rollout" or self.context.rank == 0
+        return self.settings.context.role == "rollout" or self.settings.context.rank == 0
 
-    def _prepare(self) -> WorkerMetadata:
+    def prepare(self) -> WorkerMetadata:
         if not self._serves():
             return {}
         if self._ring is None:
-            self._ring = self._make_ring()
+            self._ring = self.make_ring()
         if self._listener is None:
             listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((self.context.host_ip, 0))
+            listener.bind((self.settings.context.host_ip, 0))
             listener.listen(64)
             self._listener = listener
         host, port = self._listener.getsockname()[:2]
         return {"address": f"{host}:{port}", "fanout": self.fanout, "library": self.library}
 
-    def _release(self) -> None:
+    def release(self) -> None:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -482,19 +335,16 @@ class ChainCheckpointEngine(BucketCheckpointEngine):
 
     def _ready_ring(self) -> RegisteredRing:
         if self._ring is None or self._listener is None:
-            raise LifecycleError(f"{self.name}: init_process_group before prepare on {self._self_name()}")
+            raise LifecycleError(f"{self.name}: init_process_group before prepare on {self.settings.self_name}")
         return self._ring
 
-    def _self_name(self) -> str:
-        return f"{self.context.role} rank {self.context.rank}"
-
-    def _connect_sender(self, rank_args: RankArgs) -> _ChainSender:
+    def connect_sender(self, rank_args: RankArgs) -> _ChainSender:
         ring = self._ready_ring()
         epoch = str(rank_args["epoch"])
         downstream = self._accept_children(ring, rank_args, epoch)
         return _ChainSender(ring, downstream)
 
-    def _connect_receiver(self, rank_args: RankArgs) -> _ChainReceiver:
+    def connect_receiver(self, rank_args: RankArgs) -> _ChainReceiver:
         ring = self._ready_ring()
         epoch = str(rank_args["epoch"])
         address, rank, upstream_position = (rank_args.get("upstream"), rank_args.get("rank"),
@@ -503,7 +353,7 @@ class ChainCheckpointEngine(BucketCheckpointEngine):
             raise TopologyError(f"{self.name}: receiver rank_args need upstream, upstream_position and rank, "
                                 f"got {rank_args}")
         peer = position_name(upstream_position)
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.settings.timeout
         sock = _connect(address, deadline=deadline, peer=peer)
         remote: RemoteRing | None = None
         try:
@@ -520,7 +370,7 @@ class ChainCheckpointEngine(BucketCheckpointEngine):
             raise
         return _ChainReceiver(
             ring=ring, upstream=sock, upstream_name=peer, remote=remote, remote_ring=endpoint, downstream=downstream,
-            epoch=epoch, rank=rank, timeout=self.timeout,
+            epoch=epoch, rank=rank, timeout=self.settings.timeout,
         )
 
     def _accept_children(self, ring: RegisteredRing, rank_args: RankArgs, epoch: str) -> _Downstream:
@@ -531,15 +381,11 @@ class ChainCheckpointEngine(BucketCheckpointEngine):
             raise TopologyError(f"{self.name}: bad children {expected!r} in rank_args")
         positions = sorted(p for p in expected if isinstance(p, int))
         endpoint = codec.encode(ring.endpoint(epoch=epoch))
-        socks = accept_peers(listener, ranks=positions, epoch=epoch, deadline=time.monotonic() + self.timeout,
-                             reply=lambda hello: endpoint, what=self._self_name())
+        socks = accept_peers(listener, ranks=positions, epoch=epoch, deadline=time.monotonic() + self.settings.timeout,
+                             reply=lambda hello: endpoint, what=self.settings.self_name)
         for sock in socks:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        children = [_Child(position_name(p), sock) for p, sock in zip(positions, socks)]
-        return _Downstream(children, epoch)
-
-    def _peer_name(self) -> str:
-        return "actor rank 0"
+        return _Downstream([(position_name(p), sock) for p, sock in zip(positions, socks)], epoch)
 
 
 def _connect(address: str, *, deadline: float, peer: str) -> socket.socket:

@@ -1,8 +1,15 @@
 """The small interface a backend implements: how one filled bucket gets from the sender to its receivers.
 
 Everything else — planning, packing, double buffering, headers, digests, reassembly, timing — is the pipeline's
-(:mod:`weightsync.core.engine`), written once. A transport moves opaque header bytes plus ``nbytes`` of payload
-from a slot of the sender's ring to every receiver of the epoch, in order.
+(:mod:`weightsync.core.send`, :mod:`weightsync.core.receive`), written once. A backend supplies a
+:class:`Transport`: the engine builds one per worker with its settings, asks it for metadata (``prepare``), for the
+topology (``build_topology``, on the driver) and, per membership epoch, for a :class:`SenderTransport` or a
+:class:`ReceiverTransport`, which move opaque header bytes plus ``nbytes`` of payload from a slot of the sender's
+ring to every receiver of the epoch, in order.
+
+A transport declares where its buffers live (``buffers``: ``"host"`` or ``"device"``), and may supply a
+:class:`DevicePolicy` that orders the pipeline's copies on device streams. Transports compose: a relay is a
+``ReceiverTransport`` of one transport whose received payloads a ``SenderTransport`` of another publishes.
 
 Threading: the pipeline calls ``SenderTransport.publish`` from one transfer thread, in bucket order, and
 ``wait_slot`` from its packing thread; ``ReceiverTransport.receive`` from one receive thread and ``release`` from
@@ -12,12 +19,27 @@ the consumer's thread. Every blocking call takes an absolute ``deadline`` (``tim
 
 from __future__ import annotations
 
+import abc
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 import torch
 
-__all__ = ["SenderTransport", "ReceiverTransport", "ReceivedBucket", "TransportHook", "NO_SLOT"]
+from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
+from weightsync.core.digest import UpdateDigest
+
+if TYPE_CHECKING:
+    from weightsync.core.planner import PlannedBucket
+    from weightsync.core.settings import EngineSettings
+
+__all__ = [
+    "SenderTransport", "ReceiverTransport", "ReceivedBucket", "TransportHook", "NO_SLOT", "Transport",
+    "DevicePolicy", "BufferPlace",
+]
+
+BufferPlace = Literal["host", "device"]
 
 NO_SLOT = -1
 """Slot of a message without payload (the final and abort markers)."""
@@ -80,3 +102,79 @@ class TransportHook(Protocol):
     def after_pack(self, index: int, payload: torch.Tensor) -> None: ...
 
     def after_receive(self, index: int, payload: torch.Tensor) -> None: ...
+
+
+class DevicePolicy:
+    """How the pipeline orders its copies around a transport's buffers. This one, for host buffers, adds nothing.
+
+    A device transport returns its own (see :mod:`weightsync.core.device`): packing then runs on a copy stream that
+    waits for the stream that produced the weights, and a bucket's digest stages device bytes to the host.
+    """
+
+    def begin_send(self) -> None:
+        """On the caller's thread as ``send_weights`` starts (a device policy notes the producer's stream)."""
+
+    def end_send(self) -> None:
+        """As ``send_weights`` ends, however it ends."""
+
+    @contextlib.contextmanager
+    def packing(self, transport: SenderTransport, slot: int, bucket: PlannedBucket) -> Iterator[None]:
+        """Around the packing of ``bucket`` into ``slot`` (on the pack thread)."""
+        yield
+
+    def new_digest(self) -> UpdateDigest:
+        """The digest one update's buckets are folded into, on either side."""
+        return UpdateDigest()
+
+
+HOST_POLICY = DevicePolicy()
+
+
+class Transport(abc.ABC):
+    """A backend's part of an engine: its buffers and connections, its topology, and where its buffers live.
+
+    The engine builds one per worker (``Transport(settings)``) and calls, in the lifecycle's order: ``prepare``
+    (allocate or reuse buffers and endpoints; return the metadata peers need), ``build_topology`` (class-level, on
+    the driver), ``connect_sender`` / ``connect_receiver`` once per membership epoch (``rank_args["epoch"]`` is its
+    token: every connection must present it), and ``release`` when the engine closes.
+    """
+
+    name: ClassVar[str]
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
+    """Device types of the tensors this transport's engine accepts."""
+    option_names: ClassVar[frozenset[str]] = frozenset()
+    """The backend's own engine options (read from ``settings.options``)."""
+    default_slots: ClassVar[int] = 2
+    """Buckets per side when ``slots`` is not given."""
+    buffers: BufferPlace = "host"
+    """Where this transport's ring lives; a device ring comes with a device policy."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+
+    def prepare(self) -> WorkerMetadata:
+        """Allocate/reuse what peers must know about and return it (merged into the worker's metadata)."""
+        return {}
+
+    @classmethod
+    @abc.abstractmethod
+    def build_topology(
+        cls, *, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata
+    ) -> Topology:
+        """Who sends to whom, from every worker's metadata (see the ``CheckpointEngine`` Protocol)."""
+
+    @abc.abstractmethod
+    def connect_sender(self, rank_args: RankArgs) -> SenderTransport: ...
+
+    @abc.abstractmethod
+    def connect_receiver(self, rank_args: RankArgs) -> ReceiverTransport: ...
+
+    def release(self) -> None:
+        """Free what ``prepare`` allocated (segments, registrations, listening endpoints). Idempotent."""
+
+    def policy(self) -> DevicePolicy:
+        return HOST_POLICY
+
+    def peer_name(self, sender: int) -> str:
+        """How a receiver names the peer it receives from, in errors."""
+        return f"actor rank {sender}"

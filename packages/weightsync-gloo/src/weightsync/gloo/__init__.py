@@ -1,8 +1,8 @@
-"""Backend ``gloo`` and the collective engine it instantiates. Engines are imported lazily."""
+"""Backend ``gloo``. The engine is imported lazily."""
 
 from typing import Any
 
-__all__ = ["GlooCheckpointEngine", "CollectiveCheckpointEngine"]
+__all__ = ["GlooCheckpointEngine", "GlooTransport"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,6 +1,6 @@
-"""Backend ``hccl``: the collective engine on Ascend NPU device buckets, in a private ``ProcessGroupHCCL``.
+"""Backend ``hccl``: the collective transport on Ascend NPU device buckets, in a private ``ProcessGroupHCCL``.
 
-The same design as ``nccl`` (see :mod:`weightsync.nccl.device`): ``torch_npu`` mirrors CUDA's stream and event API
+The same design as ``nccl`` (see :mod:`weightsync.core.devicecollective`): ``torch_npu`` mirrors CUDA's stream and event API
 as ``torch.npu``, and its ``ProcessGroupHCCL`` takes the same ``(store, rank, size, options)`` as ``ProcessGroupNCCL``.
 Unlike verl's HCCL backend this one is not synchronous: copy and communication streams overlap as on CUDA.
 
@@ -17,10 +17,10 @@ from typing import Any, ClassVar
 import torch
 
 from weightsync.api.errors import BackendUnavailableError
+from weightsync.core.backend import AcceleratorCollectiveTransport, AcceleratorOps, DeviceOps, engine_class
 from weightsync.hccl.spec import npu_reason
-from weightsync.nccl.device import AcceleratorCollectiveEngine, AcceleratorOps, DeviceOps
 
-__all__ = ["HcclCheckpointEngine", "process_group_hccl"]
+__all__ = ["HcclCheckpointEngine", "HcclTransport", "process_group_hccl"]
 
 
 def process_group_hccl() -> Any:
@@ -34,14 +34,14 @@ def process_group_hccl() -> Any:
     return module.ProcessGroupHCCL
 
 
-class HcclCheckpointEngine(AcceleratorCollectiveEngine):
-    """Broadcast of NPU device buckets over HCCL. Options: ``device_index``, ``relays`` (see the device module)."""
+class HcclTransport(AcceleratorCollectiveTransport):
+    """Broadcast of NPU device buckets over HCCL. Options: ``device_index``, ``relays`` (see the transport)."""
 
     name: ClassVar[str] = "hccl"
     devices: ClassVar[frozenset[str]] = frozenset({"npu"})
     device_type: ClassVar[str] = "npu"
 
-    def _make_ops(self, device_index: int | None) -> DeviceOps:
+    def make_ops(self, device_index: int | None) -> DeviceOps:
         reason = npu_reason()
         if reason is not None:
             raise BackendUnavailableError(
@@ -56,10 +56,13 @@ class HcclCheckpointEngine(AcceleratorCollectiveEngine):
             )
         return AcceleratorOps(npu, "npu", index)
 
-    def _new_group(self, store: Any, rank: int, size: int) -> Any:
+    def new_group(self, store: Any, rank: int, size: int) -> Any:
         group_class = process_group_hccl()
         options = group_class.Options()
-        options._timeout = datetime.timedelta(seconds=self.timeout)
+        options._timeout = datetime.timedelta(seconds=self.settings.timeout)
         npu: Any = getattr(torch, "npu")
         npu.set_device(self.device)
         return group_class(store, rank, size, options)
+
+
+HcclCheckpointEngine = engine_class(HcclTransport)

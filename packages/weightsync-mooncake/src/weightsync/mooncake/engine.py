@@ -17,9 +17,9 @@ import time
 from typing import Any, ClassVar
 
 from weightsync.api.errors import BackendUnavailableError, ConfigError, TransferError, WireError
-from weightsync.core.chain import ChainCheckpointEngine, RegisteredRing, RemoteRing, RingEndpoint
+from weightsync.core.backend import ChainTransport, EngineSettings, RegisteredRing, RemoteRing, RingEndpoint, engine_class
 
-__all__ = ["MooncakeCheckpointEngine", "MooncakeRing"]
+__all__ = ["MooncakeCheckpointEngine", "MooncakeTransport", "MooncakeRing"]
 
 
 def _transfer_engine_class() -> Any:
@@ -97,21 +97,25 @@ class MooncakeRing(RegisteredRing):
         self.transfer_engine.unregister_memory(self.base)
 
 
-class MooncakeCheckpointEngine(ChainCheckpointEngine):
-    """Mooncake TransferEngine chain. Own options: ``fanout``, ``device`` (see the chain engine), ``protocol``
+class MooncakeTransport(ChainTransport):
+    """Mooncake TransferEngine chain. Own options: ``fanout``, ``device`` (see the chain transport), ``protocol``
     (``"tcp"``, the default, or ``"rdma"``)."""
 
     name: ClassVar[str] = "mooncake"
     library: ClassVar[str] = "mooncake"
-    option_names: ClassVar[frozenset[str]] = ChainCheckpointEngine.option_names | {"protocol"}
+    option_names: ClassVar[frozenset[str]] = ChainTransport.option_names | {"protocol"}
 
-    def __init__(self, *, bucket_bytes: int, **options: Any) -> None:
-        super().__init__(bucket_bytes=bucket_bytes, **options)
-        protocol = self.options.get("protocol", "tcp")
+    def __init__(self, settings: EngineSettings) -> None:
+        super().__init__(settings)
+        protocol = settings.options.get("protocol", "tcp")
         if protocol not in ("tcp", "rdma"):
             raise ConfigError(f"mooncake: protocol must be 'tcp' or 'rdma', got {protocol!r}")
         self.protocol: str = protocol
 
-    def _make_ring(self) -> RegisteredRing:
-        return MooncakeRing(slots=self.slots, slot_bytes=self.bucket_bytes, device=self.ring_device,
-                            host=self.context.host_ip, protocol=self.protocol)
+    def make_ring(self) -> RegisteredRing:
+        settings = self.settings
+        return MooncakeRing(slots=settings.slots, slot_bytes=settings.bucket_bytes, device=self.ring_device,
+                            host=settings.context.host_ip, protocol=self.protocol)
+
+
+MooncakeCheckpointEngine = engine_class(MooncakeTransport)

@@ -1,17 +1,13 @@
-"""Backend ``nccl`` and the accelerator layer it shares with ``hccl``. The engine is imported lazily."""
+"""Backend ``nccl``. The engine is imported lazily."""
 
 from typing import Any
 
-__all__ = ["NcclCheckpointEngine", "AcceleratorCollectiveEngine"]
+__all__ = ["NcclCheckpointEngine", "NcclTransport"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "NcclCheckpointEngine":
-        from weightsync.nccl.engine import NcclCheckpointEngine
+    if name in __all__:
+        from weightsync.nccl import engine
 
-        return NcclCheckpointEngine
-    if name == "AcceleratorCollectiveEngine":
-        from weightsync.nccl.device import AcceleratorCollectiveEngine
-
-        return AcceleratorCollectiveEngine
+        return getattr(engine, name)
     raise AttributeError(name)

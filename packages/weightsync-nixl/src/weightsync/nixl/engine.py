@@ -18,9 +18,9 @@ from typing import Any, ClassVar
 import torch
 
 from weightsync.api.errors import BackendUnavailableError, TransferError, WireError
-from weightsync.core.chain import ChainCheckpointEngine, RegisteredRing, RemoteRing, RingEndpoint, wait_until
+from weightsync.core.backend import ChainTransport, RegisteredRing, RemoteRing, RingEndpoint, engine_class, poll_until
 
-__all__ = ["NixlCheckpointEngine", "NixlRing"]
+__all__ = ["NixlCheckpointEngine", "NixlTransport", "NixlRing"]
 
 
 def _nixl_api() -> Any:
@@ -69,7 +69,7 @@ class _NixlPeer(RemoteRing):
                     state = agent.check_xfer_state(handle)
                     return bool(state != "PROC")
 
-                wait_until(finished, deadline=deadline, peer=self._peer, what=f"reading {nbytes} bytes from")
+                poll_until(finished, deadline=deadline, peer=self._peer, what=f"reading {nbytes} bytes from")
             if state != "DONE":
                 raise TransferError(f"nixl read of {nbytes} bytes from {self._peer} failed (state {state})",
                                     peer=self._peer)
@@ -169,12 +169,18 @@ class NixlRing(RegisteredRing):
             self.agent.deregister_memory(registration)
 
 
-class NixlCheckpointEngine(ChainCheckpointEngine):
-    """NIXL chain. Own options: ``fanout``, ``device`` (see the chain engine)."""
+class NixlTransport(ChainTransport):
+    """NIXL chain. Own options: ``fanout``, ``device`` (see the chain transport)."""
 
     name: ClassVar[str] = "nixl"
     library: ClassVar[str] = "nixl"
 
-    def _make_ring(self) -> RegisteredRing:
-        agent_name = f"weightsync-{self.context.role}{self.context.rank}-{os.getpid()}-{secrets.token_hex(4)}"
-        return NixlRing(slots=self.slots, slot_bytes=self.bucket_bytes, device=self.ring_device, agent_name=agent_name)
+    def make_ring(self) -> RegisteredRing:
+        settings = self.settings
+        agent_name = (f"weightsync-{settings.context.role}{settings.context.rank}-{os.getpid()}-"
+                      f"{secrets.token_hex(4)}")
+        return NixlRing(slots=settings.slots, slot_bytes=settings.bucket_bytes, device=self.ring_device,
+                        agent_name=agent_name)
+
+
+NixlCheckpointEngine = engine_class(NixlTransport)

@@ -26,12 +26,12 @@ import torch
 from weightsync.api.errors import LifecycleError, TopologyError, TransferError, WireError
 from weightsync.api.registry import KNOWN_BACKENDS, get_backend_spec, installed_backends
 from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
-from weightsync.core import codec
-from weightsync.core.engine import BucketCheckpointEngine
-from weightsync.core.framing import accept_peers, recv_frame, send_frame
-from weightsync.core.transport import NO_SLOT, ReceivedBucket
+from weightsync.core.backend import (
+    NO_SLOT, WIRE_VERSION, Ack, AckedPeers, Hello, ReceivedBucket, SlotSequence, Transport, accept_peers, encode,
+    engine_class, recv_frame, send_frame,
+)
 
-__all__ = ["ShmCheckpointEngine", "SharedSegment"]
+__all__ = ["ShmCheckpointEngine", "ShmTransport", "SharedSegment"]
 
 SHM_DIR = "/dev/shm"
 _FRAME_PREFIX = 12  # int32 slot + int64 nbytes
@@ -95,36 +95,24 @@ class _Sender:
         self.slots = len(segments)
         self.capacity = capacity
         self._segments = segments
-        self._peers = peers
-        self._epoch = epoch
-        self._published = 0
-        self._slot_seq = [0] * self.slots
-        self._acked = [0] * len(peers)
+        self._acks = AckedPeers([(f"rollout rank {rank}", sock) for rank, sock in enumerate(peers)], epoch)
+        self._sequence = SlotSequence(self.slots)
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self._segments[slot].tensor
 
     def wait_slot(self, slot: int, deadline: float) -> None:
-        needed = self._slot_seq[slot]
-        for rank, sock in enumerate(self._peers):
-            while self._acked[rank] < needed:
-                data = recv_frame(sock, deadline=deadline, peer=f"rollout rank {rank}")
-                ack = codec.decode_ack(data, epoch=self._epoch)
-                if ack.index != self._acked[rank] + 1:
-                    raise WireError(f"rollout rank {rank} acknowledged bucket {ack.index} out of order")
-                self._acked[rank] = ack.index
+        self._acks.wait(self._sequence.last(slot), deadline)
 
     def publish(self, slot: int, nbytes: int, header: bytes, deadline: float) -> None:
         frame = slot.to_bytes(4, "little", signed=True) + nbytes.to_bytes(8, "little") + header
         if slot != NO_SLOT:
-            self._published += 1
-            self._slot_seq[slot] = self._published
-        for rank, sock in enumerate(self._peers):
-            send_frame(sock, frame, deadline=deadline, peer=f"rollout rank {rank}")
+            self._sequence.publish(slot)
+        for name, sock in self._acks.peers:
+            send_frame(sock, frame, deadline=deadline, peer=name)
 
     def close(self) -> None:
-        for sock in self._peers:
-            sock.close()
+        self._acks.close()
 
 
 class _Receiver:
@@ -157,8 +145,8 @@ class _Receiver:
     def release(self, token: int) -> None:
         if token <= 0:
             return
-        ack = codec.Ack(wire=codec.WIRE_VERSION, epoch=self._epoch, rank=self._rank, index=token)
-        send_frame(self._sock, codec.encode(ack), deadline=time.monotonic() + self._timeout,
+        ack = Ack(wire=WIRE_VERSION, epoch=self._epoch, rank=self._rank, index=token)
+        send_frame(self._sock, encode(ack), deadline=time.monotonic() + self._timeout,
                    peer="actor rank 0 (shm sender)")
 
     def close(self) -> None:
@@ -168,22 +156,20 @@ class _Receiver:
         self._segments = []
 
 
-class ShmCheckpointEngine(BucketCheckpointEngine):
-    """Shared-memory engine. Sender: actor rank 0; receivers: every rollout worker, all on the sender's host."""
+class ShmTransport(Transport):
+    """Shared-memory ring. Sender: actor rank 0; receivers: every rollout worker, all on the sender's host."""
 
     name: ClassVar[str] = "shm"
     devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
-    # Four buckets: the sender packs ahead while the receivers, each at its own pace, consume the others. With
-    # two it waited for the slower receiver at every bucket; measured side by side here (1 GiB, R = 2, B = 64 MiB):
-    # 2 slots 2.8, 3 slots 2.8-3.0, 4 slots 3.1 GB/s per receiver. The ring is one copy in /dev/shm for every
-    # receiver, so it costs 4 B of host memory in all, whatever R is.
+    # Four buckets: the sender packs ahead while the receivers, each at its own pace, consume the others (two made
+    # it wait for the slower receiver at every bucket). The ring is one copy in /dev/shm for every receiver.
     default_slots: ClassVar[int] = 4
 
     _listener: socket.socket | None = None
     _segments: list[SharedSegment] | None = None
 
-    def _prepare(self) -> WorkerMetadata:
-        if self.context.role != "actor":
+    def prepare(self) -> WorkerMetadata:
+        if self.settings.context.role != "actor":
             return {}
         if self._listener is None:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -218,7 +204,7 @@ class ShmCheckpointEngine(BucketCheckpointEngine):
         ]
         return Topology(actor=actor, rollout=rollout, senders=(0,))
 
-    def _connect_sender(self, rank_args: RankArgs) -> _Sender:
+    def connect_sender(self, rank_args: RankArgs) -> _Sender:
         receivers = rank_args.get("receivers")
         epoch = str(rank_args["epoch"])
         if not isinstance(receivers, int) or receivers < 0:
@@ -228,33 +214,33 @@ class ShmCheckpointEngine(BucketCheckpointEngine):
         if self._segments is None:
             _sweep_orphans()
             self._segments = [
-                SharedSegment(f"weightsync-{os.getpid()}-{secrets.token_hex(6)}-{slot}", self.bucket_bytes, create=True)
-                for slot in range(self.slots)
+                SharedSegment(f"weightsync-{os.getpid()}-{secrets.token_hex(6)}-{slot}", self.settings.bucket_bytes, create=True)
+                for slot in range(self.settings.slots)
             ]
-        info = codec.encode(SegmentInfo(
-            wire=codec.WIRE_VERSION, epoch=epoch, names=[s.name for s in self._segments], capacity=self.bucket_bytes,
+        info = encode(SegmentInfo(
+            wire=WIRE_VERSION, epoch=epoch, names=[s.name for s in self._segments], capacity=self.settings.bucket_bytes,
         ))
-        peers = accept_peers(self._listener, ranks=range(receivers), epoch=epoch, deadline=time.monotonic() + self.timeout,
+        peers = accept_peers(self._listener, ranks=range(receivers), epoch=epoch, deadline=time.monotonic() + self.settings.timeout,
                              reply=lambda hello: info, what="shm sender")
-        return _Sender(self._segments, peers, self.bucket_bytes, epoch)
+        return _Sender(self._segments, peers, self.settings.bucket_bytes, epoch)
 
-    def _connect_receiver(self, rank_args: RankArgs) -> _Receiver:
+    def connect_receiver(self, rank_args: RankArgs) -> _Receiver:
         address, rank, epoch = rank_args.get("address"), rank_args.get("rank"), str(rank_args["epoch"])
         if not isinstance(address, str) or not isinstance(rank, int):
             raise TopologyError(f"shm: receiver rank_args need address and rank, got {rank_args}")
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.settings.timeout
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             sock.connect("\0" + address)
-            hello = codec.Hello(wire=codec.WIRE_VERSION, epoch=epoch, rank=rank)
-            send_frame(sock, codec.encode(hello), deadline=deadline, peer="actor rank 0 (shm sender)")
+            hello = Hello(wire=WIRE_VERSION, epoch=epoch, rank=rank)
+            send_frame(sock, encode(hello), deadline=deadline, peer="actor rank 0 (shm sender)")
             data = recv_frame(sock, deadline=deadline, peer="actor rank 0 (shm sender)", max_len=1 << 16)
             try:
                 info = _segment_decoder.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise WireError(f"malformed segment list from the shm sender: {exc}") from None
-            if info.wire != codec.WIRE_VERSION or info.epoch != epoch or info.capacity != self.bucket_bytes:
+            if info.wire != WIRE_VERSION or info.epoch != epoch or info.capacity != self.settings.bucket_bytes:
                 raise WireError("shm sender answered for another epoch or bucket size")
             segments = [SharedSegment(name, info.capacity, create=False) for name in info.names]
         except OSError as exc:
@@ -263,9 +249,9 @@ class ShmCheckpointEngine(BucketCheckpointEngine):
         except BaseException:
             sock.close()
             raise
-        return _Receiver(sock, segments, info.capacity, epoch, rank, self.timeout)
+        return _Receiver(sock, segments, info.capacity, epoch, rank, self.settings.timeout)
 
-    def _release(self) -> None:
+    def release(self) -> None:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -273,6 +259,8 @@ class ShmCheckpointEngine(BucketCheckpointEngine):
             segment.close()
         self._segments = None
 
+
+ShmCheckpointEngine = engine_class(ShmTransport)
 
 _SEGMENT_NAME = re.compile(r"weightsync-(\d+)-[0-9a-f]{12}-\d+")
 

@@ -1,0 +1,56 @@
+"""What a backend builds on: the one module of weightsync-core that backend packages import.
+
+A backend is a :class:`Transport` (its buffers, connections and topology; where its buffers live) turned into an
+engine class by :func:`engine_class`, plus a ``BackendSpec`` in its own ``spec`` module for the registry. It may
+build its transport on the shared ones here — the chain of one-sided reads (:class:`ChainTransport`, nixl and
+mooncake), the broadcast over a private process group (:class:`CollectiveTransport`, gloo) and its accelerator
+form on device streams (:class:`AcceleratorCollectiveTransport`, nccl and hccl) — or implement the
+``CheckpointEngine`` Protocol itself on the pieces below (kimi). ``docs/ARCHITECTURE.md`` walks through it.
+"""
+
+from weightsync.core.chain import (
+    DEFAULT_FANOUT,
+    ChainTransport,
+    RegisteredRing,
+    RemoteRing,
+    RingEndpoint,
+    chain_positions,
+)
+from weightsync.core.codec import WIRE_VERSION, Ack, Hello, encode
+from weightsync.core.collective import CollectiveTransport, Group, c10d
+from weightsync.core.device import AcceleratorOps, AcceleratorPolicy, DeviceOps, HostOps, wait_event
+from weightsync.core.devicecollective import AcceleratorCollectiveTransport, node_local_plan
+from weightsync.core.digest import UpdateDigest
+from weightsync.core.engine import BucketCheckpointEngine, engine_class, guard_build_topology
+from weightsync.core.framing import accept_peers, recv_frame, send_frame
+from weightsync.core.handover import Handover
+from weightsync.core.planner import validate_pair
+from weightsync.core.settings import EngineSettings, default_node_id
+from weightsync.core.tensors import as_byte_view, dtype_name, memoryview_of
+from weightsync.core.transport import (
+    NO_SLOT,
+    BufferPlace,
+    DevicePolicy,
+    ReceivedBucket,
+    ReceiverTransport,
+    SenderTransport,
+    Transport,
+)
+from weightsync.core.waiting import AckedPeers, FreeSlots, SlotSequence, poll_until
+
+__all__ = [
+    # the engine and its settings
+    "BucketCheckpointEngine", "engine_class", "guard_build_topology", "EngineSettings", "default_node_id",
+    # the transport interface
+    "Transport", "SenderTransport", "ReceiverTransport", "ReceivedBucket", "NO_SLOT", "BufferPlace", "DevicePolicy",
+    # shared transports
+    "ChainTransport", "RegisteredRing", "RemoteRing", "RingEndpoint", "chain_positions", "DEFAULT_FANOUT",
+    "CollectiveTransport", "Group", "c10d",
+    "AcceleratorCollectiveTransport", "DeviceOps", "AcceleratorOps", "AcceleratorPolicy", "HostOps",
+    "node_local_plan", "wait_event",
+    # control plane and waiting
+    "WIRE_VERSION", "Hello", "Ack", "encode", "accept_peers", "send_frame", "recv_frame", "AckedPeers",
+    "FreeSlots", "SlotSequence", "poll_until", "Handover",
+    # tensors and digests
+    "validate_pair", "as_byte_view", "dtype_name", "memoryview_of", "UpdateDigest",
+]

@@ -1,0 +1,236 @@
+"""Device streams and events, written once for every accelerator, and the policy that orders the pipeline on them.
+
+:class:`DeviceOps` is the handful of stream/event operations the device paths use, kept this small so that every
+synchronisation is visible here: :class:`AcceleratorOps` over ``torch.cuda`` or ``torch.npu``, :class:`HostOps` for
+the host (every operation synchronous). :class:`AcceleratorPolicy` is the :class:`~weightsync.core.transport.
+DevicePolicy` of a transport with device buffers:
+
+* **Two streams and events, never a device-wide sync.** Packing copies run on a *copy stream*; the transport moves
+  buckets on its own stream, ordered by per-slot events, so packing bucket k+1 overlaps moving bucket k. Host
+  threads wait only on single events, by polling with a deadline (:func:`wait_event`).
+* **Producer ordering.** The weights stream is produced on the caller's current stream (an FSDP all-gather, say);
+  the copy stream waits for that stream before reading, and every source tensor is ``record_stream``'d on the copy
+  stream so the caching allocator cannot hand its memory to the producer while a copy still reads it.
+* **The end-to-end digest.** The pipeline hashes each bucket's bytes on the host (XXH3). A device bucket is staged
+  into one pinned host buffer on a stream of its own, then hashed: one device-to-host copy per bucket on each side,
+  overlapping the next transfer.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from weightsync.core.digest import UpdateDigest
+from weightsync.core.planner import PlannedBucket
+from weightsync.core.transport import DevicePolicy, SenderTransport
+from weightsync.core.waiting import poll_until
+
+__all__ = ["DeviceOps", "HostOps", "AcceleratorOps", "AcceleratorPolicy", "wait_event"]
+
+
+class DeviceOps(abc.ABC):
+    """The handful of stream/event operations the engine uses, over one device.
+
+    Kept this small so that CUDA, Ascend and the host (for tests) are three short implementations, and so that every
+    synchronisation the engine does is visible here.
+    """
+
+    device: torch.device
+    pinned: bool
+    """Whether host staging buffers are page-locked (so device-to-host copies are truly asynchronous)."""
+
+    @abc.abstractmethod
+    def new_stream(self) -> Any: ...
+
+    @abc.abstractmethod
+    def new_event(self) -> Any: ...
+
+    @abc.abstractmethod
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """Make ``stream`` the calling thread's current stream (and its device the current device)."""
+
+    @abc.abstractmethod
+    def current_stream(self) -> Any: ...
+
+    @abc.abstractmethod
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
+        """Device-side: work queued on ``stream`` from now on waits for ``event``. The host does not wait."""
+
+    @abc.abstractmethod
+    def stream_wait_stream(self, stream: Any, other: Any) -> None:
+        """Device-side: ``stream`` waits for everything queued on ``other`` so far."""
+
+    @abc.abstractmethod
+    def record(self, event: Any, stream: Any) -> None: ...
+
+    @abc.abstractmethod
+    def query(self, event: Any) -> bool:
+        """Whether everything before ``event`` has finished (non-blocking)."""
+
+    @abc.abstractmethod
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Tell the caching allocator ``tensor`` is in use on ``stream`` (``Tensor.record_stream``)."""
+
+
+class HostOps(DeviceOps):
+    """CPU: every operation is synchronous, so streams and events are placeholders that are always complete."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.pinned = False
+
+    def new_stream(self) -> Any:
+        return None
+
+    def new_event(self) -> Any:
+        return None
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def current_stream(self) -> Any:
+        return None
+
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
+        pass
+
+    def stream_wait_stream(self, stream: Any, other: Any) -> None:
+        pass
+
+    def record(self, event: Any, stream: Any) -> None:
+        pass
+
+    def query(self, event: Any) -> bool:
+        return True
+
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
+        pass
+
+
+class AcceleratorOps(DeviceOps):
+    """``torch.cuda`` or ``torch.npu`` (torch_npu mirrors the CUDA stream/event API), on device ``index``."""
+
+    def __init__(self, module: Any, device_type: str, index: int) -> None:
+        self.module = module
+        self.device = torch.device(device_type, index)
+        self.pinned = True
+
+    def new_stream(self) -> Any:
+        return self.module.Stream(device=self.device)
+
+    def new_event(self) -> Any:
+        return self.module.Event()
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        context: contextlib.AbstractContextManager[Any] = self.module.stream(stream)
+        return context
+
+    def current_stream(self) -> Any:
+        return self.module.current_stream(self.device)
+
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def stream_wait_stream(self, stream: Any, other: Any) -> None:
+        stream.wait_stream(other)
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    def query(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
+        if tensor.device.type == self.device.type:
+            tensor.record_stream(stream)
+
+
+def wait_event(ops: DeviceOps, event: Any, deadline: float, *, peer: str, what: str) -> None:
+    """Block the calling thread until ``event`` completes, or raise ``TransferError`` at ``deadline``.
+
+    Polls ``query()`` (50 µs growing to 2 ms) instead of ``event.synchronize()``: a blocking synchronize cannot be
+    given a deadline, and a peer that never joins the collective would freeze the thread.
+    """
+    poll_until(lambda: ops.query(event), deadline=deadline, peer=peer, what=f"waiting for {what} with",
+               most=2e-3)
+
+
+class _StagedDigest(UpdateDigest):
+    """The pipeline's digest, fed device buckets: each payload is staged to host bytes first (whole buckets only)."""
+
+    fusable = False
+
+    def __init__(self, inner: UpdateDigest, stage: Any) -> None:
+        # No super().__init__(): every call is delegated to ``inner``, which owns the hash state.
+        self._inner = inner
+        self._stage = stage
+
+    def update_bucket(self, table: bytes, payload: torch.Tensor) -> None:
+        self._inner.update_bucket(table, self._stage(payload))
+
+    def hexdigest(self) -> str:
+        return self._inner.hexdigest()
+
+
+class AcceleratorPolicy(DevicePolicy):
+    """Orders the pipeline's copies on ``ops``'s streams (see the module docstring)."""
+
+    def __init__(self, ops: DeviceOps, *, bucket_bytes: int, timeout: float) -> None:
+        self.ops = ops
+        self.bucket_bytes = bucket_bytes
+        self.timeout = timeout
+        self.copy_stream = ops.new_stream()
+        self.stage_stream = ops.new_stream()
+        self.staging: torch.Tensor | None = None
+        self._producer_stream: Any = None
+
+    def begin_send(self) -> None:
+        # The stream's tensors were produced on the caller's current stream; packing waits for it (device-side).
+        self._producer_stream = self.ops.current_stream()
+
+    def end_send(self) -> None:
+        self._producer_stream = None
+
+    @contextlib.contextmanager
+    def packing(self, transport: SenderTransport, slot: int, bucket: PlannedBucket) -> Iterator[None]:
+        ops = self.ops
+        with ops.use(self.copy_stream):
+            if self._producer_stream is not None:
+                ops.stream_wait_stream(self.copy_stream, self._producer_stream)
+            for _, source, _ in bucket.items:
+                ops.keep_alive(source, self.copy_stream)
+            yield
+            mark_packed = getattr(transport, "mark_packed", None)
+            if mark_packed is not None:  # the transport orders its move of ``slot`` after this event
+                mark_packed(slot)
+
+    def new_digest(self) -> UpdateDigest:
+        """Device buckets are staged to host bytes before hashing."""
+        return _StagedDigest(UpdateDigest(), self.to_host)
+
+    def to_host(self, payload: torch.Tensor) -> torch.Tensor:
+        """``payload``'s bytes on the host, for the digest: a pinned staging buffer reused for every bucket."""
+        if payload.device.type == "cpu":
+            return payload
+        ops = self.ops
+        if self.staging is None:
+            self.staging = torch.empty(self.bucket_bytes, dtype=torch.uint8, pin_memory=ops.pinned)
+        host = self.staging[: payload.numel()]
+        current = ops.current_stream()
+        with ops.use(self.stage_stream):
+            # Called on the thread that produced the payload, inside its stream (the copy stream when packing; the
+            # receive thread's stream after the bucket's arrival was awaited): wait for that stream only, so that
+            # staging bucket k never waits for the transfer of bucket k-1.
+            ops.stream_wait_stream(self.stage_stream, current)
+            ops.keep_alive(payload, self.stage_stream)
+            host.copy_(payload, non_blocking=True)
+            done = ops.new_event()
+            ops.record(done, self.stage_stream)
+        wait_event(ops, done, time.monotonic() + self.timeout, peer="local device", what="staging a bucket")
+        return host

@@ -1,0 +1,219 @@
+"""The receiver's half of the pipeline: a receive thread pulls buckets off the transport, checks their headers and
+queues them; the consumer reads each bucket (:mod:`weightsync.core.unpack`) and releases it once past it.
+
+A host bucket is hashed by the consumer's side right behind its reads, piece by piece, while the bytes are still in
+the core's cache; a device bucket is hashed whole by the receive thread (its digest stages it to the host).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+from weightsync.api.errors import DigestMismatchError, TransferError, WireError
+from weightsync.api.types import StageTiming, TransferReport
+from weightsync.core import codec
+from weightsync.core.handover import Hold
+from weightsync.core.settings import EngineSettings
+from weightsync.core.trace import Tracer
+from weightsync.core.transport import ReceivedBucket, ReceiverTransport
+from weightsync.core.unpack import Arrived, BucketReader, BulkPlans
+
+__all__ = ["ReceiveStream", "ReceiveContext"]
+
+
+class ReceiveContext:
+    """What every stream of one engine shares: settings, the epoch, caches of tables seen before, threads."""
+
+    def __init__(self, settings: EngineSettings, *, tracer: Tracer, pool: concurrent.futures.ThreadPoolExecutor
+                 ) -> None:
+        self.settings = settings
+        self.tracer = tracer
+        self.pool = pool
+        self.tables = codec.TableCache()
+        """Bucket tables received and validated before: a model's next update repeats them."""
+        self.plans = BulkPlans()
+
+
+class ReceiveStream:
+    """The ``ReceivedWeights`` of one update (see the Protocol for the view-validity contract)."""
+
+    def __init__(self, context: ReceiveContext, transport: ReceiverTransport, hold: Hold, *, epoch: str,
+                 peer: str, reader: BucketReader) -> None:
+        self.report: TransferReport | None = None
+        self._context = context
+        self._transport = transport
+        self._hold = hold
+        self._epoch = epoch
+        self._peer = peer
+        self._reader = reader
+        self._queue: asyncio.Queue[Arrived | BaseException] | None = None
+        self._started = time.perf_counter()
+        self._receive_seconds = 0.0
+        self._nbytes = self._buckets = 0
+        self._finished = False
+        self._unpack_started = 0.0
+
+    def __aiter__(self) -> ReceiveStream:
+        return self
+
+    async def _start(self) -> asyncio.Queue[Arrived | BaseException]:
+        if self._queue is None:
+            await self._hold.start()
+            loop = asyncio.get_running_loop()
+            self._queue = asyncio.Queue()
+            loop.run_in_executor(self._context.pool, self._receive_loop, loop, self._queue)
+        return self._queue
+
+    async def __anext__(self) -> tuple[str, torch.Tensor]:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            while True:
+                if self._reader.pending:
+                    ready = self._reader.next_view()
+                    if ready is not None:
+                        return ready
+                    continue
+                if not await self._advance():
+                    raise StopAsyncIteration
+        except BaseException:
+            self._close()
+            raise
+
+    async def copy_into(
+        self, destinations: Mapping[str, torch.Tensor], *,
+        fallback: Callable[[str, torch.Tensor], object] | None = None,
+    ) -> int:
+        """The rest of the stream, copied straight from the receive buffers into ``destinations`` (see the Protocol
+        and :mod:`weightsync.core.unpack`)."""
+        if self._finished:
+            return 0
+        count = 0
+        try:
+            while True:
+                if self._reader.pending:
+                    count += self._reader.copy_out(destinations, fallback)
+                    continue
+                if not await self._advance():
+                    return count
+        except BaseException:
+            self._close()
+            raise
+
+    async def _advance(self) -> bool:
+        """Finish the current bucket and make the next one current; False at the end of the update."""
+        done = self._reader.finish()
+        if done is not None:
+            self._transport.release(done.token)
+            self._context.tracer.span("unpack", done.header.index, self._unpack_started, time.perf_counter())
+        arrived = await (await self._start()).get()
+        if isinstance(arrived, BaseException):
+            raise arrived
+        header = arrived.header
+        if header.abort:
+            raise TransferError(f"{self._peer} aborted the update: {header.abort}", peer=self._peer)
+        if header.final:
+            self._complete(header)
+            return False
+        self._reader.begin(arrived)
+        self._unpack_started = time.perf_counter()
+        return True
+
+    def _receive_loop(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Arrived | BaseException]) -> None:
+        context, digest = self._context, self._reader.digest
+        deadline = time.monotonic() + context.settings.timeout
+        expected = 0
+        fused: bool | None = None
+
+        def deliver(item: Arrived | BaseException) -> None:
+            try:
+                loop.call_soon_threadsafe(self._deliver, queue, item)
+            except RuntimeError:  # the consumer's loop is gone: nobody will read it
+                if isinstance(item, Arrived):
+                    self._transport.release(item.token)
+
+        try:
+            while True:
+                started = time.perf_counter()
+                received: ReceivedBucket = self._transport.receive(deadline)
+                header, table = codec.decode_bucket(received.header, epoch=self._epoch,
+                                                    capacity=self._transport.capacity, cache=context.tables)
+                if header.final or header.abort:
+                    deliver(Arrived(header, received.payload, received.token))
+                    return
+                if header.index != expected:
+                    raise WireError(f"bucket {header.index} arrived where bucket {expected} was expected")
+                expected += 1
+                payload = received.payload[: header.nbytes]
+                after_receive = getattr(context.settings.hook, "after_receive", None)
+                if after_receive is not None:
+                    after_receive(header.index, payload)
+                if fused is None:  # one way for the whole update: the digest folds buckets in order
+                    fused = digest.fusable and payload.device.type == "cpu"
+                if not fused:
+                    digest.update_bucket(table, payload)
+                context.tracer.span("receive", header.index, started, time.perf_counter())
+                self._receive_seconds += time.perf_counter() - started
+                self._nbytes += sum(meta.nbytes for meta in header.tensors)
+                self._buckets += 1
+                deliver(Arrived(header, payload, received.token, table, fused))
+        except BaseException as exc:
+            # This update is lost on this rank. Closing the transport now tells the peers (an upstream waiting for
+            # our acknowledgement, a downstream waiting for our announcement) at once instead of at their deadline;
+            # the next update joins a new epoch with new connections anyway.
+            self._transport.close()
+            deliver(exc)
+        finally:
+            self._hold.release()
+
+    def _deliver(self, queue: asyncio.Queue[Arrived | BaseException], item: Arrived | BaseException) -> None:
+        """On the consumer's loop. After the consumer left, buckets are acknowledged unread, so the sender (and
+        every other receiver) can finish the update instead of waiting for this one until the deadline."""
+        if self._finished:
+            if isinstance(item, Arrived):
+                self._transport.release(item.token)
+            return
+        queue.put_nowait(item)
+
+    async def aclose(self) -> None:
+        """The consumer stops early (its sink failed): the rest of the update is received and dropped."""
+        self._close()
+
+    def _complete(self, header: codec.BucketHeader) -> None:
+        digest = self._reader.digest.hexdigest()
+        settings = self._context.settings
+        try:
+            if settings.verify_digest and header.digest != digest:
+                raise DigestMismatchError(
+                    f"rollout rank {settings.context.rank} received bytes whose digest {digest[:16]} differs from "
+                    f"{self._peer}'s {header.digest[:16]}: the update was corrupted in transit",
+                    receiver=settings.context.rank, expected=header.digest, actual=digest,
+                )
+            self.report = TransferReport(
+                role="rollout", rank=settings.context.rank, version=header.version, nbytes=self._nbytes,
+                tensors=self._reader.tensors, buckets=self._buckets, seconds=time.perf_counter() - self._started,
+                digest=digest, sender=header.sender,
+                stages=(StageTiming(stage="receive", seconds=self._receive_seconds),),
+            )
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self._hold.finished = True
+        current = self._reader.current
+        self._reader.current = None
+        if current is not None:
+            self._transport.release(current.token)
+        while self._queue is not None and not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, Arrived):
+                self._transport.release(item.token)
+        self._hold.release()

@@ -1,0 +1,113 @@
+"""A ring of buckets registered with a one-sided transfer library, and an upstream's ring opened for reads.
+
+The library-specific part of the chain (:mod:`weightsync.core.chain`): nixl and mooncake each implement
+:class:`RegisteredRing` and :class:`RemoteRing`; :class:`RingEndpoint` is what a downstream learns of an upstream.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar
+
+import msgspec
+import torch
+
+from weightsync.api.errors import WireError
+from weightsync.core import codec
+
+__all__ = ["RingEndpoint", "RemoteRing", "RegisteredRing", "decode_ring"]
+
+
+class RingEndpoint(msgspec.Struct, frozen=True, tag="ring"):
+    """What a downstream needs to read from an upstream's ring, sent by the upstream after a valid ``Hello``."""
+
+    wire: int
+    epoch: str
+    library: str
+    """``"nixl"`` or ``"mooncake"``: both ends must use the same library."""
+    agent: str
+    """The library's name for the upstream: a NIXL agent name, a Mooncake session id (``host:port``)."""
+    blob: bytes
+    """Opaque data the library itself parses (NIXL agent metadata); empty for Mooncake. Never unpickled by us."""
+    base: int
+    """Address of slot 0 in the upstream's process (device memory address for a GPU ring)."""
+    slot_bytes: int
+    slots: int
+    memory: str = "cpu"
+    """Device of the ring: ``"cpu"`` or ``"cuda:N"``."""
+
+
+_ring_decoder = msgspec.msgpack.Decoder(RingEndpoint)
+
+
+def decode_ring(data: bytes, *, epoch: str, library: str, peer: str) -> RingEndpoint:
+    try:
+        ring = _ring_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"malformed ring endpoint from {peer}: {exc}") from None
+    if ring.wire != codec.WIRE_VERSION:
+        raise WireError(f"{peer} speaks wire version {ring.wire}, this side speaks {codec.WIRE_VERSION}")
+    if ring.epoch != epoch:
+        raise WireError(f"{peer} answered for another membership epoch")
+    if ring.library != library:
+        raise WireError(f"{peer} moves buckets with {ring.library!r}, this side with {library!r}")
+    if ring.slots < 1 or ring.slot_bytes < 1 or ring.base <= 0:
+        raise WireError(f"{peer} advertised an invalid ring ({ring.slots} slots of {ring.slot_bytes} bytes)")
+    return ring
+
+
+# -- the library-specific part ----------------------------------------------------------------------------------------
+
+
+class RemoteRing(abc.ABC):
+    """An upstream's ring, opened for one-sided reads into the local ring."""
+
+    @abc.abstractmethod
+    def read(self, *, local_offset: int, remote_offset: int, nbytes: int, deadline: float) -> None:
+        """Copy ``nbytes`` from the upstream's ring at ``remote_offset`` into the local ring at ``local_offset``.
+
+        Blocks (sleeping) until done; ``TransferError`` naming the upstream on failure or at ``deadline``.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class RegisteredRing(abc.ABC):
+    """One buffer of ``slots * slot_bytes`` bytes, registered with a transfer library for the engine's lifetime."""
+
+    library: ClassVar[str]
+
+    def __init__(self, *, slots: int, slot_bytes: int, device: str) -> None:
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        # Pre-fault every page now (first touch runs at ~0.5 GB/s): updates then only ever see warm memory.
+        self.tensor = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
+        self.tensor.fill_(0)
+        self.memory = str(self.tensor.device)
+
+    def slot(self, index: int) -> torch.Tensor:
+        return self.tensor[index * self.slot_bytes:(index + 1) * self.slot_bytes]
+
+    @property
+    def base(self) -> int:
+        return int(self.tensor.data_ptr())
+
+    def endpoint(self, *, epoch: str) -> RingEndpoint:
+        agent, blob = self.identity()
+        return RingEndpoint(
+            wire=codec.WIRE_VERSION, epoch=epoch, library=self.library, agent=agent, blob=blob, base=self.base,
+            slot_bytes=self.slot_bytes, slots=self.slots, memory=self.memory,
+        )
+
+    @abc.abstractmethod
+    def identity(self) -> tuple[str, bytes]:
+        """``(agent, blob)`` of :class:`RingEndpoint` for this process."""
+
+    @abc.abstractmethod
+    def open(self, endpoint: RingEndpoint, *, peer: str) -> RemoteRing:
+        """Prepare one-sided reads from ``endpoint`` (a library connection; no memory is registered)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Deregister the ring and release the library's resources. Idempotent."""

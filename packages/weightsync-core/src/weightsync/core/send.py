@@ -1,0 +1,178 @@
+"""The sender's half of the pipeline: plan → pack → publish, double-buffered, and the abort that tells receivers.
+
+The weights stream is planned into buckets on the event loop's thread (cheap bookkeeping); packing bucket k+1 into
+slot (k+1) % slots runs on a packing thread while bucket k is published on a transfer thread. Planning and packing
+take turns rather than overlap: both are Python for small tensors, and two threads contending for the GIL around
+every copy cost more than they save.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from weightsync.api.errors import WeightStreamError
+from weightsync.api.types import StageTiming, TransferReport
+from weightsync.core import codec
+from weightsync.core.digest import UpdateDigest
+from weightsync.core.planner import PIECE_BYTES, PlannedBucket, piece_bytes, plan_buckets, validate_pair
+from weightsync.core.settings import EngineSettings
+from weightsync.core.tensors import copy_batch, copy_stream
+from weightsync.core.trace import Tracer
+from weightsync.core.transport import NO_SLOT, DevicePolicy, SenderTransport
+
+__all__ = ["SendPipeline", "drain"]
+
+_CPU_ONLY = frozenset({"cpu"})
+
+
+async def drain(weights: Iterable[object], *, devices: frozenset[str], rank: int, version: int,
+                started: float) -> TransferReport:
+    """A non-sending actor rank still consumes its stream (gathering may be collective), validating it."""
+    seen: set[str] = set()
+    count = 0
+    for count, item in enumerate(weights, start=1):
+        validate_pair(item, devices=devices, seen=seen)
+        if count % 64 == 0:
+            await asyncio.sleep(0)
+    return TransferReport(role="actor", rank=rank, version=version, nbytes=0, tensors=count, buckets=0,
+                          seconds=time.perf_counter() - started, digest="")
+
+
+class SendPipeline:
+    """One sender's pipeline over the transport of the current epoch. Its threads are the engine's to shut down."""
+
+    def __init__(self, settings: EngineSettings, *, devices: frozenset[str], policy: DevicePolicy, tracer: Tracer,
+                 pack_pool: concurrent.futures.ThreadPoolExecutor,
+                 transfer_pool: concurrent.futures.ThreadPoolExecutor) -> None:
+        self.settings = settings
+        self.devices = devices
+        self.policy = policy
+        self.tracer = tracer
+        self.pack_pool = pack_pool
+        self.transfer_pool = transfer_pool
+
+    async def send(self, transport: SenderTransport, weights: Iterable[object], *, epoch: str, version: int,
+                   started: float) -> TransferReport:
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self.settings.timeout
+        digest = self.policy.new_digest()
+        in_flight: dict[int, asyncio.Future[float]] = {}
+        pack_seconds = publish_seconds = 0.0
+        index = nbytes = tensors = 0
+        try:
+            planned = time.perf_counter()
+            for bucket in plan_buckets(weights, bucket_bytes=self.settings.bucket_bytes, devices=self.devices):
+                self.tracer.span("plan", index, planned, time.perf_counter())
+                slot = index % transport.slots
+                previous = in_flight.pop(slot, None)
+                if previous is not None:
+                    await previous
+                header, seconds = await loop.run_in_executor(
+                    self.pack_pool, self.pack, transport, slot, index, bucket, version, epoch, digest, deadline)
+                pack_seconds += seconds
+                in_flight[slot] = loop.run_in_executor(
+                    self.transfer_pool, self.publish, transport, index, slot, bucket.nbytes, header, deadline)
+                index, nbytes, tensors = index + 1, nbytes + bucket.payload_bytes, tensors + bucket.completed
+                planned = time.perf_counter()
+            if tensors == 0:
+                raise WeightStreamError("the weights stream was empty: an update must carry at least one tensor")
+            for future in list(in_flight.values()):
+                publish_seconds += await future
+            in_flight.clear()
+            final = codec.BucketHeader(
+                wire=codec.WIRE_VERSION, epoch=epoch, version=version, sender=self.settings.context.rank,
+                index=index, slot=NO_SLOT, nbytes=0, tensors=[], final=True, digest=digest.hexdigest())
+            publish_seconds += await loop.run_in_executor(
+                self.transfer_pool, _timed, transport.publish, NO_SLOT, 0, codec.encode(final), deadline)
+        except BaseException as exc:
+            await self.abort(transport, in_flight, epoch=epoch, version=version, index=index, reason=exc)
+            raise
+        rank = self.settings.context.rank
+        return TransferReport(
+            role="actor", rank=rank, version=version, nbytes=nbytes, tensors=tensors, buckets=index,
+            seconds=time.perf_counter() - started, digest=digest.hexdigest(), sender=rank,
+            stages=(StageTiming(stage="pack", seconds=pack_seconds),
+                    StageTiming(stage="publish", seconds=publish_seconds)),
+        )
+
+    def publish(self, transport: SenderTransport, index: int, slot: int, nbytes: int, header: bytes,
+                deadline: float) -> float:
+        started = time.perf_counter()
+        transport.publish(slot, nbytes, header, deadline)
+        ended = time.perf_counter()
+        self.tracer.span("transfer", index, started, ended)
+        return ended - started
+
+    def pack(self, transport: SenderTransport, slot: int, index: int, bucket: PlannedBucket, version: int,
+             epoch: str, digest: UpdateDigest, deadline: float) -> tuple[bytes, float]:
+        """Copy ``bucket``'s pieces into ``slot`` and fold them into the digest; returns the bucket's header."""
+        with self.policy.packing(transport, slot, bucket):
+            transport.wait_slot(slot, deadline)
+            started = time.perf_counter()
+            buffer = transport.buffer(slot)
+            table = codec.encode_tensors([item[0] for item in bucket.items])
+            after_pack = getattr(self.settings.hook, "after_pack", None)
+            if after_pack is None and digest.fusable and buffer.device.type == "cpu" and (
+                self.devices == _CPU_ONLY or all(source.device.type == "cpu" for _, source, _ in bucket.items)
+            ):
+                digest.begin_bucket(table, bucket.nbytes)
+                pack_hashing(buffer.data_ptr(), bucket, digest)
+            else:
+                for item in bucket.items:
+                    meta = item[0]
+                    if meta.nbytes:
+                        buffer[meta.bucket_offset:meta.bucket_offset + meta.nbytes].copy_(piece_bytes(item))
+                payload = buffer[: bucket.nbytes]
+                if after_pack is not None:
+                    after_pack(index, payload)  # a test hook: the bytes are hashed after it, as they stand
+                digest.update_bucket(table, payload)
+            header = codec.encode_bucket(epoch=epoch, version=version, sender=self.settings.context.rank,
+                                         index=index, slot=slot, nbytes=bucket.nbytes, table=table)
+        self.tracer.span("pack", index, started, time.perf_counter())
+        return header, time.perf_counter() - started
+
+    async def abort(self, transport: SenderTransport, in_flight: dict[int, asyncio.Future[float]], *, epoch: str,
+                    version: int, index: int, reason: BaseException) -> None:
+        """Tell receivers the update is off, so they fail now instead of at their deadline. Best effort."""
+        message = f"{type(reason).__name__}: {reason}"[:500] or "aborted"
+        header = codec.BucketHeader(
+            wire=codec.WIRE_VERSION, epoch=epoch, version=version, sender=self.settings.context.rank, index=index,
+            slot=NO_SLOT, nbytes=0, tensors=[], abort=message)
+        loop = asyncio.get_running_loop()
+        # Queued behind in-flight publishes on the same thread, so receivers see it after what was already sent.
+        future = loop.run_in_executor(
+            self.transfer_pool, _timed, transport.publish, NO_SLOT, 0, codec.encode(header),
+            time.monotonic() + min(self.settings.timeout, 10.0))
+        pending = [*in_flight.values(), future]
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.gather(*pending, return_exceptions=True)), 15.0)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            pass
+
+
+def pack_hashing(base: int, bucket: PlannedBucket, digest: UpdateDigest) -> None:
+    """Copy host sources into the host bucket at ``base``, hashing the bucket in order (padding included)."""
+    copy_batch(bucket.copies, base, 0)  # every small piece in one call
+    hashed = 0
+    for meta, source, start in bucket.large:
+        nbytes, at = meta.nbytes, meta.bucket_offset
+        digest.update_at(base + hashed, at - hashed)  # the small pieces and padding before this one
+        address = source.data_ptr() + start
+        for done in range(0, nbytes, PIECE_BYTES):
+            size = min(PIECE_BYTES, nbytes - done)
+            # Streamed into the bucket, so the bucket's copy is not in cache: the source's, just read, is, and holds
+            # the same bytes (a receiver hashing the bucket checks this copy too).
+            copy_stream(base + at + done, address + done, size)
+            digest.update_at(address + done, size)
+        hashed = at + nbytes
+    digest.update_at(base + hashed, bucket.nbytes - hashed)
+
+
+def _timed(function: Any, *args: Any) -> float:
+    started = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - started
