@@ -16,7 +16,7 @@ def header(**changes: object) -> codec.BucketHeader:
 
 
 def test_round_trip() -> None:
-    assert codec.decode_header(codec.encode(header()), epoch="e1", capacity=1024) == header()
+    assert codec.decode_bucket(codec.encode(header()), epoch="e1", capacity=1024)[0] == header()
 
 
 @pytest.mark.parametrize(
@@ -37,7 +37,7 @@ def test_round_trip() -> None:
 )
 def test_invalid_headers_are_rejected(message: bytes, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
-        codec.decode_header(message, epoch="e1", capacity=1024)
+        codec.decode_bucket(message, epoch="e1", capacity=1024)
 
 
 def test_encode_bucket_writes_the_bytes_of_the_full_header() -> None:

@@ -25,7 +25,6 @@ __all__ = [
     "Hello",
     "Ack",
     "encode",
-    "decode_header",
     "decode_bucket",
     "encode_bucket",
     "TableCache",
@@ -176,15 +175,11 @@ def _check_common(wire: int, epoch: str, expected_epoch: str | None) -> None:
         raise EpochMismatchError(f"message from membership epoch {epoch[:12]!r}, expected {expected_epoch[:12]!r}")
 
 
-def decode_header(data: bytes, *, epoch: str | None, capacity: int) -> BucketHeader:
-    """Decode and validate a bucket header; ``capacity`` is the receiving bucket's size in bytes."""
-    return decode_bucket(data, epoch=epoch, capacity=capacity)[0]
-
-
 def decode_bucket(
     data: bytes, *, epoch: str | None, capacity: int, cache: TableCache | None = None
 ) -> tuple[BucketHeader, bytes]:
-    """Decode and validate a bucket header; also return its table's encoded bytes (what the digest covers).
+    """Decode and validate a bucket header (``capacity``: the receiving bucket's size in bytes); also return its
+    table's encoded bytes (what the digest covers).
 
     ``cache`` holds tables validated before: a byte-identical table (and bucket size) is not decoded again.
     """
