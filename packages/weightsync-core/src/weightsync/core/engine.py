@@ -51,6 +51,9 @@ class BucketCheckpointEngine:
                  timeout: float = 600.0, verify_digest: bool = True, transport_hook: str | None = None,
                  **options: Any) -> None:
         reject_renamed_keywords(type(self).__name__, options)
+        if not hasattr(type(self), "transport_class"):
+            raise TypeError(f"{type(self).__name__} has no transport: build engine classes with "
+                            "engine_class(SomeTransport)")
         self.settings = EngineSettings.parse(
             self.name, option_names=self.option_names, default_slots=self.default_slots, bucket_bytes=bucket_bytes,
             context=context, slots=slots, timeout=timeout, verify_digest=verify_digest,
