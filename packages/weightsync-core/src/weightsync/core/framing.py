@@ -67,14 +67,8 @@ def recv_frame(sock: socket.socket, *, deadline: float, peer: str, max_len: int 
 
 
 def accept_peers(
-    listener: socket.socket,
-    *,
-    ranks: Sequence[int],
-    epoch: str,
-    deadline: float,
-    reply: Callable[[Hello], bytes],
-    what: str,
-    hello_seconds: float = 5.0,
+    listener: socket.socket, *, ranks: Sequence[int], epoch: str, deadline: float, reply: Callable[[Hello], bytes],
+    what: str, hello_seconds: float = 5.0,
 ) -> list[socket.socket]:
     """Accept one connection per rank of ``ranks``, each opening with a ``Hello`` for ``epoch`` and its rank.
 
@@ -101,47 +95,21 @@ def accept_peers(
             if now >= deadline:
                 missing = [rank for rank, peer in peers.items() if peer is None]
                 raise TransferError(f"{what}: ranks {missing} did not connect in time", peer=f"ranks {missing}")
-            for sock, (_, expires) in list(pending.items()):
-                if now >= expires:
-                    drop(sock, "no hello in time")
+            for sock in [sock for sock, (_, expires) in pending.items() if now >= expires]:
+                drop(sock, "no hello in time")
             for key, _ in selector.select(min(deadline - now, 0.5)):
-                ready = key.fileobj
-                if not isinstance(ready, socket.socket):
-                    continue
-                sock = ready
+                sock = key.fileobj
                 if sock is listener:
-                    try:
-                        conn, _ = listener.accept()
-                    except BlockingIOError:
-                        continue
-                    conn.setblocking(False)
-                    pending[conn] = (bytearray(), time.monotonic() + hello_seconds)
-                    selector.register(conn, selectors.EVENT_READ)
+                    _accept_one(listener, selector, pending, hello_seconds)
                     continue
-                buffer = pending[sock][0]
-                try:
-                    chunk = sock.recv(8192)
-                except OSError as exc:
-                    drop(sock, str(exc))
-                    continue
-                if not chunk:
-                    drop(sock, "closed before its hello")
-                    continue
-                buffer += chunk
-                if len(buffer) < 4:
-                    continue
-                length = int.from_bytes(buffer[:4], "little")
-                if length > 4096:
-                    drop(sock, f"announced a {length}-byte hello")
-                    continue
-                if len(buffer) < 4 + length:
+                if not isinstance(sock, socket.socket):
                     continue
                 try:
-                    hello = decode_hello(bytes(buffer[4:4 + length]), epoch=epoch)
-                    if hello.rank not in peers or peers[hello.rank] is not None:
-                        raise WireError(f"hello from unexpected rank {hello.rank}")
+                    hello = _read_hello(sock, pending[sock][0], epoch=epoch, peers=peers)
                 except WireError as exc:
                     drop(sock, str(exc))
+                    continue
+                if hello is None:
                     continue
                 pending.pop(sock)
                 selector.unregister(sock)
@@ -157,3 +125,38 @@ def accept_peers(
         selector.close()
         listener.setblocking(True)
     return [peer for peer in peers.values() if peer is not None]
+
+
+def _accept_one(listener: socket.socket, selector: selectors.BaseSelector,
+                pending: dict[socket.socket, tuple[bytearray, float]], hello_seconds: float) -> None:
+    try:
+        conn, _ = listener.accept()
+    except BlockingIOError:
+        return
+    conn.setblocking(False)
+    pending[conn] = (bytearray(), time.monotonic() + hello_seconds)
+    selector.register(conn, selectors.EVENT_READ)
+
+
+def _read_hello(sock: socket.socket, buffer: bytearray, *, epoch: str, peers: dict[int, socket.socket | None]
+                ) -> Hello | None:
+    """Read what ``sock`` has into ``buffer``; its ``Hello`` once complete, else None. ``WireError`` for a
+    connection to drop (closed, oversized, malformed, another epoch, an unexpected rank)."""
+    try:
+        chunk = sock.recv(8192)
+    except OSError as exc:
+        raise WireError(str(exc)) from None
+    if not chunk:
+        raise WireError("closed before its hello")
+    buffer += chunk
+    if len(buffer) < 4:
+        return None
+    length = int.from_bytes(buffer[:4], "little")
+    if length > 4096:
+        raise WireError(f"announced a {length}-byte hello")
+    if len(buffer) < 4 + length:
+        return None
+    hello = decode_hello(bytes(buffer[4:4 + length]), epoch=epoch)
+    if hello.rank not in peers or peers[hello.rank] is not None:
+        raise WireError(f"hello from unexpected rank {hello.rank}")
+    return hello

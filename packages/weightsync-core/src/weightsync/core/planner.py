@@ -12,7 +12,7 @@ The planner also validates the stream, before a byte of it is packed: pairs, nam
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -113,36 +113,20 @@ def plan_buckets(
 ) -> Iterator[PlannedBucket]:
     """Yield the buckets for ``weights`` lazily (the stream is read as buckets are requested).
 
-    The stream's own exceptions become ``WeightStreamError``. Runs once per tensor: the common item (a tuple of a new
-    ASCII name and a dense, contiguous tensor on a device this backend serves, whole in the current bucket) takes
-    one chain of cheap checks and one append; anything else goes through ``validate_pair``, which raises the precise
-    error, and the general placement loop.
+    The stream's own exceptions become ``WeightStreamError``. Runs once per tensor: the common item (whole in the
+    current bucket) takes one append, with the open bucket's fields kept in locals; a bucket boundary or a tensor
+    split across buckets goes through :func:`_place`.
     """
     seen: set[str] = set()
     bucket = PlannedBucket()
     items, copies, large = bucket.items, bucket.copies, bucket.large
-    used = payload = completed = count = 0  # the open bucket's fields, kept in locals until it is yielded
+    used = payload = completed = count = 0
     align = BUCKET_ALIGNMENT - 1
     mask = ~align
     host_ok = "cpu" in devices
-    strided = torch.strided
     iterator = iter(weights)
-    while True:
-        try:  # the caller's own failures (a gather that raised half-way), typed
-            item = next(iterator)
-        except StopIteration:
-            break
-        except WeightsyncError:
-            raise
-        except Exception as exc:
-            raise WeightStreamError(f"the weights stream raised {type(exc).__name__}: {exc}") from exc
-        if (type(item) is tuple and len(item) == 2 and type(name := item[0]) is str and name.isascii()
-                and 0 < len(name) <= MAX_NAME_BYTES and name not in seen
-                and isinstance(tensor := item[1], torch.Tensor) and tensor.layout is strided
-                and (host_ok and tensor.is_cpu or tensor.device.type in devices)):
-            seen.add(name)
-        else:
-            name, tensor = validate_pair(item, devices=devices, seen=seen)
+    while (pair := _next_pair(iterator, seen, devices, host_ok)) is not None:
+        name, tensor = pair
         dtype = _NAMES.get(tensor.dtype) or dtype_name(tensor.dtype)
         # (Only a complex tensor can carry the conjugate bit; any can carry the negative one.)
         if tensor.is_contiguous() and not tensor.is_neg() and (dtype not in COMPLEX_NAMES or not tensor.is_conj()):
@@ -163,41 +147,63 @@ def plan_buckets(
             completed += 1
             count += 1
             continue
-        offset = 0
-        while True:
-            start = (used + align) & mask
-            room = bucket_bytes - start
-            remaining = total - offset
-            if count and (
-                remaining > room and (remaining <= bucket_bytes and offset == 0 or room <= 0)
-                or count >= PIPELINE_TENSORS
-            ):
-                # Close the bucket instead of splitting a tensor that fits a fresh one (or when it is full).
-                bucket.nbytes, bucket.payload_bytes, bucket.completed = used, payload, completed
-                yield bucket
-                bucket = PlannedBucket()
-                items, copies, large = bucket.items, bucket.copies, bucket.large
-                used = payload = completed = count = 0
-                continue
-            take = remaining if remaining <= room else room
-            item = (TensorMeta(name, dtype, tensor.shape, offset, take, total, start), source, offset)
-            items.append(item)
-            if take <= PIECE_BYTES:
-                copies += (start, source.data_ptr() + offset, take)
-            else:
-                large.append(item)
-            used = start + take
-            payload += take
-            count += 1
-            offset += take
-            if offset >= total:
-                completed += 1
-                break
-            bucket.nbytes, bucket.payload_bytes, bucket.completed = used, payload, completed
-            yield bucket
-            bucket = PlannedBucket()
-            items, copies, large = bucket.items, bucket.copies, bucket.large
-            used = payload = completed = count = 0
+        bucket.nbytes, bucket.payload_bytes, bucket.completed = used, payload, completed
+        bucket = yield from _place(bucket, name, dtype, tensor.shape, source, bucket_bytes)
+        items, copies, large = bucket.items, bucket.copies, bucket.large
+        used, payload, completed, count = bucket.nbytes, bucket.payload_bytes, bucket.completed, len(items)
     if count:
         bucket.nbytes, bucket.payload_bytes, bucket.completed = used, payload, completed
         yield bucket
+
+
+def _next_pair(iterator: Iterator[object], seen: set[str], devices: frozenset[str], host_ok: bool
+               ) -> tuple[str, torch.Tensor] | None:
+    """The stream's next ``(name, tensor)``, checked; None at its end. The common item (a tuple of a new ASCII name
+    and a dense tensor on a device this backend serves) takes one chain of cheap checks; anything else goes through
+    ``validate_pair``, which raises the precise error."""
+    try:  # the caller's own failures (a gather that raised half-way), typed
+        item = next(iterator)
+    except StopIteration:
+        return None
+    except WeightsyncError:
+        raise
+    except Exception as exc:
+        raise WeightStreamError(f"the weights stream raised {type(exc).__name__}: {exc}") from exc
+    if (type(item) is tuple and len(item) == 2 and type(name := item[0]) is str and name.isascii()
+            and 0 < len(name) <= MAX_NAME_BYTES and name not in seen
+            and isinstance(tensor := item[1], torch.Tensor) and tensor.layout is torch.strided
+            and (host_ok and tensor.is_cpu or tensor.device.type in devices)):
+        seen.add(name)
+        return name, tensor
+    return validate_pair(item, devices=devices, seen=seen)
+
+
+def _place(bucket: PlannedBucket, name: str, dtype: str, shape: torch.Size, source: torch.Tensor,
+           bucket_bytes: int) -> Generator[PlannedBucket, None, PlannedBucket]:
+    """Place a tensor that does not fit the open bucket whole: close the bucket rather than split a tensor that fits
+    a fresh one (or when it is full), else split it across buckets. Yields the buckets it fills; returns the open
+    one, its fields up to date."""
+    align, total, offset = BUCKET_ALIGNMENT - 1, source.nbytes, 0
+    while True:
+        start = (bucket.nbytes + align) & ~align
+        room, remaining, count = bucket_bytes - start, total - offset, len(bucket.items)
+        if count and (remaining > room and (remaining <= bucket_bytes and offset == 0 or room <= 0)
+                      or count >= PIPELINE_TENSORS):
+            yield bucket
+            bucket = PlannedBucket()
+            continue
+        take = remaining if remaining <= room else room
+        item = (TensorMeta(name, dtype, shape, offset, take, total, start), source, offset)
+        bucket.items.append(item)
+        if take <= PIECE_BYTES:
+            bucket.copies += (start, source.data_ptr() + offset, take)
+        else:
+            bucket.large.append(item)
+        bucket.nbytes = start + take
+        bucket.payload_bytes += take
+        offset += take
+        if offset >= total:
+            bucket.completed += 1
+            return bucket
+        yield bucket
+        bucket = PlannedBucket()
