@@ -41,483 +41,202 @@ Choose it for disaggregated rollout fleets that benefit from sharded host-memory
 
 The end-to-end digest is order-independent (see :mod:`weightsync.kimi.mapping`) and checked by each receiver when
 ``verify_digest`` is on; it costs one device-to-host copy of every received tensor.
+
+How it is built
+---------------
+checkpoint-engine packs, buckets and moves the weights itself, so none of core's bucket pipeline applies: the engine
+implements the ``CheckpointEngine`` Protocol directly, on core's public pieces (``weightsync.core.backend``):
+``EngineSettings`` (options and metadata), ``guard_build_topology``, ``Handover`` (one update at a time) and
+``validate_pair``. The rest is kimi's own: :mod:`~weightsync.kimi.mapping` (options, topology, shares, digest),
+:mod:`~weightsync.kimi.library` (every call into checkpoint-engine), :mod:`~weightsync.kimi.group` (one epoch's
+ParameterServer) and :mod:`~weightsync.kimi.stream` (the receive stream).
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
-import importlib
-import importlib.util
-import os
+import concurrent.futures
 import socket
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 
-from weightsync.api.protocols import copy_stream_into
 from weightsync.api.errors import (
     BackendUnavailableError,
     ConcurrentUpdateError,
-    ConfigError,
-    DigestMismatchError,
     LifecycleError,
-    TopologyError,
-    TransferError,
+    reject_renamed_keywords,
 )
 from weightsync.api.types import (
     RankArgs,
     StageTiming,
     Topology,
     TransferReport,
+    WorkerContext,
     WorkerMetadata,
     WorldMetadata,
 )
-from weightsync.core.engine import BucketCheckpointEngine
-from weightsync.core.planner import validate_pair
-from weightsync.core.transport import ReceiverTransport, SenderTransport
-from weightsync.kimi.mapping import MODES, Exchange, SetDigest, ShareAssigner, ps_rank
-from weightsync.kimi.spec import CHECKPOINT_ENGINE_HINT, P2P_HINT
+from weightsync.core.backend import EngineSettings, Handover, guard_build_topology
+from weightsync.kimi.group import ParameterServerGroup
+from weightsync.kimi.library import CheckpointEngineLibrary
+from weightsync.kimi.mapping import JoinArgs, KimiOptions, collect_share, parameter_server_topology
+from weightsync.kimi.spec import P2P_HINT
+from weightsync.kimi.stream import KimiStream
 
 __all__ = ["KimiCheckpointEngine"]
 
-Weights = list[tuple[str, torch.Tensor]]
 
-
-def _import(module: str, hint: str) -> Any:
-    """Import a checkpoint-engine module, turning its absence into the registry's kind of error."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        reason = f"{module} does not import ({exc}); {hint}"
-        raise BackendUnavailableError(f"weightsync backend 'kimi' cannot run here: {reason}", backend="kimi",
-                                      reason=reason) from None
-
-
-class KimiCheckpointEngine(BucketCheckpointEngine):
+class KimiCheckpointEngine:
     """checkpoint-engine's ParameterServer behind our lifecycle. Options: ``mode``, ``mem_fraction``,
-    ``shared_memory_pool`` (see the module docstring)."""
+    ``shared_memory_pool`` (see the module docstring); ``bucket_bytes`` and ``slots`` are validated, then unused."""
 
     name: ClassVar[str] = "kimi"
     devices: ClassVar[frozenset[str]] = frozenset({"cuda"})
-    option_names: ClassVar[frozenset[str]] = frozenset({"mode", "mem_fraction", "shared_memory_pool"})
+    option_names: ClassVar[frozenset[str]] = KimiOptions.NAMES
+    default_slots: ClassVar[int] = 2
 
-    def __init__(self, *, bucket_bytes: int, **options: Any) -> None:
-        super().__init__(bucket_bytes=bucket_bytes, **options)
-        mode = self.options.get("mode", "broadcast")
-        if mode not in MODES:
-            raise ConfigError(f"kimi: mode must be one of {', '.join(MODES)}, got {mode!r}")
-        mem_fraction = self.options.get("mem_fraction")
-        if mem_fraction is not None and (isinstance(mem_fraction, bool) or not isinstance(mem_fraction, float)
-                                         or not 0 < mem_fraction <= 1):
-            raise ConfigError(f"kimi: mem_fraction must be a float in (0, 1], got {mem_fraction!r}")
-        shared = self.options.get("shared_memory_pool", True)
-        if not isinstance(shared, bool):
-            raise ConfigError(f"kimi: shared_memory_pool must be a bool, got {shared!r}")
-        self.mode: str = mode
-        self.mem_fraction: float | None = mem_fraction
-        self.shared_memory_pool = shared
-        self._ps: Any = None
-        self._rank_args: RankArgs = {}
-        self._registered = False
-        self._pool_in_use = False
-        """Whether the shared pinned pool was allocated (finalize keeps it; closing the epoch frees it)."""
+    def __init__(self, *, bucket_bytes: int, context: WorkerContext | None = None, slots: int | None = None,
+                 timeout: float = 600.0, verify_digest: bool = True, **options: Any) -> None:
+        reject_renamed_keywords(type(self).__name__, options)
+        self.settings = EngineSettings.parse(
+            self.name, option_names=self.option_names, default_slots=self.default_slots, bucket_bytes=bucket_bytes,
+            context=context, slots=slots, timeout=timeout, verify_digest=verify_digest, **options)
+        self.options = KimiOptions.parse(self.settings.options)
+        self.library = CheckpointEngineLibrary()
+        """Every call into checkpoint-engine goes through it (the tests put a fake in its place)."""
+        self._handover = Handover(self.name, self.settings.timeout)
+        # One thread: the update's blocking calls (collectives, the IPC hand-off) run there, one update at a time.
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ws-kimi-update")
+        self._group: ParameterServerGroup | None = None
+        self._closed = False
 
-    # -- the seams to checkpoint-engine (tests replace these with fakes) ------------------------------------------
+    # The settings, as attributes (read by hosts, tools and tests, as on core's engines).
+    @property
+    def bucket_bytes(self) -> int:
+        return self.settings.bucket_bytes
 
-    def _new_parameter_server(self, **kwargs: Any) -> Any:
-        ps_module = _import("checkpoint_engine.ps", CHECKPOINT_ENGINE_HINT)
-        return ps_module.ParameterServer(**kwargs)
+    @property
+    def slots(self) -> int:
+        return self.settings.slots
 
-    def _all_reduce_sum(self, values: list[int]) -> list[int]:
-        """Sum ``values`` over the PS group (its default group: checkpoint-engine's own ``all_reduce``)."""
-        ce_dist = _import("checkpoint_engine.distributed", CHECKPOINT_ENGINE_HINT)
-        tensor = torch.tensor(values, dtype=torch.int64, device=self._device())
-        ce_dist.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
-        return [int(value) for value in tensor.cpu().tolist()]
+    @property
+    def timeout(self) -> float:
+        return self.settings.timeout
 
-    def _serve_ipc(self, handle: str, run: Callable[[Weights], None]) -> None:
-        """Be the inference side of the PS's CUDA-IPC hand-off on ``handle`` (a ZMQ address)."""
-        worker = _import("checkpoint_engine.worker", CHECKPOINT_ENGINE_HINT)
-        zmq = _import("zmq", CHECKPOINT_ENGINE_HINT)
-        context = zmq.Context()
-        try:
-            worker.update_weights_from_ipc(context, handle, self._device().index or 0, run=run)
-        finally:
-            context.term()
+    @property
+    def context(self) -> WorkerContext:
+        return self.settings.context
 
-    def _device_uuid(self) -> str:
-        """How checkpoint-engine names this GPU in the IPC socket paths it hands to ``req_func``."""
-        return f"GPU-{torch.cuda.get_device_properties(self._device()).uuid!s}"
+    @property
+    def epoch(self) -> str | None:
+        return self._group.args.epoch if self._group is not None else None
 
-    def _device(self) -> torch.device:
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        rank = self._rank_args.get("ps_rank")
-        # The PS uses device ``rank % visible GPUs`` (set_device in its constructor); so do we.
-        return torch.device("cuda", rank % count) if count and isinstance(rank, int) else torch.device("cuda", 0)
+    @property
+    def role(self) -> str | None:
+        return self._group.args.role if self._group is not None else None
 
-    # -- lifecycle ------------------------------------------------------------------------------------------------
+    # -- lifecycle -------------------------------------------------------------------------------------------------
 
-    def _prepare(self) -> WorkerMetadata:
-        metadata: WorkerMetadata = {"mode": self.mode}
-        if self.context.role == "actor" and self.context.rank == 0:
-            metadata.update(master_addr=self.context.host_ip, master_port=_free_port(self.context.host_ip))
+    def prepare(self) -> WorkerMetadata:
+        self._check_open()
+        metadata = self.settings.metadata()
+        metadata["mode"] = self.options.mode
+        context = self.settings.context
+        if context.role == "actor" and context.rank == 0:  # PS rank 0 hosts the ParameterServer's TCPStore
+            metadata.update(master_addr=context.host_ip, master_port=_free_port(context.host_ip))
         return metadata
 
     @classmethod
     def build_topology(
         cls, *, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata
     ) -> Topology:
-        if actor_wg_world_size < 1 or rollout_world_size < 0:
-            raise TopologyError(f"kimi: need actor_wg_world_size >= 1 and rollout_world_size >= 0, got "
-                                f"{actor_wg_world_size} and {rollout_world_size}")
-        if len(metadata.actor) != actor_wg_world_size or len(metadata.rollout) != rollout_world_size:
-            raise TopologyError("kimi: metadata does not match actor_wg_world_size/rollout_world_size")
-        modes = {entry.get("mode", "broadcast") for entry in [*metadata.actor, *metadata.rollout]}
-        if len(modes) != 1:
-            raise TopologyError(f"kimi: workers disagree on the mode option: {sorted(map(str, modes))}")
-        mode = str(modes.pop())
-        addr, port = metadata.actor[0].get("master_addr"), metadata.actor[0].get("master_port")
-        if not isinstance(addr, str) or not isinstance(port, int):
-            raise TopologyError("kimi: actor rank 0 did not advertise master_addr/master_port (was prepare() called?)")
-        world = actor_wg_world_size + rollout_world_size
-        update_ranks: list[int] = (
-            [ps_rank(role="rollout", rank=j, actor_wg_world_size=actor_wg_world_size) for j in range(rollout_world_size)]
-            if mode == "p2p" else []
-        )
-        common: RankArgs = {
-            "master_addr": addr, "master_port": port, "ps_world_size": world, "mode": mode,
-            "update_ranks": list[Any](update_ranks), "actor_wg_world_size": actor_wg_world_size, "sender": 0,
-        }
-        actor: list[RankArgs] = [
-            {**common, "role": "sender", "ps_rank": ps_rank(role="actor", rank=i, actor_wg_world_size=actor_wg_world_size)}
-            for i in range(actor_wg_world_size)
-        ]
-        rollout: list[RankArgs] = [
-            {**common, "role": "receiver", "ps_rank": ps_rank(role="rollout", rank=j, actor_wg_world_size=actor_wg_world_size)}
-            for j in range(rollout_world_size)
-        ]
-        # Every actor rank sends a disjoint share; each reports the digest of the whole update (after the exchange).
-        return Topology(actor=actor, rollout=rollout, senders=tuple(range(actor_wg_world_size)))
+        return parameter_server_topology(
+            actor_wg_world_size=actor_wg_world_size, rollout_world_size=rollout_world_size, metadata=metadata)
 
     def init_process_group(self, *, rank_args: RankArgs) -> None:
         self._check_open()
-        if self._busy.locked():
+        if self._handover.in_flight:
             raise ConcurrentUpdateError("kimi: init_process_group while an update is in flight")
-        required = ("ps_rank", "ps_world_size", "master_addr", "master_port", "actor_wg_world_size", "epoch")
-        missing = [key for key in required if key not in rank_args]
-        if missing or rank_args.get("role") not in ("sender", "receiver"):
-            raise TopologyError(f"kimi: rank_args lack {missing or ['role']}: {rank_args}")
-        if self.mode == "p2p" and importlib.util.find_spec("mooncake") is None:
+        args = JoinArgs.parse(rank_args)
+        if self.options.mode == "p2p" and not self.library.p2p_available():
             raise BackendUnavailableError(f"weightsync backend 'kimi' cannot use mode='p2p' here: {P2P_HINT}",
                                           backend="kimi", reason=P2P_HINT)
-        self._disconnect()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        self._leave()  # the previous epoch's group is this process's default group: gone before the check below
+        if self.library.default_group_in_use():
             reason = ("this process already has a default torch.distributed group (a trainer or inference "
                       "worker?); checkpoint-engine's ParameterServer needs the default group of a process of its own")
             raise BackendUnavailableError(f"weightsync backend 'kimi' cannot run here: {reason}", backend="kimi",
                                           reason=reason)
-        self._rank_args = dict(rank_args)
-        rank, world = int(str(rank_args["ps_rank"])), int(str(rank_args["ps_world_size"]))
-        # checkpoint-engine reads ``rank or int(os.environ["RANK"])``: rank 0 counts as unset, so the documented
-        # environment variables are set too (this process is the PS's own, see "Its own process group").
-        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
-        try:
-            self._ps = self._new_parameter_server(
-                rank=rank, world_size=world, auto_pg=False, mem_fraction=self.mem_fraction,
-                master_addr=str(rank_args["master_addr"]), master_port=int(str(rank_args["master_port"])),
-            )
-            self._ps.init_process_group(timeout=datetime.timedelta(seconds=self.timeout))
-        except BackendUnavailableError:
-            raise
-        except Exception as exc:  # checkpoint-engine validates with assert and raises plain RuntimeErrors
-            self._ps = None
-            raise TransferError(f"kimi: ParameterServer rank {rank} failed to join its group: {exc!r}",
-                                peer="ParameterServer rank 0") from None
-        self._role = "sender" if rank_args["role"] == "sender" else "receiver"
-        self._epoch = str(rank_args["epoch"])
-        self._sender_rank = 0
-
-    @property
-    def checkpoint_name(self) -> str:
-        return f"weightsync-{(self._epoch or 'none')[:16]}"
-
-    def _update_ranks(self) -> list[int] | None:
-        ranks = self._rank_args.get("update_ranks")
-        return [int(str(rank)) for rank in ranks] if isinstance(ranks, list) and ranks else None
-
-    def _peer(self) -> str:
-        return f"kimi ParameterServer group (this is PS rank {self._rank_args.get('ps_rank')})"
-
-    def _connect_sender(self, rank_args: RankArgs) -> SenderTransport:
-        raise LifecycleError("kimi: the ParameterServer is the transport; there is no bucket sender")
-
-    def _connect_receiver(self, rank_args: RankArgs) -> ReceiverTransport:
-        raise LifecycleError("kimi: the ParameterServer is the transport; there is no bucket receiver")
-
-    def _disconnect(self) -> None:
-        ps, self._ps = self._ps, None
-        name = self.checkpoint_name  # of the epoch being left
-        self._epoch = None
-        self._role = None
-        if ps is None:
-            return
-        try:
-            if self._registered or self._pool_in_use:
-                ps.unregister_checkpoint(name, force=True)
-        finally:
-            self._registered = self._pool_in_use = False
-            ce_dist = _import("checkpoint_engine.distributed", CHECKPOINT_ENGINE_HINT)
-            if ce_dist.is_initialized():
-                ce_dist.destroy_process_group()
+        self._group = ParameterServerGroup.join(library=self.library, settings=self.settings, options=self.options,
+                                                args=args)
 
     def finalize(self) -> None:
         self._check_open()
-        if self._ps is not None and self._registered:
-            # Not forced: a shared pinned pool stays allocated for the next update of this epoch.
-            self._ps.unregister_checkpoint(self.checkpoint_name)
-            self._registered = False
+        if self._group is not None:
+            self._group.finalize()
 
-    # -- sending --------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._leave()
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _leave(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            group.leave()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LifecycleError(f"{self.name} engine is closed")
+
+    def _joined(self, role: str, what: str) -> ParameterServerGroup:
+        """This epoch's group, for a step that only a rank of ``role`` takes."""
+        self._check_open()
+        group = self._group
+        if group is None:
+            raise LifecycleError(f"{what} before init_process_group on this {self.name} engine")
+        if group.args.role != role:
+            raise LifecycleError(f"kimi: {what} on a rank whose role in this topology is {group.args.role}")
+        return group
+
+    # -- the update ------------------------------------------------------------------------------------------------
 
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int = 0) -> TransferReport:
-        self._require("sender", "send_weights")
-        if self._role != "sender" or self._ps is None:
-            raise LifecycleError(f"kimi: send_weights on a rank whose role is {self._role}")
-        if not self._busy.acquire(blocking=False):
-            raise ConcurrentUpdateError("kimi: send_weights while another update is in flight")
+        group = self._joined("sender", "send_weights")
+        self._handover.acquire_for_send()
+        rank = self.settings.context.rank
         started = time.perf_counter()
         try:
-            share, digest = await self._collect_share(weights)
+            share, digest = await collect_share(weights, rank=rank, actor_wg_world_size=group.args.actor_wg_world_size,
+                                                devices=self.devices | {"cpu"})
             collected = time.perf_counter()
             loop = asyncio.get_running_loop()
-            exchange = await loop.run_in_executor(self._transfer_pool, self._send_blocking, share, digest, version)
+            exchange = await loop.run_in_executor(self._pool, group.send, share, digest, version)
         finally:
-            self._busy.release()
+            self._handover.release_send()
         return TransferReport(
-            role="actor", rank=self.context.rank, version=version, nbytes=digest.nbytes, tensors=digest.tensors,
-            buckets=0, seconds=time.perf_counter() - started, digest=exchange.digest, sender=self.context.rank,
+            role="actor", rank=rank, version=version, nbytes=digest.nbytes, tensors=digest.tensors, buckets=0,
+            seconds=time.perf_counter() - started, digest=exchange.digest, sender=rank,
             stages=(StageTiming(stage="offload", seconds=collected - started),
                     StageTiming(stage="update", seconds=time.perf_counter() - collected)),
         )
 
-    async def _collect_share(self, weights: Iterable[object]) -> tuple[dict[str, torch.Tensor], SetDigest]:
-        """Drain the whole stream (gathering may be collective); keep and hash this rank's share on the host."""
-        actor_world = int(str(self._rank_args["actor_wg_world_size"]))
-        assigner = ShareAssigner(actor_wg_world_size=actor_world)
-        seen: set[str] = set()
-        share: dict[str, torch.Tensor] = {}
-        digest = SetDigest()
-        for count, item in enumerate(weights, start=1):
-            name, tensor = validate_pair(item, devices=self.devices | {"cpu"}, seen=seen)
-            if assigner.owner(tensor.numel() * tensor.element_size()) == self.context.rank:
-                host = tensor.detach().to("cpu", copy=True).contiguous()
-                share[name] = host
-                digest.add(name, host)
-            if count % 64 == 0:
-                await asyncio.sleep(0)
-        return share, digest
-
-    def _send_blocking(self, share: dict[str, torch.Tensor], digest: SetDigest, version: int) -> Exchange:
-        ps = self._ps
-        name = self.checkpoint_name
-        try:
-            ps.register_checkpoint(name, named_tensors=share, use_shared_memory_pool=self.shared_memory_pool)
-            self._registered = True
-            self._pool_in_use = self._pool_in_use or self.shared_memory_pool
-            ps.gather_metas(name)
-            exchange = Exchange.from_sum(self._all_reduce_sum(
-                Exchange.contribution(digest, version=version if self.context.rank == 0 else None)))
-            ps.update(name, self._discard_req_func, timeout=datetime.timedelta(seconds=self.timeout),
-                      ranks=self._update_ranks())
-        except (BackendUnavailableError, TopologyError):
-            raise
-        except Exception as exc:
-            raise TransferError(f"kimi: update failed on actor rank {self.context.rank}: {exc!r}",
-                                peer=self._peer()) from None
-        return exchange
-
-    def _discard_req_func(self, socket_paths: list[tuple[str, str]]) -> None:
-        """An actor rank's PS also receives every bucket in broadcast mode; its IPC consumer drops them."""
-        self._serve_ipc(self._socket_for_this_device(socket_paths), lambda weights: None)
-
-    def _socket_for_this_device(self, socket_paths: list[tuple[str, str]]) -> str:
-        uuid = self._device_uuid()
-        for device_uuid, path in socket_paths:
-            if device_uuid == uuid:
-                return path
-        raise TransferError(f"kimi: no IPC socket for this GPU ({uuid}) among {[u for u, _ in socket_paths]}",
-                            peer=self._peer())
-
-    # -- receiving ------------------------------------------------------------------------------------------------
-
-    def receive_weights(self) -> _KimiStream:
-        self._require("receiver", "receive_weights")
-        if self._ps is None:
-            raise LifecycleError("kimi: receive_weights before init_process_group")
-        if not self._busy.acquire(blocking=False):
-            raise ConcurrentUpdateError("kimi: receive_weights while another update is in flight")
-        return _KimiStream(self)
-
-    def _receive_blocking(self, stream: _KimiStream) -> Exchange:
-        ps = self._ps
-        name = self.checkpoint_name
-        try:
-            ps.gather_metas(name)
-            exchange = Exchange.from_sum(self._all_reduce_sum(Exchange.contribution(None, version=None)))
-            stream.expected = exchange
-
-            def req_func(socket_paths: list[tuple[str, str]]) -> None:
-                try:
-                    self._serve_ipc(self._socket_for_this_device(socket_paths), stream.deliver)
-                except BaseException as exc:
-                    stream.fail(exc)
-                    raise
-
-            ps.update(name, req_func, timeout=datetime.timedelta(seconds=self.timeout), ranks=self._update_ranks())
-        except (BackendUnavailableError, TopologyError, TransferError):
-            raise
-        except Exception as exc:
-            raise TransferError(f"kimi: update failed on rollout rank {self.context.rank}: {exc!r}",
-                                peer=self._peer()) from None
-        return exchange
+    def receive_weights(self) -> KimiStream:
+        group = self._joined("receiver", "receive_weights")
+        hold = self._handover.hold_for_stream()
+        return KimiStream(self.settings, hold=hold, pool=self._pool, update=group.receive, peer=group.peer)
 
 
-class _KimiStream:
-    """``ReceivedWeights`` over checkpoint-engine's per-bucket IPC callback.
-
-    The callback (on checkpoint-engine's IPC thread) hands a bucket's ``(name, tensor)`` views to the event loop and
-    waits until the consumer asks for the item after the bucket's last one: the views stay valid exactly as long as
-    the Protocol promises, and checkpoint-engine reuses the buffer only after the callback returns.
-    """
-
-    def __init__(self, engine: KimiCheckpointEngine) -> None:
-        self.report: TransferReport | None = None
-        self.expected: Exchange | None = None
-        self._engine = engine
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: asyncio.Queue[Weights | BaseException | None] | None = None
-        self._bucket: Weights = []
-        self._position = 0
-        self._consumed: threading.Event | None = None
-        self._consumed_next: threading.Event | None = None
-        self._digest = SetDigest()
-        self._tensors = 0
-        self._buckets = 0
-        self._started = time.perf_counter()
-        self._finished = False
-        self._closed = threading.Event()
-
-    def __aiter__(self) -> _KimiStream:
-        return self
-
-    def deliver(self, weights: Weights) -> None:
-        """checkpoint-engine's ``run`` callback: one bucket, valid until this returns."""
-        loop, queue = self._loop, self._queue
-        if loop is None or queue is None or self._closed.is_set():
-            return
-        if self._engine.verify_digest:
-            for name, tensor in weights:
-                self._digest.add(name, tensor)
-        consumed = threading.Event()
-        loop.call_soon_threadsafe(self._hand_over, list(weights), consumed)
-        deadline = time.monotonic() + self._engine.timeout
-        while not consumed.wait(0.05):
-            if self._closed.is_set():
-                return
-            if time.monotonic() > deadline:
-                raise TransferError("kimi: the consumer did not take a bucket in time", peer="local consumer")
-
-    def _hand_over(self, weights: Weights, consumed: threading.Event) -> None:
-        if self._queue is not None:
-            self._consumed_next = consumed
-            self._queue.put_nowait(weights)
-
-    def fail(self, exc: BaseException) -> None:
-        loop, queue = self._loop, self._queue
-        if loop is not None and queue is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(queue.put_nowait, exc)
-
-    async def copy_into(
-        self, destinations: Mapping[str, torch.Tensor], *,
-        fallback: Callable[[str, torch.Tensor], object] | None = None,
-    ) -> int:
-        """checkpoint-engine hands over its own views; nothing faster than copying each (see ``copy_stream_into``)."""
-        return await copy_stream_into(self, destinations, fallback=fallback)
-
-    async def __anext__(self) -> tuple[str, torch.Tensor]:
-        if self._finished:
-            raise StopAsyncIteration
-        if self._queue is None:
-            self._loop = asyncio.get_running_loop()
-            self._queue = asyncio.Queue()
-            future = self._loop.run_in_executor(self._engine._transfer_pool, self._engine._receive_blocking, self)
-            future.add_done_callback(self._update_done)
-        try:
-            while True:
-                if self._position < len(self._bucket):
-                    item = self._bucket[self._position]
-                    self._position += 1
-                    self._tensors += 1
-                    return item
-                if self._consumed is not None:
-                    self._consumed.set()
-                    self._consumed = None
-                arrived = await self._queue.get()
-                if isinstance(arrived, BaseException):
-                    raise arrived
-                if arrived is None:
-                    self._complete()
-                    raise StopAsyncIteration
-                self._bucket, self._position = arrived, 0
-                self._consumed = self._consumed_next
-                self._buckets += 1
-        except BaseException:
-            self._close()
-            raise
-
-    def _update_done(self, future: asyncio.Future[Exchange]) -> None:
-        queue = self._queue
-        if queue is None:
-            return
-        error = future.exception() if not future.cancelled() else asyncio.CancelledError()
-        queue.put_nowait(error if error is not None else None)
-
-    def _complete(self) -> None:
-        engine = self._engine
-        try:
-            expected = self.expected
-            if expected is None:
-                raise TransferError("kimi: the update ended before the digest exchange", peer=engine._peer())
-            if engine.verify_digest and expected.digest != self._digest.hexdigest():
-                raise DigestMismatchError(
-                    f"rollout rank {engine.context.rank} received tensors whose digest {self._digest.hexdigest()[:16]} "
-                    f"differs from the actor ranks' {expected.digest[:16]}: the update was corrupted in transit",
-                    receiver=engine.context.rank, expected=expected.digest, actual=self._digest.hexdigest(),
-                )
-            self.report = TransferReport(
-                role="rollout", rank=engine.context.rank, version=expected.version, nbytes=expected.nbytes,
-                tensors=self._tensors, buckets=self._buckets, seconds=time.perf_counter() - self._started,
-                digest=expected.digest if not engine.verify_digest else self._digest.hexdigest(), sender=0,
-            )
-        finally:
-            self._close()
-
-    async def aclose(self) -> None:
-        """The consumer leaves early: checkpoint-engine's remaining buckets are let through untaken."""
-        self._close()
-
-    def _close(self) -> None:
-        if self._finished:
-            return
-        self._finished = True
-        self._closed.set()
-        if self._consumed is not None:
-            self._consumed.set()
-        self._engine._busy.release()
+# The guard (old calling conventions, sizes against the metadata, the epoch stamp), applied as core's engine
+# applies it; the class is passed in, so its errors name KimiCheckpointEngine.
+setattr(KimiCheckpointEngine, "build_topology",
+        classmethod(guard_build_topology(vars(KimiCheckpointEngine)["build_topology"].__func__)))
 
 
 def _free_port(host: str) -> int:

@@ -1,4 +1,5 @@
-"""The pure part of the ``kimi`` backend: who owns which tensor, the ParameterServer world, and the digest.
+"""The pure part of the ``kimi`` backend: its options, the ParameterServer world and each worker's place in it,
+who owns which tensor, and the digest.
 
 Kept free of checkpoint-engine and of devices so that all of it is tested on any machine.
 
@@ -14,19 +15,26 @@ ParameterServer's own group (no pickle, no extra connection); limb sums cannot o
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import xxhash
 
-from weightsync.api.errors import TopologyError
-from weightsync.core.tensors import as_byte_view, dtype_name, memoryview_of
+from weightsync.api.errors import ConfigError, TopologyError
+from weightsync.api.types import RankArgs, Topology, WorldMetadata
+from weightsync.core.backend import as_byte_view, dtype_name, memoryview_of, validate_pair
 
 __all__ = [
     "MODES",
+    "Weights",
+    "KimiOptions",
+    "JoinArgs",
+    "parameter_server_topology",
     "ShareAssigner",
+    "collect_share",
     "ps_rank",
     "SetDigest",
     "Exchange",
@@ -40,9 +48,116 @@ EXCHANGE_WIDTH = 7
 """Values each rank contributes to the all-reduce: four digest limbs, tensor count, bytes, update version."""
 
 
+Weights = list[tuple[str, torch.Tensor]]
+"""One bucket as checkpoint-engine hands it to the IPC callback: views into its device buffer."""
+
+
 def ps_rank(*, role: str, rank: int, actor_wg_world_size: int) -> int:
     """The ParameterServer rank of a worker: actor ranks first, then rollout workers (verl's layout)."""
     return rank if role == "actor" else actor_wg_world_size + rank
+
+
+@dataclass(frozen=True)
+class KimiOptions:
+    """The backend's own options (see the README); :meth:`parse` raises ``ConfigError`` for a bad one."""
+
+    NAMES: ClassVar[frozenset[str]] = frozenset({"mode", "mem_fraction", "shared_memory_pool"})
+
+    mode: str = "broadcast"
+    mem_fraction: float | None = None
+    """Share of free device memory for checkpoint-engine's buffers; None: its own default."""
+    shared_memory_pool: bool = True
+    """Reuse one pinned pool across updates (shares of a stable size)."""
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any]) -> KimiOptions:
+        mode = options.get("mode", "broadcast")
+        if mode not in MODES:
+            raise ConfigError(f"kimi: mode must be one of {', '.join(MODES)}, got {mode!r}")
+        mem_fraction = options.get("mem_fraction")
+        if mem_fraction is not None and (isinstance(mem_fraction, bool) or not isinstance(mem_fraction, float)
+                                         or not 0 < mem_fraction <= 1):
+            raise ConfigError(f"kimi: mem_fraction must be a float in (0, 1], got {mem_fraction!r}")
+        shared = options.get("shared_memory_pool", True)
+        if not isinstance(shared, bool):
+            raise ConfigError(f"kimi: shared_memory_pool must be a bool, got {shared!r}")
+        return cls(mode=str(mode), mem_fraction=mem_fraction, shared_memory_pool=shared)
+
+
+@dataclass(frozen=True)
+class JoinArgs:
+    """One worker's entry of the topology, checked: its place in the ParameterServer world of one epoch."""
+
+    REQUIRED: ClassVar[tuple[str, ...]] = (
+        "ps_rank", "ps_world_size", "master_addr", "master_port", "actor_wg_world_size", "epoch")
+
+    role: str
+    """``"sender"`` (an actor rank) or ``"receiver"`` (a rollout worker)."""
+    epoch: str
+    ps_rank: int
+    ps_world_size: int
+    master_addr: str
+    master_port: int
+    actor_wg_world_size: int
+    update_ranks: tuple[int, ...] | None
+    """The PS ranks ``update`` serves (``p2p``: the rollout workers); None: every rank (``broadcast``)."""
+
+    @classmethod
+    def parse(cls, rank_args: RankArgs) -> JoinArgs:
+        missing = [key for key in cls.REQUIRED if key not in rank_args]
+        role = rank_args.get("role")
+        if missing or role not in ("sender", "receiver"):
+            raise TopologyError(f"kimi: rank_args lack {missing or ['role']}: {rank_args}")
+        ranks = rank_args.get("update_ranks")
+        try:
+            return cls(
+                role=str(role), epoch=str(rank_args["epoch"]), ps_rank=int(str(rank_args["ps_rank"])),
+                ps_world_size=int(str(rank_args["ps_world_size"])), master_addr=str(rank_args["master_addr"]),
+                master_port=int(str(rank_args["master_port"])),
+                actor_wg_world_size=int(str(rank_args["actor_wg_world_size"])),
+                update_ranks=tuple(int(str(rank)) for rank in ranks) if isinstance(ranks, list) and ranks else None,
+            )
+        except ValueError:
+            raise TopologyError(f"kimi: rank_args hold a rank, size or port that is not an integer: {rank_args}"
+                                ) from None
+
+    @property
+    def checkpoint_name(self) -> str:
+        """The name this epoch's shares are registered under with the ParameterServer."""
+        return f"weightsync-{self.epoch[:16]}"
+
+
+def parameter_server_topology(
+    *, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata
+) -> Topology:
+    """Every worker of the epoch in one ParameterServer world; actor rank 0 hosts its store (see ``prepare``)."""
+    if actor_wg_world_size < 1 or rollout_world_size < 0:
+        raise TopologyError(f"kimi: need actor_wg_world_size >= 1 and rollout_world_size >= 0, got "
+                            f"{actor_wg_world_size} and {rollout_world_size}")
+    if len(metadata.actor) != actor_wg_world_size or len(metadata.rollout) != rollout_world_size:
+        raise TopologyError("kimi: metadata does not match actor_wg_world_size/rollout_world_size")
+    modes = {entry.get("mode", "broadcast") for entry in [*metadata.actor, *metadata.rollout]}
+    if len(modes) != 1:
+        raise TopologyError(f"kimi: workers disagree on the mode option: {sorted(map(str, modes))}")
+    mode = str(modes.pop())
+    addr, port = metadata.actor[0].get("master_addr"), metadata.actor[0].get("master_port")
+    if not isinstance(addr, str) or not isinstance(port, int):
+        raise TopologyError("kimi: actor rank 0 did not advertise master_addr/master_port (was prepare() called?)")
+
+    def place(role: str, rank: int) -> int:
+        return ps_rank(role=role, rank=rank, actor_wg_world_size=actor_wg_world_size)
+
+    update_ranks: list[Any] = [place("rollout", j) for j in range(rollout_world_size)] if mode == "p2p" else []
+    common: RankArgs = {
+        "master_addr": addr, "master_port": port, "ps_world_size": actor_wg_world_size + rollout_world_size,
+        "mode": mode, "update_ranks": update_ranks, "actor_wg_world_size": actor_wg_world_size, "sender": 0,
+    }
+    actor: list[RankArgs] = [{**common, "role": "sender", "ps_rank": place("actor", i)}
+                             for i in range(actor_wg_world_size)]
+    rollout: list[RankArgs] = [{**common, "role": "receiver", "ps_rank": place("rollout", j)}
+                               for j in range(rollout_world_size)]
+    # Every actor rank sends a disjoint share; each reports the digest of the whole update (after the exchange).
+    return Topology(actor=actor, rollout=rollout, senders=tuple(range(actor_wg_world_size)))
 
 
 class ShareAssigner:
@@ -62,6 +177,25 @@ class ShareAssigner:
         # A zero-byte tensor still costs a slot in the owner's table: count it as one byte so they spread out.
         self._loads[rank] += max(nbytes, 1)
         return rank
+
+
+async def collect_share(
+    weights: Iterable[object], *, rank: int, actor_wg_world_size: int, devices: frozenset[str]
+) -> tuple[dict[str, torch.Tensor], SetDigest]:
+    """Drain the whole stream (gathering may be collective); keep and hash actor rank ``rank``'s share on the host."""
+    assigner = ShareAssigner(actor_wg_world_size=actor_wg_world_size)
+    seen: set[str] = set()
+    share: dict[str, torch.Tensor] = {}
+    digest = SetDigest()
+    for count, item in enumerate(weights, start=1):
+        name, tensor = validate_pair(item, devices=devices, seen=seen)
+        if assigner.owner(tensor.numel() * tensor.element_size()) == rank:
+            host = tensor.detach().to("cpu", copy=True).contiguous()
+            share[name] = host
+            digest.add(name, host)
+        if count % 64 == 0:  # let the event loop breathe while a long stream is drained
+            await asyncio.sleep(0)
+    return share, digest
 
 
 @dataclass
@@ -110,7 +244,3 @@ class Exchange:
             raise TopologyError(f"kimi digest exchange returned {list(values)!r}")
         total = sum(limb << (32 * index) for index, limb in enumerate(values[:4])) & _MASK
         return Exchange(digest=f"{total:032x}", tensors=values[4], nbytes=values[5], version=values[6])
-
-
-def aligned_nbytes(tensor: torch.Tensor) -> int:
-    return math.prod(tensor.shape) * tensor.element_size()
