@@ -28,6 +28,7 @@ from weightsync.api.registry import (
     load_engine_class,
     register_backend,
 )
+from weightsync.api.topology import build_checked_topology, with_epoch
 from weightsync.api.types import (
     JsonValue,
     RankArgs,
@@ -67,6 +68,8 @@ __all__ = [
     "installed_backends",
     "load_engine_class",
     "register_backend",
+    "build_checked_topology",
+    "with_epoch",
     "JsonValue",
     "RankArgs",
     "ReplicaOutcome",

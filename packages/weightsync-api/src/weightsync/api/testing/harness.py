@@ -11,7 +11,6 @@ import asyncio
 import json
 import multiprocessing
 import multiprocessing.connection
-import secrets
 import socket
 import time
 import traceback
@@ -19,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from weightsync.api.registry import load_engine_class
+from weightsync.api.topology import build_checked_topology, with_epoch
 from weightsync.api.types import Role, Topology, WorkerContext, WorldMetadata
 
 __all__ = ["ConformanceFailure", "EngineHarness", "WorkerFailed"]
@@ -262,15 +262,14 @@ class EngineHarness:
     def setup(self) -> Topology:
         """prepare → build_topology → init_process_group, with a fresh epoch token."""
         metadata = self._all("prepare")
-        topology = self.engine_class.build_topology(
-            actor_wg_world_size=1, rollout_world_size=self.receivers,
+        topology = build_checked_topology(
+            self.engine_class, backend=self.backend, actor_wg_world_size=1, rollout_world_size=self.receivers,
             metadata=WorldMetadata(actor=metadata[:1], rollout=metadata[1:]),
         )
-        topology.check(actor_wg_world_size=1, rollout_world_size=self.receivers)
         # Engines normally stamp the epoch token themselves; the kit supplies one for those that do not.
-        self.epoch = str(topology.actor[0].get("epoch") or secrets.token_hex(16))
-        rank_args = [{"rank_args": {"epoch": self.epoch, **args}} for args in [*topology.actor, *topology.rollout]]
-        self._all("init", rank_args)
+        topology = with_epoch(topology)
+        self.epoch = str(topology.actor[0]["epoch"])
+        self._all("init", [{"rank_args": args} for args in [*topology.actor, *topology.rollout]])
         return topology
 
     def update(self, case: str, update: int = 0, *, mode: str = "iterate") -> list[dict[str, Any]]:
