@@ -41,7 +41,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from weightsync.api.errors import DestinationError
-from weightsync.api.types import RankArgs, Topology, TransferReport, WorkerMetadata, WorldMetadata
+from weightsync.api.types import RankArgs, Topology, TransferReport, WorkerContext, WorkerMetadata, WorldMetadata
 
 if TYPE_CHECKING:
     import torch
@@ -152,9 +152,10 @@ class CheckpointEngine(Protocol):
     """Moves one model's weights from the actor worker group to every rollout worker.
 
     One instance lives in each worker process (actor rank or rollout worker), built by the hosting adapter as
-    ``Engine(bucket_bytes=..., **options)``. Options common to all engines: ``context`` (a ``WorkerContext``:
-    role, rank, node, address, supplied by the host), ``slots`` (buckets per side; the backend's default when not
-    given). Backends document their own options.
+    ``Engine(bucket_bytes=..., context=..., slots=..., timeout=..., verify_digest=..., **options)``: ``context``
+    (a ``WorkerContext``: role, rank, node, address, supplied by the host), ``slots`` (buckets per side; ``None``:
+    the backend's default), ``timeout`` (seconds any single blocking wait may take), ``verify_digest`` (check the
+    end-to-end digest on receipt). Backends document their own ``options``.
 
     Class attributes (data, read without constructing an engine): ``name`` (the registry name) and ``devices``
     (the tensor devices it moves, e.g. ``frozenset({"cpu"})``).
@@ -167,7 +168,10 @@ class CheckpointEngine(Protocol):
     name: ClassVar[str]
     devices: ClassVar[frozenset[str]]
 
-    def __init__(self, *, bucket_bytes: int, **options: Any) -> None: ...
+    def __init__(
+        self, *, bucket_bytes: int, context: WorkerContext | None = None, slots: int | None = None,
+        timeout: float = 600.0, verify_digest: bool = True, **options: Any,
+    ) -> None: ...
 
     def prepare(self) -> WorkerMetadata:
         """Step 1. Allocate or reuse buffers and endpoints; return this worker's metadata (plain data).
@@ -196,8 +200,11 @@ class CheckpointEngine(Protocol):
         """
         ...
 
-    async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> TransferReport:
-        """Step 4, actor side. Consume ``weights`` entirely and, on a sending rank, transmit it.
+    async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int) -> TransferReport:
+        """Step 4, actor side. Consume ``weights`` entirely and, on a sending rank, transmit it as update ``version``.
+
+        ``version`` labels the update (the manager's counter, or the trainer's step): it travels in every bucket
+        header, and each receiver's report carries it.
 
         ``weights`` may be a generator that gathers a sharded model collectively, so every actor rank must drain
         it even when it sends nothing. Each tensor is read during this call only (packed into a bucket); the caller
