@@ -6,7 +6,7 @@ import asyncio
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import ray
@@ -22,7 +22,7 @@ from weightsync.api.errors import (
     WeightStreamError,
 )
 from weightsync.api.types import Topology, WorldMetadata
-from weightsync.core import manager as manager_module
+from weightsync.core import steps as steps_module
 from weightsync.core.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 from weightsync.shm.engine import ShmCheckpointEngine
@@ -149,7 +149,7 @@ def test_manager_never_blocks_its_event_loop(world: World, monkeypatch: pytest.M
     assert ticks >= 100 and worst < 0.2, (ticks, worst)
 
     # Negative control: the same check against a manager that calls ray.get inside the update must fail.
-    original = manager_module._gather
+    original = steps_module.gather
 
     async def blocking_gather(step: str, timeout: float, labelled: list[tuple[str, Any]], **kwargs: Any) -> Any:
         # Ray ObjectRefs are fetched with ray.get, which blocks the loop, as verl's manager did.
@@ -159,7 +159,7 @@ def test_manager_never_blocks_its_event_loop(world: World, monkeypatch: pytest.M
         ]
         return await original(step, timeout, resolved, **kwargs)
 
-    monkeypatch.setattr(manager_module, "_gather", blocking_gather)
+    monkeypatch.setattr(steps_module, "gather", blocking_gather)
     ticks, worst, seconds = asyncio.run(measure_liveness(lambda: manager.update_weights()))
     assert seconds >= 2.0
     assert not (ticks >= 100 and worst < 0.2), (ticks, worst)
@@ -203,18 +203,20 @@ def test_old_trainer_keyword_names_the_new_one(world: World) -> None:
         CheckpointEngineManager(backend="shm", replicas=world.replicas, **old_style)
 
 
-class _ShortTopologyEngine(ShmCheckpointEngine):
+class _ShortTopologyEngine:
+    """The driver's view of an engine class (only build_topology is called there) that drops a rollout entry."""
+
     @classmethod
     def build_topology(cls, *, actor_wg_world_size: int, rollout_world_size: int,
                        metadata: WorldMetadata) -> Topology:
-        full = super().build_topology(actor_wg_world_size=actor_wg_world_size,
-                                      rollout_world_size=rollout_world_size, metadata=metadata)
+        full = ShmCheckpointEngine.build_topology(actor_wg_world_size=actor_wg_world_size,
+                                                  rollout_world_size=rollout_world_size, metadata=metadata)
         return Topology(actor=full.actor, rollout=full.rollout[:-1], senders=full.senders)
 
 
 def test_topology_not_matching_world_sizes_is_rejected(world: World) -> None:
     manager = world.manager("shm")
-    manager.engine_class = _ShortTopologyEngine
+    manager.engine_class = cast(Any, _ShortTopologyEngine)
     with pytest.raises(TopologyError, match="1 rollout entries but rollout_world_size is 2"):
         asyncio.run(manager.update_weights())
     # Nothing moved: the replicas were resumed, untouched.

@@ -1,9 +1,10 @@
 """``CheckpointEngineManager``: drives one update from the driver, without ever blocking its event loop.
 
 pause replicas → (prepare → build_topology → init_process_group, only when membership changed or the last update
-failed) → send/receive → finalize (unless every worker's host did it within its transfer call, as ours do) → resume.
-Every step awaits the workers' awaitables together under the step's timeout from ``SyncConfig.timeouts``; a timeout
-names the step and the workers still pending. Resuming runs in ``finally``: a replica resumes when it holds a complete, verified model — the new version (committed) or its old
+failed) → send/receive → finalize (unless every worker's host did it within its transfer call, as ours do) →
+resume. Every step awaits the workers' awaitables together under the step's timeout from ``SyncConfig.timeouts``
+(``weightsync.core.steps.gather``); a timeout names the step and the workers still pending. Resuming runs in
+``finally``: a replica resumes when it holds a complete, verified model — the new version (committed) or its old
 one because no byte reached it (untouched). A replica the failed update may have half-written (torn) stays paused
 and is repaired by the next update.
 """
@@ -11,11 +12,11 @@ and is repaired by the next update.
 from __future__ import annotations
 
 import asyncio
-import secrets
+import dataclasses
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import (
@@ -23,28 +24,23 @@ from weightsync.api.errors import (
     ConfigError,
     DigestMismatchError,
     LifecycleError,
-    StepTimeoutError,
-    TopologyError,
-    WeightsyncError,
-    WorkerError,
     reject_renamed_keywords,
 )
 from weightsync.api.protocols import ActorWorkerGroup, PausableReplica, RolloutReplica, RolloutWorker
 from weightsync.api.registry import load_engine_class
+from weightsync.api.topology import build_checked_topology, with_epoch
 from weightsync.api.types import (
     ReplicaOutcome,
     ReplicaState,
-    Topology,
     TransferReport,
     UpdateReport,
     WorkerMetadata,
     WorldMetadata,
 )
+from weightsync.core import steps
 from weightsync.core.host import engine_spec, is_untouched
 
 __all__ = ["CheckpointEngineManager", "ReplicaStatus"]
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -175,7 +171,7 @@ class CheckpointEngineManager:
         failure: BaseException | None = None
         outcomes_by_replica: list[ReplicaOutcome] = []
         try:
-            await self._stage(stages, "pause", timeouts.pause, [
+            await _stage(stages, "pause", timeouts.pause, [
                 (f"replica{r}", _pause(replica)) for r, replica in enumerate(replicas)
             ])
             if self._epoch is None:
@@ -186,20 +182,20 @@ class CheckpointEngineManager:
             sends = list(self.actor_wg.update_weights(version=version))
             receives = [worker.update_weights(version=version) for _, worker in workers]
             labels = [f"actor rank {rank}" for rank in range(len(sends))] + [_worker_label(r, w) for r, w in workers]
-            outcomes = await _gather("transfer", timeouts.transfer, list(zip(labels, [*sends, *receives])),
-                                     raise_first=False)
+            outcomes = await steps.gather("transfer", timeouts.transfer, list(zip(labels, [*sends, *receives])),
+                                          raise_first=False)
             stages["transfer"] = time.perf_counter() - step_start
             reports = outcomes[len(sends):]
             sender_reports = [outcome for outcome in outcomes[: len(sends)] if isinstance(outcome, TransferReport)]
             failed = {id(outcome): (outcome, label) for outcome, label in zip(outcomes, labels)
                       if isinstance(outcome, BaseException)}  # one timeout error stands for every pending worker
-            errors = [_typed(outcome, step="transfer", worker=label) for outcome, label in failed.values()]
+            errors = [steps.typed_error(outcome, step="transfer", worker=label) for outcome, label in failed.values()]
             if errors:
-                raise _root_cause(errors)
+                raise steps.root_cause(errors)
             self._check_digests(sender_reports, reports, workers)
             if not all(isinstance(report, TransferReport) and report.finalized for report in outcomes):
                 # A host that does not finalize within its transfer call (ours do: one round trip fewer).
-                await self._stage(stages, "finalize", timeouts.finalize, self._all_workers("finalize", workers))
+                await _stage(stages, "finalize", timeouts.finalize, self._all_workers("finalize", workers))
         except BaseException as exc:
             failure = exc
             self._epoch = None  # connections may be mid-message: rebuild them next time
@@ -234,33 +230,21 @@ class CheckpointEngineManager:
                 "prepare", engine=engine_spec(backend=self.backend, config=self.config, role="rollout", rank=rank)))
             for rank, (r, worker) in enumerate(workers)
         ]
-        metadata: list[WorkerMetadata] = await _gather("prepare", timeout, labelled)
-        try:
-            topology = self.engine_class.build_topology(
-                actor_wg_world_size=actor_size, rollout_world_size=len(workers),
-                metadata=WorldMetadata(actor=metadata[:actor_size], rollout=metadata[actor_size:]),
-            )
-            if not isinstance(topology, Topology):
-                raise TopologyError(f"{self.backend}.build_topology returned {type(topology).__name__}, not Topology")
-            topology.check(actor_wg_world_size=actor_size, rollout_world_size=len(workers))
-        except TopologyError:
-            raise
-        except WeightsyncError:
-            raise
-        except Exception as exc:
-            raise TopologyError(f"{self.backend}.build_topology failed: {exc!r}") from exc
+        metadata: list[WorkerMetadata] = await steps.gather("prepare", timeout, labelled)
+        topology = build_checked_topology(
+            self.engine_class, backend=self.backend, actor_wg_world_size=actor_size, rollout_world_size=len(workers),
+            metadata=WorldMetadata(actor=metadata[:actor_size], rollout=metadata[actor_size:]),
+        )
         # Our engines stamp the epoch token in build_topology; an engine that does not gets one here.
-        epoch = str(topology.actor[0].get("epoch") or secrets.token_hex(16))
-        actor_args = [{"epoch": epoch, **args} for args in topology.actor]
-        rollout_args = [{"epoch": epoch, **args} for args in topology.rollout]
-        init_calls = self.actor_wg.execute_checkpoint_engine("init_process_group", rank_args=actor_args)
+        topology = with_epoch(topology)
+        init_calls = self.actor_wg.execute_checkpoint_engine("init_process_group", rank_args=list(topology.actor))
         labelled = [(f"actor rank {rank}", call) for rank, call in enumerate(init_calls)]
         labelled += [
             (_worker_label(r, worker), worker.execute_checkpoint_engine("init_process_group", rank_args=args))
-            for (r, worker), args in zip(workers, rollout_args)
+            for (r, worker), args in zip(workers, topology.rollout)
         ]
-        await _gather("init_process_group", timeout, labelled)
-        self._epoch = epoch
+        await steps.gather("init_process_group", timeout, labelled)
+        self._epoch = str(topology.actor[0]["epoch"])
         stages["setup"] = time.perf_counter() - started
 
     def _all_workers(self, method: str, workers: list[tuple[int, RolloutWorker]]) -> list[tuple[str, Awaitable[Any]]]:
@@ -317,7 +301,7 @@ class CheckpointEngineManager:
     ) -> None:
         resumable = [i for i, outcome in enumerate(outcomes) if outcome.state != "torn"]
         try:
-            await self._stage(stages, "resume", self.config.timeouts.resume, [
+            await _stage(stages, "resume", self.config.timeouts.resume, [
                 (f"replica{i}", _resume(replicas[i])) for i in resumable
             ])
             resumed = set(resumable)
@@ -326,18 +310,18 @@ class CheckpointEngineManager:
             if failure is None:
                 raise
         for i, outcome in enumerate(outcomes):
-            outcomes[i] = ReplicaOutcome(
-                replica=i, state=outcome.state, version=outcome.version, resumed=i in resumed, error=outcome.error
-            )
+            outcomes[i] = dataclasses.replace(outcome, replica=i, resumed=i in resumed)
             self._states[i] = ReplicaStatus(i, outcome.state, outcome.version)
 
-    async def _stage(self, stages: dict[str, float], step: str, timeout: float,
-                     labelled: list[tuple[str, Awaitable[Any]]]) -> list[Any]:
-        started = time.perf_counter()
-        try:
-            return await _gather(step, timeout, labelled)
-        finally:
-            stages[step] = time.perf_counter() - started
+
+async def _stage(stages: dict[str, float], step: str, timeout: float,
+                 labelled: list[tuple[str, Awaitable[Any]]]) -> list[Any]:
+    """``gather`` one step, recording its wall time in ``stages`` (also when it fails)."""
+    started = time.perf_counter()
+    try:
+        return await steps.gather(step, timeout, labelled)
+    finally:
+        stages[step] = time.perf_counter() - started
 
 
 async def _pause(replica: RolloutReplica) -> None:
@@ -362,76 +346,3 @@ def _worker_label(replica: int, worker: RolloutWorker) -> str:
     except Exception:
         name = ""
     return f"replica{replica}/{name}" if name else f"replica{replica}"
-
-
-def _unwrap(error: BaseException) -> BaseException:
-    """Ray wraps a remote exception; its ``cause`` is the one the worker raised."""
-    cause = getattr(error, "cause", None)
-    return cause if isinstance(cause, BaseException) else error
-
-
-def _root_cause(errors: list[BaseException]) -> BaseException:
-    """Of several workers' failures in one step, the one that explains the others.
-
-    A worker that died or crashed (``WorkerError``) comes first: its peers' transfer errors are consequences. Then
-    the senders' errors (a bad weights stream), which come first in ``errors``. The others are attached as notes.
-    """
-    # A timeout is a symptom when another worker actually failed; it is the cause only when nothing else went wrong.
-    causes = [error for error in errors if not isinstance(error, StepTimeoutError)] or errors
-    chosen = next((error for error in causes if isinstance(error, WorkerError)), causes[0])
-    for error in errors:
-        if error is not chosen:
-            chosen.add_note(f"also: {type(error).__name__}: {error}")
-    return chosen
-
-
-def _typed(error: BaseException, *, step: str, worker: str) -> BaseException:
-    """Our typed errors pass through (with a note naming the worker); anything else becomes a ``WorkerError``."""
-    cause = _unwrap(error)
-    if isinstance(cause, WeightsyncError):
-        cause.add_note(f"raised by {worker} during {step}")
-        return cause
-    return WorkerError(f"{worker} failed during {step}: {type(cause).__name__}: {cause}", worker=worker, step=step)
-
-
-async def _gather(step: str, timeout: float, labelled: list[tuple[str, Awaitable[Any]]],
-                  *, raise_first: bool = True) -> list[Any]:
-    """Await every labelled awaitable under one timeout; the results in order.
-
-    With ``raise_first`` the first failure (in order) is raised as a typed error, and a timeout raises
-    ``StepTimeoutError`` naming the step and every worker still pending; otherwise failures, and that timeout error
-    for the pending workers, are returned in place of results.
-    """
-    if not labelled:
-        return []
-    futures = [asyncio.ensure_future(awaitable) for _, awaitable in labelled]
-    try:
-        done, pending = await asyncio.wait(futures, timeout=timeout)
-    except BaseException:
-        for future in futures:
-            future.cancel()
-        raise
-    timed_out: StepTimeoutError | None = None
-    if pending:
-        for future in pending:
-            future.cancel()
-        names = [label for (label, _), future in zip(labelled, futures) if future in pending]
-        timed_out = StepTimeoutError(
-            f"step {step!r} did not finish within {timeout:g}s; still waiting for: {', '.join(names)}",
-            step=step, workers=names,
-        )
-        if raise_first:
-            raise timed_out
-    results: list[Any] = []
-    for (label, _), future in zip(labelled, futures):
-        if future in pending:
-            results.append(timed_out)  # the caller weighs it against the other workers' failures
-            continue
-        error = future.exception()
-        if error is not None:
-            if raise_first:
-                raise _typed(error, step=step, worker=label)
-            results.append(error)
-        else:
-            results.append(future.result())
-    return results
