@@ -101,6 +101,7 @@ def test_updates_are_bit_exact_and_replicas_resume(world: World, backend: str) -
         assert [outcome.state for outcome in report.replicas] == ["committed", "committed"]
         assert all(outcome.resumed for outcome in report.replicas)
         assert report.nbytes == sum(t.numel() * t.element_size() for _, t in model_tensors(version))
+    assert list(manager.status()) == list(report.replicas)  # status() is the last update's ReplicaOutcome
     assert [status.version for status in manager.status()] == [12, 12]
     assert world.hooks(0)[-4:] == ["abort_all_requests", "release_kv_cache", "resume_kv_cache", "resume_generation"]
 
@@ -231,6 +232,7 @@ def test_corrupted_bucket_is_caught_by_digest_and_repaired(world: World) -> None
     states = [status.state for status in manager.status()]
     assert "torn" in states
     torn = states.index("torn")
+    assert not manager.status()[torn].resumed and "DigestMismatchError" in str(manager.status()[torn].error)
     assert world.hooks(torn)[-2:] == ["abort_all_requests", "release_kv_cache"]  # still paused
     expected = world.set_version(52)
     report = asyncio.run(manager.update_weights())  # the hook flips once per process: this one is clean

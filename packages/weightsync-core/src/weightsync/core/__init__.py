@@ -4,7 +4,7 @@ from weightsync.core.codec import WIRE_VERSION, BucketHeader
 from weightsync.core.digest import UpdateDigest
 from weightsync.core.engine import BucketCheckpointEngine, default_node_id
 from weightsync.core.host import EngineHost, engine_spec
-from weightsync.core.manager import CheckpointEngineManager, ReplicaStatus
+from weightsync.core.manager import CheckpointEngineManager
 from weightsync.core.planner import PackItem, PlannedBucket, plan_buckets
 from weightsync.core.transport import NO_SLOT, ReceivedBucket, ReceiverTransport, SenderTransport, TransportHook
 
@@ -17,7 +17,6 @@ __all__ = [
     "EngineHost",
     "engine_spec",
     "CheckpointEngineManager",
-    "ReplicaStatus",
     "PackItem",
     "PlannedBucket",
     "plan_buckets",

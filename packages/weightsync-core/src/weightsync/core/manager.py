@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from weightsync.api.config import SyncConfig
@@ -40,14 +39,7 @@ from weightsync.api.types import (
 from weightsync.core import steps
 from weightsync.core.host import engine_spec, is_untouched
 
-__all__ = ["CheckpointEngineManager", "ReplicaStatus"]
-
-
-@dataclass(frozen=True)
-class ReplicaStatus:
-    replica: int
-    state: ReplicaState
-    version: int | None
+__all__ = ["CheckpointEngineManager"]
 
 
 class CheckpointEngineManager:
@@ -85,7 +77,7 @@ class CheckpointEngineManager:
         self.actor_wg = actor_wg
         self.config = config or SyncConfig()
         self._replicas: list[RolloutReplica] = []
-        self._states: list[ReplicaStatus] = []
+        self._states: list[ReplicaOutcome] = []
         self._epoch: str | None = None
         self._version = 0
         self._updating = False
@@ -106,7 +98,7 @@ class CheckpointEngineManager:
             if not replica.workers:
                 raise ConfigError("a replica without workers cannot receive weights")
             self._replicas.append(replica)
-            self._states.append(ReplicaStatus(replica=0, state="untouched", version=None))
+            self._states.append(ReplicaOutcome(replica=0, state="untouched", version=None, resumed=False))
         self._renumber()
         self._epoch = None
 
@@ -123,10 +115,11 @@ class CheckpointEngineManager:
         self._epoch = None
 
     def _renumber(self) -> None:
-        self._states = [ReplicaStatus(i, s.state, s.version) for i, s in enumerate(self._states)]
+        self._states = [dataclasses.replace(state, replica=i) for i, state in enumerate(self._states)]
 
-    def status(self) -> list[ReplicaStatus]:
-        """Per replica: the version it holds and whether it is committed, torn or untouched."""
+    def status(self) -> list[ReplicaOutcome]:
+        """Per replica: the version it holds, whether it is committed, torn or untouched, and whether the last update
+        resumed it (``resumed=False`` for a replica no update has included yet)."""
         return list(self._states)
 
     def _check_idle(self, what: str) -> None:
@@ -311,7 +304,7 @@ class CheckpointEngineManager:
                 raise
         for i, outcome in enumerate(outcomes):
             outcomes[i] = dataclasses.replace(outcome, replica=i, resumed=i in resumed)
-            self._states[i] = ReplicaStatus(i, outcome.state, outcome.version)
+            self._states[i] = outcomes[i]
 
 
 async def _stage(stages: dict[str, float], step: str, timeout: float,
