@@ -10,6 +10,7 @@ from typing import Any
 
 from typing_extensions import assert_type
 
+from weightsync.api.topology import build_checked_topology, with_epoch
 from weightsync.api.types import Topology, WorldMetadata
 from weightsync.core.manager import CheckpointEngineManager
 from weightsync.gloo.collective import GlooCheckpointEngine
@@ -25,10 +26,18 @@ def correct(actor_wg: RayActorWorkerGroup, replicas: list[RayRolloutReplica], me
     assert_type(
         GlooCheckpointEngine.build_topology(actor_wg_world_size=1, rollout_world_size=1, metadata=metadata), Topology
     )
+    checked = build_checked_topology(
+        ShmCheckpointEngine, backend="shm", actor_wg_world_size=2, rollout_world_size=4, metadata=metadata
+    )
+    assert_type(with_epoch(checked), Topology)
 
 
 def wrong(actor_wg: RayActorWorkerGroup, replicas: list[RayRolloutReplica], metadata: WorldMetadata) -> Any:
     CheckpointEngineManager(backend="shm", trainer=actor_wg, replicas=replicas)  # type: ignore[call-arg]
+    # Both keywords: an __init__ with **kwargs would accept this one (the hole this case keeps closed).
+    CheckpointEngineManager(  # type: ignore[call-arg]
+        backend="shm", actor_wg=actor_wg, trainer=actor_wg, replicas=replicas
+    )
     CheckpointEngineManager("shm", actor_wg, replicas)  # type: ignore[call-arg]
     ShmCheckpointEngine.build_topology(  # type: ignore[call-arg]
         trainer_world_size=2, rollout_world_size=4, metadata=metadata
@@ -37,3 +46,7 @@ def wrong(actor_wg: RayActorWorkerGroup, replicas: list[RayRolloutReplica], meta
     GlooCheckpointEngine.build_topology(  # type: ignore[call-arg]
         trainer_world_size=1, rollout_world_size=1, metadata=metadata
     )
+    build_checked_topology(  # type: ignore[call-arg]
+        ShmCheckpointEngine, backend="shm", trainer_world_size=2, rollout_world_size=4, metadata=metadata
+    )
+    build_checked_topology(ShmCheckpointEngine, "shm", 2, 4, metadata)  # type: ignore[call-arg]

@@ -202,6 +202,12 @@ def test_old_trainer_keyword_names_the_new_one(world: World) -> None:
         CheckpointEngineManager(backend="shm", replicas=world.replicas, **old_style)
     with pytest.raises(TypeError):
         CheckpointEngineManager(backend="shm", replicas=world.replicas, **old_style)
+    # Also next to actor_wg= (mypy rejects both calls: tests/typing/check_actor_wg_keywords.py).
+    with pytest.raises(RenamedKeywordError, match="actor_wg=.*weightsync migrate"):
+        CheckpointEngineManager(backend="shm", actor_wg=world.actor_wg, replicas=world.replicas, **old_style)
+    unknown: dict[str, Any] = {"actor_group": world.actor_wg}
+    with pytest.raises(TypeError, match="actor_group"):
+        CheckpointEngineManager(backend="shm", actor_wg=world.actor_wg, replicas=world.replicas, **unknown)
 
 
 class _ShortTopologyEngine:

@@ -50,8 +50,8 @@ class CheckpointEngineManager:
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> CheckpointEngineManager:
-        # Runs before Python checks __init__'s required keywords, so an old-style `trainer=` call gets a message
-        # naming `actor_wg=` and the codemod instead of "missing keyword-only argument 'actor_wg'".
+        # Runtime guard for untyped callers, before Python checks __init__'s keywords: `trainer=` gets a message
+        # naming `actor_wg=` and the codemod. mypy checks calls against __init__ (no **kwargs), rejecting it.
         reject_renamed_keywords("CheckpointEngineManager", kwargs)
         return super().__new__(cls)
 
@@ -62,11 +62,7 @@ class CheckpointEngineManager:
         actor_wg: ActorWorkerGroup,
         replicas: Sequence[RolloutReplica],
         config: SyncConfig | None = None,
-        **unexpected: Any,
     ) -> None:
-        reject_renamed_keywords("CheckpointEngineManager", unexpected)
-        if unexpected:
-            raise TypeError(f"CheckpointEngineManager() got unexpected keywords: {', '.join(sorted(unexpected))}")
         if config is not None and not isinstance(config, SyncConfig):
             raise ConfigError(f"config must be a SyncConfig, got {type(config).__name__}")
         world_size = actor_wg.world_size
