@@ -23,7 +23,7 @@ from weightsync.core.engine import BucketCheckpointEngine
 
 __all__ = ["EngineHost", "build_engine", "engine_spec"]
 
-_METHODS = ("prepare", "init_process_group", "finalize", "close", "held")
+_METHODS = ("prepare", "init_process_group", "finalize", "close")
 
 
 def engine_spec(*, backend: str, config: SyncConfig, role: Role, rank: int) -> dict[str, Any]:
@@ -60,11 +60,6 @@ class EngineHost:
         self.name = name
         self.engine: BucketCheckpointEngine | None = None
         self._spec: dict[str, Any] | None = None
-        # What this worker's model holds: the (version, digest) of the last verified update; None once an update
-        # wrote some tensors and then failed (the model is torn until the next verified update).
-        self.held_version: int | None = None
-        self.held_digest: str | None = None
-        self.torn = False
 
     async def execute(self, method: str, /, **kwargs: Any) -> Any:
         """Run lifecycle step ``method`` (one of prepare, init_process_group, finalize, close) off the loop."""
@@ -110,9 +105,6 @@ class EngineHost:
         self._finalize()
         return dataclasses.replace(report, finalized=True)
 
-    def _held(self) -> dict[str, Any]:
-        return {"version": self.held_version, "digest": self.held_digest, "torn": self.torn}
-
     async def receive(self, sink: WeightSink, *, version: int) -> TransferReport:
         stream = _CountingStream(self._engine().receive_weights())
         try:
@@ -127,13 +119,10 @@ class EngineHost:
                 raise WeightStreamError(f"{self.name or 'worker'}: the sink left {leftover} tensors unconsumed")
         except BaseException as exc:
             await stream.aclose()  # let the sender and the other receivers finish without this one
-            if stream.delivered:
-                self.torn, self.held_version, self.held_digest = True, None, None
-            else:
+            if not stream.delivered:
                 # Nothing reached the model: it still holds what it held. The manager reads this mark.
                 mark_untouched(exc)
             raise
-        self.torn, self.held_version, self.held_digest = False, report.version, report.digest
         return self._finalized(report)
 
 
