@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -16,14 +17,16 @@ import torch
 
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import ConfigError, LifecycleError, WeightsyncError, WeightStreamError
-from weightsync.api.protocols import ReceivedWeights, WeightSink
+from weightsync.api.protocols import CheckpointEngine, ReceivedWeights, WeightSink
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import RankArgs, Role, TransferReport, WorkerContext, WorkerMetadata
-from weightsync.core.engine import BucketCheckpointEngine
+from weightsync.core.steps import unwrap
 
-__all__ = ["EngineHost", "build_engine", "engine_spec"]
+__all__ = ["EngineHost", "build_engine", "engine_spec", "is_untouched", "mark_untouched"]
 
 _METHODS = ("prepare", "init_process_group", "finalize", "close")
+# What build_engine requires of an engine class: the CheckpointEngine Protocol's methods, build_topology class-level.
+_ENGINE_METHODS = ("prepare", "init_process_group", "send_weights", "receive_weights", "finalize", "close")
 
 
 def engine_spec(*, backend: str, config: SyncConfig, role: Role, rank: int) -> dict[str, Any]:
@@ -31,8 +34,11 @@ def engine_spec(*, backend: str, config: SyncConfig, role: Role, rank: int) -> d
     return {"backend": backend, "config": config.to_dict(), "role": role, "rank": rank}
 
 
-def build_engine(spec: Mapping[str, Any], *, node_id: str, host_ip: str) -> BucketCheckpointEngine:
-    """The engine an ``engine_spec`` describes, for a worker on ``node_id`` reachable at ``host_ip``."""
+def build_engine(spec: Mapping[str, Any], *, node_id: str, host_ip: str) -> CheckpointEngine:
+    """The engine an ``engine_spec`` describes, for a worker on ``node_id`` reachable at ``host_ip``.
+
+    Any class that satisfies the ``CheckpointEngine`` Protocol will do (checked structurally, not by base class).
+    """
     try:
         backend = str(spec["backend"])
         config = SyncConfig.from_dict(spec["config"])
@@ -41,14 +47,25 @@ def build_engine(spec: Mapping[str, Any], *, node_id: str, host_ip: str) -> Buck
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"malformed engine spec {dict(spec)!r}: {exc!r}") from None
     engine_class = load_engine_class(backend)
-    if not (isinstance(engine_class, type) and issubclass(engine_class, BucketCheckpointEngine)):
-        raise ConfigError(f"backend {backend!r} is not a weightsync BucketCheckpointEngine")
+    missing = _missing_members(engine_class)
+    if missing:
+        raise ConfigError(f"backend {backend!r} is not a CheckpointEngine: it lacks {', '.join(missing)}")
     context = WorkerContext(role=role, rank=rank, node_id=node_id, host_ip=host_ip)
     backend_options: dict[str, Any] = dict(config.backend_options)
     return engine_class(
         bucket_bytes=config.bucket_bytes, context=context, slots=config.slots, timeout=config.timeouts.transfer,
         verify_digest=config.verify_digest, **backend_options,
     )
+
+
+def _missing_members(engine_class: object) -> list[str]:
+    """The ``CheckpointEngine`` members ``engine_class`` lacks (``build_topology`` must be a class-level method)."""
+    if not isinstance(engine_class, type):
+        return ["a class"]
+    missing = [name for name in _ENGINE_METHODS if not callable(getattr(engine_class, name, None))]
+    if not isinstance(inspect.getattr_static(engine_class, "build_topology", None), (classmethod, staticmethod)):
+        missing.append("a class-level build_topology")
+    return missing
 
 
 class EngineHost:
@@ -58,7 +75,7 @@ class EngineHost:
         self.node_id = node_id
         self.host_ip = host_ip
         self.name = name
-        self.engine: BucketCheckpointEngine | None = None
+        self.engine: CheckpointEngine | None = None
         self._spec: dict[str, Any] | None = None
 
     async def execute(self, method: str, /, **kwargs: Any) -> Any:
@@ -76,7 +93,7 @@ class EngineHost:
             self._spec = spec
         return self.engine.prepare()
 
-    def _build(self, spec: Mapping[str, Any]) -> BucketCheckpointEngine:
+    def _build(self, spec: Mapping[str, Any]) -> CheckpointEngine:
         return build_engine(spec, node_id=self.node_id, host_ip=self.host_ip)
 
     def _init_process_group(self, *, rank_args: RankArgs) -> None:
@@ -91,7 +108,7 @@ class EngineHost:
         if engine is not None:
             engine.close()
 
-    def _engine(self) -> BucketCheckpointEngine:
+    def _engine(self) -> CheckpointEngine:
         if self.engine is None:
             raise LifecycleError(f"{self.name or 'worker'}: no engine yet (prepare was not called)")
         return self.engine
@@ -134,8 +151,8 @@ def mark_untouched(error: BaseException) -> None:
 
 
 def is_untouched(error: BaseException) -> bool:
-    cause = getattr(error, "cause", None)
-    return bool(getattr(error, "untouched", False) or getattr(cause, "untouched", False))
+    """Whether ``error`` (or the worker's error inside Ray's wrapper) carries ``mark_untouched``'s mark."""
+    return bool(getattr(error, "untouched", False) or getattr(unwrap(error), "untouched", False))
 
 
 class _CountingStream:
