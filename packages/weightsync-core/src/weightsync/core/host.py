@@ -22,7 +22,7 @@ from weightsync.api.registry import load_engine_class
 from weightsync.api.types import RankArgs, Role, TransferReport, WorkerContext, WorkerMetadata
 from weightsync.core.steps import unwrap
 
-__all__ = ["EngineHost", "build_engine", "engine_spec", "is_untouched", "mark_untouched"]
+__all__ = ["EngineHost", "EngineSlot", "build_engine", "engine_spec", "is_untouched", "mark_untouched"]
 
 _METHODS = ("prepare", "init_process_group", "finalize", "close")
 # What build_engine requires of an engine class: the CheckpointEngine Protocol's methods, build_topology class-level.
@@ -68,6 +68,30 @@ def _missing_members(engine_class: object) -> list[str]:
     return missing
 
 
+class EngineSlot:
+    """Holds one engine and the spec it was built from; asking again for the same spec reuses it."""
+
+    def __init__(self, build: Callable[[dict[str, Any]], CheckpointEngine]) -> None:
+        self._build = build
+        self.engine: CheckpointEngine | None = None
+        self.spec: dict[str, Any] | None = None
+
+    def ensure(self, spec: Mapping[str, Any]) -> CheckpointEngine:
+        """The engine for ``spec``: the current one when its spec is equal, else a new one (the old one closed)."""
+        wanted = dict(spec)
+        if self.engine is None or wanted != self.spec:
+            self.drop()
+            self.engine = self._build(wanted)
+            self.spec = wanted
+        return self.engine
+
+    def drop(self) -> None:
+        """Close the current engine, if any; the next ``ensure`` builds a new one."""
+        engine, self.engine, self.spec = self.engine, None, None
+        if engine is not None:
+            engine.close()
+
+
 class EngineHost:
     """One worker's engine. ``node_id``/``host_ip`` describe where this process runs (supplied by the adapter)."""
 
@@ -75,8 +99,11 @@ class EngineHost:
         self.node_id = node_id
         self.host_ip = host_ip
         self.name = name
-        self.engine: CheckpointEngine | None = None
-        self._spec: dict[str, Any] | None = None
+        self._slot = EngineSlot(self._build)
+
+    @property
+    def engine(self) -> CheckpointEngine | None:
+        return self._slot.engine
 
     async def execute(self, method: str, /, **kwargs: Any) -> Any:
         """Run lifecycle step ``method`` (one of prepare, init_process_group, finalize, close) off the loop."""
@@ -86,12 +113,7 @@ class EngineHost:
         return await asyncio.to_thread(handler, **kwargs)
 
     def _prepare(self, *, engine: Mapping[str, Any]) -> WorkerMetadata:
-        spec = dict(engine)
-        if self.engine is None or spec != self._spec:
-            self._close()
-            self.engine = self._build(spec)
-            self._spec = spec
-        return self.engine.prepare()
+        return self._slot.ensure(engine).prepare()
 
     def _build(self, spec: Mapping[str, Any]) -> CheckpointEngine:
         return build_engine(spec, node_id=self.node_id, host_ip=self.host_ip)
@@ -104,9 +126,7 @@ class EngineHost:
             self.engine.finalize()
 
     def _close(self) -> None:
-        engine, self.engine, self._spec = self.engine, None, None
-        if engine is not None:
-            engine.close()
+        self._slot.drop()
 
     def _engine(self) -> CheckpointEngine:
         if self.engine is None:
