@@ -23,7 +23,7 @@ from weightsync.core.devicecollective import AcceleratorCollectiveTransport, nod
 from weightsync.core.digest import UpdateDigest
 from weightsync.core.engine import BucketCheckpointEngine, engine_class, guard_build_topology
 from weightsync.core.framing import accept_peers, recv_frame, send_frame
-from weightsync.core.handover import Handover
+from weightsync.core.handover import Handover, Hold
 from weightsync.core.planner import validate_pair
 from weightsync.core.settings import EngineSettings, default_node_id
 from weightsync.core.tensors import as_byte_view, dtype_name, memoryview_of
@@ -50,7 +50,7 @@ __all__ = [
     "node_local_plan", "wait_event",
     # control plane and waiting
     "WIRE_VERSION", "Hello", "Ack", "encode", "accept_peers", "send_frame", "recv_frame", "AckedPeers",
-    "FreeSlots", "SlotSequence", "poll_until", "Handover",
+    "FreeSlots", "SlotSequence", "poll_until", "Handover", "Hold",
     # tensors and digests
     "validate_pair", "as_byte_view", "dtype_name", "memoryview_of", "UpdateDigest",
 ]
