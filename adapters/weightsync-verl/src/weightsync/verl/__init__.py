@@ -14,8 +14,10 @@ Importing this module registers every installed weightsync backend in verl's ``C
   ``RayWorkerGroup`` and ``RolloutReplica``, checked at construction.
 - :class:`CheckpointEngineManager` (``manager``): the drop-in for ``checkpoint_manager_class``.
 - :class:`WeightsyncActorMixin` (``worker``): ``execute_checkpoint_engine`` / ``update_weights`` for actor workers.
+- :func:`read_checkpoint_config` (``config``): the one reader of verl's checkpoint-engine config both sides use.
 """
 
+from weightsync.verl.config import CheckpointConfig, read_checkpoint_config
 from weightsync.verl.engine import (
     REGISTRY_PREFIX,
     VerlCheckpointEngine,
@@ -44,4 +46,6 @@ __all__ = [
     "ResumingCheckpointEngineManager",
     "sync_or_awaitable",
     "WeightsyncActorMixin",
+    "CheckpointConfig",
+    "read_checkpoint_config",
 ]

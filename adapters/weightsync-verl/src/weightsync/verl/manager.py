@@ -18,14 +18,14 @@ fails — see :attr:`CheckpointEngineManager.torn_replicas` for those the failur
 from __future__ import annotations
 
 import asyncio
-import importlib
-from collections.abc import Awaitable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Coroutine, Sequence
 from typing import Any, ClassVar, Literal, TypeVar
 
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import ConfigError, StepTimeoutError, WeightsyncError, WorkerError, reject_renamed_keywords
 from weightsync.api.types import UpdateReport
 from weightsync.core.manager import CheckpointEngineManager as _CoreManager
+from weightsync.verl.config import read_checkpoint_config
 from weightsync.verl.engine import REGISTRY_PREFIX, sync_config_from_engine_kwargs
 from weightsync.verl.groups import VerlActorWorkerGroup, VerlRolloutReplica
 
@@ -43,13 +43,6 @@ def sync_or_awaitable(coroutine: Coroutine[Any, Any, T]) -> T | Coroutine[Any, A
     except RuntimeError:
         return asyncio.run(coroutine)
     return coroutine
-
-
-def _config_value(config: Any, key: str, default: Any = None) -> Any:
-    """Read verl's ``CheckpointEngineConfig`` (a dataclass), an OmegaConf ``DictConfig`` or a plain mapping."""
-    if isinstance(config, Mapping):
-        return config.get(key, default)
-    return getattr(config, key, default)
 
 
 async def _each(step: str, timeout: float, calls: list[tuple[str, Awaitable[None]]]) -> None:
@@ -100,25 +93,20 @@ class CheckpointEngineManager:
         return super().__new__(cls)
 
     def __init__(self, *, config: Any, actor_wg: Any, replicas: Sequence[Any]) -> None:
-        backend = _config_value(config, "backend")
-        if not isinstance(backend, str) or not backend.startswith(REGISTRY_PREFIX):
+        checkpoint = read_checkpoint_config(config)
+        backend = checkpoint.backend
+        if not backend.startswith(REGISTRY_PREFIX):
             raise ConfigError(
                 f"weightsync.verl.CheckpointEngineManager moves weights with weightsync backends "
                 f"({REGISTRY_PREFIX}<name>, e.g. {REGISTRY_PREFIX}shm); checkpoint_engine.backend is {backend!r}. "
                 "Use verl's own CheckpointEngineManager for verl's backends (naive, nccl, ...)"
             )
         # verl imports custom_backend_module in the driver as well; a user's plugin module may register more.
-        for module in _modules(_config_value(config, "custom_backend_module")):
-            importlib.import_module(module)
-        megabytes = _config_value(config, "update_weights_bucket_megabytes", 2048)
-        if isinstance(megabytes, bool) or not isinstance(megabytes, int) or megabytes < 1:
-            raise ConfigError(f"update_weights_bucket_megabytes must be a positive int, got {megabytes!r}")
-        all_kwargs = _config_value(config, "engine_kwargs") or {}
-        engine_kwargs = all_kwargs.get(backend, {}) if isinstance(all_kwargs, Mapping) else {}
+        checkpoint.import_modules()
         self.config = config
         self.backend = backend
         self.sync_config: SyncConfig = sync_config_from_engine_kwargs(
-            bucket_bytes=megabytes << 20, engine_kwargs=dict(engine_kwargs)
+            bucket_bytes=checkpoint.bucket_bytes, engine_kwargs=checkpoint.engine_kwargs
         )
         self.actor_wg = actor_wg
         self._actor = actor_wg if isinstance(actor_wg, VerlActorWorkerGroup) else VerlActorWorkerGroup(actor_wg)
@@ -169,7 +157,8 @@ class CheckpointEngineManager:
 
     def update_weights(self, global_steps: int | None = None) -> Any:
         """verl's call: ``update_weights(self.global_steps)`` (runs to completion when no event loop is running)
-        or ``await update_weights(global_steps=...)``. Returns verl's metrics dict. Typed code: ``update_weights_async``."""
+        or ``await update_weights(global_steps=...)``. Returns verl's metrics dict. Typed code:
+        ``update_weights_async``."""
         return sync_or_awaitable(self.update_weights_async(global_steps))
 
     async def update_weights_async(self, global_steps: int | None = None) -> dict[str, float]:
@@ -243,14 +232,6 @@ class ResumingCheckpointEngineManager(CheckpointEngineManager):
     """As :class:`CheckpointEngineManager`, but a failed update resumes every replica, half-written ones included."""
 
     torn_replicas: ClassVar[Literal["hold", "resume"]] = "resume"
-
-
-def _modules(value: Any) -> list[str]:
-    if value is None or value == "":
-        return []
-    if isinstance(value, str):
-        return [value]
-    return [str(item) for item in value]
 
 
 def _metrics(report: UpdateReport) -> dict[str, float]:

@@ -20,8 +20,7 @@ ours) expect: ``execute_checkpoint_engine`` with ``DP_COMPUTE`` (entry i of each
 from __future__ import annotations
 
 import asyncio
-import importlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
@@ -29,6 +28,7 @@ from verl.checkpoint_engine.base import CheckpointEngineRegistry
 from verl.single_controller.base.decorator import Dispatch, register
 
 from weightsync.api.errors import ConfigError, LifecycleError
+from weightsync.verl.config import read_checkpoint_config
 
 __all__ = ["WeightsyncActorMixin"]
 
@@ -44,12 +44,6 @@ def _registered(dispatch_mode: Any, *, blocking: bool) -> Callable[[F], F]:
     return decorator
 
 
-def _value(config: Any, key: str, default: Any = None) -> Any:
-    if isinstance(config, Mapping):
-        return config.get(key, default)
-    return getattr(config, key, default)
-
-
 class WeightsyncActorMixin:
     """Checkpoint-engine methods for a verl actor worker; the class using it provides ``named_weights()``."""
 
@@ -61,21 +55,14 @@ class WeightsyncActorMixin:
         import ``custom_backend_module`` (where ``weightsync.verl`` registers its backends), then
         ``CheckpointEngineRegistry.new(backend, is_master=..., bucket_size=..., **engine_kwargs[backend])``.
         ``is_master`` defaults to "this is rank 0" (verl's ``Worker.rank``)."""
-        backend = _value(config, "backend")
-        if not isinstance(backend, str) or not backend:
-            raise ConfigError(f"checkpoint_engine.backend must name a backend, got {backend!r}")
-        modules = _value(config, "custom_backend_module")
-        for module in [modules] if isinstance(modules, str) else list(modules or []):
-            importlib.import_module(module)
-        megabytes = _value(config, "update_weights_bucket_megabytes", 2048)
-        all_kwargs = _value(config, "engine_kwargs") or {}
-        engine_kwargs = dict(all_kwargs.get(backend, {})) if isinstance(all_kwargs, Mapping) else {}
+        checkpoint = read_checkpoint_config(config)
+        checkpoint.import_modules()
         if is_master is None:
             is_master = int(getattr(self, "rank", 0)) == 0
         self.checkpoint_engine = CheckpointEngineRegistry.new(
-            backend, is_master=is_master, bucket_size=int(megabytes) << 20, **engine_kwargs
+            checkpoint.backend, is_master=is_master, bucket_size=checkpoint.bucket_bytes, **checkpoint.engine_kwargs
         )
-        self.checkpoint_backend = backend
+        self.checkpoint_backend = checkpoint.backend
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """This rank's current model as ``(name, tensor)`` pairs (every rank is drained; see send_weights)."""
