@@ -18,13 +18,14 @@ fails — see :attr:`CheckpointEngineManager.torn_replicas` for those the failur
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any, ClassVar, Literal, TypeVar
 
 from weightsync.api.config import SyncConfig
-from weightsync.api.errors import ConfigError, StepTimeoutError, WeightsyncError, WorkerError, reject_renamed_keywords
+from weightsync.api.errors import ConfigError, reject_renamed_keywords
 from weightsync.api.types import UpdateReport
 from weightsync.core.manager import CheckpointEngineManager as _CoreManager
+from weightsync.core.steps import gather
 from weightsync.verl.config import read_checkpoint_config
 from weightsync.verl.engine import REGISTRY_PREFIX, sync_config_from_engine_kwargs
 from weightsync.verl.groups import VerlActorWorkerGroup, VerlRolloutReplica
@@ -43,29 +44,6 @@ def sync_or_awaitable(coroutine: Coroutine[Any, Any, T]) -> T | Coroutine[Any, A
     except RuntimeError:
         return asyncio.run(coroutine)
     return coroutine
-
-
-async def _each(step: str, timeout: float, calls: list[tuple[str, Awaitable[None]]]) -> None:
-    """Await every replica call together under ``timeout``; raise typed errors naming the replica."""
-    if not calls:
-        return
-    futures = [asyncio.ensure_future(call) for _, call in calls]
-    done, pending = await asyncio.wait(futures, timeout=timeout)
-    if pending:
-        for future in pending:
-            future.cancel()
-        names = [label for (label, _), future in zip(calls, futures) if future in pending]
-        raise StepTimeoutError(f"step {step!r} did not finish within {timeout:g}s; still waiting for: "
-                               f"{', '.join(names)}", step=step, workers=names)
-    for (label, _), future in zip(calls, futures):
-        error = future.exception()
-        if error is None:
-            continue
-        cause = getattr(error, "cause", None)  # Ray wraps a remote exception
-        cause = cause if isinstance(cause, BaseException) else error
-        if isinstance(cause, WeightsyncError):
-            raise cause
-        raise WorkerError(f"{label} failed during {step}: {type(cause).__name__}: {cause}", worker=label, step=step)
 
 
 class CheckpointEngineManager:
@@ -190,12 +168,12 @@ class CheckpointEngineManager:
         timeouts = self.sync_config.timeouts
         labels = [f"replica{index}" for index, state in sorted(states.items()) if state == "torn"]
         try:
-            await _each("resume", timeouts.resume, [(label, r.resume_kv_cache()) for label, r in zip(labels, torn)])
+            await gather("resume", timeouts.resume, [(label, r.resume_kv_cache()) for label, r in zip(labels, torn)])
             if self.torn_replicas == "resume":
-                await _each("resume", timeouts.resume,
-                            [(label, r.resume_generation()) for label, r in zip(labels, torn)])
+                await gather("resume", timeouts.resume,
+                             [(label, r.resume_generation()) for label, r in zip(labels, torn)])
             else:
-                await _each("pause", timeouts.pause, [
+                await gather("pause", timeouts.pause, [
                     (label, r.abort_all_requests(reject_request=True)) for label, r in zip(labels, torn)
                 ])
         except Exception as exc:  # the update's own error is the one to report
@@ -225,7 +203,7 @@ class CheckpointEngineManager:
 
     async def _replica_step(self, step: Literal["pause", "resume"], hook: str, **kwargs: Any) -> None:
         timeout = self.sync_config.timeouts.pause if step == "pause" else self.sync_config.timeouts.resume
-        await _each(hook, timeout, [(label, getattr(wrapper, hook)(**kwargs)) for label, wrapper in self._wrappers()])
+        await gather(hook, timeout, [(label, getattr(wrapper, hook)(**kwargs)) for label, wrapper in self._wrappers()])
 
 
 class ResumingCheckpointEngineManager(CheckpointEngineManager):
