@@ -5,7 +5,7 @@ bucket_size=..., is_master=..., **engine_kwargs)`` on actor ranks, the same with
 worker's ``CheckpointEngineWorker`` — and drives it with its own calling conventions (positional
 ``build_topology``, ``send_weights(weights, global_steps=...)``, ``receive_weights(global_steps=...)`` returning an
 async iterator, ``init_process_group(**kwargs)`` with whatever ``build_topology`` decided). ``VerlCheckpointEngine``
-maps those conventions onto one weightsync engine (a ``BucketCheckpointEngine`` built by name from the registry) and
+maps those conventions onto one weightsync engine (any ``CheckpointEngine``, built by name from the registry) and
 onto our keyword-only API. It serves two drivers:
 
 * verl's own ``CheckpointEngineManager``: every update runs prepare → build_topology → init_process_group →
@@ -19,7 +19,6 @@ onto our keyword-only API. It serves two drivers:
 from __future__ import annotations
 
 import os
-import secrets
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, cast
@@ -33,15 +32,15 @@ from weightsync.api.errors import (
     ConfigError,
     LifecycleError,
     TopologyError,
-    WeightsyncError,
     WeightStreamError,
     reject_renamed_keywords,
 )
+from weightsync.api.protocols import CheckpointEngine
 from weightsync.api.registry import installed_backends, load_engine_class
-from weightsync.api.types import RankArgs, Role, StageTiming, Topology, TransferReport, WorkerMetadata
-from weightsync.api.types import WorldMetadata
-from weightsync.core.engine import BucketCheckpointEngine, default_node_id
-from weightsync.core.host import build_engine, engine_spec
+from weightsync.api.topology import build_checked_topology, with_epoch
+from weightsync.api.types import RankArgs, Role, StageTiming, TransferReport, WorkerMetadata, WorldMetadata
+from weightsync.core.engine import default_node_id
+from weightsync.core.host import EngineSlot, build_engine, engine_spec
 
 __all__ = [
     "REGISTRY_PREFIX",
@@ -170,8 +169,7 @@ class VerlCheckpointEngine(_VerlCheckpointEngineABC):  # type: ignore[misc]  # v
         self.is_master = is_master
         self._default_spec = engine_spec(backend=self.backend, config=self.config, role=role, rank=rank)
         self._lock = threading.RLock()
-        self._engine: BucketCheckpointEngine | None = None
-        self._spec: dict[str, Any] | None = None
+        self._slot = EngineSlot(self._build)
         self._stream: _ReceiveStream | None = None
         self._report: TransferReport | None = None
         # Built now, so that an unknown option or an unusable backend fails while verl builds its workers.
@@ -179,27 +177,22 @@ class VerlCheckpointEngine(_VerlCheckpointEngineABC):  # type: ignore[misc]  # v
 
     # -- engine lifetime -------------------------------------------------------------------------------------------
 
-    def _ensure(self, spec: Mapping[str, Any]) -> BucketCheckpointEngine:
+    def _ensure(self, spec: Mapping[str, Any]) -> CheckpointEngine:
         with self._lock:
-            wanted = dict(spec)
-            if self._engine is None or wanted != self._spec:
-                self._drop_engine()
-                self._engine = self._build(wanted)
-                self._spec = wanted
-            return self._engine
+            return self._slot.ensure(spec)
 
-    def _build(self, spec: Mapping[str, Any]) -> BucketCheckpointEngine:
+    def _build(self, spec: Mapping[str, Any]) -> CheckpointEngine:
         return build_engine(spec, node_id=default_node_id(), host_ip=_host_ip())
 
     def _drop_engine(self) -> None:
-        engine, self._engine, self._spec, self._stream = self._engine, None, None, None
-        if engine is not None:
-            engine.close()
+        self._stream = None
+        self._slot.drop()
 
-    def _current(self) -> BucketCheckpointEngine:
-        if self._engine is None:
+    def _current(self) -> CheckpointEngine:
+        engine = self._slot.engine
+        if engine is None:
             raise LifecycleError(f"weightsync.{self.backend}: no engine (prepare was not called after an abort)")
-        return self._engine
+        return engine
 
     def _abandoned_stream(self) -> None:
         # A consumer that raised mid-update left its stream open; the engine may be mid-message, so rebuild it.
@@ -221,32 +214,20 @@ class VerlCheckpointEngine(_VerlCheckpointEngineABC):  # type: ignore[misc]  # v
     ) -> tuple[dict[str, list[RankArgs]], dict[str, list[RankArgs]]]:
         """Step 2, verl's positional call. Forwards by keyword to the weightsync backend and returns verl's shape:
         one ``{"rank_args": [...]}`` per side, each list as long as that side's world size."""
-        for label, size in (("actor_wg_world_size", actor_wg_world_size), ("rollout_world_size", rollout_world_size)):
-            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-                raise TopologyError(f"{label} must be a non-negative int, got {size!r}")
-        if len(metadata) != actor_wg_world_size + rollout_world_size:
-            raise TopologyError(
-                f"got metadata for {len(metadata)} workers but actor_wg_world_size + rollout_world_size is "
-                f"{actor_wg_world_size + rollout_world_size}"
-            )
-        engine_class = load_engine_class(cls.backend)
-        world = WorldMetadata(actor=list(metadata[:actor_wg_world_size]), rollout=list(metadata[actor_wg_world_size:]))
-        try:
-            topology = engine_class.build_topology(
-                actor_wg_world_size=actor_wg_world_size, rollout_world_size=rollout_world_size, metadata=world
-            )
-        except WeightsyncError:
-            raise
-        except Exception as exc:
-            raise TopologyError(f"{cls.backend}.build_topology failed: {exc!r}") from exc
-        if not isinstance(topology, Topology):
-            raise TopologyError(f"{cls.backend}.build_topology returned {type(topology).__name__}, not Topology")
-        topology.check(actor_wg_world_size=actor_wg_world_size, rollout_world_size=rollout_world_size)
+        sizes = (actor_wg_world_size, rollout_world_size)
+        if all(isinstance(size, int) and size >= 0 for size in sizes) and len(metadata) != sum(sizes):
+            # verl passes one flat list; build_checked_topology checks sizes and each side of the split.
+            raise TopologyError(f"got metadata for {len(metadata)} workers but actor_wg_world_size + "
+                                f"rollout_world_size is {sum(sizes)}")
+        split = actor_wg_world_size if isinstance(actor_wg_world_size, int) else 0
+        topology = build_checked_topology(
+            load_engine_class(cls.backend), backend=cls.backend, actor_wg_world_size=actor_wg_world_size,
+            rollout_world_size=rollout_world_size,
+            metadata=WorldMetadata(actor=list(metadata[:split]), rollout=list(metadata[split:])),
+        )
         # verl has no epoch of its own: each build_topology call starts one, as weightsync's manager does.
-        epoch = secrets.token_hex(16)
-        actor = [{**args, "epoch": epoch} for args in topology.actor]
-        rollout = [{**args, "epoch": epoch} for args in topology.rollout]
-        return {"rank_args": actor}, {"rank_args": rollout}
+        topology = with_epoch(topology)
+        return {"rank_args": list(topology.actor)}, {"rank_args": list(topology.rollout)}
 
     def init_process_group(self, rank_args: RankArgs) -> None:
         """Step 3 (verl calls it with the keywords ``build_topology`` returned: ``rank_args``)."""
@@ -294,8 +275,9 @@ class VerlCheckpointEngine(_VerlCheckpointEngineABC):  # type: ignore[misc]  # v
     def finalize(self) -> None:
         """Step 5: per-update state only; buckets and connections stay for the next update of this epoch."""
         with self._lock:
-            if self._engine is not None:
-                self._engine.finalize()
+            engine = self._slot.engine
+            if engine is not None:
+                engine.finalize()
 
     # -- beyond verl's contract (reached through execute_checkpoint_engine) ------------------------------------------
 
