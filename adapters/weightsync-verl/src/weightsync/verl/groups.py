@@ -109,9 +109,8 @@ class VerlRolloutWorker:
         try:
             await self.handle.update_weights.remote(global_steps=global_steps)
         except BaseException:
-            # The server adapter failed (or we were cancelled): this worker stopped consuming, and the sender would
-            # wait for its acknowledgements until its deadline. Dropping the worker's engine closes its
-            # connections, so the sender fails now, naming this peer.
+            # This worker stopped consuming: dropping its engine closes its connections, so the sender fails now,
+            # naming this peer, instead of waiting for its acknowledgements until the deadline.
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._abort(), _ABORT_SECONDS)
             raise
