@@ -25,7 +25,7 @@ from weightsync.core.engine import BucketCheckpointEngine, engine_class, guard_b
 from weightsync.core.framing import accept_peers, recv_frame, send_frame
 from weightsync.core.handover import Handover, Hold
 from weightsync.core.planner import validate_pair
-from weightsync.core.settings import EngineSettings, default_node_id
+from weightsync.core.settings import EngineBase, EngineSettings, default_node_id
 from weightsync.core.tensors import as_byte_view, dtype_name, memoryview_of
 from weightsync.core.transport import (
     NO_SLOT,
@@ -40,7 +40,8 @@ from weightsync.core.waiting import AckedPeers, FreeSlots, SlotSequence, poll_un
 
 __all__ = [
     # the engine and its settings
-    "BucketCheckpointEngine", "engine_class", "guard_build_topology", "EngineSettings", "default_node_id",
+    "BucketCheckpointEngine", "engine_class", "guard_build_topology", "EngineBase", "EngineSettings",
+    "default_node_id",
     # the transport interface
     "Transport", "SenderTransport", "ReceiverTransport", "ReceivedBucket", "NO_SLOT", "BufferPlace", "DevicePolicy",
     # shared transports

@@ -20,11 +20,11 @@ import torch
 from weightsync.api.errors import LifecycleError, TopologyError, reject_renamed_keywords
 from weightsync.api.protocols import ReceivedWeights
 from weightsync.api.topology import with_epoch
-from weightsync.api.types import RankArgs, Topology, TransferReport, WorkerContext, WorkerMetadata, WorldMetadata
+from weightsync.api.types import RankArgs, Topology, TransferReport, WorkerMetadata, WorldMetadata
 from weightsync.core.handover import Handover
 from weightsync.core.receive import ReceiveContext, ReceiveStream
 from weightsync.core.send import SendPipeline, drain
-from weightsync.core.settings import EngineSettings, default_node_id
+from weightsync.core.settings import EngineBase, default_node_id
 from weightsync.core.trace import Tracer
 from weightsync.core.transport import ReceiverTransport, SenderTransport, Transport
 from weightsync.core.unpack import BucketReader
@@ -35,29 +35,22 @@ RankRole = Literal["sender", "receiver", "idle"]
 _ROLES: dict[str, RankRole] = {"sender": "sender", "receiver": "receiver", "idle": "idle"}
 
 
-class BucketCheckpointEngine:
+class BucketCheckpointEngine(EngineBase):
     """The engine of every bucket backend; implements the ``CheckpointEngine`` Protocol over ``transport_class``.
 
-    Built by :func:`engine_class`; options are those of :class:`EngineSettings` plus the transport's own.
+    Built by :func:`engine_class`; options are those of :class:`~weightsync.core.settings.EngineSettings` plus the
+    transport's own.
     """
 
     name: ClassVar[str] = "bucket"
     devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
-    option_names: ClassVar[frozenset[str]] = frozenset()
-    default_slots: ClassVar[int] = 2
     transport_class: ClassVar[type[Transport]]
 
-    def __init__(self, *, bucket_bytes: int, context: WorkerContext | None = None, slots: int | None = None,
-                 timeout: float = 600.0, verify_digest: bool = True, transport_hook: str | None = None,
-                 **options: Any) -> None:
-        reject_renamed_keywords(type(self).__name__, options)
+    def __init__(self, *, bucket_bytes: int, **options: Any) -> None:
         if not hasattr(type(self), "transport_class"):
             raise TypeError(f"{type(self).__name__} has no transport: build engine classes with "
                             "engine_class(SomeTransport)")
-        self.settings = EngineSettings.parse(
-            self.name, option_names=self.option_names, default_slots=self.default_slots, bucket_bytes=bucket_bytes,
-            context=context, slots=slots, timeout=timeout, verify_digest=verify_digest,
-            transport_hook=transport_hook, **options)
+        super().__init__(bucket_bytes=bucket_bytes, **options)
         self.transport = self.transport_class(self.settings)
         self._policy = self.transport.policy()
         self._tracer = Tracer(self.settings.self_name)
@@ -67,30 +60,12 @@ class BucketCheckpointEngine:
         self._sender_rank = 0
         self._sender: SenderTransport | None = None
         self._receiver: ReceiverTransport | None = None
-        self._closed = False
         pack_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-pack")
         transfer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-xfer")
         self._pools = (pack_pool, transfer_pool)
         self._send = SendPipeline(self.settings, devices=self.devices, policy=self._policy, tracer=self._tracer,
                                   pack_pool=pack_pool, transfer_pool=transfer_pool)
         self._receive = ReceiveContext(self.settings, tracer=self._tracer, pool=transfer_pool)
-
-    # The settings, as attributes (read by the host, tools and tests).
-    @property
-    def bucket_bytes(self) -> int:
-        return self.settings.bucket_bytes
-
-    @property
-    def slots(self) -> int:
-        return self.settings.slots
-
-    @property
-    def timeout(self) -> float:
-        return self.settings.timeout
-
-    @property
-    def context(self) -> WorkerContext:
-        return self.settings.context
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
 
@@ -154,10 +129,6 @@ class BucketCheckpointEngine:
             sender.close()
         if receiver is not None:
             receiver.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LifecycleError(f"{self.name} engine is closed")
 
     def _require(self, role: RankRole, what: str) -> None:
         self._check_open()

@@ -11,14 +11,14 @@ import importlib
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from weightsync.api.config import SyncConfig
-from weightsync.api.errors import ConfigError, reject_renamed_keywords
+from weightsync.api.errors import ConfigError, LifecycleError, reject_renamed_keywords
 from weightsync.api.types import WorkerContext, WorkerMetadata
 from weightsync.core.transport import TransportHook
 
-__all__ = ["EngineSettings", "default_node_id", "load_transport_hook"]
+__all__ = ["EngineSettings", "EngineBase", "default_node_id", "load_transport_hook"]
 
 
 @functools.cache
@@ -98,3 +98,43 @@ class EngineSettings:
     @property
     def self_name(self) -> str:
         return f"{self.context.role} rank {self.context.rank}"
+
+
+class EngineBase:
+    """What every engine shares before its lifecycle: settings parsed once from the constructor's keywords, read
+    back as attributes, and the closed flag. Engines of bucket backends and engines that implement the
+    ``CheckpointEngine`` Protocol themselves (kimi) both start here."""
+
+    name: ClassVar[str]
+    option_names: ClassVar[frozenset[str]] = frozenset()
+    default_slots: ClassVar[int] = 2
+
+    def __init__(self, *, bucket_bytes: int, context: WorkerContext | None = None, slots: int | None = None,
+                 timeout: float = 600.0, verify_digest: bool = True, transport_hook: str | None = None,
+                 **options: Any) -> None:
+        reject_renamed_keywords(type(self).__name__, options)
+        self.settings = EngineSettings.parse(
+            self.name, option_names=self.option_names, default_slots=self.default_slots, bucket_bytes=bucket_bytes,
+            context=context, slots=slots, timeout=timeout, verify_digest=verify_digest,
+            transport_hook=transport_hook, **options)
+        self._closed = False
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.settings.bucket_bytes
+
+    @property
+    def slots(self) -> int:
+        return self.settings.slots
+
+    @property
+    def timeout(self) -> float:
+        return self.settings.timeout
+
+    @property
+    def context(self) -> WorkerContext:
+        return self.settings.context
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LifecycleError(f"{self.name} engine is closed")

@@ -46,7 +46,7 @@ How it is built
 ---------------
 checkpoint-engine packs, buckets and moves the weights itself, so none of core's bucket pipeline applies: the engine
 implements the ``CheckpointEngine`` Protocol directly, on core's public pieces (``weightsync.core.backend``):
-``EngineSettings`` (options and metadata), ``guard_build_topology``, ``Handover`` (one update at a time) and
+``EngineBase`` (settings parsed once, as attributes), ``guard_build_topology``, ``Handover`` (one update at a time) and
 ``validate_pair``. The rest is kimi's own: :mod:`~weightsync.kimi.mapping` (options, topology, shares, digest),
 :mod:`~weightsync.kimi.library` (every call into checkpoint-engine), :mod:`~weightsync.kimi.group` (one epoch's
 ParameterServer) and :mod:`~weightsync.kimi.stream` (the receive stream).
@@ -78,7 +78,7 @@ from weightsync.api.types import (
     WorkerMetadata,
     WorldMetadata,
 )
-from weightsync.core.backend import EngineSettings, Handover, guard_build_topology
+from weightsync.core.backend import EngineBase, Handover, guard_build_topology
 from weightsync.kimi.group import ParameterServerGroup
 from weightsync.kimi.library import CheckpointEngineLibrary
 from weightsync.kimi.mapping import JoinArgs, KimiOptions, collect_share, parameter_server_topology
@@ -88,7 +88,7 @@ from weightsync.kimi.stream import KimiStream
 __all__ = ["KimiCheckpointEngine"]
 
 
-class KimiCheckpointEngine:
+class KimiCheckpointEngine(EngineBase):
     """checkpoint-engine's ParameterServer behind our lifecycle. Options: ``mode``, ``mem_fraction``,
     ``shared_memory_pool`` (see the module docstring); ``bucket_bytes`` and ``slots`` are validated, then unused."""
 
@@ -97,12 +97,8 @@ class KimiCheckpointEngine:
     option_names: ClassVar[frozenset[str]] = KimiOptions.NAMES
     default_slots: ClassVar[int] = 2
 
-    def __init__(self, *, bucket_bytes: int, context: WorkerContext | None = None, slots: int | None = None,
-                 timeout: float = 600.0, verify_digest: bool = True, **options: Any) -> None:
-        reject_renamed_keywords(type(self).__name__, options)
-        self.settings = EngineSettings.parse(
-            self.name, option_names=self.option_names, default_slots=self.default_slots, bucket_bytes=bucket_bytes,
-            context=context, slots=slots, timeout=timeout, verify_digest=verify_digest, **options)
+    def __init__(self, *, bucket_bytes: int, **options: Any) -> None:
+        super().__init__(bucket_bytes=bucket_bytes, **options)
         self.options = KimiOptions.parse(self.settings.options)
         self.library = CheckpointEngineLibrary()
         """Every call into checkpoint-engine goes through it (the tests put a fake in its place)."""
@@ -110,24 +106,6 @@ class KimiCheckpointEngine:
         # One thread: the update's blocking calls (collectives, the IPC hand-off) run there, one update at a time.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ws-kimi-update")
         self._group: ParameterServerGroup | None = None
-        self._closed = False
-
-    # The settings, as attributes (read by hosts, tools and tests, as on core's engines).
-    @property
-    def bucket_bytes(self) -> int:
-        return self.settings.bucket_bytes
-
-    @property
-    def slots(self) -> int:
-        return self.settings.slots
-
-    @property
-    def timeout(self) -> float:
-        return self.settings.timeout
-
-    @property
-    def context(self) -> WorkerContext:
-        return self.settings.context
 
     @property
     def epoch(self) -> str | None:
@@ -190,10 +168,6 @@ class KimiCheckpointEngine:
         group, self._group = self._group, None
         if group is not None:
             group.leave()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LifecycleError(f"{self.name} engine is closed")
 
     def _joined(self, role: str, what: str) -> ParameterServerGroup:
         """This epoch's group, for a step that only a rank of ``role`` takes."""
