@@ -36,6 +36,7 @@ import abc
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import ClassVar
 
 import msgspec
@@ -78,15 +79,7 @@ _ready_decoder = msgspec.msgpack.Decoder(BucketReady)
 
 
 def decode_ready(data: bytes, *, epoch: str, peer: str) -> BucketReady:
-    try:
-        ready = _ready_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"malformed bucket announcement from {peer}: {exc}") from None
-    if ready.wire != codec.WIRE_VERSION:
-        raise WireError(f"{peer} speaks wire version {ready.wire}, this side speaks {codec.WIRE_VERSION}")
-    if ready.epoch != epoch:
-        raise WireError(f"bucket announcement from {peer} for another membership epoch")
-    return ready
+    return codec.decode_message(_ready_decoder, data, what="bucket announcement", epoch=epoch, peer=peer)
 
 
 # -- topology ---------------------------------------------------------------------------------------------------------
@@ -160,26 +153,26 @@ class _ChainSender:
         self._downstream.close()
 
 
+@dataclass
+class _Upstream:
+    """The position this one reads from: its control connection and its ring, opened for one-sided reads."""
+
+    sock: socket.socket
+    name: str
+    remote: RemoteRing
+    ring: RingEndpoint
+
+
 class _ChainReceiver:
     """``ReceiverTransport`` of a rollout position: read from upstream into the local ring, forward, hand over."""
 
-    def __init__(
-        self, *, ring: RegisteredRing, upstream: socket.socket, upstream_name: str, remote: RemoteRing,
-        remote_ring: RingEndpoint, downstream: _Downstream, epoch: str, rank: int, timeout: float,
-    ) -> None:
+    def __init__(self, *, ring: RegisteredRing, upstream: _Upstream, downstream: _Downstream, epoch: str, rank: int
+                 ) -> None:
         self.capacity = ring.slot_bytes
-        self._ring = ring
-        self._upstream = upstream
-        self._upstream_name = upstream_name
-        self._remote = remote
-        self._remote_ring = remote_ring
-        self._downstream = downstream
-        self._epoch = epoch
-        self._rank = rank
-        self._timeout = timeout
-        self._received = 0
+        self._ring, self._upstream, self._downstream = ring, upstream, downstream
+        self._epoch, self._rank = epoch, rank
+        self._received = self._released = 0
         self._sequence = SlotSequence(ring.slots)
-        self._released = 0
         self._consumer = threading.Condition()
 
     def receive(self, deadline: float) -> ReceivedBucket:
@@ -190,14 +183,15 @@ class _ChainReceiver:
             raise
 
     def _receive(self, deadline: float) -> ReceivedBucket:
-        peer = self._upstream_name
-        ready = decode_ready(recv_frame(self._upstream, deadline=deadline, peer=peer, max_len=_MAX_CONTROL_FRAME),
+        upstream = self._upstream
+        peer = upstream.name
+        ready = decode_ready(recv_frame(upstream.sock, deadline=deadline, peer=peer, max_len=_MAX_CONTROL_FRAME),
                              epoch=self._epoch, peer=peer)
         if ready.slot == NO_SLOT:
             # The final or abort marker: pass it down the chain, no payload to read.
             self._downstream.announce(seq=0, slot=NO_SLOT, nbytes=0, header=ready.header, deadline=deadline)
             return ReceivedBucket(header=ready.header, payload=torch.empty(0, dtype=torch.uint8), token=0)
-        remote = self._remote_ring
+        remote = upstream.ring
         if ready.seq != self._received + 1:
             raise WireError(f"{peer} announced bucket {ready.seq} after {self._received}")
         if not 0 <= ready.slot < remote.slots or not 0 <= ready.nbytes <= min(remote.slot_bytes, self.capacity):
@@ -207,10 +201,10 @@ class _ChainReceiver:
         self._wait_consumer(self._sequence.last(slot), deadline)
         self._downstream.reads.wait(self._sequence.last(slot), deadline)
         if ready.nbytes:
-            self._remote.read(local_offset=slot * self._ring.slot_bytes, remote_offset=ready.slot * remote.slot_bytes,
+            upstream.remote.read(local_offset=slot * self._ring.slot_bytes, remote_offset=ready.slot * remote.slot_bytes,
                               nbytes=ready.nbytes, deadline=deadline)
         ack = codec.Ack(wire=codec.WIRE_VERSION, epoch=self._epoch, rank=self._rank, index=seq)
-        send_frame(self._upstream, codec.encode(ack), deadline=deadline, peer=peer)
+        send_frame(upstream.sock, codec.encode(ack), deadline=deadline, peer=peer)
         self._sequence.record(slot, seq)
         self._downstream.announce(seq=seq, slot=slot, nbytes=ready.nbytes, header=ready.header, deadline=deadline)
         return ReceivedBucket(header=ready.header, payload=self._ring.slot(slot)[:ready.nbytes], token=seq)
@@ -232,9 +226,9 @@ class _ChainReceiver:
             self._consumer.notify_all()
 
     def close(self) -> None:
-        self._upstream.close()
+        self._upstream.sock.close()
         self._downstream.close()
-        self._remote.close()
+        self._upstream.remote.close()
 
 
 # -- the transport -------------------------------------------------------------------------------------------------------
@@ -368,10 +362,8 @@ class ChainTransport(Transport):
             if remote is not None:
                 remote.close()
             raise
-        return _ChainReceiver(
-            ring=ring, upstream=sock, upstream_name=peer, remote=remote, remote_ring=endpoint, downstream=downstream,
-            epoch=epoch, rank=rank, timeout=self.settings.timeout,
-        )
+        return _ChainReceiver(ring=ring, upstream=_Upstream(sock, peer, remote, endpoint), downstream=downstream,
+                              epoch=epoch, rank=rank)
 
     def _accept_children(self, ring: RegisteredRing, rank_args: RankArgs, epoch: str) -> _Downstream:
         """Accept a connection from every child position; each must present this epoch's token and its position."""

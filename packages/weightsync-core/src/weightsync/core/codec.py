@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import math
 from collections.abc import Sequence
+from typing import Protocol, TypeVar
 
 import msgspec
 
@@ -170,7 +171,7 @@ def encode_bucket(
 
 def _check_common(wire: int, epoch: str, expected_epoch: str | None) -> None:
     if wire != WIRE_VERSION:
-        raise WireError(f"peer speaks wire version {wire}, this side speaks {WIRE_VERSION}")
+        raise WireError(f"the peer speaks wire version {wire}, this side speaks {WIRE_VERSION}")
     if expected_epoch is not None and not hmac.compare_digest(epoch.encode(), expected_epoch.encode()):
         raise EpochMismatchError(f"message from membership epoch {epoch[:12]!r}, expected {expected_epoch[:12]!r}")
 
@@ -231,19 +232,32 @@ def check_tensor_meta(meta: TensorMeta, *, bucket_nbytes: int) -> None:
         raise WireError(f"tensor {name!r}: bucket range outside the bucket's {bucket_nbytes} bytes")
 
 
-def decode_hello(data: bytes, *, epoch: str | None) -> Hello:
+class _Stamped(Protocol):
+    @property
+    def wire(self) -> int: ...
+
+    @property
+    def epoch(self) -> str: ...
+
+
+Message = TypeVar("Message", bound=_Stamped)
+
+
+def decode_message(decoder: msgspec.msgpack.Decoder[Message], data: bytes, *, what: str, epoch: str | None,
+                   peer: str = "peer") -> Message:
+    """Decode one of our control messages and check its wire version and membership epoch (``WireError``,
+    ``EpochMismatchError``); ``what`` and ``peer`` name it in errors."""
     try:
-        hello = _hello_decoder.decode(data)
+        message = decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"malformed hello: {exc}") from None
-    _check_common(hello.wire, hello.epoch, epoch)
-    return hello
+        raise WireError(f"malformed {what} from {peer}: {exc}") from None
+    _check_common(message.wire, message.epoch, epoch)
+    return message
+
+
+def decode_hello(data: bytes, *, epoch: str | None) -> Hello:
+    return decode_message(_hello_decoder, data, what="hello", epoch=epoch)
 
 
 def decode_ack(data: bytes, *, epoch: str | None) -> Ack:
-    try:
-        ack = _ack_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"malformed ack: {exc}") from None
-    _check_common(ack.wire, ack.epoch, epoch)
-    return ack
+    return decode_message(_ack_decoder, data, what="ack", epoch=epoch)

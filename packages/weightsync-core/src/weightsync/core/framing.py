@@ -95,13 +95,13 @@ def accept_peers(
             if now >= deadline:
                 missing = [rank for rank, peer in peers.items() if peer is None]
                 raise TransferError(f"{what}: ranks {missing} did not connect in time", peer=f"ranks {missing}")
-            for sock in [sock for sock, (_, expires) in pending.items() if now >= expires]:
-                drop(sock, "no hello in time")
+            for expired in [sock for sock, (_, expires) in pending.items() if now >= expires]:
+                drop(expired, "no hello in time")
             for key, _ in selector.select(min(deadline - now, 0.5)):
-                sock = key.fileobj
-                if sock is listener:
+                if key.fileobj is listener:
                     _accept_one(listener, selector, pending, hello_seconds)
                     continue
+                sock = key.fileobj
                 if not isinstance(sock, socket.socket):
                     continue
                 try:

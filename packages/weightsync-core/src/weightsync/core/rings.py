@@ -41,14 +41,7 @@ _ring_decoder = msgspec.msgpack.Decoder(RingEndpoint)
 
 
 def decode_ring(data: bytes, *, epoch: str, library: str, peer: str) -> RingEndpoint:
-    try:
-        ring = _ring_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"malformed ring endpoint from {peer}: {exc}") from None
-    if ring.wire != codec.WIRE_VERSION:
-        raise WireError(f"{peer} speaks wire version {ring.wire}, this side speaks {codec.WIRE_VERSION}")
-    if ring.epoch != epoch:
-        raise WireError(f"{peer} answered for another membership epoch")
+    ring = codec.decode_message(_ring_decoder, data, what="ring endpoint", epoch=epoch, peer=peer)
     if ring.library != library:
         raise WireError(f"{peer} moves buckets with {ring.library!r}, this side with {library!r}")
     if ring.slots < 1 or ring.slot_bytes < 1 or ring.base <= 0:

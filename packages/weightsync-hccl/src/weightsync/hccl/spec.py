@@ -45,12 +45,7 @@ def probe() -> str | None:
     return npu_reason()
 
 
-SPEC = BackendSpec(
-    name="hccl",
-    engine="weightsync.hccl.engine:HcclCheckpointEngine",
-    distribution="weightsync-hccl",
-    devices=frozenset({"npu"}),
-    cross_node=True,
-    probe=probe,
-    description="HCCL broadcast of Ascend NPU device buckets in a private process group (torch_npu); crosses nodes",
-)
+SPEC = BackendSpec(name="hccl", engine="weightsync.hccl.engine:HcclCheckpointEngine",
+                   distribution="weightsync-hccl", devices=frozenset({"npu"}), cross_node=True, probe=probe,
+                   description="HCCL broadcast of Ascend NPU device buckets in a private process group (torch_npu); "
+                               "crosses nodes")

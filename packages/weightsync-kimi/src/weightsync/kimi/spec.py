@@ -34,12 +34,7 @@ def probe() -> str | None:
     return None
 
 
-SPEC = BackendSpec(
-    name="kimi",
-    engine="weightsync.kimi.engine:KimiCheckpointEngine",
-    distribution="weightsync-kimi",
-    devices=frozenset({"cuda"}),
-    cross_node=True,
-    probe=probe,
-    description="MoonshotAI checkpoint-engine ParameterServer: sharded pinned host memory, broadcast or P2P (RDMA)",
-)
+SPEC = BackendSpec(name="kimi", engine="weightsync.kimi.engine:KimiCheckpointEngine",
+                   distribution="weightsync-kimi", devices=frozenset({"cuda"}), cross_node=True, probe=probe,
+                   description="MoonshotAI checkpoint-engine ParameterServer: sharded pinned host memory, broadcast "
+                               "or P2P (RDMA)")

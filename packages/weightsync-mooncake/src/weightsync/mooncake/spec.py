@@ -17,12 +17,7 @@ def _probe() -> str | None:
     return None
 
 
-SPEC = BackendSpec(
-    name="mooncake",
-    engine="weightsync.mooncake.engine:MooncakeCheckpointEngine",
-    distribution="weightsync-mooncake",
-    devices=frozenset({"cpu", "cuda"}),
-    cross_node=True,
-    probe=_probe,
-    description="Mooncake TransferEngine: pipelined chain of one-sided reads (TCP here, RDMA where present)",
-)
+SPEC = BackendSpec(name="mooncake", engine="weightsync.mooncake.engine:MooncakeCheckpointEngine",
+                   distribution="weightsync-mooncake", devices=frozenset({"cpu", "cuda"}), cross_node=True,
+                   probe=_probe, description="Mooncake TransferEngine: pipelined chain of one-sided reads (TCP here, "
+                                             "RDMA where present)")

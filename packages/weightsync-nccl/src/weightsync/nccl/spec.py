@@ -41,12 +41,7 @@ def probe() -> str | None:
     return cuda_reason()
 
 
-SPEC = BackendSpec(
-    name="nccl",
-    engine="weightsync.nccl.engine:NcclCheckpointEngine",
-    distribution="weightsync-nccl",
-    devices=frozenset({"cuda"}),
-    cross_node=True,
-    probe=probe,
-    description="NCCL broadcast of CUDA device buckets in a private process group; copy/comm streams; crosses nodes",
-)
+SPEC = BackendSpec(name="nccl", engine="weightsync.nccl.engine:NcclCheckpointEngine",
+                   distribution="weightsync-nccl", devices=frozenset({"cuda"}), cross_node=True, probe=probe,
+                   description="NCCL broadcast of CUDA device buckets in a private process group; copy/comm streams; "
+                               "crosses nodes")

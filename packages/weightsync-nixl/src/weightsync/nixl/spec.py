@@ -9,12 +9,6 @@ def _probe() -> str | None:
     return module_importable("torch", "msgspec", "nixl")
 
 
-SPEC = BackendSpec(
-    name="nixl",
-    engine="weightsync.nixl.engine:NixlCheckpointEngine",
-    distribution="weightsync-nixl",
-    devices=frozenset({"cpu", "cuda"}),
-    cross_node=True,
-    probe=_probe,
-    description="NIXL (UCX): pipelined chain of one-sided reads, DRAM or VRAM",
-)
+SPEC = BackendSpec(name="nixl", engine="weightsync.nixl.engine:NixlCheckpointEngine",
+                   distribution="weightsync-nixl", devices=frozenset({"cpu", "cuda"}), cross_node=True, probe=_probe,
+                   description="NIXL (UCX): pipelined chain of one-sided reads, DRAM or VRAM")

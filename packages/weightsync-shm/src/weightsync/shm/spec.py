@@ -13,12 +13,6 @@ def _probe() -> str | None:
     return module_importable("torch", "msgspec")
 
 
-SPEC = BackendSpec(
-    name="shm",
-    engine="weightsync.shm.engine:ShmCheckpointEngine",
-    distribution="weightsync-shm",
-    devices=frozenset({"cpu"}),
-    cross_node=False,
-    probe=_probe,
-    description="same-host POSIX shared memory ring; the fast default on one machine",
-)
+SPEC = BackendSpec(name="shm", engine="weightsync.shm.engine:ShmCheckpointEngine",
+                   distribution="weightsync-shm", devices=frozenset({"cpu"}), cross_node=False, probe=_probe,
+                   description="same-host POSIX shared memory ring; the fast default on one machine")
