@@ -63,8 +63,7 @@ class BucketCheckpointEngine(EngineBase):
         pack_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-pack")
         transfer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-xfer")
         self._pools = (pack_pool, transfer_pool)
-        self._send = SendPipeline(self.settings, devices=self.devices, policy=self._policy, tracer=self._tracer,
-                                  pack_pool=pack_pool, transfer_pool=transfer_pool)
+        self._send = SendPipeline(self.settings, self.devices, self._policy, self._tracer, pack_pool, transfer_pool)
         self._receive = ReceiveContext(self.settings, tracer=self._tracer, pool=transfer_pool)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------

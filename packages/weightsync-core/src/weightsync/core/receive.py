@@ -45,12 +45,8 @@ class ReceiveStream:
     def __init__(self, context: ReceiveContext, transport: ReceiverTransport, hold: Hold, *, epoch: str,
                  peer: str, reader: BucketReader) -> None:
         self.report: TransferReport | None = None
-        self._context = context
-        self._transport = transport
-        self._hold = hold
-        self._epoch = epoch
-        self._peer = peer
-        self._reader = reader
+        self._context, self._transport, self._hold, self._reader = context, transport, hold, reader
+        self._epoch, self._peer = epoch, peer
         self._queue: asyncio.Queue[Arrived | BaseException] | None = None
         self._started = time.perf_counter()
         self._receive_seconds = 0.0

@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from weightsync.api.errors import WeightStreamError
@@ -42,18 +43,16 @@ async def drain(weights: Iterable[object], *, devices: frozenset[str], rank: int
                           seconds=time.perf_counter() - started, digest="")
 
 
+@dataclass
 class SendPipeline:
     """One sender's pipeline over the transport of the current epoch. Its threads are the engine's to shut down."""
 
-    def __init__(self, settings: EngineSettings, *, devices: frozenset[str], policy: DevicePolicy, tracer: Tracer,
-                 pack_pool: concurrent.futures.ThreadPoolExecutor,
-                 transfer_pool: concurrent.futures.ThreadPoolExecutor) -> None:
-        self.settings = settings
-        self.devices = devices
-        self.policy = policy
-        self.tracer = tracer
-        self.pack_pool = pack_pool
-        self.transfer_pool = transfer_pool
+    settings: EngineSettings
+    devices: frozenset[str]
+    policy: DevicePolicy
+    tracer: Tracer
+    pack_pool: concurrent.futures.ThreadPoolExecutor
+    transfer_pool: concurrent.futures.ThreadPoolExecutor
 
     async def send(self, transport: SenderTransport, weights: Iterable[object], *, epoch: str, version: int,
                    started: float) -> TransferReport:

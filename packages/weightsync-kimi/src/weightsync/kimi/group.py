@@ -25,11 +25,7 @@ class ParameterServerGroup:
 
     def __init__(self, server: ParameterServer, *, library: CheckpointEngineLibrary, settings: EngineSettings,
                  options: KimiOptions, args: JoinArgs) -> None:
-        self.server = server
-        self.library = library
-        self.settings = settings
-        self.options = options
-        self.args = args
+        self.server, self.library, self.settings, self.options, self.args = server, library, settings, options, args
         self.registered = False
         """Whether this update's share is registered (``finalize`` unregisters it)."""
         self.pool_in_use = False

@@ -121,11 +121,8 @@ class _Receiver:
     def __init__(self, sock: socket.socket, segments: list[SharedSegment], capacity: int, epoch: str,
                  rank: int, timeout: float) -> None:
         self.capacity = capacity
-        self._sock = sock
-        self._segments = segments
-        self._epoch = epoch
-        self._rank = rank
-        self._timeout = timeout
+        self._sock, self._segments = sock, segments
+        self._epoch, self._rank, self._timeout = epoch, rank, timeout
         self._received = 0
 
     def receive(self, deadline: float) -> ReceivedBucket:
