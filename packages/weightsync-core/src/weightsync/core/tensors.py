@@ -76,8 +76,8 @@ def contiguous_source(tensor: torch.Tensor) -> torch.Tensor:
 copy_bytes = ctypes.memmove
 """``copy_bytes(destination, source, nbytes)`` between two host addresses: libc ``memmove`` (ctypes releases the
 GIL for the call), bound directly so a small tensor pays no wrapper call. For host buffers it beats
-``Tensor.copy_`` here: about 7 GB/s against 6 for 1 MiB pieces on one core, and no tensor views to build per call,
-which is what many small tensors cost."""
+``Tensor.copy_`` (docs/performance.md), with no tensor views to build per call, which is what many small tensors
+cost."""
 
 
 def _held_memmove() -> Callable[[int, int, int], object]:
@@ -152,8 +152,7 @@ _HELPER, _HELPER_MISSING = _load_helper()
 copy_stream, STREAM_COPY = _stream_copier()
 """``copy_stream(destination, source, nbytes)``: ``copy_bytes`` for pieces the copying core will not read back soon
 (a bucket it packs, a model tensor it fills), with non-temporal stores: they skip reading each destination line
-into the cache first, a third of an ordinary copy's memory traffic (measured here: 10 GB/s against memmove's 7 for
-256 KiB pieces). The bytes are therefore not in this core's cache afterwards: hash the source instead, which is.
+into the cache first, a third of an ordinary copy's memory traffic. The bytes are therefore not in this core's cache afterwards: hash the source instead, which is.
 Releases the GIL. ``STREAM_COPY`` says which copy runs (``weightsync doctor`` shows it); ``WEIGHTSYNC_STREAM_COPY=0``
 in the environment turns the compiled helper off (memmove, and ``copy_batch`` one call per copy)."""
 

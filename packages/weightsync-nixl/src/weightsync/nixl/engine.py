@@ -107,9 +107,9 @@ class NixlRing(RegisteredRing):
         super().__init__(slots=slots, slot_bytes=slot_bytes, device=device)
         api = _nixl_api()
         self.agent_name = agent_name
-        # nixl's own progress thread runs with a zero delay: a core spinning for as long as the agent lives (measured
-        # here: 2.0 s of CPU per idle 2 s, per process). Ours sleeps between rounds (see ``_progress``); the agent is
-        # then called from two threads, hence the strict thread-sync mode.
+        # nixl's own progress thread runs with a zero delay: a core spinning for as long as the agent lives. Ours
+        # sleeps between rounds (see ``_progress``); the agent is then called from two threads, hence the strict
+        # thread-sync mode.
         self.agent = api.nixl_agent(agent_name, api.nixl_agent_config(
             enable_prog_thread=False, backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         ))
