@@ -15,7 +15,7 @@ from weightsync.api.errors import TopologyError, WeightsyncError
 from weightsync.api.protocols import CheckpointEngine
 from weightsync.api.types import Topology, WorldMetadata
 
-__all__ = ["build_checked_topology", "with_epoch"]
+__all__ = ["build_checked_topology", "check_sizes", "with_epoch"]
 
 
 def with_epoch(topology: Topology) -> Topology:
@@ -32,7 +32,7 @@ def with_epoch(topology: Topology) -> Topology:
     )
 
 
-def _check_sizes(*, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata) -> None:
+def check_sizes(*, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata) -> None:
     """Raise :class:`TopologyError` unless both sizes are non-negative ints that match ``metadata``'s sides."""
     for label, size in (("actor_wg_world_size", actor_wg_world_size), ("rollout_world_size", rollout_world_size)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
@@ -53,7 +53,7 @@ def build_checked_topology(
     ``backend`` names the engine class in errors. Our typed errors pass through; anything else ``build_topology``
     raises, and any other return value, becomes a ``TopologyError``.
     """
-    _check_sizes(actor_wg_world_size=actor_wg_world_size, rollout_world_size=rollout_world_size, metadata=metadata)
+    check_sizes(actor_wg_world_size=actor_wg_world_size, rollout_world_size=rollout_world_size, metadata=metadata)
     try:
         topology = engine_class.build_topology(
             actor_wg_world_size=actor_wg_world_size, rollout_world_size=rollout_world_size, metadata=metadata

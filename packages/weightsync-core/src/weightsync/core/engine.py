@@ -19,7 +19,7 @@ import torch
 
 from weightsync.api.errors import LifecycleError, TopologyError, reject_renamed_keywords
 from weightsync.api.protocols import ReceivedWeights
-from weightsync.api.topology import with_epoch
+from weightsync.api.topology import check_sizes, with_epoch
 from weightsync.api.types import RankArgs, Topology, TransferReport, WorkerMetadata, WorldMetadata
 from weightsync.core.handover import Handover
 from weightsync.core.receive import ReceiveContext, ReceiveStream
@@ -216,13 +216,13 @@ def guard_build_topology(function: Any) -> Any:
                 f"{cls.__name__}.build_topology takes keyword arguments only: "
                 "build_topology(actor_wg_world_size=..., rollout_world_size=..., metadata=...)"
             )
-        metadata = kwargs.get("metadata")
-        if isinstance(metadata, WorldMetadata):
-            for side, size_key in (("actor", "actor_wg_world_size"), ("rollout", "rollout_world_size")):
-                size, got = kwargs.get(size_key), len(getattr(metadata, side))
-                if size != got:
-                    raise TopologyError(f"{cls.__name__}.build_topology: {size_key}={size} but metadata holds "
-                                        f"{got} {side} entries")
+        metadata, actor, rollout = (kwargs.get(key) for key in ("metadata", "actor_wg_world_size",
+                                                               "rollout_world_size"))
+        if isinstance(metadata, WorldMetadata) and actor is not None and rollout is not None:
+            try:
+                check_sizes(actor_wg_world_size=actor, rollout_world_size=rollout, metadata=metadata)
+            except TopologyError as exc:
+                raise TopologyError(f"{cls.__name__}.build_topology: {exc}") from None
         topology = function(cls, **kwargs)
         return with_epoch(topology) if isinstance(topology, Topology) else topology
 

@@ -84,7 +84,7 @@ class KimiOptions:
         return cls(mode=str(mode), mem_fraction=mem_fraction, shared_memory_pool=shared)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class JoinArgs:
     """One worker's entry of the topology, checked: its place in the ParameterServer world of one epoch."""
 
