@@ -111,22 +111,34 @@ def validate_pair(item: object, *, devices: frozenset[str], seen: set[str]) -> t
 def plan_buckets(
     weights: Iterable[object], *, bucket_bytes: int, devices: frozenset[str]
 ) -> Iterator[PlannedBucket]:
-    """Yield the buckets for ``weights`` lazily (the stream is read as buckets are requested).
+    """Yield the buckets for ``weights`` lazily; the stream's own exceptions become ``WeightStreamError``.
 
-    The stream's own exceptions become ``WeightStreamError``. Runs once per tensor: the common item (whole in the
-    current bucket) takes one append, with the open bucket's fields kept in locals; a bucket boundary or a tensor
-    split across buckets goes through :func:`_place`.
+    Runs once per tensor, so the common item (a tuple of a new ASCII name and a dense tensor on a device this backend
+    serves, whole in the open bucket) takes one chain of cheap checks and one append, with the bucket's fields in
+    locals; anything else goes through ``validate_pair`` (the precise error) and :func:`_place`.
     """
     seen: set[str] = set()
     bucket = PlannedBucket()
     items, copies, large = bucket.items, bucket.copies, bucket.large
     used = payload = completed = count = 0
-    align = BUCKET_ALIGNMENT - 1
+    align, host_ok, strided, iterator = BUCKET_ALIGNMENT - 1, "cpu" in devices, torch.strided, iter(weights)
     mask = ~align
-    host_ok = "cpu" in devices
-    iterator = iter(weights)
-    while (pair := _next_pair(iterator, seen, devices, host_ok)) is not None:
-        name, tensor = pair
+    while True:
+        try:  # the caller's own failures (a gather that raised half-way), typed
+            item = next(iterator)
+        except StopIteration:
+            break
+        except WeightsyncError:
+            raise
+        except Exception as exc:
+            raise WeightStreamError(f"the weights stream raised {type(exc).__name__}: {exc}") from exc
+        if (type(item) is tuple and len(item) == 2 and type(name := item[0]) is str and name.isascii()
+                and 0 < len(name) <= MAX_NAME_BYTES and name not in seen
+                and isinstance(tensor := item[1], torch.Tensor) and tensor.layout is strided
+                and (host_ok and tensor.is_cpu or tensor.device.type in devices)):
+            seen.add(name)
+        else:
+            name, tensor = validate_pair(item, devices=devices, seen=seen)
         dtype = _NAMES.get(tensor.dtype) or dtype_name(tensor.dtype)
         # (Only a complex tensor can carry the conjugate bit; any can carry the negative one.)
         if tensor.is_contiguous() and not tensor.is_neg() and (dtype not in COMPLEX_NAMES or not tensor.is_conj()):
@@ -154,28 +166,6 @@ def plan_buckets(
     if count:
         bucket.nbytes, bucket.payload_bytes, bucket.completed = used, payload, completed
         yield bucket
-
-
-def _next_pair(iterator: Iterator[object], seen: set[str], devices: frozenset[str], host_ok: bool
-               ) -> tuple[str, torch.Tensor] | None:
-    """The stream's next ``(name, tensor)``, checked; None at its end. The common item (a tuple of a new ASCII name
-    and a dense tensor on a device this backend serves) takes one chain of cheap checks; anything else goes through
-    ``validate_pair``, which raises the precise error."""
-    try:  # the caller's own failures (a gather that raised half-way), typed
-        item = next(iterator)
-    except StopIteration:
-        return None
-    except WeightsyncError:
-        raise
-    except Exception as exc:
-        raise WeightStreamError(f"the weights stream raised {type(exc).__name__}: {exc}") from exc
-    if (type(item) is tuple and len(item) == 2 and type(name := item[0]) is str and name.isascii()
-            and 0 < len(name) <= MAX_NAME_BYTES and name not in seen
-            and isinstance(tensor := item[1], torch.Tensor) and tensor.layout is torch.strided
-            and (host_ok and tensor.is_cpu or tensor.device.type in devices)):
-        seen.add(name)
-        return name, tensor
-    return validate_pair(item, devices=devices, seen=seen)
 
 
 def _place(bucket: PlannedBucket, name: str, dtype: str, shape: torch.Size, source: torch.Tensor,
