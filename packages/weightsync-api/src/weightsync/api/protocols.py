@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckpointEngine",
     "ReceivedWeights",
+    "check_destination",
     "copy_stream_into",
     "load_into",
     "ActorWorkerGroup",
@@ -120,6 +121,16 @@ async def load_into(
     return await copy_stream_into(weights, destinations, fallback=fallback)
 
 
+def check_destination(name: str, dtype: torch.dtype, shape: Sequence[int], destination: torch.Tensor) -> None:
+    """``DestinationError`` (before anything is written) unless ``destination`` has the received tensor's ``dtype``
+    and ``shape``. Every copy into destinations checks with this: the engine's ``copy_into`` and the plain one."""
+    if destination.dtype != dtype or tuple(destination.shape) != tuple(shape):
+        raise DestinationError(
+            f"received tensor {name!r} is {str(dtype).removeprefix('torch.')}{list(shape)}, its destination "
+            f"{str(destination.dtype).removeprefix('torch.')}{list(destination.shape)}", name=name,
+        )
+
+
 async def copy_stream_into(
     stream: AsyncIterator[tuple[str, torch.Tensor]], destinations: Mapping[str, torch.Tensor], *,
     fallback: Callable[[str, torch.Tensor], object] | None = None,
@@ -135,12 +146,8 @@ async def copy_stream_into(
             if fallback is None:
                 raise DestinationError(f"no destination for received tensor {name!r} (and no fallback)", name=name)
             fallback(name, tensor)
-        elif destination.dtype != tensor.dtype or destination.shape != tensor.shape:
-            raise DestinationError(
-                f"received tensor {name!r} is {tensor.dtype}{list(tensor.shape)}, its destination "
-                f"{destination.dtype}{list(destination.shape)}", name=name,
-            )
         else:
+            check_destination(name, tensor.dtype, tensor.shape, destination)
             with torch.no_grad():
                 destination.copy_(tensor)
         count += 1

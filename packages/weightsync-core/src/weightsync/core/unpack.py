@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from weightsync.api.errors import DestinationError
+from weightsync.api.protocols import check_destination as check_tensor_destination
 from weightsync.core import codec
 from weightsync.core.codec import TensorMeta
 from weightsync.core.digest import UpdateDigest
@@ -45,22 +46,18 @@ class Arrived:
         """The consumer hashes this bucket as it reads it (a host payload); else the receive thread hashed it."""
 
 
-def destination_fits(destination: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+def destination_fits(destination: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     """Whether raw copies can fill ``destination``: ``dtype`` and ``shape``, contiguous, on the host, its memory
     holding the values it shows (not a lazily negated view — even a real tensor can be one, a complex tensor's
-    conjugate's ``imag`` — nor a lazily conjugated complex tensor)."""
-    return (destination.dtype is dtype and destination.shape == shape and destination.is_cpu
-            and destination.is_contiguous() and not destination.is_neg()
+    conjugate's ``imag`` — nor a lazily conjugated complex tensor). False for no destination."""
+    return (destination is not None and destination.dtype is dtype and destination.shape == shape
+            and destination.is_cpu and destination.is_contiguous() and not destination.is_neg()
             and not (dtype.is_complex and destination.is_conj()))
 
 
 def check_destination(meta: TensorMeta, destination: torch.Tensor) -> None:
     """``DestinationError`` before anything is written when ``destination`` cannot hold the received tensor."""
-    if destination.dtype is not DTYPES.get(meta.dtype) or destination.shape != meta.shape:
-        raise DestinationError(
-            f"received tensor {meta.name!r} is {meta.dtype}{list(meta.shape)}, its destination "
-            f"{str(destination.dtype).removeprefix('torch.')}{list(destination.shape)}", name=meta.name,
-        )
+    check_tensor_destination(meta.name, DTYPES[meta.dtype], meta.shape, destination)
 
 
 class BulkPlan:
@@ -193,7 +190,7 @@ class BucketReader:
             meta = tensors[position]
             position += 1
             destination = get(meta.name)
-            if destination is None or not destination_fits(destination, DTYPES[meta.dtype], meta.shape):
+            if not destination_fits(destination, DTYPES[meta.dtype], meta.shape):
                 if batch:
                     copy_batch(batch, 0, base, stream=True)
                     batch.clear()
@@ -228,8 +225,7 @@ class BucketReader:
     def _copy_bulk(self, plan: BulkPlan, base: int, found: list[torch.Tensor | None]) -> int | None:
         """A whole bucket of small pieces: the tensors completed, or None when any destination does not fit (then
         nothing was copied and the batched copy takes the bucket)."""
-        if not all(destination is not None and destination_fits(destination, dtype, shape)
-                   for destination, dtype, shape in zip(found, plan.dtypes, plan.shapes)):
+        if not all(map(destination_fits, found, plan.dtypes, plan.shapes)):
             return None
         addresses = array.array("Q", [destination.data_ptr() for destination in found])  # type: ignore[union-attr]
         if plan.offsets is not None:  # the tail of a tensor split across buckets lands at its offset
