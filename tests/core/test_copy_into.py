@@ -121,3 +121,22 @@ def test_the_comparison_sees_a_skipped_column_entry(pair: Pair, monkeypatch: pyt
     destinations = {name: torch.zeros_like(tensor) for name, tensor in sent.items()}
     receive_into(pair, sent, destinations)
     assert not all(torch.equal(destinations[name], sent[name]) for name in sent)
+
+
+def test_the_reference_path_lands_the_same_bytes_as_the_fast_ones(pair: Pair,  # noqa: F811
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    sent = small_model()
+    fast = {name: torch.zeros_like(tensor) for name, tensor in sent.items()}
+    assert receive_into(pair, sent, fast) == len(sent)
+    # Every bucket through the view and Tensor.copy_ (no raw copy at all), the digest still checked at the end.
+    original = unpack_module.BucketReader.copy_out
+
+    def reference(self: Any, destinations: Any, fallback: Any, *, reference: bool = False) -> int:
+        return original(self, destinations, fallback, reference=True)
+
+    monkeypatch.setattr(unpack_module.BucketReader, "copy_out", reference)
+    columns, batches = counting(monkeypatch, "copy_columns"), counting(monkeypatch, "copy_batch")
+    slow = {name: torch.zeros_like(tensor) for name, tensor in sent.items()}
+    assert receive_into(pair, sent, slow) == len(sent)
+    assert not columns and not batches
+    assert all(torch.equal(slow[name], sent[name]) and torch.equal(fast[name], slow[name]) for name in sent)
