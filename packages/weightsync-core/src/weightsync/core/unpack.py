@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import array
 from collections.abc import Callable, Mapping
+from typing import TypeGuard
 
 import torch
 
@@ -46,7 +47,8 @@ class Arrived:
         """The consumer hashes this bucket as it reads it (a host payload); else the receive thread hashed it."""
 
 
-def destination_fits(destination: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+def destination_fits(destination: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...]
+                     ) -> TypeGuard[torch.Tensor]:
     """Whether raw copies can fill ``destination``: ``dtype`` and ``shape``, contiguous, on the host, its memory
     holding the values it shows (not a lazily negated view — even a real tensor can be one, a complex tensor's
     conjugate's ``imag`` — nor a lazily conjugated complex tensor). False for no destination."""
