@@ -244,10 +244,6 @@ class EngineHarness:
         for index in range(len(self._workers)):
             extra = per_worker[index] if per_worker is not None else {}
             self._send(index, {"op": op, **extra})
-        return self._collect()
-
-    def _collect(self) -> list[Any]:
-        """Every worker's reply to the command it was sent; the first failure is raised once all have answered."""
         deadline = time.monotonic() + self.timeout
         replies: list[Any] = []
         failure: BaseException | None = None
@@ -288,7 +284,17 @@ class EngineHarness:
         self._send(0, {"op": "send", **commands[0]})
         for index in range(1, len(self._workers)):
             self._send(index, {"op": "receive", **commands[index]})
-        replies = self._collect()
+        deadline = time.monotonic() + self.timeout
+        replies: list[Any] = []
+        failure: BaseException | None = None
+        for index in range(len(self._workers)):
+            try:
+                replies.append(self._wait(index, deadline))
+            except (WorkerFailed, TimeoutError) as exc:
+                failure = failure or exc
+                replies.append(None)
+        if failure is not None:
+            raise failure
         self._all("finalize")
         sender = replies[0]
         results = replies[1:]
