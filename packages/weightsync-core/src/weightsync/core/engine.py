@@ -53,7 +53,7 @@ class BucketCheckpointEngine(EngineBase):
         super().__init__(bucket_bytes=bucket_bytes, **options)
         self.transport = self.transport_class(self.settings)
         self._policy = self.transport.policy()
-        self._tracer = Tracer(self.settings.self_name)
+        self._tracer = Tracer(f"{self.settings.context.role} {self.settings.context.rank}")
         self._handover = Handover(self.name, self.settings.timeout)
         self._epoch: str | None = None
         self._role: RankRole | None = None
