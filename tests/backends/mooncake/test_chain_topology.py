@@ -29,7 +29,8 @@ def _library(engine: type[BucketCheckpointEngine]) -> str:
 
 def _metadata(library: str, rollout: int, fanout: int = 1) -> WorldMetadata:
     actor: list[WorkerMetadata] = [{"address": "10.0.0.1:100", "fanout": fanout, "library": library}, {}]
-    workers: list[WorkerMetadata] = [{"address": f"10.0.0.{2 + j}:100", "fanout": fanout, "library": library} for j in range(rollout)]
+    workers: list[WorkerMetadata] = [{"address": f"10.0.0.{2 + j}:100", "fanout": fanout, "library": library}
+                                     for j in range(rollout)]
     return WorldMetadata(actor=actor, rollout=workers)
 
 

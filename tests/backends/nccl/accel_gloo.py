@@ -1,7 +1,8 @@
 """The CPU instance of the accelerator collective transport: host ops and a gloo group, registered as a test backend.
 
-It runs every line of ``weightsync.core.devicecollective`` that does not need a device (transports, events as placeholders,
-digest staging, node-local topology), so the NCCL/HCCL code paths are exercised here through real gloo groups.
+It runs every line of ``weightsync.core.devicecollective`` that does not need a device (transports, events as
+placeholders, digest staging, node-local topology), so the NCCL/HCCL code paths are exercised here through real gloo
+groups.
 """
 
 from __future__ import annotations

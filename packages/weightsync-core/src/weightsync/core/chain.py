@@ -201,7 +201,8 @@ class _ChainReceiver:
         self._wait_consumer(self._sequence.last(slot), deadline)
         self._downstream.reads.wait(self._sequence.last(slot), deadline)
         if ready.nbytes:
-            upstream.remote.read(local_offset=slot * self._ring.slot_bytes, remote_offset=ready.slot * remote.slot_bytes,
+            upstream.remote.read(local_offset=slot * self._ring.slot_bytes,
+                                 remote_offset=ready.slot * remote.slot_bytes,
                               nbytes=ready.nbytes, deadline=deadline)
         ack = codec.Ack(wire=codec.WIRE_VERSION, epoch=self._epoch, rank=self._rank, index=seq)
         send_frame(upstream.sock, codec.encode(ack), deadline=deadline, peer=peer)
@@ -231,7 +232,7 @@ class _ChainReceiver:
         self._upstream.remote.close()
 
 
-# -- the transport -------------------------------------------------------------------------------------------------------
+# -- the transport ------------------------------------------------------------------------------------------------
 
 
 class ChainTransport(Transport):

@@ -233,7 +233,8 @@ class CollectiveTransport(Transport):
         if self._buffers is None:
             # Allocated once per engine and touched now, so no update pays for first-touch page faults.
             self._buffers = [
-                torch.zeros(self.settings.bucket_bytes, dtype=torch.uint8, device=self.device_type) for _ in range(self.settings.slots)
+                torch.zeros(self.settings.bucket_bytes, dtype=torch.uint8, device=self.device_type)
+                for _ in range(self.settings.slots)
             ]
         return self._buffers
 

@@ -152,7 +152,8 @@ _HELPER, _HELPER_MISSING = _load_helper()
 copy_stream, STREAM_COPY = _stream_copier()
 """``copy_stream(destination, source, nbytes)``: ``copy_bytes`` for pieces the copying core will not read back soon
 (a bucket it packs, a model tensor it fills), with non-temporal stores: they skip reading each destination line
-into the cache first, a third of an ordinary copy's memory traffic. The bytes are therefore not in this core's cache afterwards: hash the source instead, which is.
+into the cache first, a third of an ordinary copy's memory traffic. The bytes are therefore not in this core's cache
+afterwards: hash the source instead, which is.
 Releases the GIL. ``STREAM_COPY`` says which copy runs (``weightsync doctor`` shows it); ``WEIGHTSYNC_STREAM_COPY=0``
 in the environment turns the compiled helper off (memmove, and ``copy_batch`` one call per copy)."""
 

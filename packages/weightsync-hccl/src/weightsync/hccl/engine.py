@@ -1,8 +1,9 @@
 """Backend ``hccl``: the collective transport on Ascend NPU device buckets, in a private ``ProcessGroupHCCL``.
 
-The same design as ``nccl`` (see :mod:`weightsync.core.devicecollective`): ``torch_npu`` mirrors CUDA's stream and event API
-as ``torch.npu``, and its ``ProcessGroupHCCL`` takes the same ``(store, rank, size, options)`` as ``ProcessGroupNCCL``.
-Unlike verl's HCCL backend this one is not synchronous: copy and communication streams overlap as on CUDA.
+The same design as ``nccl`` (see :mod:`weightsync.core.devicecollective`): ``torch_npu`` mirrors CUDA's stream and
+event API as ``torch.npu``, and its ``ProcessGroupHCCL`` takes the same ``(store, rank, size, options)`` as
+``ProcessGroupNCCL``. Unlike verl's HCCL backend this one is not synchronous: copy and communication streams overlap
+as on CUDA.
 
 ``torch_npu`` is imported when an engine is built, never at module import, and its absence raises
 ``BackendUnavailableError`` with the install hint (the registry's probe says the same before the engine loads).

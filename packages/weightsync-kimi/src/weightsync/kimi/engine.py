@@ -67,14 +67,12 @@ from weightsync.api.errors import (
     BackendUnavailableError,
     ConcurrentUpdateError,
     LifecycleError,
-    reject_renamed_keywords,
 )
 from weightsync.api.types import (
     RankArgs,
     StageTiming,
     Topology,
     TransferReport,
-    WorkerContext,
     WorkerMetadata,
     WorldMetadata,
 )

@@ -17,7 +17,9 @@ import time
 from typing import Any, ClassVar
 
 from weightsync.api.errors import BackendUnavailableError, ConfigError, TransferError, WireError
-from weightsync.core.backend import ChainTransport, EngineSettings, RegisteredRing, RemoteRing, RingEndpoint, engine_class
+from weightsync.core.backend import (
+    ChainTransport, EngineSettings, RegisteredRing, RemoteRing, RingEndpoint, engine_class,
+)
 
 __all__ = ["MooncakeCheckpointEngine", "MooncakeTransport", "MooncakeRing"]
 

@@ -1,9 +1,9 @@
-"""Backend ``nccl``: the collective engine on CUDA device buckets, in a private ``ProcessGroupNCCL``.
+"""Backend ``nccl``: the collective transport on CUDA device buckets, in a private ``ProcessGroupNCCL``.
 
 The group is built as ``ProcessGroupNCCL(PrefixStore(epoch, TCPStore), rank, size, options)`` — never through
 ``torch.distributed.init_process_group`` — so it coexists with the trainer's (FSDP/Megatron) or the inference
-engine's default group in the same process. Everything else (streams, events, device rings, node-local senders) is weightsync-core's
-:class:`~weightsync.core.backend.AcceleratorCollectiveTransport`.
+engine's default group in the same process. Everything else (streams, events, device rings, node-local senders) is
+weightsync-core's :class:`~weightsync.core.backend.AcceleratorCollectiveTransport`.
 """
 
 from __future__ import annotations

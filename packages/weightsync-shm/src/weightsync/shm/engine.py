@@ -211,13 +211,15 @@ class ShmTransport(Transport):
         if self._segments is None:
             _sweep_orphans()
             self._segments = [
-                SharedSegment(f"weightsync-{os.getpid()}-{secrets.token_hex(6)}-{slot}", self.settings.bucket_bytes, create=True)
+                SharedSegment(f"weightsync-{os.getpid()}-{secrets.token_hex(6)}-{slot}", self.settings.bucket_bytes,
+                              create=True)
                 for slot in range(self.settings.slots)
             ]
         info = encode(SegmentInfo(
             wire=WIRE_VERSION, epoch=epoch, names=[s.name for s in self._segments], capacity=self.settings.bucket_bytes,
         ))
-        peers = accept_peers(self._listener, ranks=range(receivers), epoch=epoch, deadline=time.monotonic() + self.settings.timeout,
+        peers = accept_peers(self._listener, ranks=range(receivers), epoch=epoch,
+                             deadline=time.monotonic() + self.settings.timeout,
                              reply=lambda hello: info, what="shm sender")
         return _Sender(self._segments, peers, self.settings.bucket_bytes, epoch)
 
