@@ -216,8 +216,8 @@ def guard_build_topology(function: Any) -> Any:
                 f"{cls.__name__}.build_topology takes keyword arguments only: "
                 "build_topology(actor_wg_world_size=..., rollout_world_size=..., metadata=...)"
             )
-        metadata, actor, rollout = (kwargs.get(key) for key in ("metadata", "actor_wg_world_size",
-                                                               "rollout_world_size"))
+        metadata = kwargs.get("metadata")
+        actor, rollout = kwargs.get("actor_wg_world_size"), kwargs.get("rollout_world_size")
         if isinstance(metadata, WorldMetadata) and actor is not None and rollout is not None:
             try:
                 check_sizes(actor_wg_world_size=actor, rollout_world_size=rollout, metadata=metadata)

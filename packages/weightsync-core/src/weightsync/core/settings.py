@@ -67,7 +67,6 @@ class EngineSettings:
         context: WorkerContext | None = None, slots: int | None = None, timeout: float = 600.0,
         verify_digest: bool = True, transport_hook: str | None = None, **options: Any,
     ) -> EngineSettings:
-        reject_renamed_keywords(name, options)
         unknown = sorted(set(options) - option_names)
         if unknown:
             accepted = ", ".join(sorted(option_names)) or "none"
