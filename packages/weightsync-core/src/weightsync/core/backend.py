@@ -18,7 +18,13 @@ from weightsync.core.chain import (
 )
 from weightsync.core.codec import WIRE_VERSION, Ack, Hello, encode
 from weightsync.core.collective import CollectiveTransport, Group, c10d
-from weightsync.core.device import AcceleratorOps, AcceleratorPolicy, DeviceOps, HostOps, wait_event
+from weightsync.core.device import (
+    AcceleratorOps,
+    AcceleratorPolicy,
+    accepted_devices,
+    process_accelerator,
+    wait_event,
+)
 from weightsync.core.devicecollective import AcceleratorCollectiveTransport, node_local_plan
 from weightsync.core.digest import UpdateDigest
 from weightsync.core.engine import BucketCheckpointEngine, engine_class, guard_build_topology
@@ -47,8 +53,8 @@ __all__ = [
     # shared transports
     "ChainTransport", "RegisteredRing", "RemoteRing", "RingEndpoint", "chain_positions", "DEFAULT_FANOUT",
     "CollectiveTransport", "Group", "c10d",
-    "AcceleratorCollectiveTransport", "DeviceOps", "AcceleratorOps", "AcceleratorPolicy", "HostOps",
-    "node_local_plan", "wait_event",
+    "AcceleratorCollectiveTransport", "AcceleratorOps", "AcceleratorPolicy", "process_accelerator",
+    "accepted_devices", "node_local_plan", "wait_event",
     # control plane and waiting
     "WIRE_VERSION", "Hello", "Ack", "encode", "accept_peers", "send_frame", "recv_frame", "AckedPeers",
     "FreeSlots", "SlotSequence", "poll_until", "Handover", "Hold",

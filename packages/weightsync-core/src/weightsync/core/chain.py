@@ -45,10 +45,11 @@ import torch
 from weightsync.api.errors import ConfigError, LifecycleError, TopologyError, TransferError, WeightsyncError, WireError
 from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
 from weightsync.core import codec
+from weightsync.core.device import AcceleratorOps, AcceleratorPolicy, process_accelerator
 from weightsync.core.framing import accept_peers, recv_frame, send_frame
 from weightsync.core.rings import RegisteredRing, RemoteRing, RingEndpoint, decode_ring
 from weightsync.core.settings import EngineSettings
-from weightsync.core.transport import NO_SLOT, ReceivedBucket, Transport
+from weightsync.core.transport import HOST_POLICY, NO_SLOT, DevicePolicy, ReceivedBucket, Transport
 from weightsync.core.waiting import AckedPeers, SlotSequence
 
 __all__ = [
@@ -254,15 +255,24 @@ class ChainTransport(Transport):
         device = settings.options.get("device", "cpu")
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"{self.name}: device must be 'cpu' or 'cuda', got {device!r}")
+        if device == "cuda" and getattr(process_accelerator(), "type", None) != "cuda":
+            raise ConfigError(f"{self.name}: device='cuda' puts the ring in GPU memory, but this process has no CUDA "
+                              "device (leave device='cpu': tensors on any device are staged through a host ring)")
         self.fanout: int = fanout
         self.ring_device: str = device
         self.buffers = "host" if device == "cpu" else "device"
+        # A device ring's packing copies and digests are ordered on device streams; a host ring needs nothing.
+        self._policy: DevicePolicy = HOST_POLICY if device == "cpu" else AcceleratorPolicy(
+            AcceleratorOps(torch.device(device)), bucket_bytes=settings.bucket_bytes, timeout=settings.timeout)
         self._ring: RegisteredRing | None = None
         self._listener: socket.socket | None = None
 
     @abc.abstractmethod
     def make_ring(self) -> RegisteredRing:
         """Allocate and register this engine's ring (called once per engine)."""
+
+    def policy(self) -> DevicePolicy:
+        return self._policy
 
     # -- step 1 --------------------------------------------------------------------------------------------------------
 

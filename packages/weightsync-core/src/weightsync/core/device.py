@@ -1,8 +1,7 @@
 """Device streams and events, written once for every accelerator, and the policy that orders the pipeline on them.
 
-:class:`DeviceOps` is the handful of stream/event operations the device paths use, kept this small so that every
-synchronisation is visible here: :class:`AcceleratorOps` over ``torch.cuda`` or ``torch.npu``, :class:`HostOps` for
-the host (every operation synchronous). :class:`AcceleratorPolicy` is the :class:`~weightsync.core.transport.
+:class:`AcceleratorOps` is the handful of stream/event operations the device paths use, over torch's generic
+accelerator API: CUDA, Ascend and any other torch accelerator alike. :class:`AcceleratorPolicy` is the :class:`~weightsync.core.transport.
 DevicePolicy` of a transport with device buffers:
 
 * **Two streams and events, never a device-wide sync.** Packing copies run on a *copy stream*; the transport moves
@@ -18,7 +17,6 @@ DevicePolicy` of a transport with device buffers:
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import time
 from collections.abc import Iterator
@@ -31,108 +29,38 @@ from weightsync.core.planner import PlannedBucket
 from weightsync.core.transport import DevicePolicy, SenderTransport
 from weightsync.core.waiting import poll_until
 
-__all__ = ["DeviceOps", "HostOps", "AcceleratorOps", "AcceleratorPolicy", "wait_event"]
+__all__ = [
+    "AcceleratorOps", "AcceleratorPolicy", "wait_event", "process_accelerator",
+    "accepted_devices",
+]
 
 
-class DeviceOps(abc.ABC):
-    """The handful of stream/event operations the engine uses, over one device.
+class AcceleratorOps:
+    """The handful of stream/event operations the device paths use, over one accelerator, kept this small so that
+    every synchronisation weightsync does is visible here. Written once against torch's generic API
+    (``torch.Stream``, ``torch.Event``, ``torch.accelerator``): CUDA, Ascend (torch_npu) and any other PrivateUse1
+    device (the emulated one of the tests) share it; only the collective library is backend-specific."""
 
-    Kept this small so that CUDA, Ascend and the host (for tests) are three short implementations, and so that every
-    synchronisation the engine does is visible here.
-    """
-
-    device: torch.device
-    pinned: bool
-    """Whether host staging buffers are page-locked (so device-to-host copies are truly asynchronous)."""
-
-    @abc.abstractmethod
-    def new_stream(self) -> Any: ...
-
-    @abc.abstractmethod
-    def new_event(self) -> Any: ...
-
-    @abc.abstractmethod
-    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        """Make ``stream`` the calling thread's current stream (and its device the current device)."""
-
-    @abc.abstractmethod
-    def current_stream(self) -> Any: ...
-
-    @abc.abstractmethod
-    def stream_wait_event(self, stream: Any, event: Any) -> None:
-        """Device-side: work queued on ``stream`` from now on waits for ``event``. The host does not wait."""
-
-    @abc.abstractmethod
-    def stream_wait_stream(self, stream: Any, other: Any) -> None:
-        """Device-side: ``stream`` waits for everything queued on ``other`` so far."""
-
-    @abc.abstractmethod
-    def record(self, event: Any, stream: Any) -> None: ...
-
-    @abc.abstractmethod
-    def query(self, event: Any) -> bool:
-        """Whether everything before ``event`` has finished (non-blocking)."""
-
-    @abc.abstractmethod
-    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Tell the caching allocator ``tensor`` is in use on ``stream`` (``Tensor.record_stream``)."""
-
-
-class HostOps(DeviceOps):
-    """CPU: every operation is synchronous, so streams and events are placeholders that are always complete."""
-
-    def __init__(self) -> None:
-        self.device = torch.device("cpu")
-        self.pinned = False
-
-    def new_stream(self) -> Any:
-        return None
-
-    def new_event(self) -> Any:
-        return None
-
-    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
-
-    def current_stream(self) -> Any:
-        return None
-
-    def stream_wait_event(self, stream: Any, event: Any) -> None:
-        pass
-
-    def stream_wait_stream(self, stream: Any, other: Any) -> None:
-        pass
-
-    def record(self, event: Any, stream: Any) -> None:
-        pass
-
-    def query(self, event: Any) -> bool:
-        return True
-
-    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
-        pass
-
-
-class AcceleratorOps(DeviceOps):
-    """``torch.cuda`` or ``torch.npu`` (torch_npu mirrors the CUDA stream/event API), on device ``index``."""
-
-    def __init__(self, module: Any, device_type: str, index: int) -> None:
-        self.module = module
-        self.device = torch.device(device_type, index)
+    def __init__(self, device: torch.device) -> None:
+        if device.type == "cpu":
+            raise ValueError("AcceleratorOps needs an accelerator device, not the host")
+        self.device = device if device.index is not None else torch.device(
+            device.type, torch.accelerator.current_device_index())
         self.pinned = True
 
     def new_stream(self) -> Any:
-        return self.module.Stream(device=self.device)
+        return torch.Stream(device=self.device)
 
     def new_event(self) -> Any:
-        return self.module.Event()
+        return torch.Event(device=self.device)
 
     def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        context: contextlib.AbstractContextManager[Any] = self.module.stream(stream)
+        # ``with stream:`` makes it the current stream of its device (and that device the current one).
+        context: contextlib.AbstractContextManager[Any] = stream
         return context
 
     def current_stream(self) -> Any:
-        return self.module.current_stream(self.device)
+        return torch.accelerator.current_stream(self.device)
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
@@ -149,6 +77,24 @@ class AcceleratorOps(DeviceOps):
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
         if tensor.device.type == self.device.type:
             tensor.record_stream(stream)
+
+
+def process_accelerator() -> torch.device | None:
+    """The accelerator this process computes on (its current device), or None on a host-only process.
+
+    Whatever torch reports as the current accelerator: CUDA, an Ascend NPU, or any PrivateUse1 device (the emulated
+    one of the tests). Cheap: it does not create a device context.
+    """
+    current = torch.accelerator.current_accelerator()
+    if current is None:
+        return None
+    return torch.device(current.type, torch.accelerator.current_device_index())
+
+
+def accepted_devices() -> frozenset[str]:
+    """The device types every engine accepts tensors on in this process: the host and its accelerator."""
+    current = torch.accelerator.current_accelerator()
+    return frozenset({"cpu"} if current is None else {"cpu", current.type})
 
 
 def wait_event(ops: DeviceOps, event: Any, deadline: float, *, peer: str, what: str) -> None:
@@ -209,6 +155,12 @@ class AcceleratorPolicy(DevicePolicy):
             mark_packed = getattr(transport, "mark_packed", None)
             if mark_packed is not None:  # the transport orders its move of ``slot`` after this event
                 mark_packed(slot)
+                return
+            # A transport that knows no streams (a ring another process reads one-sidedly) publishes the slot as
+            # soon as packing returns: the bytes must be there by then.
+            packed = ops.new_event()
+            ops.record(packed, self.copy_stream)
+        wait_event(ops, packed, time.monotonic() + self.timeout, peer="local device", what="packing a bucket")
 
     def new_digest(self) -> UpdateDigest:
         """Device buckets are staged to host bytes before hashing."""

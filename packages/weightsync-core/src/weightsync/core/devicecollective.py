@@ -16,7 +16,7 @@ group, epoch handling and three-broadcast wire protocol it reuses unchanged):
   rank 0's group. Every sender sends the *whole* model, so this needs every actor rank's weights stream to yield
   full tensors (true of verl's FSDP and Megatron per-tensor generators, which all-gather to every rank).
 
-A host instance (:class:`~weightsync.core.device.HostOps`, a gloo group) runs the same code paths in the tests;
+The tests run the same code on an emulated accelerator with a gloo group standing in for NCCL (tests/backends/nccl);
 device instances supply :class:`~weightsync.core.device.AcceleratorOps` and a group class.
 """
 
@@ -32,7 +32,7 @@ import torch
 from weightsync.api.errors import ConfigError, TopologyError, TransferError
 from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
 from weightsync.core.collective import MAX_HEADER_BYTES, CollectiveTransport, Group, c10d
-from weightsync.core.device import AcceleratorPolicy, DeviceOps, wait_event
+from weightsync.core.device import AcceleratorOps, AcceleratorPolicy, wait_event
 from weightsync.core.settings import EngineSettings
 from weightsync.core.tensors import memoryview_of
 from weightsync.core.transport import NO_SLOT, BufferPlace, DevicePolicy, ReceivedBucket
@@ -53,7 +53,7 @@ RELAY_MODES: tuple[Relays, ...] = ("none", "node")
 class StreamedSender:
     """The collective sender on device buckets: broadcasts on the comm stream, ordered by per-slot events."""
 
-    def __init__(self, group: Group, ops: DeviceOps, buffers: list[torch.Tensor], capacity: int,
+    def __init__(self, group: Group, ops: AcceleratorOps, buffers: list[torch.Tensor], capacity: int,
                  *, copy_stream: Any, comm_stream: Any) -> None:
         self.slots = len(buffers)
         self.capacity = capacity
@@ -105,7 +105,7 @@ class StreamedSender:
 class StreamedReceiver:
     """The collective receiver on device buckets: receives straight into the slot the consumer is not reading."""
 
-    def __init__(self, group: Group, ops: DeviceOps, buffers: list[torch.Tensor], capacity: int,
+    def __init__(self, group: Group, ops: AcceleratorOps, buffers: list[torch.Tensor], capacity: int,
                  *, comm_stream: Any) -> None:
         self.capacity = capacity
         self._group = group
@@ -221,7 +221,7 @@ class AcceleratorCollectiveTransport(CollectiveTransport):
         self._comm_stream = self._ops.new_stream()
 
     @abc.abstractmethod
-    def make_ops(self, device_index: int | None) -> DeviceOps:
+    def make_ops(self, device_index: int | None) -> AcceleratorOps:
         """The device this engine moves buckets on; raises ``BackendUnavailableError`` when there is none."""
 
     @property

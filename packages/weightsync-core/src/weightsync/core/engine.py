@@ -21,6 +21,7 @@ from weightsync.api.errors import LifecycleError, TopologyError, reject_renamed_
 from weightsync.api.protocols import ReceivedWeights
 from weightsync.api.topology import check_sizes, with_epoch
 from weightsync.api.types import RankArgs, Topology, TransferReport, WorkerMetadata, WorldMetadata
+from weightsync.core.device import accepted_devices
 from weightsync.core.handover import Handover
 from weightsync.core.receive import ReceiveContext, ReceiveStream
 from weightsync.core.send import SendPipeline, drain
@@ -63,7 +64,11 @@ class BucketCheckpointEngine(EngineBase):
         pack_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-pack")
         transfer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-xfer")
         self._pools = (pack_pool, transfer_pool)
-        self._send = SendPipeline(self.settings, self.devices, self._policy, self._tracer, pack_pool, transfer_pool)
+        # Any engine takes tensors on the host or on this process's accelerator (core stages between them and the
+        # transport's buffers); ``devices`` says where the transport's own buffers may live.
+        self._accepted = self.devices | accepted_devices()
+        self._send = SendPipeline(self.settings, self._accepted, self._policy, self._tracer, pack_pool,
+                                  transfer_pool)
         self._receive = ReceiveContext(self.settings, tracer=self._tracer, pool=transfer_pool)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
@@ -164,7 +169,7 @@ class BucketCheckpointEngine(EngineBase):
         started = time.perf_counter()
         try:
             if self._role != "sender" or self._sender is None:
-                return await drain(weights, devices=self.devices, rank=self.settings.context.rank, version=version,
+                return await drain(weights, devices=self._accepted, rank=self.settings.context.rank, version=version,
                                    started=started)
             self._policy.begin_send()
             try:

@@ -65,10 +65,13 @@ class PlannedBucket:
     completed: int = 0
     """Tensors whose last piece is in this bucket."""
     copies: list[int] = field(default_factory=list)
-    """The pieces of at most ``PIECE_BYTES``, flat ``(bucket offset, source address, nbytes)`` triples for one
-    ``copy_batch`` (addresses of host sources; the device path copies ``items`` instead)."""
+    """The host pieces of at most ``PIECE_BYTES``, flat ``(bucket offset, source address, nbytes)`` triples for one
+    ``copy_batch`` (host addresses only: an accelerator tensor's address is never used as a host pointer)."""
     large: list[PackItem] = field(default_factory=list)
-    """The other pieces, in bucket order."""
+    """The other pieces (larger ones, and every piece of an accelerator tensor), in bucket order."""
+    on_device: bool = False
+    """Whether any piece's source lives on the accelerator (the bucket is staged before a host transport packs it,
+    :mod:`weightsync.core.staging`)."""
 
     def __len__(self) -> int:
         return len(self.items)
@@ -100,7 +103,8 @@ def validate_pair(item: object, *, devices: frozenset[str], seen: set[str]) -> t
     dtype_name(tensor.dtype)  # raises UnsupportedDtypeError
     if not (tensor.is_cpu and "cpu" in devices) and tensor.device.type not in devices:
         raise UnsupportedDeviceError(
-            f"tensor {name!r} is on {tensor.device}, but this backend moves tensors on: {', '.join(sorted(devices))}"
+            f"tensor {name!r} is on {tensor.device}, but weightsync moves tensors on the host or this process's "
+            f"accelerator, here: {', '.join(sorted(devices))}"
         )
     if name in seen:
         raise DuplicateTensorError(f"tensor {name!r} appears twice in one update", name=name)
@@ -150,10 +154,12 @@ def plan_buckets(
         if total <= bucket_bytes - start and count < PIPELINE_TENSORS:  # the common case: whole, here
             item = (TensorMeta(name, dtype, tensor.shape, 0, total, total, start), source, 0)
             items.append(item)
-            if total <= PIECE_BYTES:
+            if total <= PIECE_BYTES and source.is_cpu:
                 copies += (start, source.data_ptr(), total)
             else:
                 large.append(item)
+                if not source.is_cpu:
+                    bucket.on_device = True
             used = start + total
             payload += total
             completed += 1
@@ -185,10 +191,11 @@ def _place(bucket: PlannedBucket, name: str, dtype: str, shape: torch.Size, sour
         take = remaining if remaining <= room else room
         item = (TensorMeta(name, dtype, shape, offset, take, total, start), source, offset)
         bucket.items.append(item)
-        if take <= PIECE_BYTES:
+        if take <= PIECE_BYTES and source.is_cpu:
             bucket.copies += (start, source.data_ptr() + offset, take)
         else:
             bucket.large.append(item)
+            bucket.on_device = bucket.on_device or not source.is_cpu
         bucket.nbytes = start + take
         bucket.payload_bytes += take
         offset += take

@@ -21,13 +21,12 @@ from weightsync.core import codec
 from weightsync.core.digest import UpdateDigest
 from weightsync.core.planner import PIECE_BYTES, PlannedBucket, piece_bytes, plan_buckets, validate_pair
 from weightsync.core.settings import EngineSettings
+from weightsync.core.staging import SendStaging
 from weightsync.core.tensors import copy_batch, copy_stream
 from weightsync.core.trace import Tracer
 from weightsync.core.transport import NO_SLOT, DevicePolicy, SenderTransport
 
 __all__ = ["SendPipeline", "drain"]
-
-_CPU_ONLY = frozenset({"cpu"})
 
 
 async def drain(weights: Iterable[object], *, devices: frozenset[str], rank: int, version: int,
@@ -53,6 +52,8 @@ class SendPipeline:
     tracer: Tracer
     pack_pool: concurrent.futures.ThreadPoolExecutor
     transfer_pool: concurrent.futures.ThreadPoolExecutor
+    staging: SendStaging | None = None
+    """Made at the first bucket with accelerator pieces bound for a host transport, then kept with the engine."""
 
     async def send(self, transport: SenderTransport, weights: Iterable[object], *, epoch: str, version: int,
                    started: float) -> TransferReport:
@@ -64,8 +65,12 @@ class SendPipeline:
         index = nbytes = tensors = 0
         try:
             planned = time.perf_counter()
+            staging_begun = False
             for bucket in plan_buckets(weights, bucket_bytes=self.settings.bucket_bytes, devices=self.devices):
                 self.tracer.span("plan", index, planned, time.perf_counter())
+                if bucket.on_device and not staging_begun and transport.buffer(0).is_cpu:
+                    self.begin_staging(bucket)
+                    staging_begun = True
                 slot = index % transport.slots
                 previous = in_flight.pop(slot, None)
                 if previous is not None:
@@ -98,6 +103,13 @@ class SendPipeline:
                     StageTiming(stage="publish", seconds=publish_seconds)),
         )
 
+    def begin_staging(self, bucket: PlannedBucket) -> None:
+        """On the planning thread (whose current stream produced the weights), at an update's first device bucket."""
+        device = next(source.device for _, source, _ in bucket.items if not source.is_cpu)
+        if self.staging is None:
+            self.staging = SendStaging(device, bucket_bytes=self.settings.bucket_bytes)
+        self.staging.begin()
+
     def publish(self, transport: SenderTransport, index: int, slot: int, nbytes: int, header: bytes,
                 deadline: float) -> float:
         started = time.perf_counter()
@@ -113,11 +125,11 @@ class SendPipeline:
             transport.wait_slot(slot, deadline)
             started = time.perf_counter()
             buffer = transport.buffer(slot)
+            if bucket.on_device and buffer.is_cpu and self.staging is not None:
+                bucket = self.staging.stage(bucket, deadline)
             table = codec.encode_tensors([item[0] for item in bucket.items])
             after_pack = getattr(self.settings.hook, "after_pack", None)
-            if after_pack is None and digest.fusable and buffer.device.type == "cpu" and (
-                self.devices == _CPU_ONLY or all(source.device.type == "cpu" for _, source, _ in bucket.items)
-            ):
+            if after_pack is None and digest.fusable and buffer.is_cpu and not bucket.on_device:
                 digest.begin_bucket(table, bucket.nbytes)
                 pack_hashing(buffer.data_ptr(), bucket, digest)
             else:

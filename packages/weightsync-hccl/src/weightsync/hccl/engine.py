@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from weightsync.api.errors import BackendUnavailableError
-from weightsync.core.backend import AcceleratorCollectiveTransport, AcceleratorOps, DeviceOps, engine_class
+from weightsync.core.backend import AcceleratorCollectiveTransport, AcceleratorOps, engine_class
 from weightsync.hccl.spec import npu_reason
 
 __all__ = ["HcclCheckpointEngine", "HcclTransport", "process_group_hccl"]
@@ -42,7 +42,7 @@ class HcclTransport(AcceleratorCollectiveTransport):
     devices: ClassVar[frozenset[str]] = frozenset({"npu"})
     device_type: ClassVar[str] = "npu"
 
-    def make_ops(self, device_index: int | None) -> DeviceOps:
+    def make_ops(self, device_index: int | None) -> AcceleratorOps:
         reason = npu_reason()
         if reason is not None:
             raise BackendUnavailableError(
@@ -55,7 +55,7 @@ class HcclTransport(AcceleratorCollectiveTransport):
                 f"weightsync backend 'hccl': device_index {index} but only {npu.device_count()} NPUs are visible",
                 backend="hccl", reason="device_index out of range",
             )
-        return AcceleratorOps(npu, "npu", index)
+        return AcceleratorOps(torch.device("npu", index))
 
     def new_group(self, store: Any, rank: int, size: int) -> Any:
         group_class = process_group_hccl()

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from weightsync.api.errors import BackendUnavailableError
-from weightsync.core.backend import AcceleratorCollectiveTransport, AcceleratorOps, DeviceOps, c10d, engine_class
+from weightsync.core.backend import AcceleratorCollectiveTransport, AcceleratorOps, c10d, engine_class
 from weightsync.nccl.spec import cuda_reason
 
 __all__ = ["NcclCheckpointEngine", "NcclTransport"]
@@ -27,7 +27,7 @@ class NcclTransport(AcceleratorCollectiveTransport):
     devices: ClassVar[frozenset[str]] = frozenset({"cuda"})
     device_type: ClassVar[str] = "cuda"
 
-    def make_ops(self, device_index: int | None) -> DeviceOps:
+    def make_ops(self, device_index: int | None) -> AcceleratorOps:
         reason = cuda_reason()
         if reason is not None:
             raise BackendUnavailableError(
@@ -39,7 +39,7 @@ class NcclTransport(AcceleratorCollectiveTransport):
                 f"weightsync backend 'nccl': device_index {index} but only {torch.cuda.device_count()} CUDA devices "
                 "are visible", backend="nccl", reason="device_index out of range",
             )
-        return AcceleratorOps(torch.cuda, "cuda", index)
+        return AcceleratorOps(torch.device("cuda", index))
 
     def new_group(self, store: Any, rank: int, size: int) -> Any:
         options = c10d.ProcessGroupNCCL.Options()

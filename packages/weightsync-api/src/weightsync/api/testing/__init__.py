@@ -9,8 +9,12 @@ Usage, in a backend's test module::
         def backend(cls) -> str:
             return "shm"
 
-Fixtures to override: ``backend`` (required), ``engine_options``, ``receivers``, ``bucket_bytes``. The kit starts
-one sender and ``receivers`` receiver processes per test class and runs every case through the full lifecycle.
+Fixtures to override: ``backend`` (required), ``engine_options``, ``receivers``, ``bucket_bytes``, and where the
+tensors live: ``device`` (``"cpu"``, an accelerator's device type such as ``"cuda"``, or ``"module:function"``
+that registers a device in each worker process and returns its type, e.g. ``"weightsync.emuaccel:install"``) and
+``placement`` (``"device"``: every source and destination on it; ``"mixed"``: host and device interleaved). The kit
+starts one sender and ``receivers`` receiver processes per test class and runs every case through the full
+lifecycle.
 Comparison is by raw bytes, inside the receiver's loop. The kit is tested against transports that corrupt a byte
 (see ``tests/api/test_conformance_selftest.py``): it must fail them.
 """
@@ -22,12 +26,15 @@ from typing import Any
 
 import pytest
 
-from weightsync.api.testing.cases import CASES, case_tensors, raw_bytes
+from weightsync.api.testing.cases import CASES, PLACEMENTS, case_tensors, on_device, place, raw_bytes
 from weightsync.api.testing.harness import ConformanceFailure, EngineHarness, WorkerFailed
 
 __all__ = [
     "CASES",
+    "PLACEMENTS",
     "case_tensors",
+    "on_device",
+    "place",
     "raw_bytes",
     "ConformanceFailure",
     "EngineHarness",
@@ -61,10 +68,22 @@ class EngineConformance:
 
     @pytest.fixture(scope="class")
     @classmethod
+    def device(cls) -> str:
+        return "cpu"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def placement(cls) -> str:
+        return "device"
+
+    @pytest.fixture(scope="class")
+    @classmethod
     def harness(
-        cls, backend: str, engine_options: dict[str, Any], receivers: int, bucket_bytes: int
+        cls, backend: str, engine_options: dict[str, Any], receivers: int, bucket_bytes: int, device: str,
+        placement: str,
     ) -> Iterator[EngineHarness]:
-        harness = EngineHarness(backend, receivers=receivers, bucket_bytes=bucket_bytes, options=engine_options)
+        harness = EngineHarness(backend, receivers=receivers, bucket_bytes=bucket_bytes, options=engine_options,
+                                device=device, placement=placement)
         harness.start()
         try:
             harness.setup()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["CASES", "case_tensors", "raw_bytes"]
+__all__ = ["CASES", "PLACEMENTS", "case_tensors", "on_device", "place", "raw_bytes", "resolve_device"]
 
 Weights = list[tuple[str, torch.Tensor]]
 
@@ -133,3 +133,41 @@ def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     if flat.numel() == 0:
         return torch.empty(0, dtype=torch.uint8)
     return flat.view(torch.uint8).cpu()
+
+
+PLACEMENTS = ("device", "mixed")
+"""Where a case's tensors live when the kit runs on an accelerator: all on it, or alternately on it and the host."""
+
+
+def resolve_device(spec: str) -> str:
+    """The device type a kit run uses: ``spec`` itself (``"cpu"``, ``"cuda"``), or, for ``"module:function"``, what
+    that function returns when called in the calling process (it registers the device there first, as an emulated
+    accelerator's ``install()`` does; every worker process calls it)."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep:
+        return spec
+    import importlib
+
+    function = getattr(importlib.import_module(module_name), attribute)
+    return str(function())
+
+
+def on_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    """``tensor`` on ``device`` with its shape, strides and storage offset: a non-contiguous view stays one."""
+    if tensor.device.type == torch.device(device).type:
+        return tensor
+    if tensor.is_contiguous():
+        return tensor.to(device)
+    storage = tensor.untyped_storage().nbytes() // tensor.element_size()
+    base = tensor.as_strided((storage,), (1,), 0).to(device)
+    return base.as_strided(tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+
+
+def place(weights: Weights, device: str, placement: str) -> Weights:
+    """A case's tensors on ``device`` (``placement="device"``), or every other one there (``"mixed"``)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if device == "cpu":
+        return weights
+    return [(name, on_device(tensor, device) if placement == "device" or index % 2 == 0 else tensor)
+            for index, (name, tensor) in enumerate(weights)]

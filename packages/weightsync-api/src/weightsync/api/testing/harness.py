@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from weightsync.api.registry import load_engine_class
+from weightsync.api.testing.cases import PLACEMENTS
 from weightsync.api.topology import build_checked_topology, with_epoch
 from weightsync.api.types import Role, Topology, WorkerContext, WorldMetadata
 
@@ -47,16 +48,20 @@ def _node_id() -> str:
 
 
 def _worker_main(conn: multiprocessing.connection.Connection, backend: str, role: Role, rank: int,
-                 bucket_bytes: int, options: dict[str, Any], node_id: str) -> None:
+                 bucket_bytes: int, options: dict[str, Any], node_id: str, where: tuple[str, str]) -> None:
     import torch
+
+    from weightsync.api.testing.cases import place, resolve_device
 
     torch.set_num_threads(1)
     engine: Any = None
+    device, placement = where
     while True:
         command = json.loads(conn.recv_bytes())
         op = command["op"]
         try:
             if op == "start":
+                device = resolve_device(device)  # registers an emulated device in this process, first
                 engine_class = load_engine_class(backend)
                 context = WorkerContext(role=role, rank=rank, node_id=node_id)
                 engine = engine_class(bucket_bytes=bucket_bytes, context=context, **options)
@@ -69,11 +74,12 @@ def _worker_main(conn: multiprocessing.connection.Connection, backend: str, role
             elif op == "send":
                 from weightsync.api.testing.cases import case_tensors
 
-                report = asyncio.run(engine.send_weights(case_tensors(command["case"], command["update"], bucket_bytes)))
+                weights = place(case_tensors(command["case"], command["update"], bucket_bytes), device, placement)
+                report = asyncio.run(engine.send_weights(weights))
                 reply = report.to_dict()
             elif op == "receive":
                 reply = asyncio.run(_receive_and_check(engine, command["case"], command["update"], bucket_bytes,
-                                                       command.get("mode", "iterate")))
+                                                       command.get("mode", "iterate"), (device, placement)))
             elif op == "finalize":
                 engine.finalize()
                 reply = None
@@ -96,7 +102,8 @@ RECEIVE_MODES = ("iterate", "copy_into", "wrong_shape")
 left to the fallback); or ``copy_into`` with one destination of the wrong shape (it must raise before writing)."""
 
 
-async def _receive_and_check(engine: Any, case: str, update: int, bucket_bytes: int, mode: str) -> dict[str, Any]:
+async def _receive_and_check(engine: Any, case: str, update: int, bucket_bytes: int, mode: str,
+                             where: tuple[str, str]) -> dict[str, Any]:
     from weightsync.api.testing.cases import case_tensors, raw_bytes
 
     expected = {name: tensor for name, tensor in case_tensors(case, update, bucket_bytes)}
@@ -120,7 +127,7 @@ async def _receive_and_check(engine: Any, case: str, update: int, bucket_bytes: 
         async for name, tensor in stream:
             check(name, tensor)
     else:
-        destinations = _destinations(expected)
+        destinations = _destinations(expected, *where)
         if mode == "wrong_shape":
             return await _expect_destination_error(stream, expected, destinations)
         count = await stream.copy_into(destinations, fallback=check)
@@ -137,22 +144,24 @@ async def _receive_and_check(engine: Any, case: str, update: int, bucket_bytes: 
     return {"problems": problems, "count": len(seen), "report": report.to_dict() if report is not None else None}
 
 
-def _destinations(expected: dict[str, Any]) -> dict[str, Any]:
+def _destinations(expected: dict[str, Any], device: str, placement: str) -> dict[str, Any]:
     """Zeroed destinations for most tensors: every 5th matrix a non-contiguous one (``copy_`` fills it), every 4th
     floating-point tensor a ``Parameter`` that requires grad (a model's own), and every 7th name left out (the
-    fallback gets its view)."""
+    fallback gets its view). On ``device``, all of them, or (``placement="mixed"``) two in three, a pattern that
+    crosses the sources' alternation so that every pairing of host and device occurs."""
     import torch
 
     destinations: dict[str, Any] = {}
     for index, (name, tensor) in enumerate(expected.items()):
+        at = device if placement == "device" or index % 3 != 1 else "cpu"
         if index % 7 == 3:
             continue
         if index % 5 == 1 and tensor.dim() == 2:
-            destinations[name] = torch.zeros(tuple(reversed(tensor.shape)), dtype=tensor.dtype).t()
+            destinations[name] = torch.zeros(tuple(reversed(tensor.shape)), dtype=tensor.dtype, device=at).t()
         elif index % 4 == 2 and tensor.dtype.is_floating_point:
-            destinations[name] = torch.nn.Parameter(torch.zeros(tensor.shape, dtype=tensor.dtype))
+            destinations[name] = torch.nn.Parameter(torch.zeros(tensor.shape, dtype=tensor.dtype, device=at))
         else:
-            destinations[name] = torch.zeros(tensor.shape, dtype=tensor.dtype)
+            destinations[name] = torch.zeros(tensor.shape, dtype=tensor.dtype, device=at)
     return destinations
 
 
@@ -182,8 +191,14 @@ class EngineHarness:
     """A sender (actor rank 0 of an ``actor_wg`` of one) and ``receivers`` rollout workers, each its own process."""
 
     def __init__(self, backend: str, *, receivers: int = 2, bucket_bytes: int = 1 << 20,
-                 options: dict[str, Any] | None = None, timeout: float = 120.0) -> None:
+                 options: dict[str, Any] | None = None, timeout: float = 120.0, device: str = "cpu",
+                 placement: str = "device") -> None:
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         self.backend = backend
+        self.device = device
+        """``"cpu"``, a device type, or ``"module:function"`` registering a device in each worker (``resolve_device``)."""
+        self.placement = placement
         self.receivers = receivers
         self.bucket_bytes = bucket_bytes
         self.options = dict(options or {})
@@ -202,7 +217,9 @@ class EngineHarness:
         for label, role, rank in roles:
             parent, child = self._context.Pipe()
             process = self._context.Process(
-                target=_worker_main, args=(child, self.backend, role, rank, self.bucket_bytes, self.options, node),
+                target=_worker_main,
+                args=(child, self.backend, role, rank, self.bucket_bytes, self.options, node,
+                      (self.device, self.placement)),
                 daemon=True, name=f"weightsync-conformance-{label}",
             )
             process.start()
