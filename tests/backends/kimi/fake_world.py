@@ -89,16 +89,17 @@ class FakeLibrary(CheckpointEngineLibrary):
     """checkpoint-engine replaced by the fake world (threads); GPU ``i`` is PS rank ``i``'s."""
 
     def __init__(self, world: FakeWorld) -> None:
+        super().__init__()
         self.world = world
 
     def p2p_available(self) -> bool:
         return True
 
-    def default_group_in_use(self) -> bool:
-        return False
-
     def new_parameter_server(self, **kwargs: Any) -> FakeParameterServer:
         return FakeParameterServer(self.world, **kwargs)
+
+    def join_group(self, server: Any, *, timeout: datetime.timedelta) -> None:
+        server.init_process_group(timeout=timeout)  # the fake world's collectives are its own (threads)
 
     def device_uuid(self, *, ps_rank: int) -> str:
         return f"GPU-{ps_rank}"

@@ -19,7 +19,7 @@ from weightsync.api.errors import (
     TopologyError,
 )
 from weightsync.api.testing import case_tensors
-from weightsync.api.types import TransferReport, WorkerContext
+from weightsync.api.types import TransferReport
 from weightsync.kimi.engine import KimiCheckpointEngine
 
 
@@ -57,16 +57,6 @@ def test_p2p_update_names_the_rollout_ranks() -> None:
 def test_corruption_in_transit_is_a_digest_mismatch() -> None:
     _, senders, receivers = run_updates(1, 1, corrupt=True)
     assert isinstance(receivers[0], DigestMismatchError), receivers
-
-
-def test_a_process_with_a_default_group_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = KimiCheckpointEngine(bucket_bytes=1 << 16, context=WorkerContext(role="actor", rank=0, node_id="n"))
-    args = {"role": "sender", "ps_rank": 0, "ps_world_size": 2, "master_addr": "127.0.0.1", "master_port": 1,
-            "actor_wg_world_size": 1, "epoch": "e"}
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    with pytest.raises(BackendUnavailableError, match="default torch.distributed group"):
-        engine.init_process_group(rank_args=args)  # type: ignore[arg-type]
-    engine.close()
 
 
 @pytest.mark.device

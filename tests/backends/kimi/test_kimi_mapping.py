@@ -19,6 +19,7 @@ from weightsync.api.registry import get_backend_spec, load_engine_class
 from weightsync.api.testing import case_tensors
 from weightsync.api.types import WorkerContext, WorldMetadata
 from weightsync.kimi.engine import KimiCheckpointEngine
+from weightsync.kimi.groups import PrivateGroups
 from weightsync.kimi.mapping import Exchange, SetDigest, ShareAssigner, ps_rank
 
 
@@ -39,9 +40,17 @@ def test_our_calls_bind_to_checkpoint_engines_public_signatures() -> None:
     inspect.signature(server.update).bind(None, "name", lambda paths: None, timeout=timeout, ranks=None)
     inspect.signature(server.unregister_checkpoint).bind(None, "name")
     inspect.signature(server.unregister_checkpoint).bind(None, "name", force=True)
-    inspect.signature(ce_dist.all_reduce).bind(torch.zeros(1), op=torch.distributed.ReduceOp.SUM)
-    inspect.signature(ce_dist.destroy_process_group).bind()
-    inspect.signature(ce_dist.is_initialized).bind()
+    # Our private groups stand in for its Distributed implementation: every abstract method, each taking the
+    # positional call that checkpoint_engine.distributed.base's module functions make.
+    assert ce_dist.Distributed.__abstractmethods__ <= set(vars(PrivateGroups))
+    assert isinstance(ce_dist.base._BACKEND_INSTANCE, ce_dist.Distributed)
+    calls = {"init_process_group": (0, 2, object()), "destroy_process_group": (None,), "is_initialized": (),
+             "all_gather_object": ([None], object(), None), "all_reduce": (torch.zeros(1), None, None),
+             "broadcast": (torch.zeros(1), 0, None), "barrier": (None,), "new_group": ([0],)}
+    for name, args in calls.items():
+        inspect.signature(getattr(ce_dist.base, name)).bind(*args)
+        inspect.signature(getattr(PrivateGroups, name)).bind(None, *args)
+    inspect.signature(PrivateGroups.init_process_group).bind(None, 0, 2, object(), backend="nccl", timeout=timeout)
     inspect.signature(worker.update_weights_from_ipc).bind(object(), "ipc://x", 0, run=lambda weights: None)
     # The parameters we rely on being keyword-only stay so (a positional reorder upstream would break us silently).
     assert inspect.signature(server.update).parameters["ranks"].kind is inspect.Parameter.KEYWORD_ONLY

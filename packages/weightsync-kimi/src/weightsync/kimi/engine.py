@@ -6,7 +6,8 @@ The mapping
   ``actor_wg_world_size + j``; PS rank 0 (actor rank 0) hosts the PS's ``TCPStore`` at the address it advertises in
   ``prepare()``.
 * ``init_process_group``: builds this worker's ``ParameterServer(rank=, world_size=, auto_pg=False, master_addr=,
-  master_port=)`` and calls its ``init_process_group(timeout=)``. The group lives as long as the epoch.
+  master_port=)`` and calls its ``init_process_group(timeout=)`` with checkpoint-engine's collectives on private
+  groups (not the process's default group). The group lives as long as the epoch.
 * ``send_weights`` on every actor rank: drains the stream, keeps its share (each tensor goes to the least-loaded
   actor rank, the same decision on every rank), copies the share to the host, then ``register_checkpoint(name,
   named_tensors=share)`` (checkpoint-engine pins it), ``gather_metas(name)``, the digest all-reduce, and
@@ -15,7 +16,7 @@ The mapping
   call; its ``req_func`` serves the CUDA-IPC hand-off with checkpoint-engine's ``update_weights_from_ipc``, whose
   per-bucket callback feeds our async stream (views valid until the next item, as the Protocol says).
 * ``finalize``: ``unregister_checkpoint(name)`` (the shared pinned pool, if used, is kept for the next update).
-  ``close``: ``unregister_checkpoint(name, force=True)`` and ``destroy_process_group``.
+  ``close``: ``unregister_checkpoint(name, force=True)`` and ``destroy_process_group`` (of the private groups).
 
 Modes (option ``mode``): ``"broadcast"`` (default) — ``update(ranks=None)``: each bucket is copied host-to-device
 by its owner and broadcast to every PS rank, actor ranks included (they discard it); the fastest when every rank
@@ -29,9 +30,11 @@ What it requires, and when to choose it
   ``actor_wg_world_size``), registered by checkpoint-engine; ``shared_memory_pool=True`` (default) reuses one pinned
   pool across updates, which requires shares of a stable size (full-model updates). Set it to False for updates of
   varying content.
-* **Its own process group.** The ParameterServer initialises ``torch.distributed``'s *default* group of the
-  process, so every worker must run in a process without one — not inside an FSDP/Megatron rank or a vLLM worker.
-  Building the group in such a process raises ``BackendUnavailableError`` instead of corrupting the trainer's.
+* **No default group of its own.** The ParameterServer's collectives run on private groups (``ProcessGroupNCCL``
+  over a ``PrefixStore`` of the PS's ``TCPStore``, see :mod:`weightsync.kimi.groups`), so a worker may live in an
+  FSDP/Megatron rank or a vLLM worker whose default ``torch.distributed`` group exists: that group, and ``RANK`` /
+  ``WORLD_SIZE`` in the environment, are left as they were. checkpoint-engine's collectives are process-wide, so
+  one kimi engine per process (a second one's ``init_process_group`` raises ``BackendUnavailableError``).
 * **One GPU per worker process**: the PS binds a CUDA-IPC socket named after its GPU's UUID and uses device
   ``rank % visible GPUs``; two workers on one GPU collide.
 * ``bucket_bytes`` and ``slots`` are not used: checkpoint-engine sizes its two device buffers from free device memory
@@ -48,8 +51,9 @@ checkpoint-engine packs, buckets and moves the weights itself, so none of core's
 implements the ``CheckpointEngine`` Protocol directly, on core's public pieces (``weightsync.core.backend``):
 ``EngineBase`` (settings parsed once, as attributes), ``guard_build_topology``, ``Handover`` (one update at a time) and
 ``validate_pair``. The rest is kimi's own: :mod:`~weightsync.kimi.mapping` (options, topology, shares, digest),
-:mod:`~weightsync.kimi.library` (every call into checkpoint-engine), :mod:`~weightsync.kimi.group` (one epoch's
-ParameterServer) and :mod:`~weightsync.kimi.stream` (the receive stream).
+:mod:`~weightsync.kimi.library` (every call into checkpoint-engine), :mod:`~weightsync.kimi.groups` (its collectives
+on private groups), :mod:`~weightsync.kimi.group` (one epoch's ParameterServer) and :mod:`~weightsync.kimi.stream`
+(the receive stream).
 """
 
 from __future__ import annotations
@@ -139,12 +143,7 @@ class KimiCheckpointEngine(EngineBase):
         if self.options.mode == "p2p" and not self.library.p2p_available():
             raise BackendUnavailableError(f"weightsync backend 'kimi' cannot use mode='p2p' here: {P2P_HINT}",
                                           backend="kimi", reason=P2P_HINT)
-        self._leave()  # the previous epoch's group is this process's default group: gone before the check below
-        if self.library.default_group_in_use():
-            reason = ("this process already has a default torch.distributed group (a trainer or inference "
-                      "worker?); checkpoint-engine's ParameterServer needs the default group of a process of its own")
-            raise BackendUnavailableError(f"weightsync backend 'kimi' cannot run here: {reason}", backend="kimi",
-                                          reason=reason)
+        self._leave()
         self._group = ParameterServerGroup.join(library=self.library, settings=self.settings, options=self.options,
                                                 args=args)
 

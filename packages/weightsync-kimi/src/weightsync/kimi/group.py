@@ -6,8 +6,10 @@ Its methods block (collectives, checkpoint-engine's own waits); the engine runs 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -34,17 +36,15 @@ class ParameterServerGroup:
     @classmethod
     def join(cls, *, library: CheckpointEngineLibrary, settings: EngineSettings, options: KimiOptions,
              args: JoinArgs) -> ParameterServerGroup:
-        """Build this worker's ParameterServer and join its group; blocks until every PS rank has arrived."""
+        """Build this worker's ParameterServer and join its (private) group; blocks until every PS rank arrived."""
         rank, world = args.ps_rank, args.ps_world_size
-        # checkpoint-engine reads ``rank or int(os.environ["RANK"])``: rank 0 counts as unset, so the documented
-        # environment variables are set too (this process is the PS's own).
-        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
         try:
-            server = library.new_parameter_server(
-                rank=rank, world_size=world, auto_pg=False, mem_fraction=options.mem_fraction,
-                master_addr=args.master_addr, master_port=args.master_port,
-            )
-            server.init_process_group(timeout=datetime.timedelta(seconds=settings.timeout))
+            with _ps_environment(rank, world):
+                server = library.new_parameter_server(
+                    rank=rank, world_size=world, auto_pg=False, mem_fraction=options.mem_fraction,
+                    master_addr=args.master_addr, master_port=args.master_port,
+                )
+            library.join_group(server, timeout=datetime.timedelta(seconds=settings.timeout))
         except BackendUnavailableError:
             raise
         except Exception as exc:  # checkpoint-engine validates with assert and raises plain RuntimeErrors
@@ -129,10 +129,29 @@ class ParameterServerGroup:
             self.registered = False
 
     def leave(self) -> None:
-        """Free the epoch's registrations (the shared pool included) and destroy the PS's group."""
+        """Free the epoch's registrations (the shared pool included) and destroy the PS's private groups."""
         try:
             if self.registered or self.pool_in_use:
                 self.server.unregister_checkpoint(self.args.checkpoint_name, force=True)
         finally:
             self.registered = self.pool_in_use = False
             self.library.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _ps_environment(rank: int, world_size: int) -> Iterator[None]:
+    """``RANK``/``WORLD_SIZE`` as the PS's constructor reads them, then the caller's values back.
+
+    checkpoint-engine reads ``rank or int(os.environ["RANK"])`` (rank 0 counts as unset) and its P2P store reads
+    ``RANK`` too, both in the constructor only; a trainer's or vLLM's own ``RANK`` must survive the epoch.
+    """
+    saved = {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE")}
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
