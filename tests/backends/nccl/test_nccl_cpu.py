@@ -1,5 +1,6 @@
 """NCCL backend on a machine without CUDA: the probe and its message, the import guard, the node-local topology, and
-the shared accelerator collective code run through its gloo instance (real gloo groups, host ops)."""
+the shared accelerator collective code (what nccl and hccl instantiate) on the emulated accelerator, with real gloo
+groups standing in for NCCL."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from typing import Any
 import pytest
 import torch
 
+from tests.devices import EMULATED, emulated_device
 from tests.backends.nccl.accel_gloo import (
     SPEC, GlooAcceleratorEngine, RecordingEngine, RecordingOps, RecordingTransport,
 )
 from weightsync.api.errors import BackendUnavailableError, ConfigError, RenamedKeywordError, TopologyError
 from weightsync.api.registry import get_backend_spec, load_engine_class, register_backend
-from weightsync.api.testing import EngineConformance, case_tensors, raw_bytes
+from weightsync.api.testing import EngineConformance, case_tensors, place, raw_bytes
 from weightsync.api.types import Topology, TransferReport, WorkerContext, WorldMetadata
+from weightsync.core import devicecollective
 from weightsync.core.backend import BucketCheckpointEngine, node_local_plan
 
 NO_CUDA = not torch.cuda.is_available()
@@ -133,17 +136,35 @@ def test_backend_on_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s
 
 
 class TestAcceleratorEngineOnGloo(EngineConformance):
-    """The conformance suite, unchanged, over the accelerator engine's code on CPU (one sender, two receivers)."""
+    """The conformance suite, unchanged, over the accelerator engine on the emulated device (one sender, two
+    receivers): sources and destinations on the device, buckets in device rings."""
 
     @pytest.fixture(scope="class")
     @classmethod
     def backend(cls, test_backend_on_path: str) -> str:
         return test_backend_on_path
 
+    @pytest.fixture(scope="class")
+    @classmethod
+    def device(cls) -> str:
+        return EMULATED
+
+
+class TestAcceleratorEngineMixedDevices(TestAcceleratorEngineOnGloo):
+    """Host and device tensors interleaved: host sources are copied into device buckets, device buckets into host
+    destinations."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def placement(cls) -> str:
+        return "mixed"
+
 
 def _run_world(engine_class: type[BucketCheckpointEngine], actor_nodes: list[str], rollout_nodes: list[str],
                *, relays: str, case: str = "mixed") -> tuple[Topology, list[Any], list[Any]]:
-    """Every worker in a thread of this process, each with its own engine and gloo group (a whole lifecycle)."""
+    """Every worker in a thread of this process, each with its own engine and gloo group (a whole lifecycle), the
+    weights on the emulated device."""
+    device = emulated_device()
     bucket_bytes = 1 << 16
     actors = [engine_class(bucket_bytes=bucket_bytes, relays=relays, timeout=60,
                            context=WorkerContext(role="actor", rank=rank, node_id=node))
@@ -175,7 +196,8 @@ def _run_world(engine_class: type[BucketCheckpointEngine], actor_nodes: list[str
         results: list[Any] = [None] * len(engines)
 
         def send(index: int, engine: BucketCheckpointEngine) -> None:
-            results[index] = asyncio.run(engine.send_weights(case_tensors(case, 1, bucket_bytes), version=1))
+            weights = place(case_tensors(case, 1, bucket_bytes), device, "device")
+            results[index] = asyncio.run(engine.send_weights(weights, version=1))
 
         async def receive_all(engine: BucketCheckpointEngine) -> tuple[TransferReport | None, dict[str, bool]]:
             stream = engine.receive_weights()
@@ -226,6 +248,22 @@ def test_copy_and_comm_streams_are_ordered_by_events_only() -> None:
     sent = {event for kind, event, stream in sender_ops.calls if kind == "record" and stream == comm_stream}
     assert {event for kind, stream, event in sender_ops.calls if kind == "wait_event" and stream == copy_stream} <= sent
     assert any(kind == "wait_event" and stream == copy_stream for kind, stream, _ in sender_ops.calls)
+
+
+def test_a_missing_wait_for_a_received_bucket_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: a receiver that hands a bucket over before its copy to the device has run (the emulator
+    delays every device copy) gives its consumer old bytes; the byte comparison or the digest must notice."""
+    real_wait = devicecollective.wait_event
+
+    def skip_the_bucket_wait(ops: Any, event: Any, deadline: float, *, peer: str, what: str) -> None:
+        if what != "a bucket":
+            real_wait(ops, event, deadline, peer=peer, what=what)
+
+    monkeypatch.setattr(devicecollective, "wait_event", skip_the_bucket_wait)
+    _, senders, receivers = _run_world(GlooAcceleratorEngine, ["a"], ["a"], relays="none")
+    assert senders[0].buckets >= 2
+    result = receivers[0]
+    assert isinstance(result, BaseException) or not all(result[1].values())
 
 
 # -- device -------------------------------------------------------------------------------------------------------

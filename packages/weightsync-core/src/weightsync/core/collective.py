@@ -147,7 +147,8 @@ class _Receiver:
 
 
 def _to_bytes(tensor: torch.Tensor) -> bytes:
-    return bytes(memoryview_of(tensor.cpu().contiguous()))
+    host = tensor.cpu().contiguous()  # held while its memory is read: the memoryview does not keep it alive
+    return bytes(memoryview_of(host))
 
 
 class CollectiveTransport(Transport):

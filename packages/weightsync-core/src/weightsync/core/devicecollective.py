@@ -131,7 +131,8 @@ class StreamedReceiver:
                                         peer=self._group.peer)
                 header_tensor = torch.empty(header_len, dtype=torch.uint8, device=ops.device)
                 self._group.broadcast(header_tensor)
-                header = bytes(memoryview_of(self._to_host(header_tensor, deadline)))
+                header_host = self._to_host(header_tensor, deadline)  # alive while its memory is read
+                header = bytes(memoryview_of(header_host))
                 if sender_slot == NO_SLOT or nbytes == 0:
                     self.release(slot + 1)
                     return ReceivedBucket(header=header, payload=self._buffers[slot][:0], token=0)

@@ -197,7 +197,8 @@ def memoryview_at(address: int, nbytes: int) -> memoryview:
 
 
 def memoryview_of(tensor: torch.Tensor) -> memoryview:
-    """A read-only memoryview over a contiguous CPU uint8 tensor, without numpy."""
+    """A read-only memoryview over a contiguous CPU uint8 tensor, without numpy. It does not keep ``tensor``
+    alive: the caller holds the tensor while the view is used (a freed tensor's memory may be unmapped)."""
     if tensor.device.type != "cpu" or tensor.dtype != torch.uint8 or not tensor.is_contiguous():
         raise ValueError("memoryview_of needs a contiguous CPU uint8 tensor")
     return memoryview_at(tensor.data_ptr(), tensor.numel())
