@@ -21,6 +21,7 @@ from weightsync.api.errors import BackendUnavailableError, ConfigError, RenamedK
 from weightsync.api.registry import get_backend_spec, load_engine_class, register_backend
 from weightsync.api.testing import EngineConformance, case_tensors, place, raw_bytes
 from weightsync.api.types import Topology, TransferReport, WorkerContext, WorldMetadata
+from weightsync.core import device as device_module
 from weightsync.core import devicecollective
 from weightsync.core.backend import BucketCheckpointEngine, node_local_plan
 
@@ -253,7 +254,7 @@ def test_copy_and_comm_streams_are_ordered_by_events_only() -> None:
 def test_a_missing_wait_for_a_received_bucket_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: a receiver that hands a bucket over before its copy to the device has run (the emulator
     delays every device copy) gives its consumer old bytes; the byte comparison or the digest must notice."""
-    real_wait = devicecollective.wait_event
+    real_wait = device_module.wait_event
 
     def skip_the_bucket_wait(ops: Any, event: Any, deadline: float, *, peer: str, what: str) -> None:
         if what != "a bucket":

@@ -97,7 +97,7 @@ def accepted_devices() -> frozenset[str]:
     return frozenset({"cpu"} if current is None else {"cpu", current.type})
 
 
-def wait_event(ops: DeviceOps, event: Any, deadline: float, *, peer: str, what: str) -> None:
+def wait_event(ops: AcceleratorOps, event: Any, deadline: float, *, peer: str, what: str) -> None:
     """Block the calling thread until ``event`` completes, or raise ``TransferError`` at ``deadline``.
 
     Polls ``query()`` (50 µs growing to 2 ms) instead of ``event.synchronize()``: a blocking synchronize cannot be
@@ -127,7 +127,7 @@ class _StagedDigest(UpdateDigest):
 class AcceleratorPolicy(DevicePolicy):
     """Orders the pipeline's copies on ``ops``'s streams (see the module docstring)."""
 
-    def __init__(self, ops: DeviceOps, *, bucket_bytes: int, timeout: float) -> None:
+    def __init__(self, ops: AcceleratorOps, *, bucket_bytes: int, timeout: float) -> None:
         self.ops = ops
         self.bucket_bytes = bucket_bytes
         self.timeout = timeout
