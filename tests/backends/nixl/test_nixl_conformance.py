@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.devices import EMULATED
 from weightsync.api.testing import EngineConformance
 
 
@@ -41,3 +42,22 @@ class TestNixlTreeConformance(EngineConformance):
     @classmethod
     def engine_options(cls) -> dict[str, Any]:
         return {"fanout": 2, "slots": 3}
+
+
+class TestNixlOnDevice(TestNixlConformance):
+    """Every case with sources and destinations on the emulated accelerator, through the host ring (a device ring
+    needs CUDA: tools/gpu-check runs it)."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def device(cls) -> str:
+        return EMULATED
+
+
+class TestNixlMixedDevices(TestNixlOnDevice):
+    """Host and device tensors interleaved in one update, on both sides."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def placement(cls) -> str:
+        return "mixed"
