@@ -202,3 +202,92 @@ class _FlipOnce:
 FLIP_AFTER_PACK = _FlipAfterPack()
 FLIP_AFTER_RECEIVE = _FlipAfterReceive()
 FLIP_ONCE = _FlipOnce()
+
+
+# -- accelerator tensors (the emulated device) ------------------------------------------------------------------------
+
+
+def device_model(version: int, device: str, *, mixed: bool, large_bytes: int) -> list[tuple[str, torch.Tensor]]:
+    """A model as a trainer yields it on an accelerator: bf16, fp32, int8 and bool tensors, non-contiguous views, and
+    one tensor larger than ``large_bytes`` (a bucket); with ``mixed``, every other tensor stays on the host."""
+    from weightsync.api.testing import place
+
+    generator = torch.Generator().manual_seed(1000 + version)
+
+    def random(numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if dtype == torch.bool:
+            return torch.randint(0, 2, (numel,), generator=generator).to(torch.bool)
+        size = numel * torch.empty(0, dtype=dtype).element_size()
+        return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator).view(dtype)
+
+    weights = [
+        ("embed.weight", random(64 * 48, torch.bfloat16).reshape(64, 48)),
+        ("layers.0.attn.weight", random(48 * 48, torch.float32).reshape(48, 48).t()),  # transposed view
+        ("layers.0.attn.bias", random(48, torch.float32)),
+        ("layers.0.quant.weight", random(96 * 32, torch.int8).reshape(96, 32)[:, ::2]),  # strided view
+        ("layers.0.mask", random(333, torch.bool)),
+        ("layers.0.norm.weight", random(48, torch.bfloat16)),
+        ("lm_head.weight", random(large_bytes // 4 + 1000, torch.float32)),  # more than a bucket
+    ]
+    return place(weights, device, "mixed" if mixed else "device")
+
+
+class DeviceModelSource(ModelSource):
+    """An actor rank whose weights live on the emulated accelerator (``mixed``: every other one on the host)."""
+
+    large_bytes = 256 * 1024
+    mixed = False
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size)
+        from tests.devices import emulated_device
+
+        self.device = emulated_device()
+
+    def set_version(self, version: int) -> str:
+        self.version = version
+        weights = device_model(version, self.device, mixed=self.mixed, large_bytes=self.large_bytes)
+        return weights_digest([(name, tensor.cpu()) for name, tensor in weights])
+
+    def named_weights(self) -> Iterator[Any]:
+        yield from device_model(self.version, self.device, mixed=self.mixed, large_bytes=self.large_bytes)
+
+
+class MixedModelSource(DeviceModelSource):
+    mixed = True
+
+
+class DeviceSink(RecordingSink):
+    """A rollout worker's model as parameters on the emulated accelerator, loaded in place with ``load_into``
+    (``mixed``: the parameters alternate between the device and the host, crossing the source's pattern)."""
+
+    mixed = False
+
+    def __init__(self, replica: int, worker: int) -> None:
+        super().__init__(replica, worker)
+        from tests.devices import emulated_device
+
+        self.device = emulated_device()
+        shapes = device_model(0, "cpu", mixed=False, large_bytes=DeviceModelSource.large_bytes)
+        self.parameters = {
+            name: torch.nn.Parameter(torch.zeros(tensor.shape, dtype=tensor.dtype,
+                                                 device="cpu" if self.mixed and index % 3 == 1 else self.device),
+                                     requires_grad=tensor.dtype.is_floating_point)
+            for index, (name, tensor) in enumerate(shapes)
+        }
+
+    async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
+        from weightsync.api.protocols import load_into
+
+        await load_into(weights, self.parameters)
+        self.version = version
+
+    def digest(self) -> str:
+        return weights_digest([(name, parameter.detach().cpu()) for name, parameter in self.parameters.items()])
+
+    def devices(self) -> list[str]:
+        return sorted({parameter.device.type for parameter in self.parameters.values()})
+
+
+class MixedSink(DeviceSink):
+    mixed = True
