@@ -1,5 +1,8 @@
 """What the verl tests run inside Ray actors: a toy actor worker, a recording server adapter, a replica stand-in.
 
+As on a GPU cluster, the actor's weights live on the accelerator and the rollout loads them into parameters there:
+here the emulated accelerator (``tests.devices``), registered in each worker process.
+
 Importable by reference (``tests.adapters.verl.workloads``; tests/conftest.py puts the repository root on
 ``PYTHONPATH`` before Ray starts) so that Ray can rebuild these objects in worker processes.
 """
@@ -49,7 +52,7 @@ def model_weights(version: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def raw(tensor: torch.Tensor) -> RawTensor:
-    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), bytes(flat.numpy().tobytes())
 
 
@@ -80,6 +83,9 @@ class ToyActorWorker(WeightsyncActorMixin, Worker):  # type: ignore[misc]  # ver
         torch.set_num_threads(1)
         self.version = 0
         self.delay = 0.0
+        from tests.devices import emulated_device
+
+        self.device = emulated_device()
         self.init_checkpoint_engine(checkpoint_config)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]  # verl is untyped
@@ -91,7 +97,7 @@ class ToyActorWorker(WeightsyncActorMixin, Worker):  # type: ignore[misc]  # ver
         for name, tensor in model_weights(self.version):
             if self.delay:
                 time.sleep(self.delay)  # gathering a real sharded model takes time too
-            yield name, tensor
+            yield name, tensor.to(self.device)
 
 
 class RecordingServerAdapter:
@@ -110,10 +116,22 @@ class RecordingServerAdapter:
     async def update_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], **kwargs: Any) -> None:
         received: dict[str, RawTensor] = {}
         fail_after, self.fail_after = self.fail_after, None
-        async for name, tensor in weights:
-            if fail_after is not None and len(received) >= fail_after:
-                raise RuntimeError(f"injected server-adapter failure after {fail_after} tensors")
-            received[name] = raw(tensor)  # a copy: the tensor is a view into the engine's bucket
+        if fail_after is None:  # as an inference engine does: loaded in place into its parameters on the device
+            from weightsync.api.protocols import load_into
+
+            from tests.devices import emulated_device
+
+            device = emulated_device()
+            parameters = {name: torch.nn.Parameter(torch.zeros(numel, dtype=dtype, device=device),
+                                                   requires_grad=dtype.is_floating_point)
+                          for name, dtype, numel in _LAYOUT}
+            await load_into(weights, parameters)
+            received = {name: raw(parameter) for name, parameter in parameters.items()}
+        else:
+            async for name, tensor in weights:
+                if len(received) >= fail_after:
+                    raise RuntimeError(f"injected server-adapter failure after {fail_after} tensors")
+                received[name] = raw(tensor)  # a copy: the tensor is a view into the engine's bucket
         self.received = received
         self.updates.append(dict(kwargs))
 
