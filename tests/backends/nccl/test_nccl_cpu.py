@@ -22,7 +22,7 @@ from weightsync.api.registry import get_backend_spec, load_engine_class, registe
 from weightsync.api.testing import EngineConformance, case_tensors, place, raw_bytes
 from weightsync.api.types import Topology, TransferReport, WorkerContext, WorldMetadata
 from weightsync.core import device as device_module
-from weightsync.core import devicecollective
+from weightsync.core import devicecollective, staging
 from weightsync.core.backend import BucketCheckpointEngine, node_local_plan
 
 NO_CUDA = not torch.cuda.is_available()
@@ -162,7 +162,7 @@ class TestAcceleratorEngineMixedDevices(TestAcceleratorEngineOnGloo):
 
 
 def _run_world(engine_class: type[BucketCheckpointEngine], actor_nodes: list[str], rollout_nodes: list[str],
-               *, relays: str, case: str = "mixed") -> tuple[Topology, list[Any], list[Any]]:
+               *, relays: str, case: str = "mixed", on_device: bool = True) -> tuple[Topology, list[Any], list[Any]]:
     """Every worker in a thread of this process, each with its own engine and gloo group (a whole lifecycle), the
     weights on the emulated device."""
     device = emulated_device()
@@ -197,7 +197,8 @@ def _run_world(engine_class: type[BucketCheckpointEngine], actor_nodes: list[str
         results: list[Any] = [None] * len(engines)
 
         def send(index: int, engine: BucketCheckpointEngine) -> None:
-            weights = place(case_tensors(case, 1, bucket_bytes), device, "device")
+            weights = case_tensors(case, 1, bucket_bytes)
+            weights = place(weights, device, "device") if on_device else weights
             results[index] = asyncio.run(engine.send_weights(weights, version=1))
 
         async def receive_all(engine: BucketCheckpointEngine) -> tuple[TransferReport | None, dict[str, bool]]:
@@ -235,6 +236,25 @@ def test_node_local_senders_deliver_the_whole_model_to_every_node() -> None:
         assert report is not None and report.sender == args["sender"]
         assert report.digest == digests[report.sender]
         assert same and all(same.values()) and len(same) == len(case_tensors("mixed", 1, 1 << 16))
+
+
+def test_host_weights_are_uploaded_into_device_buckets_and_hashed_on_the_host(monkeypatch: pytest.MonkeyPatch
+                                                                              ) -> None:
+    """Host sources reach the device ring through pinned host buckets (one non-blocking copy each)."""
+    uploads: list[int] = []
+    real_send = staging.Upload.send
+
+    def counting_send(self: staging.Upload, buffer: torch.Tensor, bucket: Any, stream: Any) -> None:
+        uploads.append(bucket.nbytes)
+        real_send(self, buffer, bucket, stream)
+
+    monkeypatch.setattr(staging.Upload, "send", counting_send)
+    _, senders, receivers = _run_world(GlooAcceleratorEngine, ["a"], ["a", "a"], relays="none", case="many_small",
+                                       on_device=False)
+    assert len(uploads) == senders[0].buckets >= 2
+    for report, same in receivers:
+        assert report is not None and report.digest == senders[0].digest
+        assert same and all(same.values())
 
 
 def test_copy_and_comm_streams_are_ordered_by_events_only() -> None:

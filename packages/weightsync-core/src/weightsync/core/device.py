@@ -114,14 +114,15 @@ class _StagedDigest(UpdateDigest):
 
     def __init__(self, inner: UpdateDigest, stage: Any) -> None:
         # No super().__init__(): every call is delegated to ``inner``, which owns the hash state.
-        self._inner = inner
+        self.inner = inner
+        """The host digest itself: a bucket packed from host bytes is hashed there, never staged back."""
         self._stage = stage
 
     def update_bucket(self, table: bytes, payload: torch.Tensor) -> None:
-        self._inner.update_bucket(table, self._stage(payload))
+        self.inner.update_bucket(table, self._stage(payload))
 
     def hexdigest(self) -> str:
-        return self._inner.hexdigest()
+        return self.inner.hexdigest()
 
 
 class AcceleratorPolicy(DevicePolicy):

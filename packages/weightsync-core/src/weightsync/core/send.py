@@ -15,13 +15,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from weightsync.api.errors import WeightStreamError
 from weightsync.api.types import StageTiming, TransferReport
 from weightsync.core import codec
+from weightsync.core.device import AcceleratorPolicy
 from weightsync.core.digest import UpdateDigest
 from weightsync.core.planner import PIECE_BYTES, PlannedBucket, piece_bytes, plan_buckets, validate_pair
 from weightsync.core.settings import EngineSettings
-from weightsync.core.staging import SendStaging
+from weightsync.core.staging import SendStaging, Upload
 from weightsync.core.tensors import copy_batch, copy_stream
 from weightsync.core.trace import Tracer
 from weightsync.core.transport import NO_SLOT, DevicePolicy, SenderTransport
@@ -54,6 +57,8 @@ class SendPipeline:
     transfer_pool: concurrent.futures.ThreadPoolExecutor
     staging: SendStaging | None = None
     """Made at the first bucket with accelerator pieces bound for a host transport, then kept with the engine."""
+    uploads: Upload | None = None
+    """Made at the first bucket with host pieces bound for a device transport, then kept with the engine."""
 
     async def send(self, transport: SenderTransport, weights: Iterable[object], *, epoch: str, version: int,
                    started: float) -> TransferReport:
@@ -132,6 +137,9 @@ class SendPipeline:
             if after_pack is None and digest.fusable and buffer.is_cpu and not bucket.on_device:
                 digest.begin_bucket(table, bucket.nbytes)
                 pack_hashing(buffer.data_ptr(), bucket, digest)
+            elif after_pack is None and not buffer.is_cpu and isinstance(self.policy, AcceleratorPolicy) and (
+                    not bucket.on_device or any(source.is_cpu for _, source, _ in bucket.items)):
+                self.upload(self.policy, buffer, bucket, table, digest, deadline)
             else:
                 for item in bucket.items:
                     meta = item[0]
@@ -145,6 +153,26 @@ class SendPipeline:
                                          index=index, slot=slot, nbytes=bucket.nbytes, table=table)
         self.tracer.span("pack", index, started, time.perf_counter())
         return header, time.perf_counter() - started
+
+    def upload(self, policy: AcceleratorPolicy, buffer: torch.Tensor, bucket: PlannedBucket, table: bytes,
+               digest: UpdateDigest, deadline: float) -> None:
+        """Host pieces into a device bucket through a pinned host bucket (:class:`~weightsync.core.staging.Upload`):
+        a bucket wholly from the host is hashed from the pinned bytes as they are copied, a mixed one afterwards."""
+        if self.uploads is None:
+            self.uploads = Upload(policy.ops, bucket_bytes=self.settings.bucket_bytes)
+        host = self.uploads.take(deadline)
+        inner = getattr(digest, "inner", None)
+        if not bucket.on_device and isinstance(inner, UpdateDigest) and inner.fusable:
+            inner.begin_bucket(table, bucket.nbytes)
+            pack_hashing(host.data_ptr(), bucket, inner)
+            self.uploads.send(buffer, bucket, policy.copy_stream)
+            return
+        base = host.data_ptr()
+        for meta, source, start in bucket.items:
+            if meta.nbytes and source.is_cpu:
+                copy_stream(base + meta.bucket_offset, source.data_ptr() + start, meta.nbytes)
+        self.uploads.send(buffer, bucket, policy.copy_stream)
+        digest.update_bucket(table, buffer[: bucket.nbytes])
 
     async def abort(self, transport: SenderTransport, in_flight: dict[int, asyncio.Future[float]], *, epoch: str,
                     version: int, index: int, reason: BaseException) -> None:

@@ -1,9 +1,8 @@
-"""Staging: a sender's accelerator tensors into a transport whose buffers live on the host.
+"""Staging: a sender's tensors into a transport whose buffers live on another device.
 
-Every engine takes tensors on the host or on the process's accelerator, whatever its transport's buffers are. A
-transport with device buffers copies host pieces in with ``Tensor.copy_`` under its device policy
-(:mod:`weightsync.core.device`). For a transport with host buffers (shm, gloo, nixl and mooncake with host rings),
-the pieces of a bucket that live on the accelerator are staged here:
+Every engine takes tensors on the host or on the process's accelerator, whatever its transport's buffers are. For a
+transport with host buffers (shm, gloo, nixl and mooncake with host rings), the pieces of a bucket that live on the
+accelerator are staged by :class:`SendStaging`:
 
 * **One pinned host bucket, asynchronous copies, one event.** The device pieces are copied to a page-locked host
   buffer, at their offsets in the bucket, with non-blocking copies queued on a *copy stream* of the staging's own.
@@ -18,6 +17,12 @@ the pieces of a bucket that live on the accelerator are staged here:
   one host copy of the device pieces, which the hash reads anyway (docs/performance.md has the figures).
 * **Lifetime.** The bucket holds a reference to every source until the staging event has completed on the host, so
   the caching allocator cannot reuse a source's memory while a copy still reads it (no ``record_stream`` needed).
+
+For a transport with device buffers (nccl, hccl, device rings), :class:`Upload` does the reverse for host pieces:
+they are copied (and, when the whole bucket comes from the host, hashed as they go, so the device bucket is never
+read back for the digest) into one of two pinned host buckets, which is copied to the device bucket with one
+non-blocking copy on the policy's copy stream; the bucket's device pieces are copied after it on the same stream. A
+pinned bucket is refilled only once the event recorded after its copy has completed.
 
 The receiving side needs no staging of its own: a host bucket's pieces are copied into device destinations with
 ``Tensor.copy_`` (:mod:`weightsync.core.unpack`), which returns once the bytes have left the bucket, and the bucket
@@ -34,7 +39,7 @@ from weightsync.api.errors import UnsupportedDeviceError
 from weightsync.core.device import AcceleratorOps, wait_event
 from weightsync.core.planner import PIECE_BYTES, PackItem, PlannedBucket, piece_bytes
 
-__all__ = ["SendStaging"]
+__all__ = ["SendStaging", "Upload"]
 
 
 class SendStaging:
@@ -81,3 +86,35 @@ class SendStaging:
             ops.record(copied, self.copy_stream)
         wait_event(ops, copied, deadline, peer="local device", what="staging a bucket to the host")
         return staged
+
+
+class Upload:
+    """Two pinned host buckets that host pieces are packed into before one copy to a device bucket."""
+
+    def __init__(self, ops: AcceleratorOps, *, bucket_bytes: int) -> None:
+        self.ops = ops
+        self.buckets = [torch.empty(bucket_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        for host in self.buckets:
+            host.fill_(0)  # touched now, not during an update
+        self.copied: list[Any] = [None, None]
+        self._next = 0
+
+    def take(self, deadline: float) -> torch.Tensor:
+        """The next pinned bucket, once its previous copy to the device has run."""
+        copied = self.copied[self._next]
+        if copied is not None:
+            wait_event(self.ops, copied, deadline, peer="local device", what="an upload to the device")
+        return self.buckets[self._next]
+
+    def send(self, buffer: torch.Tensor, bucket: PlannedBucket, stream: Any) -> None:
+        """Queue, on ``stream``: the taken bucket's bytes into ``buffer``, then ``bucket``'s device pieces."""
+        host = self.buckets[self._next]
+        buffer[:bucket.nbytes].copy_(host[:bucket.nbytes], non_blocking=True)
+        for item in bucket.items:
+            meta, source, _ = item
+            if meta.nbytes and not source.is_cpu:
+                buffer[meta.bucket_offset:meta.bucket_offset + meta.nbytes].copy_(piece_bytes(item))
+        copied = self.ops.new_event()
+        self.ops.record(copied, stream)
+        self.copied[self._next] = copied
+        self._next ^= 1
