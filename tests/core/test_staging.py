@@ -1,6 +1,7 @@
 """Staging between accelerator tensors and host transports, on the emulated accelerator, checked from outside.
 
-Sender and receiver run in threads of this process (gloo's host buffers, shm's shared memory), with a delay in
+Sender and receiver run in threads of this process (gloo's host buffers, shm's shared memory, and the accelerator
+collective engine's device rings), with a delay in
 every emulated device copy: a wait the pipeline leaves out then shows as wrong bytes. The negative controls take a
 wait out on purpose and show that the byte comparison catches it.
 """
@@ -15,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 
+from tests.backends.nccl.accel_gloo import SPEC as ACCELERATOR_ON_GLOO
 from tests.devices import emulated_device
-from weightsync.api.registry import load_engine_class
+from weightsync.api.registry import load_engine_class, register_backend
 from weightsync.api.testing import case_tensors, place, raw_bytes
 from weightsync.api.types import WorkerContext, WorldMetadata
 from weightsync.core import staging
@@ -77,10 +79,11 @@ def _mismatches(weights: Weights, destinations: dict[str, torch.Tensor]) -> list
 
 @pytest.fixture(scope="module")
 def device() -> str:
+    register_backend(ACCELERATOR_ON_GLOO)  # the accelerator collective engine, in this process
     return emulated_device()
 
 
-@pytest.mark.parametrize("backend", ["gloo", "shm"])
+@pytest.mark.parametrize("backend", ["gloo", "shm", ACCELERATOR_ON_GLOO.name])
 def test_device_sources_reach_device_destinations_without_a_device_wide_sync(backend: str, device: str) -> None:
     weights = place(case_tensors("mixed", 1, BUCKET) + case_tensors("non_contiguous", 1, BUCKET), device, "device")
     destinations = {name: torch.zeros(tensor.shape, dtype=tensor.dtype, device=device) for name, tensor in weights}
