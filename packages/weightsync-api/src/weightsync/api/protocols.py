@@ -165,7 +165,13 @@ class CheckpointEngine(Protocol):
     end-to-end digest on receipt). Backends document their own ``options``.
 
     Class attributes (data, read without constructing an engine): ``name`` (the registry name) and ``devices``
-    (the tensor devices it moves, e.g. ``frozenset({"cpu"})``).
+    (where the backend's own buffers can live, e.g. ``frozenset({"cpu"})``; ``{"cuda"}`` for a backend that needs
+    CUDA).
+
+    Devices: every engine accepts source tensors on the host or on the calling process's accelerator (its current
+    device), mixed within one update, and loads into destinations on either; where a tensor's device differs from
+    the engine's buffers the engine stages it, asynchronously and without a device-wide synchronize. A tensor on any
+    other device raises ``UnsupportedDeviceError``.
 
     Errors: a bad argument raises at the call (``ConfigError``, ``WeightStreamError`` subclasses); calling a step
     out of order raises ``LifecycleError``; a peer that misbehaves raises ``TransferError`` naming it; bytes from a

@@ -62,6 +62,7 @@ class BackendSpec:
     """``"module:Class"`` of the engine class."""
     distribution: str
     devices: frozenset[str]
+    """Where the backend's buffers can live (every engine takes tensors on the host and the process's accelerator)."""
     cross_node: bool
     """Whether sender and receivers may sit on different hosts."""
     probe: Callable[[], str | None]
