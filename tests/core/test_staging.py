@@ -101,3 +101,18 @@ def test_a_missing_staging_wait_is_caught_by_the_bytes(device: str, monkeypatch:
     destinations = {name: torch.zeros(tensor.shape, dtype=tensor.dtype) for name, tensor in weights}
     _update("gloo", weights, destinations)
     assert _mismatches(weights, destinations)  # the sender hashed what it sent: only the bytes can tell
+
+
+def test_the_planner_never_lists_a_device_address_for_a_host_copy(device: str) -> None:
+    """Small pieces are batched by host address; an accelerator tensor's address must never be among them."""
+    from weightsync.core.planner import plan_buckets
+
+    weights = place(case_tensors("many_small", 1, BUCKET), device, "mixed")
+    device_addresses = {tensor.data_ptr() for _, tensor in weights if tensor.device.type == device}
+    buckets = list(plan_buckets(weights, bucket_bytes=BUCKET, devices=frozenset({"cpu", device})))
+    assert buckets and all(bucket.on_device for bucket in buckets)
+    listed = {address for bucket in buckets for address in bucket.copies[1::3]}
+    assert listed and not listed & device_addresses
+    host_only = list(plan_buckets(case_tensors("many_small", 1, BUCKET), bucket_bytes=BUCKET,
+                                  devices=frozenset({"cpu", device})))
+    assert not any(bucket.on_device for bucket in host_only)
