@@ -90,10 +90,11 @@ c10::Stream current_stream(c10::DeviceIndex device);
 // Every worker created so far, on every device.
 std::vector<Worker*> all_workers();
 
-// The injected delay (seconds) that every device copy sleeps on its worker before moving bytes.
+// The injected delay (seconds) that every device copy sleeps on its worker before moving bytes. A copy takes the
+// value in force when it is queued.
 void set_copy_delay(double seconds);
 double copy_delay();
-void sleep_copy_delay();
+void sleep_seconds(double seconds);
 
 // Device-wide synchronization: waits for every stream of the device and counts the call.
 void synchronize_device(c10::DeviceIndex device);

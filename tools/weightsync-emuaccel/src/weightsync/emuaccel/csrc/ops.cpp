@@ -70,8 +70,8 @@ View describe(const at::Tensor& t, bool writable) {
   return v;
 }
 
-void run_copy(const View& dst, const View& src) {
-  sleep_copy_delay();
+void run_copy(const View& dst, const View& src, double delay) {
+  sleep_seconds(delay);
   if (dst.dense && src.dense && dst.dtype == src.dtype && dst.nbytes == src.nbytes) {
     std::memcpy(dst.base, src.base, dst.nbytes);
   } else {
@@ -101,7 +101,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
         w.enqueue([&other, seq] { other.wait_quietly(seq); });
       }
     }
-    w.enqueue([d = describe(dst, true), s = describe(self, false)] { run_copy(d, s); });
+    w.enqueue([d = describe(dst, true), s = describe(self, false), delay = copy_delay()] { run_copy(d, s, delay); });
     return dst;
   }
   const at::Tensor& host = src_emu ? dst : self;
@@ -109,8 +109,8 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   // Only a non_blocking copy with pinned host memory may return before it has run; the task keeps the host
   // storage alive until then (CUDA's host allocator records an event for the same purpose).
   const bool asynchronous = non_blocking && is_pinned_ptr(host.storage().data());
-  const uint64_t seq = w.enqueue(
-      [d = describe(dst, true), s = describe(self, false), keep = host.storage()] { run_copy(d, s); });
+  const uint64_t seq = w.enqueue([d = describe(dst, true), s = describe(self, false), keep = host.storage(),
+                                  delay = copy_delay()] { run_copy(d, s, delay); });
   if (!asynchronous) {
     w.wait(seq);  // this stream up to the copy: a stream synchronization, not a device-wide one
   }

@@ -269,8 +269,7 @@ double copy_delay() {
   return g_copy_delay.load();
 }
 
-void sleep_copy_delay() {
-  const double seconds = g_copy_delay.load();
+void sleep_seconds(double seconds) {
   if (seconds > 0.0) {
     std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
   }
@@ -525,8 +524,8 @@ class DeviceMemory final : public c10::DeviceAllocator {
     char* d = to->worker_ptr + (static_cast<char*>(dest) - to->device_ptr);
     const char* s = from->worker_ptr + (static_cast<const char*>(src) - from->device_ptr);
     Worker& w = current_worker(to->device);
-    w.wait(w.enqueue([d, s, count] {
-      sleep_copy_delay();
+    w.wait(w.enqueue([d, s, count, delay = copy_delay()] {
+      sleep_seconds(delay);
       std::memcpy(d, s, count);
     }));
   }
@@ -694,8 +693,8 @@ void resize_storage_bytes(c10::StorageImpl* storage, size_t bytes) {
     Block* to = block_of(fresh);
     const char* src = from->worker_ptr + (static_cast<const char*>(storage->data()) - from->device_ptr);
     char* dst = to->worker_ptr;
-    current_worker(device).enqueue([src, dst, keep] {
-      sleep_copy_delay();
+    current_worker(device).enqueue([src, dst, keep, delay = copy_delay()] {
+      sleep_seconds(delay);
       std::memcpy(dst, src, keep);
     });
     // The old block must outlive the copy just queued, whichever stream it was allocated on.
