@@ -6,6 +6,7 @@ bytes (or reuses the block too early), so a pipeline that forgets the wait fails
 
 from __future__ import annotations
 
+import pathlib
 import time
 
 import torch
@@ -188,6 +189,7 @@ def test_a_freed_block_is_not_reused_before_its_recorded_streams_ran(emu: str) -
     with side:
         host.copy_(source, non_blocking=True)  # still reading `source` after the free below
     source.record_stream(side)
+    torch.accelerator.current_stream().synchronize()  # only the side stream still has work on the block
     del source
     reused = torch.empty(N, dtype=torch.int32, device=emu)
     assert reused.data_ptr() != address
@@ -208,9 +210,33 @@ def test_negative_control_without_record_stream_the_block_is_reused_under_the_re
     host = torch.zeros(N, dtype=torch.int32, pin_memory=True)
     with side:
         host.copy_(source, non_blocking=True)
+    torch.accelerator.current_stream().synchronize()
     del source  # its allocation stream has nothing pending: the block is free at once
     reused = torch.empty(N, dtype=torch.int32, device=emu)
     assert reused.data_ptr() == address
     reused.fill_(-1)  # runs on the idle default stream before the side stream's delayed copy reads
     side.synchronize()
     assert torch.equal(host, torch.full((N,), -1, dtype=torch.int32))
+
+
+def _emu_threads() -> int:
+    return sum(1 for comm in pathlib.Path("/proc/self/task").glob("*/comm") if comm.read_text().startswith("emu"))
+
+
+def test_idle_stream_workers_exit_and_come_back(emu: str) -> None:
+    device = _on_device(emu)
+    streams = [torch.Stream(device=emu) for _ in range(8)]
+    for stream in streams:
+        with stream:
+            device.clone()
+    assert _emu_threads() >= len(streams)
+    torch.accelerator.synchronize()
+    deadline = time.monotonic() + 10
+    while _emu_threads() > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _emu_threads() == 0  # a stream per transfer does not pile up threads
+    host = torch.zeros(N, dtype=torch.int32, pin_memory=True)
+    with streams[0]:
+        host.copy_(device, non_blocking=True)
+    streams[0].synchronize()
+    assert torch.equal(host, _expected())

@@ -1,6 +1,6 @@
-// The emulated accelerator's runtime, shared by its two translation units:
-//   runtime.cpp  streams (one worker thread each), events, device memory, pinned memory, the device guard and the
-//                PrivateUse1 hooks;
+// The emulated accelerator's runtime, shared by its three translation units:
+//   streams.cpp  devices, streams (one worker thread each), events and the device guard;
+//   memory.cpp   device memory, pinned host memory and the PrivateUse1 hooks;
 //   ops.cpp      the ATen kernels registered for PrivateUse1 (allocation, views, copies, fill) and the
 //                weightsync_emu:: operators the Python package calls.
 //
@@ -42,9 +42,15 @@ void check_device(c10::DeviceIndex device);
 c10::DeviceIndex current_device();
 void set_current_device(c10::DeviceIndex device);
 
-// True in a child forked after this process started a stream worker: like CUDA, the emulator refuses to run
-// there (its worker threads did not survive the fork). Use the 'spawn' start method.
+// True in a child forked after its parent used the device (allocated memory or queued work): like CUDA, the
+// emulator refuses to run there (its worker threads did not survive the fork, and its memory would be shared with
+// the parent's). Use the 'spawn' start method. check_not_forked raises there.
 bool in_bad_fork();
+void check_not_forked();
+void mark_initialized();
+
+// An integer environment variable, or `fallback` when it is unset or empty.
+int64_t env_int(const char* name, int64_t fallback);
 
 // One stream: a FIFO of tasks run in order on a thread of its own, started on the first task.
 class Worker {

@@ -91,6 +91,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   }
   at::assert_no_internal_overlap(dst);
   if (src_emu && dst_emu) {
+    at::assert_no_partial_overlap(dst, self);  // what TensorIterator checks for a CPU or CUDA copy
     // Device to device: asynchronous whatever non_blocking says (as on CUDA), on the destination's current
     // stream, which first waits for what the source device's current stream has queued.
     Worker& w = current_worker(dst.device().index());
@@ -106,22 +107,27 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   }
   const at::Tensor& host = src_emu ? dst : self;
   Worker& w = current_worker((src_emu ? self : dst).device().index());
-  // Only a non_blocking copy with pinned host memory may return before it has run; the task keeps the host
-  // storage alive until then (CUDA's host allocator records an event for the same purpose).
-  const bool asynchronous = non_blocking && is_pinned_ptr(host.storage().data());
-  const uint64_t seq = w.enqueue([d = describe(dst, true), s = describe(self, false), keep = host.storage(),
-                                  delay = copy_delay()] { run_copy(d, s, delay); });
-  if (!asynchronous) {
-    w.wait(seq);  // this stream up to the copy: a stream synchronization, not a device-wide one
+  View d = describe(dst, true);
+  View s = describe(self, false);
+  const double delay = copy_delay();
+  if (non_blocking && is_pinned_ptr(host.storage().data())) {
+    // Only a non_blocking copy with pinned host memory returns before it has run. The task keeps the pinned
+    // storage alive until then (CUDA's host allocator records an event for the same purpose); its deleter is
+    // ours and needs no GIL.
+    w.enqueue([d = std::move(d), s = std::move(s), delay, keep = host.storage()] { run_copy(d, s, delay); });
+    return dst;
   }
+  // Any other copy returns once it has run: this stream up to the copy, a stream synchronization and not a
+  // device-wide one. The caller keeps the host memory alive meanwhile (a storage released on the worker could
+  // need the GIL, numpy's for one, while this thread holds it).
+  w.wait(w.enqueue([d = std::move(d), s = std::move(s), delay] { run_copy(d, s, delay); }));
   return dst;
 }
 
-// Makes sure a tensor's storage holds `bytes`, growing it on the device if needed.
-void ensure_storage_bytes(c10::TensorImpl* impl, size_t bytes) {
-  if (bytes == 0) {
-    return;
-  }
+// Grows a tensor's storage on the device, if needed, to hold the elements its sizes, strides and offset reach.
+void fit_storage(c10::TensorImpl* impl) {
+  const size_t bytes = at::detail::computeStorageNbytes(impl->sizes(), impl->strides(), impl->dtype().itemsize(),
+                                                        impl->storage_offset());
   const c10::Storage& storage = impl->unsafe_storage();
   if (bytes > storage.nbytes()) {
     resize_storage_bytes(storage.unsafeGetStorageImpl(), bytes);
@@ -130,11 +136,9 @@ void ensure_storage_bytes(c10::TensorImpl* impl, size_t bytes) {
 
 const at::Tensor& resize(const at::Tensor& self, c10::SymIntArrayRef size,
                          std::optional<at::MemoryFormat> memory_format) {
-  const auto sizes = C10_AS_INTARRAYREF_SLOW(size);
   c10::TensorImpl* impl = self.unsafeGetTensorImpl();
-  at::native::resize_impl_cpu_(impl, sizes, std::nullopt, /*resize_storage=*/false);
-  ensure_storage_bytes(impl, at::detail::computeStorageNbytesContiguous(sizes, self.dtype().itemsize(),
-                                                                         self.storage_offset()));
+  at::native::resize_impl_cpu_(impl, C10_AS_INTARRAYREF_SLOW(size), std::nullopt, /*resize_storage=*/false);
+  fit_storage(impl);
   if (memory_format.has_value()) {
     TORCH_CHECK(*memory_format != at::MemoryFormat::Preserve, "emu: unsupported memory format ", *memory_format);
     impl->empty_tensor_restride(*memory_format);
@@ -155,10 +159,7 @@ at::Tensor& set_storage(at::Tensor& result, at::Storage storage, int64_t storage
   const at::OptionalIntArrayRef strides =
       stride.data() != nullptr ? at::OptionalIntArrayRef(stride) : at::OptionalIntArrayRef();
   at::native::resize_impl_cpu_(impl, size, strides, /*resize_storage=*/false);
-  const size_t itemsize = result.dtype().itemsize();
-  ensure_storage_bytes(impl, stride.data() != nullptr
-                                 ? at::detail::computeStorageNbytes(size, stride, itemsize, storage_offset)
-                                 : at::detail::computeStorageNbytesContiguous(size, itemsize, storage_offset));
+  fit_storage(impl);
   return result;
 }
 

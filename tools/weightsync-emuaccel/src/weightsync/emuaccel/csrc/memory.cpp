@@ -1,441 +1,27 @@
-// Streams, events, device and pinned memory, the device guard and the PrivateUse1 hooks of the emulated
-// accelerator. See emu.h for the model.
+// Device memory (a memfd mapped twice per block, freed in stream order), pinned host memory and the PrivateUse1
+// hooks of the emulated accelerator. See emu.h for the model.
 #include "emu.h"
 
 #include <ATen/detail/PrivateUse1HooksInterface.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
-#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <cerrno>
-#include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <map>
-#include <memory>
+#include <mutex>
 
 namespace weightsync_emu {
 
 namespace {
 
 constexpr size_t kPageBytes = 4096;
-constexpr size_t kStreamPoolSize = 4;
 // Freed blocks kept for reuse beyond this many bytes (per process) are unmapped once no stream can still use them.
 constexpr size_t kCacheLimitBytes = size_t{256} << 20;
-
-std::atomic<bool> g_workers_started{false};
-std::atomic<bool> g_bad_fork{false};
-std::atomic<double> g_copy_delay{0.0};
-std::atomic<int64_t> g_synchronizations{0};
-
-thread_local c10::DeviceIndex tls_device = 0;
-thread_local std::array<c10::StreamId, kMaxDevices> tls_stream{};
-
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* text = std::getenv(name);
-  if (text == nullptr || *text == '\0') {
-    return fallback;
-  }
-  char* end = nullptr;
-  const long long value = std::strtoll(text, &end, 10);
-  TORCH_CHECK(end != text && *end == '\0', "emu: ", name, " must be an integer, got '", text, "'");
-  return value;
-}
-
-void mark_fork_child() {
-  if (g_workers_started.load()) {
-    g_bad_fork.store(true);
-  }
-}
-
-void check_not_forked() {
-  TORCH_CHECK(
-      !g_bad_fork.load(),
-      "emu: cannot use the emulated device in a process forked after its parent started using it "
-      "(its stream workers did not survive the fork); use the 'spawn' start method, as with CUDA");
-}
-
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-}  // namespace
-
-// ---------------------------------------------------------------------------------------------------- devices
-
-c10::DeviceIndex device_count() {
-  static const c10::DeviceIndex count = [] {
-    const int64_t value = env_int("WEIGHTSYNC_EMU_DEVICE_COUNT", 1);
-    TORCH_CHECK(value >= 1 && value <= kMaxDevices, "emu: WEIGHTSYNC_EMU_DEVICE_COUNT must be 1 to ", kMaxDevices);
-    return static_cast<c10::DeviceIndex>(value);
-  }();
-  return count;
-}
-
-void check_device(c10::DeviceIndex device) {
-  TORCH_CHECK(
-      device >= 0 && device < device_count(), "emu: invalid device index ", static_cast<int>(device),
-      " (this process has ", static_cast<int>(device_count()), " emu device(s))");
-}
-
-c10::DeviceIndex current_device() {
-  return tls_device;
-}
-
-void set_current_device(c10::DeviceIndex device) {
-  check_device(device);
-  tls_device = device;
-}
-
-bool in_bad_fork() {
-  return g_bad_fork.load();
-}
-
-static c10::DeviceIndex index_of(const c10::Device& device) {
-  const c10::DeviceIndex index = device.has_index() ? device.index() : current_device();
-  check_device(index);
-  return index;
-}
-
-// ---------------------------------------------------------------------------------------------------- streams
-
-Worker::Worker(c10::DeviceIndex device, c10::StreamId id) : device_(device), id_(id) {}
-
-uint64_t Worker::enqueue(std::function<void()> task) {
-  check_not_forked();
-  uint64_t seq = 0;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!started_) {
-      started_ = true;
-      g_workers_started.store(true);
-      // Detached and never joined: the runtime lives until the process exits, like a driver's threads.
-      std::thread([this] { run(); }).detach();
-    }
-    seq = ++enqueued_;
-    queue_.emplace_back(seq, std::move(task));
-  }
-  work_ready_.notify_one();
-  return seq;
-}
-
-uint64_t Worker::enqueued() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return enqueued_;
-}
-
-void Worker::wait_quietly(uint64_t seq) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  work_done_.wait(lock, [&] { return completed_.load(std::memory_order_acquire) >= seq; });
-}
-
-void Worker::wait(uint64_t seq) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  work_done_.wait(lock, [&] { return completed_.load(std::memory_order_acquire) >= seq; });
-  if (!error_.empty()) {
-    const std::string error = std::move(error_);
-    error_.clear();
-    TORCH_CHECK(false, "emu: asynchronous error on stream ", id_, " of device ", static_cast<int>(device_), ": ",
-                error);
-  }
-}
-
-void Worker::run() {
-  const std::string name = "emu" + std::to_string(device_) + "s" + std::to_string(id_);
-  pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
-  for (;;) {
-    std::pair<uint64_t, std::function<void()>> item;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      work_ready_.wait(lock, [&] { return !queue_.empty(); });
-      item = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    std::string error;
-    try {
-      item.second();
-    } catch (const c10::Error& e) {
-      error = e.what_without_backtrace();
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-    item.second = nullptr;  // release what the task held (host storages) before it counts as done
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!error.empty() && error_.empty()) {
-        error_ = std::move(error);
-      }
-      completed_.store(item.first, std::memory_order_release);
-    }
-    work_done_.notify_all();
-  }
-}
-
-namespace {
-
-struct DeviceStreams {
-  std::mutex mutex;
-  std::vector<Worker*> workers;  // index: stream id; 0 is the default stream
-  std::vector<c10::StreamId> pool;
-  size_t next_pool = 0;
-
-  Worker* default_locked(c10::DeviceIndex device) {
-    if (workers.empty()) {
-      workers.push_back(new Worker(device, 0));
-    }
-    return workers[0];
-  }
-  c10::StreamId add_locked(c10::DeviceIndex device) {
-    default_locked(device);
-    const auto id = static_cast<c10::StreamId>(workers.size());
-    workers.push_back(new Worker(device, id));
-    return id;
-  }
-};
-
-DeviceStreams& streams_of(c10::DeviceIndex device) {
-  check_device(device);
-  static auto* all = new std::array<DeviceStreams, kMaxDevices>();
-  return (*all)[device];
-}
-
-c10::Stream make_stream(c10::DeviceIndex device, c10::StreamId id) {
-  return c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::DeviceType::PrivateUse1, device), id);
-}
-
-}  // namespace
-
-Worker& worker(const c10::Stream& stream) {
-  TORCH_CHECK(stream.device_type() == c10::DeviceType::PrivateUse1, "emu: not an emu stream: ", stream);
-  auto& streams = streams_of(stream.device_index());
-  std::lock_guard<std::mutex> lock(streams.mutex);
-  streams.default_locked(stream.device_index());
-  TORCH_CHECK(
-      stream.id() >= 0 && static_cast<size_t>(stream.id()) < streams.workers.size(), "emu: unknown stream ",
-      stream.id(), " on device ", static_cast<int>(stream.device_index()));
-  return *streams.workers[stream.id()];
-}
-
-c10::Stream current_stream(c10::DeviceIndex device) {
-  check_device(device);
-  return make_stream(device, tls_stream[device]);
-}
-
-Worker& current_worker(c10::DeviceIndex device) {
-  return worker(current_stream(device));
-}
-
-std::vector<Worker*> all_workers() {
-  std::vector<Worker*> result;
-  for (c10::DeviceIndex device = 0; device < device_count(); ++device) {
-    auto& streams = streams_of(device);
-    std::lock_guard<std::mutex> lock(streams.mutex);
-    result.insert(result.end(), streams.workers.begin(), streams.workers.end());
-  }
-  return result;
-}
-
-static c10::Stream new_stream(c10::DeviceIndex device) {
-  auto& streams = streams_of(device);
-  std::lock_guard<std::mutex> lock(streams.mutex);
-  return make_stream(device, streams.add_locked(device));
-}
-
-static c10::Stream pool_stream(c10::DeviceIndex device) {
-  auto& streams = streams_of(device);
-  std::lock_guard<std::mutex> lock(streams.mutex);
-  if (streams.pool.empty()) {
-    for (size_t i = 0; i < kStreamPoolSize; ++i) {
-      streams.pool.push_back(streams.add_locked(device));
-    }
-  }
-  const c10::StreamId id = streams.pool[streams.next_pool++ % streams.pool.size()];
-  return make_stream(device, id);
-}
-
-void set_copy_delay(double seconds) {
-  TORCH_CHECK(seconds >= 0.0, "emu: the copy delay must be >= 0 seconds, got ", seconds);
-  g_copy_delay.store(seconds);
-}
-
-double copy_delay() {
-  return g_copy_delay.load();
-}
-
-void sleep_seconds(double seconds) {
-  if (seconds > 0.0) {
-    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
-  }
-}
-
-void synchronize_device(c10::DeviceIndex device) {
-  check_device(device);
-  g_synchronizations.fetch_add(1);
-  std::vector<Worker*> workers;
-  {
-    auto& streams = streams_of(device);
-    std::lock_guard<std::mutex> lock(streams.mutex);
-    workers = streams.workers;
-  }
-  for (Worker* w : workers) {
-    w->wait(w->enqueued());
-  }
-}
-
-int64_t synchronizations() {
-  return g_synchronizations.load();
-}
-
-// ---------------------------------------------------------------------------------------------------- events
-
-namespace {
-
-// An event is a position in one stream (the marker task queued by its last record) plus the time the marker ran.
-struct Event {
-  std::mutex mutex;
-  Worker* worker = nullptr;
-  uint64_t seq = 0;
-  std::shared_ptr<std::atomic<int64_t>> time_ns;
-
-  Fence snapshot() {
-    std::lock_guard<std::mutex> lock(mutex);
-    return Fence{worker, seq};
-  }
-};
-
-int64_t wait_event_time(Event* event) {
-  std::shared_ptr<std::atomic<int64_t>> time;
-  Fence fence{nullptr, 0};
-  {
-    std::lock_guard<std::mutex> lock(event->mutex);
-    fence = Fence{event->worker, event->seq};
-    time = event->time_ns;
-  }
-  TORCH_CHECK(fence.worker != nullptr, "emu: elapsed_time needs both events recorded");
-  fence.worker->wait(fence.seq);
-  return time->load();
-}
-
-struct GuardImpl final : public c10::impl::DeviceGuardImplInterface {
-  c10::DeviceType type() const override {
-    return c10::DeviceType::PrivateUse1;
-  }
-  c10::Device exchangeDevice(c10::Device device) const override {
-    const c10::DeviceIndex previous = current_device();
-    set_current_device(index_of(device));
-    return c10::Device(c10::DeviceType::PrivateUse1, previous);
-  }
-  c10::Device getDevice() const override {
-    return c10::Device(c10::DeviceType::PrivateUse1, current_device());
-  }
-  void setDevice(c10::Device device) const override {
-    set_current_device(index_of(device));
-  }
-  void uncheckedSetDevice(c10::Device device) const noexcept override {
-    if (device.has_index() && device.index() >= 0 && device.index() < kMaxDevices) {
-      tls_device = device.index();
-    }
-  }
-  c10::Stream getStream(c10::Device device) const override {
-    return current_stream(index_of(device));
-  }
-  c10::Stream getDefaultStream(c10::Device device) const override {
-    return make_stream(index_of(device), 0);
-  }
-  c10::Stream getStreamFromGlobalPool(c10::Device device, bool /*isHighPriority*/) const override {
-    return pool_stream(index_of(device));
-  }
-  c10::Stream getNewStream(c10::Device device, int /*priority*/) const override {
-    return new_stream(index_of(device));
-  }
-  c10::Stream exchangeStream(c10::Stream stream) const override {
-    worker(stream);  // validates it
-    const c10::Stream previous = current_stream(stream.device_index());
-    tls_stream[stream.device_index()] = stream.id();
-    return previous;
-  }
-  c10::DeviceIndex deviceCount() const noexcept override {
-    try {
-      return device_count();
-    } catch (...) {
-      return 0;
-    }
-  }
-  void destroyEvent(void* event, const c10::DeviceIndex /*device_index*/) const noexcept override {
-    delete static_cast<Event*>(event);
-  }
-  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device_index,
-              const c10::EventFlag /*flag*/) const override {
-    TORCH_CHECK(device_index == -1 || device_index == stream.device_index(), "emu: event device index ",
-                static_cast<int>(device_index), " does not match the stream's device ", stream.device());
-    auto* ev = static_cast<Event*>(*event);
-    if (ev == nullptr) {
-      ev = new Event();
-      *event = ev;
-    }
-    Worker& w = worker(stream);
-    auto stamp = std::make_shared<std::atomic<int64_t>>(0);
-    const uint64_t seq = w.enqueue([stamp] { stamp->store(now_ns()); });
-    std::lock_guard<std::mutex> lock(ev->mutex);
-    ev->worker = &w;
-    ev->seq = seq;
-    ev->time_ns = std::move(stamp);
-  }
-  void block(void* event, const c10::Stream& stream) const override {
-    if (event == nullptr) {
-      return;  // never recorded: nothing to wait for
-    }
-    const Fence fence = static_cast<Event*>(event)->snapshot();
-    Worker& target = worker(stream);
-    if (fence.worker == nullptr || fence.worker == &target) {
-      return;  // a stream runs its own work in order
-    }
-    target.enqueue([fence] { fence.worker->wait_quietly(fence.seq); });
-  }
-  bool queryEvent(void* event) const override {
-    if (event == nullptr) {
-      return true;
-    }
-    const Fence fence = static_cast<Event*>(event)->snapshot();
-    return fence.worker == nullptr || fence.worker->reached(fence.seq);
-  }
-  bool queryStream(const c10::Stream& stream) const override {
-    Worker& w = worker(stream);
-    return w.reached(w.enqueued());
-  }
-  void synchronizeStream(const c10::Stream& stream) const override {
-    Worker& w = worker(stream);
-    w.wait(w.enqueued());
-  }
-  void synchronizeEvent(void* event) const override {
-    if (event == nullptr) {
-      return;
-    }
-    const Fence fence = static_cast<Event*>(event)->snapshot();
-    if (fence.worker != nullptr) {
-      fence.worker->wait(fence.seq);
-    }
-  }
-  void synchronizeDevice(const c10::DeviceIndex device_index) const override {
-    synchronize_device(device_index < 0 ? current_device() : device_index);
-  }
-  void recordDataPtrOnStream(const c10::DataPtr& data_ptr, const c10::Stream& stream) const override {
-    device_allocator()->recordStream(data_ptr, stream);
-  }
-  double elapsedTime(void* start, void* end, const c10::DeviceIndex /*device_index*/) const override {
-    TORCH_CHECK(start != nullptr && end != nullptr, "emu: elapsed_time needs both events recorded");
-    const int64_t begin_ns = wait_event_time(static_cast<Event*>(start));
-    const int64_t end_ns = wait_event_time(static_cast<Event*>(end));
-    return static_cast<double>(end_ns - begin_ns) / 1e6;  // milliseconds, as CUDA
-  }
-};
 
 }  // namespace
 
@@ -469,6 +55,7 @@ class DeviceMemory final : public c10::DeviceAllocator {
       return c10::DataPtr(nullptr, where);
     }
     check_not_forked();
+    mark_initialized();
     const size_t bytes = (n + kPageBytes - 1) / kPageBytes * kPageBytes;
     Worker* stream = &current_worker(device);
     std::lock_guard<std::mutex> lock(mutex_);
@@ -486,7 +73,7 @@ class DeviceMemory final : public c10::DeviceAllocator {
   }
 
   void release(Block* block) {
-    if (g_bad_fork.load()) {
+    if (in_bad_fork()) {
       return;  // a forked child must not touch the parent's runtime: leak
     }
     std::vector<Worker*> reuse{block->alloc_stream};
@@ -836,13 +423,10 @@ struct Registration {
     static Hooks hooks;
     at::RegisterPrivateUse1HooksInterface(&hooks);
     c10::SetAllocator(c10::DeviceType::PrivateUse1, device_allocator());
-    pthread_atfork(nullptr, nullptr, &mark_fork_child);
   }
 };
 const Registration registration;
 
 }  // namespace
-
-C10_REGISTER_GUARD_IMPL(PrivateUse1, GuardImpl);
 
 }  // namespace weightsync_emu
