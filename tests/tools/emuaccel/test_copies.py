@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import pickle
 from collections.abc import Callable
 
 import pytest
@@ -159,3 +161,17 @@ def test_copies_between_two_devices() -> None:
     """, env={"WEIGHTSYNC_EMU_DEVICE_COUNT": "2"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["2", "emu:1", "True"]
+
+
+def test_pickle_and_torch_save_round_trip_device_tensors(emu: str) -> None:
+    host = _random(torch.bfloat16, (7, 3), seed=4)
+    device = host.to(emu)
+    unpickled = pickle.loads(pickle.dumps(device))  # torch's legacy storage writer wraps the device pointer
+    assert unpickled.device == device.device and _same_bytes(unpickled.cpu(), host)
+    buffer = io.BytesIO()
+    torch.save({"weight": device}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)["weight"]
+    assert loaded.device == device.device and _same_bytes(loaded.cpu(), host)
+    buffer.seek(0)
+    assert _same_bytes(torch.load(buffer, map_location="cpu")["weight"], host)

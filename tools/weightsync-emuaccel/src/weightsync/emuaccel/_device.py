@@ -61,6 +61,18 @@ def set_device(device: DeviceLike) -> None:
     torch.ops.weightsync_emu.set_device(_index(device))
 
 
+@contextlib.contextmanager
+def device(which: DeviceLike) -> Iterator[None]:
+    """Make ``which`` the current emu device for the block (as ``torch.cuda.device``; torch's storage ``.to`` uses
+    it when it loads a checkpoint onto the device)."""
+    previous = current_device()
+    set_device(which)
+    try:
+        yield
+    finally:
+        set_device(previous)
+
+
 def synchronize(device: DeviceLike = None) -> None:
     """Wait for every stream of the device: a device-wide synchronization (counted by ``synchronizations()``)."""
     torch.ops.weightsync_emu.synchronize(_index(device))

@@ -126,7 +126,8 @@ struct Block {
 
 // The device allocator (registered for PrivateUse1).
 c10::DeviceAllocator* device_allocator();
-// The block owning a storage allocated by the device allocator.
+// The block a device storage lies in (its own, or the live block containing it for a storage that wraps device
+// memory it does not own).
 Block* block_of(const c10::DataPtr& data_ptr);
 // The block containing `ptr` (a device address), or nullptr.
 Block* find_block(const void* ptr);

@@ -259,8 +259,14 @@ Block* block_of(const c10::DataPtr& data_ptr) {
   if (data_ptr.get() == nullptr) {
     return nullptr;
   }
-  TORCH_CHECK(data_ptr.get_deleter() == &free_block, "emu: this storage was not allocated by the emu allocator");
-  return static_cast<Block*>(data_ptr.get_context());
+  if (data_ptr.get_deleter() == &free_block) {
+    return static_cast<Block*>(data_ptr.get_context());
+  }
+  // A storage that wraps device memory it does not own (at::from_blob on an emu pointer, as torch's legacy
+  // serialization does): found by address among the live blocks.
+  Block* block = find_block(data_ptr.get());
+  TORCH_CHECK(block != nullptr, "emu: ", data_ptr.get(), " is not in any live emu allocation");
+  return block;
 }
 
 Block* find_block(const void* ptr) {

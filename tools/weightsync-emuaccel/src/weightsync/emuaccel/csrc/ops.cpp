@@ -55,7 +55,7 @@ View describe(const at::Tensor& t, bool writable) {
   View v;
   char* ptr = writable ? static_cast<char*>(t.data_ptr()) : static_cast<char*>(const_cast<void*>(t.const_data_ptr()));
   if (t.is_privateuseone()) {
-    Block* block = block_of(t.storage().data_ptr());
+    const Block* block = block_of(t.storage().data_ptr());
     v.base = block->worker_ptr + (ptr - block->device_ptr);
   } else {
     v.base = ptr;
