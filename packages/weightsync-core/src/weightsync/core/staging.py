@@ -14,7 +14,7 @@ accelerator are staged by :class:`SendStaging`:
 * **The digest reads host bytes only.** The staged bucket is packed like any host bucket: its pieces' sources are
   replaced by the staged bytes, so the pipeline's copy into the transport's buffer hashes them as it goes
   (:func:`weightsync.core.send.pack_hashing`); no device memory is ever read from Python or by the hash. The cost is
-  one host copy of the device pieces, which the hash reads anyway (docs/performance.md has the figures).
+  one host copy of the device pieces, which the hash reads anyway (docs/performance.md explains the choice).
 * **Lifetime.** The bucket holds a reference to every source until the staging event has completed on the host, so
   the caching allocator cannot reuse a source's memory while a copy still reads it (no ``record_stream`` needed).
 
