@@ -11,5 +11,6 @@ import textwrap
 def run_python(source: str, *, timeout: float = 300,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``source`` in a fresh interpreter (the emulator installs itself there, as in any worker process)."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(source)], check=False,
+                          capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})

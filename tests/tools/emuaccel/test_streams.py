@@ -82,7 +82,7 @@ def test_each_stream_runs_in_order_on_a_worker_of_its_own(emu: str) -> None:
     streams = [torch.Stream(device=emu) for _ in range(3)]
     hosts = [torch.zeros(N, dtype=torch.int32, pin_memory=True) for _ in streams]
     start = time.monotonic()
-    for stream, host in zip(streams, hosts):
+    for stream, host in zip(streams, hosts, strict=True):
         with stream:
             staged = torch.empty_like(device)
             staged.copy_(device)  # two copies in order on this stream: the second reads what the first wrote
@@ -159,7 +159,7 @@ def test_a_device_wide_synchronization_waits_for_every_stream(emu: str) -> None:
     set_copy_delay(DELAY)
     streams = [torch.Stream(device=emu) for _ in range(2)]
     hosts = [torch.zeros(N, dtype=torch.int32, pin_memory=True) for _ in streams]
-    for stream, host in zip(streams, hosts):
+    for stream, host in zip(streams, hosts, strict=True):
         with stream:
             host.copy_(device, non_blocking=True)
     torch.accelerator.synchronize()

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 LIBRARY_NAME = "weightsync_emuaccel"
-SOURCES = ("csrc/streams.cpp", "csrc/memory.cpp", "csrc/ops.cpp")
+SOURCES = ("csrc/streams.cpp", "csrc/guard.cpp", "csrc/memory.cpp", "csrc/ops.cpp")
 HEADERS = ("csrc/emu.h",)
 CFLAGS = ("-O2", "-fvisibility=hidden")
 BUILD_LOCK_TIMEOUT_S = 900.0

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Union
 
 import torch
 
 DEVICE_TYPE = "emu"
 
-DeviceLike = Union[int, str, torch.device, None]
+DeviceLike = int | str | torch.device | None
 
 
 def _index(device: DeviceLike) -> int:

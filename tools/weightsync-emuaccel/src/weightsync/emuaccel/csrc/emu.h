@@ -1,5 +1,6 @@
-// The emulated accelerator's runtime, shared by its three translation units:
-//   streams.cpp  devices, streams (one worker thread each), events and the device guard;
+// The emulated accelerator's runtime, shared by its four translation units:
+//   streams.cpp  devices, streams (one worker thread each), the copy delay, device-wide synchronization;
+//   guard.cpp    events and the device guard (torch.Stream, torch.Event, torch.accelerator, DeviceGuard);
 //   memory.cpp   device memory, pinned host memory and the PrivateUse1 hooks;
 //   ops.cpp      the ATen kernels registered for PrivateUse1 (allocation, views, copies, fill) and the
 //                weightsync_emu:: operators the Python package calls.
@@ -41,6 +42,9 @@ c10::DeviceIndex device_count();
 void check_device(c10::DeviceIndex device);
 c10::DeviceIndex current_device();
 void set_current_device(c10::DeviceIndex device);
+void set_current_device_unchecked(c10::DeviceIndex device) noexcept;
+// The index of an emu device; a device without one is the current device.
+c10::DeviceIndex index_of(const c10::Device& device);
 
 // True in a child forked after its parent used the device (allocated memory or queued work): like CUDA, the
 // emulator refuses to run there (its worker threads did not survive the fork, and its memory would be shared with
@@ -93,6 +97,12 @@ class Worker {
 Worker& worker(const c10::Stream& stream);
 Worker& current_worker(c10::DeviceIndex device);
 c10::Stream current_stream(c10::DeviceIndex device);
+c10::Stream default_stream(c10::DeviceIndex device);
+// A new stream of its own (torch.Stream), or one of a small pool shared round-robin (getStreamFromGlobalPool).
+c10::Stream new_stream(c10::DeviceIndex device);
+c10::Stream pool_stream(c10::DeviceIndex device);
+// Makes `stream` the calling thread's current stream of its device; returns the previous one.
+c10::Stream exchange_stream(const c10::Stream& stream);
 // Every worker created so far, on every device.
 std::vector<Worker*> all_workers();
 
