@@ -16,6 +16,15 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile the emulated accelerator once, before any worker process needs it (nothing is registered here)."""
+    try:
+        from weightsync.emuaccel import build
+    except ImportError:  # an environment without it (the verl env has it too; a bare one may not)
+        return
+    build()
+
+
 @dataclass(frozen=True)
 class RayNodes:
     head: str

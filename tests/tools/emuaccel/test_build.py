@@ -96,3 +96,15 @@ def test_the_wheel_ships_the_sources_and_nothing_compiled(tmp_path: pathlib.Path
     assert "weightsync/__init__.py" not in names
     assert not [name for name in names if name.endswith((".so", ".o"))]
     assert os.path.basename(wheel).startswith("weightsync_emuaccel-")
+
+
+def test_build_compiles_without_registering_anything() -> None:
+    """What the test session runs before starting workers: the library exists afterwards, torch is untouched."""
+    done = run_python("""
+        import torch
+        from weightsync.emuaccel import build
+        library = build()
+        print(library.exists(), torch.accelerator.current_accelerator(), torch._C._get_privateuse1_backend_name())
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "None", "privateuseone"]

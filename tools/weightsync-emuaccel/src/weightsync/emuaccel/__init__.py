@@ -33,6 +33,7 @@ import math
 import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Final
 
@@ -45,7 +46,7 @@ from torch.utils.backend_registration import (
 from weightsync.emuaccel import _build, _device
 from weightsync.emuaccel._build import EmuBuildError, EmuError
 
-__all__ = ["DEVICE_TYPE", "EmuBuildError", "EmuError", "install", "set_copy_delay", "synchronizations"]
+__all__ = ["DEVICE_TYPE", "EmuBuildError", "EmuError", "build", "install", "set_copy_delay", "synchronizations"]
 
 DEVICE_TYPE: Final = "emu"
 """The device type that ``install()`` returns: ``torch.device(DEVICE_TYPE)`` is the current emu device."""
@@ -90,6 +91,15 @@ def install() -> str:
             torch.ops.weightsync_emu.set_copy_delay(delay_s)
         _installed = True
     return DEVICE_TYPE
+
+
+def build() -> Path:
+    """Compile the extension for the installed torch unless a build is cached, without registering anything here.
+
+    A test session calls it once before it starts worker processes, so that no worker's first ``install()`` pays
+    for the compile (tens of seconds on a fresh machine) under a worker's timeout.
+    """
+    return _build.ensure_built()
 
 
 def synchronizations() -> int:

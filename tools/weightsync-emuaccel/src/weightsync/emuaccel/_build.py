@@ -72,12 +72,17 @@ def build_dir() -> Path:
     return cache_root() / f"{torch.__version__}-{python_tag}-{source_digest()}"
 
 
-def load_library() -> Path:
-    """Load the compiled library into this process, compiling it first if no finished build is cached."""
+def ensure_built() -> Path:
+    """The compiled library, compiling it first if no finished build is cached; nothing is loaded."""
     directory = build_dir()
-    library = directory / f"{LIBRARY_NAME}.so"
     if not (directory / "built.ok").exists():
         _build_locked(directory)
+    return directory / f"{LIBRARY_NAME}.so"
+
+
+def load_library() -> Path:
+    """Load the compiled library into this process, compiling it first if no finished build is cached."""
+    library = ensure_built()
     # torch.ops.load_library is unannotated; called through a typed alias (mypy strict).
     load: Callable[[str], None] = torch.ops.load_library
     load(str(library))
