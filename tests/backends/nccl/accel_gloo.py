@@ -10,7 +10,9 @@ events: what NCCL does on the device, in three steps.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -23,6 +25,10 @@ from weightsync.core.backend import (
 
 class HostBounceGroup:
     """A gloo group standing in for a device collective: device tensors go through pinned host memory."""
+
+    landing_delay: ClassVar[float | None] = None
+    """Seconds the copy of received bytes onto the device waits, when set (a negative control makes the landing
+    slower than the consumer's reads, which the emulator delays too)."""
 
     def __init__(self, gloo: Any, ops: AcceleratorOps, rank: int, timeout: float) -> None:
         self.gloo = gloo
@@ -45,7 +51,8 @@ class HostBounceGroup:
         work = self.gloo.broadcast([host], options)
         work.wait()
         if self.rank != options.rootRank:
-            tensor.copy_(host, non_blocking=True)  # queued on the comm stream, like the real collective
+            with _slower(self.landing_delay):
+                tensor.copy_(host, non_blocking=True)  # queued on the comm stream, like the real collective
             landed = ops.new_event()
             ops.record(landed, stream)
             self._in_flight.append((landed, host))
@@ -53,6 +60,22 @@ class HostBounceGroup:
 
     def __getattr__(self, name: str) -> Any:  # shutdown, abort
         return getattr(self.gloo, name)
+
+
+@contextlib.contextmanager
+def _slower(seconds: float | None) -> Iterator[None]:
+    if seconds is None:
+        yield
+        return
+    from weightsync.emuaccel import set_copy_delay
+
+    from tests.devices import COPY_DELAY
+
+    set_copy_delay(seconds)
+    try:
+        yield
+    finally:
+        set_copy_delay(COPY_DELAY)
 
 
 def _device(index: int | None) -> torch.device:

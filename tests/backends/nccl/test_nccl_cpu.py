@@ -7,15 +7,15 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from tests.devices import EMULATED, emulated_device
+from tests.devices import EMULATED, NEGATIVE_CONTROL_DELAY, emulated_device
 from tests.backends.nccl.accel_gloo import (
-    SPEC, GlooAcceleratorEngine, RecordingEngine, RecordingOps, RecordingTransport,
+    SPEC, GlooAcceleratorEngine, HostBounceGroup, RecordingEngine, RecordingOps, RecordingTransport,
 )
 from weightsync.api.errors import BackendUnavailableError, ConfigError, RenamedKeywordError, TopologyError
 from weightsync.api.registry import get_backend_spec, load_engine_class, register_backend
@@ -161,6 +161,14 @@ class TestAcceleratorEngineMixedDevices(TestAcceleratorEngineOnGloo):
         return "mixed"
 
 
+def _in_threads(calls: list[tuple[Callable[..., None], tuple[Any, ...]]], timeout: float) -> None:
+    threads = [threading.Thread(target=target, args=args) for target, args in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+
+
 def _run_world(engine_class: type[BucketCheckpointEngine], actor_nodes: list[str], rollout_nodes: list[str],
                *, relays: str, case: str = "mixed", on_device: bool = True) -> tuple[Topology, list[Any], list[Any]]:
     """Every worker in a thread of this process, each with its own engine and gloo group (a whole lifecycle), the
@@ -186,12 +194,8 @@ def _run_world(engine_class: type[BucketCheckpointEngine], actor_nodes: list[str
             except BaseException as exc:
                 errors.append(exc)
 
-        threads = [threading.Thread(target=init, args=(engine, args))
-                   for engine, args in zip(engines, [*topology.actor, *topology.rollout])]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        _in_threads([(init, (engine, args)) for engine, args in zip(engines, [*topology.actor, *topology.rollout])],
+                    60)
         assert not errors, errors
         expected = {name: raw_bytes(tensor) for name, tensor in case_tensors(case, 1, bucket_bytes)}
         results: list[Any] = [None] * len(engines)
@@ -214,12 +218,8 @@ def _run_world(engine_class: type[BucketCheckpointEngine], actor_nodes: list[str
             except BaseException as exc:
                 results[index] = exc
 
-        threads = [threading.Thread(target=send, args=(i, e)) for i, e in enumerate(actors)]
-        threads += [threading.Thread(target=receive, args=(len(actors) + i, e)) for i, e in enumerate(rollouts)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
+        _in_threads([(send, (i, e)) for i, e in enumerate(actors)]
+                    + [(receive, (len(actors) + i, e)) for i, e in enumerate(rollouts)], 120)
         return topology, results[:len(actors)], results[len(actors):]
     finally:
         for engine in [*actors, *rollouts]:
@@ -272,8 +272,9 @@ def test_copy_and_comm_streams_are_ordered_by_events_only() -> None:
 
 
 def test_a_missing_wait_for_a_received_bucket_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control: a receiver that hands a bucket over before its copy to the device has run (the emulator
-    delays every device copy) gives its consumer old bytes; the byte comparison or the digest must notice."""
+    """Negative control: a receiver that hands a bucket over before its copy to the device has run gives its
+    consumer old bytes; the byte comparison or the digest must notice. (The emulator delays every copy, the
+    consumer's reads too: the landing copy is made slower than they are.)"""
     real_wait = device_module.wait_event
 
     def skip_the_bucket_wait(ops: Any, event: Any, deadline: float, *, peer: str, what: str) -> None:
@@ -281,6 +282,7 @@ def test_a_missing_wait_for_a_received_bucket_is_caught(monkeypatch: pytest.Monk
             real_wait(ops, event, deadline, peer=peer, what=what)
 
     monkeypatch.setattr(devicecollective, "wait_event", skip_the_bucket_wait)
+    monkeypatch.setattr(HostBounceGroup, "landing_delay", NEGATIVE_CONTROL_DELAY)
     _, senders, receivers = _run_world(GlooAcceleratorEngine, ["a"], ["a"], relays="none")
     assert senders[0].buckets >= 2
     result = receivers[0]
