@@ -18,6 +18,7 @@ import torch
 
 from tests.backends.nccl.accel_gloo import SPEC as ACCELERATOR_ON_GLOO
 from tests.devices import emulated_device, slow_copies
+from weightsync.api.errors import ConfigError
 from weightsync.api.registry import load_engine_class, register_backend
 from weightsync.api.testing import case_tensors, place, raw_bytes
 from weightsync.api.types import WorkerContext, WorldMetadata
@@ -117,3 +118,11 @@ def test_the_planner_never_lists_a_device_address_for_a_host_copy(device: str) -
     host_only = list(plan_buckets(case_tensors("many_small", 1, BUCKET), bucket_bytes=BUCKET,
                                   devices=frozenset({"cpu", device})))
     assert not any(bucket.on_device for bucket in host_only)
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_a_device_ring_without_cuda_is_a_typed_error_naming_the_way_out(backend: str, device: str) -> None:
+    """Here the process's accelerator is the emulated one: a CUDA ring cannot be, and the host ring stages instead."""
+    engine_class: Any = load_engine_class(backend)
+    with pytest.raises(ConfigError, match="no CUDA device.*leave device='cpu'"):
+        engine_class(bucket_bytes=BUCKET, device="cuda")
