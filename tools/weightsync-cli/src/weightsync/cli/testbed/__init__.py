@@ -1,0 +1,66 @@
+"""An emulated multi-host testbed: H hosts on this machine, each behind its own shaped link to one switch.
+
+What a host is: a named network namespace plus private mount, IPC, UTS and PID namespaces, so that its processes
+share a ``/dev/shm`` of their own (a tmpfs) and nothing else with other hosts. Its link is a veth pair to a bridge
+in a namespace of its own, shaped both ways with ``tc tbf`` (optionally delayed with ``netem``), and counted from
+the switch side. Addresses come from 198.18.0.0/15; the machine's interfaces, routes and ``/dev/shm`` are never
+touched. Needs root, iproute2 and util-linux.
+
+How a bench driver uses it::
+
+    from weightsync.cli.testbed import Testbed, TestbedUnavailable
+
+    with Testbed(4, link_gbps=2.0) as testbed:                 # hosts 0..3, built here, removed on exit
+        receivers = [testbed.popen(h, [sys.executable, "-m", "worker", "--recv"], stdout=PIPE)
+                     for h in range(1, 4)]
+        before = testbed.counters()
+        testbed.run(0, [sys.executable, "-m", "worker", "--send", testbed.hosts[1].address], timeout=120)
+        after = testbed.counters()
+        sender_egress = (after[0] - before[0]).egress_bytes
+        host_ingress = [(after[h] - before[h]).ingress_bytes for h in range(1, 4)]
+
+Fault tests: ``testbed.link_down(h)`` (``mode="drop"`` or ``"carrier"``) mid-update, ``testbed.link_up(h)``.
+A killed run's leftovers: :func:`cleanup`. Design notes live in the submodules: ``bed`` (layout, identity),
+``holder`` (how namespaces are held and why), ``links`` (shaping, link down, counters), ``cleanup``, ``probe``
+(when the testbed is unavailable), ``signals``.
+"""
+
+from weightsync.cli.testbed.bed import (
+    ENV_ADDR,
+    ENV_HOST,
+    ENV_HOSTS,
+    ENV_NODE_ID,
+    ENV_RUN,
+    Host,
+    Testbed,
+)
+from weightsync.cli.testbed.cleanup import CleanupError, CleanupReport, cleanup
+from weightsync.cli.testbed.links import LinkCounters, LinkMode, tbf_burst_bytes
+from weightsync.cli.testbed.probe import REQUIRE_ENV, Capabilities, probe, testbed_required, unavailable_reason
+from weightsync.cli.testbed.processes import HostProcess
+from weightsync.cli.testbed.system import PREFIX, TestbedError, TestbedUnavailable
+
+__all__ = [
+    "ENV_ADDR",
+    "ENV_HOST",
+    "ENV_HOSTS",
+    "ENV_NODE_ID",
+    "ENV_RUN",
+    "PREFIX",
+    "REQUIRE_ENV",
+    "Capabilities",
+    "CleanupError",
+    "CleanupReport",
+    "Host",
+    "HostProcess",
+    "LinkCounters",
+    "LinkMode",
+    "Testbed",
+    "TestbedError",
+    "TestbedUnavailable",
+    "cleanup",
+    "probe",
+    "tbf_burst_bytes",
+    "testbed_required",
+    "unavailable_reason",
+]
