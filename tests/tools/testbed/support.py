@@ -1,6 +1,7 @@
 """Helpers for tests that need the emulated multi-host testbed (this folder's and, later, bench and fault tests).
 
-``start_or_skip(Testbed(...))`` starts a testbed or skips the test with the machine's one-line reason; with
+``start_or_skip(Testbed(...))`` starts a testbed or skips the test with the machine's one-line reason
+(``skip_unless_testbed()`` only checks); with
 ``WEIGHTSYNC_REQUIRE_TESTBED=1`` (CI) an unbuildable testbed fails the test instead. Also: reading the machine's
 own interfaces, routes and namespaces from outside the code under test.
 """
@@ -14,9 +15,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 import pytest
-from weightsync.cli.testbed import REQUIRE_ENV, Testbed, TestbedUnavailable, testbed_required
+from weightsync.cli.testbed import REQUIRE_ENV, Testbed, TestbedUnavailable, testbed_required, unavailable_reason
 
 NETPROBE = str(pathlib.Path(__file__).with_name("netprobe.py"))
 
@@ -26,9 +28,20 @@ def start_or_skip(testbed: Testbed) -> Testbed:
     try:
         return testbed.start()
     except TestbedUnavailable as error:
-        if testbed_required():
-            pytest.fail(f"{REQUIRE_ENV}=1 but no testbed can be built here: {error.reason}")
-        pytest.skip(f"no multi-host testbed on this machine: {error.reason}")
+        unavailable(error.reason)
+
+
+def skip_unless_testbed() -> None:
+    """Skip (or, where the testbed is required, fail) unless this machine can host a testbed."""
+    reason = unavailable_reason()
+    if reason is not None:
+        unavailable(reason)
+
+
+def unavailable(reason: str) -> NoReturn:
+    if testbed_required():
+        pytest.fail(f"{REQUIRE_ENV}=1 but no testbed can be built here: {reason}")
+    pytest.skip(f"no multi-host testbed on this machine: {reason}")
 
 
 def netprobe(*args: object) -> list[str]:

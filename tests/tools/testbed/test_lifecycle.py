@@ -36,6 +36,7 @@ from tests.tools.testbed.support import (
     netns_names,
     netns_pids,
     read_line,
+    skip_unless_testbed,
     start_or_skip,
     wait_until,
 )
@@ -46,7 +47,7 @@ OWNER = str(pathlib.Path(__file__).with_name("owner.py"))
 @pytest.fixture
 def needs_testbed() -> None:
     """Skip (or, in CI, fail) where this machine cannot host a testbed."""
-    start_or_skip(Testbed(1, link_gbps=1.0)).close()
+    skip_unless_testbed()
 
 
 def run_processes(testbed: Testbed) -> set[int]:
