@@ -13,6 +13,12 @@ from weightsync.api.registry import backend_statuses
 
 __all__ = ["main", "build_parser"]
 
+# `bench --hosts` defaults (the model's, 256 MiB, is the bench's: weightsync.cli.bench.scenario). Here rather than
+# imported from the bench: importing it imports torch, which `weightsync doctor` and `--help` should not wait for.
+HOSTS_DEFAULT = 4
+HOSTS_LINK_GBPS = 2.0
+HOSTS_BUCKET_MB = 8
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightsync", description="Move a trainer's weights into rollout replicas.")
@@ -26,12 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--bucket-mb", type=int, default=32, help="bucket size in MiB (default 32)")
     demo.add_argument("--address", default=None, help="an existing Ray cluster's address (default: start one here)")
 
-    bench = commands.add_parser("bench", help="throughput of each backend between processes on this machine")
+    bench = commands.add_parser("bench", help="throughput of each backend between processes on this machine, or across "
+                                                    "an emulated testbed of hosts (--hosts)")
     bench.add_argument("--backends", default="", help="comma-separated backends (default: all available)")
     bench.add_argument("--model-mb", type=float, default=None,
-                       help="model size in MiB (default 1024; with --mix small, 10,000 tensors of 4 KiB)")
-    bench.add_argument("--receivers", type=int, default=2, help="receiving processes (default 2)")
-    bench.add_argument("--bucket-mb", type=int, default=64, help="bucket size in MiB (default 64)")
+                       help="model size in MiB (default 1024, 256 with --hosts; with --mix small, 10,000 tensors of "
+                            "4 KiB)")
+    bench.add_argument("--receivers", type=int, default=2,
+                       help="receiving processes (default 2); with --hosts, on each receiving host")
+    bench.add_argument("--bucket-mb", type=int, default=None, help="bucket size in MiB (default 64; 8 with --hosts)")
     bench.add_argument("--mix", choices=["realistic", "small"], default="realistic")
     bench.add_argument("--repeat", type=int, default=5, help="timed runs per backend after a warm-up")
     bench.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON")
@@ -43,6 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip the Ray end-to-end figure (a 1 MiB update against a no-op gathered from every worker)")
     bench.add_argument("--ray-backend", default=None,
                        help="backend of the Ray end-to-end figure (default: shm where it can run)")
+    bench.add_argument("--hosts", type=int, nargs="?", const=HOSTS_DEFAULT, default=0, metavar="H",
+                       help=f"run across an emulated testbed of H hosts (default {HOSTS_DEFAULT}; needs root and "
+                            "iproute2): sender on host 0, --receivers on each other host, every link shaped; no Ray "
+                            "figure, backends that cannot cross hosts skipped")
+    bench.add_argument("--link-gbps", type=float, default=None,
+                       help=f"with --hosts: each host's link rate in Gb/s, both ways (default {HOSTS_LINK_GBPS:g})")
+    bench.add_argument("--rtt-ms", type=float, default=0.0,
+                       help="with --hosts: round-trip delay between hosts in ms (default 0; needs sch_netem)")
+    bench.add_argument("--cleanup", action="store_true",
+                       help="only remove what killed --hosts runs left behind (namespaces, folders), then exit")
 
     doctor = commands.add_parser("doctor", help="list every known backend and whether it can run here")
     doctor.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
@@ -74,6 +93,47 @@ def _doctor(as_json: bool) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    if args.cleanup:
+        from weightsync.cli.bench.hosts import run_cleanup
+
+        return run_cleanup()
+    from weightsync.cli.bench import BenchOptions, run_bench
+
+    error = _bench_error(args)
+    if error:
+        print(f"weightsync bench: {error}", file=sys.stderr)
+        return 2
+    default_bucket_mb = HOSTS_BUCKET_MB if args.hosts else 64
+    return run_bench(BenchOptions(
+        backends=tuple(name for name in args.backends.split(",") if name), model_mb=args.model_mb,
+        receivers=args.receivers, bucket_mb=args.bucket_mb or default_bucket_mb, mix=args.mix, repeat=args.repeat,
+        json_path=args.json_path, plot_path=args.plot_path, trace_path=args.trace_path,
+        ray=args.ray and not args.hosts, ray_backend=args.ray_backend, hosts=args.hosts,
+        link_gbps=args.link_gbps if args.link_gbps is not None else HOSTS_LINK_GBPS, rtt_ms=args.rtt_ms,
+    ))
+
+
+def _bench_error(args: argparse.Namespace) -> str:
+    """What is wrong with ``bench``'s options, or ''."""
+    if args.receivers < 1 or args.repeat < 1 or (args.model_mb is not None and args.model_mb <= 0) \
+            or (args.bucket_mb is not None and args.bucket_mb < 1):
+        return "--receivers, --repeat, --model-mb and --bucket-mb must be positive"
+    if not args.hosts:
+        if args.link_gbps is not None or args.rtt_ms:
+            return "--link-gbps and --rtt-ms need --hosts"
+        return ""
+    if args.hosts < 2:
+        return "--hosts needs at least 2 hosts (a sender host and a receiving host)"
+    if args.plot_path or args.ray_backend:
+        return "--plot and --ray-backend do not apply with --hosts"
+    if args.link_gbps is not None and not 0.001 <= args.link_gbps <= 400:
+        return "--link-gbps must be 0.001..400"
+    if not 0 <= args.rtt_ms <= 10_000:
+        return "--rtt-ms must be 0..10000"
+    return ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
@@ -87,19 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return run(args)
     if args.command == "bench":
-        from weightsync.cli.bench import BenchOptions, run_bench
-
-        if args.receivers < 1 or args.repeat < 1 or (args.model_mb is not None and args.model_mb <= 0) \
-                or args.bucket_mb < 1:
-            print("weightsync bench: --receivers, --repeat, --model-mb and --bucket-mb must be positive",
-                  file=sys.stderr)
-            return 2
-        return run_bench(BenchOptions(
-            backends=tuple(name for name in args.backends.split(",") if name), model_mb=args.model_mb,
-            receivers=args.receivers, bucket_mb=args.bucket_mb, mix=args.mix, repeat=args.repeat,
-            json_path=args.json_path, plot_path=args.plot_path, trace_path=args.trace_path, ray=args.ray,
-            ray_backend=args.ray_backend,
-        ))
+        return _bench(args)
     from weightsync.cli.demo import DemoOptions, run_demo
 
     options = DemoOptions(

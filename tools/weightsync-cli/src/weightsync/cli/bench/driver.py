@@ -12,7 +12,11 @@ The yardsticks, measured in the same run:
   bandwidth of k processes copying between pre-faulted buffers (best of several tries). Per receiver that is
   S / t_min = BW(k) / (1+R).
 
-Also measured, unless ``--no-ray`` (see ``ray_e2e``): ``CheckpointEngineManager.update_weights`` of a 1 MiB model
+With ``--hosts H`` the same cases run across an emulated testbed of H hosts (see ``hosts``): the sender on host 0,
+R receivers on each other host, every link shaped to ``--link-gbps``; each case's link counters are read around every
+timed update, and backends that cannot cross hosts are skipped.
+
+Also measured, unless ``--no-ray`` or ``--hosts`` (see ``ray_e2e``): ``CheckpointEngineManager.update_weights`` of a 1 MiB model
 through the Ray adapter, pause → resume included, against one no-op call gathered from every worker (target: at
 most 5 ×). The JSON's ``ray_end_to_end`` holds those figures, or ``{"skipped": reason}``.
 """
@@ -26,12 +30,14 @@ from typing import Any
 
 from weightsync.api.config import MiB
 from weightsync.api.registry import available_backends, load_engine_class
-from weightsync.cli.bench.measure import COPY_TRIES, RAW_TRIES, BenchResult, Yardsticks, measure_case
+from weightsync.cli.bench.hosts import cross_host_split, placement
+from weightsync.cli.bench.measure import COPY_TRIES, RAW_TRIES, BenchResult, Placement, Yardsticks, measure_case
 from weightsync.cli.bench.ray_e2e import measure_ray_end_to_end, ray_unavailable
 from weightsync.cli.bench.report import RayOutcome, Summary, chrome_trace, print_report, write_json
 from weightsync.cli.bench.scenario import BASELINES, BenchOptions, Case, make_case, model_layout
 from weightsync.cli.bench.sweep import measure_sweep, plot, sweep_bytes, sweep_cases, sweep_steps
 from weightsync.cli.progress import Progress
+from weightsync.cli.testbed import TestbedUnavailable
 
 __all__ = ["BenchOptions", "BenchResult", "model_layout", "run_bench"]
 
@@ -45,6 +51,11 @@ def run_bench(options: BenchOptions) -> int:
     backends = options.backends or tuple(available_backends())
     if not _backends_usable(backends):
         return 2
+    skipped: tuple[str, ...] = ()
+    if options.hosts:
+        backends, skipped = cross_host_split(backends)
+        for name in skipped:
+            print(f"weightsync bench --hosts: skipping {name}: it cannot cross hosts", file=sys.stderr)
     ray_skipped, ray_backend = _ray_plan(options, backends)
     plotting = None
     if options.plot_path:
@@ -59,17 +70,19 @@ def run_bench(options: BenchOptions) -> int:
     progress = Progress(_steps(options, names, ray=ray_skipped is None, plotting=plotting), clock=True)
     yardsticks = Yardsticks()
     trace: list[dict[str, Any]] = []
-    results: dict[str, BenchResult] = {}
-    for index, name in enumerate(names):
-        results[name] = measure_case(make_case(name, options), progress,
-                                     trace=trace if options.trace_path and index == 0 else None,
-                                     yardsticks=yardsticks if name == "bucketed" else None)
+    try:
+        with placement(options) as where:
+            results = _measure_cases(options, names, progress, where, yardsticks, trace)
+    except TestbedUnavailable as error:
+        progress.finish()
+        print(f"weightsync bench --hosts: no testbed on this machine: {error.reason}", file=sys.stderr)
+        return 2
     ray = RayOutcome(None, ray_skipped) if ray_skipped is not None else _measure_ray(options, ray_backend, progress)
     sweep = measure_sweep(plotting, progress) if plotting is not None else []
     progress.finish()
 
     summary = Summary(options=options, backends=backends, main=make_case("bucketed", options), results=results,
-                      yardsticks=yardsticks, wall_seconds=time.perf_counter() - wall_started)
+                      yardsticks=yardsticks, wall_seconds=time.perf_counter() - wall_started, skipped=skipped)
     print_report(summary, ray)
     if options.json_path:
         write_json(options.json_path, summary, ray)
@@ -79,6 +92,16 @@ def run_bench(options: BenchOptions) -> int:
     if options.plot_path:
         plot(options.plot_path, sweep, options, total_bytes=sweep_bytes(options))
     return 1 if ray.failed else 0
+
+
+def _measure_cases(options: BenchOptions, names: list[str], progress: Progress, where: Placement,
+                   yardsticks: Yardsticks, trace: list[dict[str, Any]]) -> dict[str, BenchResult]:
+    results: dict[str, BenchResult] = {}
+    for index, name in enumerate(names):
+        results[name] = measure_case(make_case(name, options), progress,
+                                     trace=trace if options.trace_path and index == 0 else None,
+                                     yardsticks=yardsticks if name == "bucketed" else None, placement=where)
+    return results
 
 
 def _backends_usable(backends: tuple[str, ...]) -> bool:
@@ -94,7 +117,7 @@ def _backends_usable(backends: tuple[str, ...]) -> bool:
 
 def _ray_plan(options: BenchOptions, backends: tuple[str, ...]) -> tuple[str | None, str]:
     """Why the Ray end-to-end figure is skipped (None: it runs), and the backend it runs with."""
-    ray_skipped = ray_unavailable() if options.ray else "--no-ray"
+    ray_skipped = "--hosts" if options.hosts else ray_unavailable() if options.ray else "--no-ray"
     ray_backend = options.ray_backend or ""
     if ray_skipped is None:
         if not ray_backend:

@@ -1,28 +1,34 @@
 """Timing one case: 1 sender + R receivers spawned (see ``worker``), connected, and whole updates timed after a
-warm-up; in the ``bucketed`` processes also the two yardsticks (a raw gloo broadcast, this host's copy bandwidth)."""
+warm-up; in the ``bucketed`` processes also the two yardsticks (a raw gloo broadcast, this host's copy bandwidth).
+
+Where the processes run is a ``Placement``: this machine (``LocalPlacement``, the default) or the hosts of an
+emulated testbed (``weightsync.cli.bench.hosts``), whose link counters are then read around every timed update.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import multiprocessing
-import multiprocessing.connection
 import os
 import secrets
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from weightsync.api.config import MiB
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import WorldMetadata
 from weightsync.cli.bench.scenario import BASELINES, Case
-from weightsync.cli.bench.worker import Layout, c10d, serve
+from weightsync.cli.bench.worker import Channel, c10d, serve
 from weightsync.cli.progress import Progress
+from weightsync.cli.testbed import LinkCounters
 from weightsync.core.engine import default_node_id
 
-__all__ = ["COPY_TRIES", "RAW_TRIES", "BenchResult", "Yardsticks", "cores", "measure_case"]
+__all__ = ["COPY_TRIES", "RAW_TRIES", "BenchResult", "LocalPlacement", "Placement", "Spawned", "Yardsticks", "cores",
+           "measure_case"]
 
 COPY_BYTES = 256 * MiB
 COPY_TRIES = 5
@@ -36,6 +42,10 @@ class BenchResult:
     gbps_p90: float
     peak_extra_rss_mb: float
     seconds: list[float]
+    sender_egress_bytes: list[int] = field(default_factory=list)
+    """Per timed update (testbed only): bytes host 0 sent on its link."""
+    host_ingress_bytes: list[list[int]] = field(default_factory=list)
+    """Per timed update (testbed only): bytes each of hosts 1..H-1 received on its link."""
 
 
 @dataclass
@@ -46,35 +56,80 @@ class Yardsticks:
     copiers: int = 0
 
 
+@dataclass
+class Spawned:
+    """A started worker: its command channel, and ``stop(timeout)``, which waits that long for it to exit, then
+    kills it."""
+
+    channel: Channel
+    stop: Callable[[float], None]
+
+
+class Placement(Protocol):
+    """Where a case's workers run."""
+
+    testbed: bool
+    """Workers on testbed hosts: they find their own identity; group rank 0 hosts the baselines' store."""
+
+    def start(self, spec: dict[str, Any], *, host: int) -> Spawned:
+        """Start one worker serving ``spec`` on ``host`` (ignored on this machine)."""
+        ...
+
+    def read_links(self) -> Sequence[LinkCounters] | None:
+        """Every host's link counters now; None where there are no links."""
+        ...
+
+
+class LocalPlacement:
+    """Every worker a ``multiprocessing`` child of the driver on this machine, over a ``Pipe``."""
+
+    testbed = False
+
+    def start(self, spec: dict[str, Any], *, host: int) -> Spawned:
+        context = multiprocessing.get_context("spawn")
+        parent, child = context.Pipe()
+        process = context.Process(target=serve, args=(child, spec), daemon=True)
+        process.start()
+        child.close()
+
+        def stop(timeout: float) -> None:
+            process.join(timeout)
+            if process.is_alive():
+                process.kill()
+
+        return Spawned(parent, stop)
+
+    def read_links(self) -> Sequence[LinkCounters] | None:
+        return None
+
+
 class _Workers:
     """1 + R spawned workers of one case; ``all_do`` sends one command to each and waits for every reply."""
 
-    def __init__(self, name: str, layout: Layout, bucket_bytes: int, receivers: int) -> None:
-        self.name = name
-        context = multiprocessing.get_context("spawn")
+    def __init__(self, case: Case, placement: Placement) -> None:
+        self.name = case.name
+        self.placement = placement
         self.store: Any = None
-        common: dict[str, Any] = {"layout": layout, "bucket_bytes": bucket_bytes, "node_id": default_node_id()}
-        if name in BASELINES:
-            # The driver hosts the baselines' store, bound to the loopback interface only.
-            self.store = c10d.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-            common.update(kind=name, store_host="127.0.0.1", store_port=int(self.store.port),
-                          group_size=1 + receivers, tag=secrets.token_hex(8))
+        common: dict[str, Any] = {"layout": case.layout, "bucket_bytes": case.bucket_bytes,
+                                  "node_id": default_node_id(), "testbed": placement.testbed}
+        if case.name in BASELINES:
+            common.update(kind=case.name, group_size=1 + case.receivers, tag=secrets.token_hex(8))
+            if not placement.testbed:
+                # The driver hosts the baselines' store, bound to the loopback interface only.
+                self.store = c10d.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+                common.update(store_host="127.0.0.1", store_port=int(self.store.port))
         else:
-            common.update(kind="engine", backend=name)
-        self.pipes: list[multiprocessing.connection.Connection] = []
-        self.processes: list[Any] = []
-        for group_rank in range(1 + receivers):
+            common.update(kind="engine", backend=case.name)
+        self.pipes: list[Channel] = []
+        self.stops: list[Callable[[float], None]] = []
+        for group_rank in range(1 + case.receivers):
             role, rank = ("actor", 0) if group_rank == 0 else ("rollout", group_rank - 1)
             spec = {**common, "role": role, "rank": rank, "group_rank": group_rank}
-            parent, child = context.Pipe()
-            process = context.Process(target=serve, args=(child, spec), daemon=True)
-            process.start()
-            child.close()
-            self.pipes.append(parent)
-            self.processes.append(process)
+            spawned = placement.start(spec, host=case.host_of(group_rank))
+            self.pipes.append(spawned.channel)
+            self.stops.append(spawned.stop)
 
-    def all_do(self, commands: list[dict[str, Any]], pipes: list[multiprocessing.connection.Connection] | None = None
-               ) -> list[Any]:
+    def all_do(self, commands: list[dict[str, Any]], pipes: list[Channel] | None = None) -> list[Any]:
         targets = self.pipes if pipes is None else pipes
         for pipe, command in zip(targets, commands):
             pipe.send_bytes(json.dumps(command).encode())
@@ -91,7 +146,12 @@ class _Workers:
 
     def connect(self, receivers: int) -> None:
         if self.name in BASELINES:
-            self.each("init")
+            if self.placement.testbed:
+                # On a testbed the driver is unreachable: group rank 0 hosts the store on its host's address.
+                store = self.all_do([{"op": "store"}], self.pipes[:1])[0]
+                self.each("init", **store)
+            else:
+                self.each("init")
             return
         metadata = self.each("prepare")
         topology = load_engine_class(self.name).build_topology(
@@ -108,17 +168,19 @@ class _Workers:
         except (RuntimeError, OSError):
             pass
         finally:
-            for process in self.processes:
-                process.join(10)
-                if process.is_alive():
-                    process.kill()
+            for stop in self.stops:
+                stop(10.0)
 
 
 def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | None = None,
-                 yardsticks: Yardsticks | None = None) -> BenchResult:
+                 yardsticks: Yardsticks | None = None, placement: Placement | None = None) -> BenchResult:
     """Time ``case.repeat`` updates after a warm-up; with ``trace``, add one traced update's events to it; with
-    ``yardsticks``, measure them in the same processes afterwards."""
-    workers = _Workers(case.name, case.layout, case.bucket_bytes, case.receivers)
+    ``yardsticks``, measure them in the same processes afterwards. ``placement``: where the workers run (default:
+    this machine); where it has links, their counters are read before and after every timed update (untimed)."""
+    placement = placement or LocalPlacement()
+    workers = _Workers(case, placement)
+    egress: list[int] = []
+    ingress: list[list[int]] = []
     try:
         workers.connect(case.receivers)
         workers.each("mark")
@@ -126,9 +188,15 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
         progress.step(f"{case.name}: warm-up")
         seconds = []
         for index in range(case.repeat):
+            before = placement.read_links()
             started = time.perf_counter()
             workers.each("run")
             seconds.append(time.perf_counter() - started)
+            after = placement.read_links()
+            if before is not None and after is not None:
+                delta = [later - earlier for later, earlier in zip(after, before)]
+                egress.append(delta[0].egress_bytes)
+                ingress.append([link.ingress_bytes for link in delta[1:]])
             progress.step(f"{case.name}: update {index + 1}/{case.repeat}")
         # Taken before any yardstick allocates: the peak over the updates only.
         peak_extra = max(workers.each("rss")) / MiB
@@ -141,7 +209,8 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
     rates = sorted(case.total_bytes / s / 1e9 for s in seconds)
     p90 = rates[max(0, round(0.1 * (len(rates) - 1)))]  # 90% of the updates were at least this fast
     return BenchResult(backend=case.name, gbps_p50=statistics.median(rates), gbps_p90=p90,
-                       peak_extra_rss_mb=peak_extra, seconds=seconds)
+                       peak_extra_rss_mb=peak_extra, seconds=seconds, sender_egress_bytes=egress,
+                       host_ingress_bytes=ingress)
 
 
 def _trace_update(workers: _Workers, case: Case, progress: Progress, trace: list[dict[str, Any]]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,14 @@ class Summary:
     results: dict[str, BenchResult]
     yardsticks: Yardsticks
     wall_seconds: float
+    skipped: tuple[str, ...] = ()
+    """With ``--hosts``: requested or available backends left out because they cannot cross hosts."""
+
+    @property
+    def link_limit_gbps(self) -> float:
+        """With ``--hosts``: the link's rate in decimal GB/s; no full update to another host can beat S / this
+        through the sender's link."""
+        return self.options.link_gbps / 8
 
     @property
     def limit_gbps(self) -> float:
@@ -56,16 +65,35 @@ class Summary:
         return self.results["bucketed"].gbps_p50
 
     def rows(self) -> list[dict[str, Any]]:
-        return [{
-            "backend": result.backend, "gbps_p50": round(result.gbps_p50, 4), "gbps_p90": round(result.gbps_p90, 4),
-            "ratio_bucketed": round(result.gbps_p50 / self.bucketed_gbps, 4),
-            "ratio_limit": round(result.gbps_p50 / self.limit_gbps, 4),
-            "ratio_engine_copy_limit": round(result.gbps_p50 / self.engine_copy_limit_gbps, 4),
-            "peak_extra_rss_mb": round(result.peak_extra_rss_mb, 1),
-        } for result in self.results.values()]
+        rows = []
+        for result in self.results.values():
+            row: dict[str, Any] = {
+                "backend": result.backend, "gbps_p50": round(result.gbps_p50, 4),
+                "gbps_p90": round(result.gbps_p90, 4),
+                "ratio_bucketed": round(result.gbps_p50 / self.bucketed_gbps, 4),
+                "ratio_limit": round(result.gbps_p50 / self.limit_gbps, 4),
+                "ratio_engine_copy_limit": round(result.gbps_p50 / self.engine_copy_limit_gbps, 4),
+                "peak_extra_rss_mb": round(result.peak_extra_rss_mb, 1),
+            }
+            if self.options.hosts:
+                # Per update: the median over the timed updates (every update's counts are in the scenario).
+                row.update(ratio_link_limit=round(result.gbps_p50 / self.link_limit_gbps, 4),
+                           sender_egress_bytes=int(statistics.median(result.sender_egress_bytes)),
+                           host_ingress_bytes=[int(statistics.median(update[host] for update in
+                                                                     result.host_ingress_bytes))
+                                               for host in range(self.options.hosts - 1)])
+            rows.append(row)
+        return rows
 
     def scenario(self) -> dict[str, Any]:
         options, total, yardsticks = self.options, self.main.total_bytes, self.yardsticks
+        hosts: dict[str, Any] = {}
+        if options.hosts:
+            hosts = {"hosts": options.hosts, "link_gbps": options.link_gbps, "rtt_ms": options.rtt_ms,
+                     "receivers_per_host": self.main.receivers // (options.hosts - 1), "skipped": list(self.skipped),
+                     "link_bytes": {result.backend: {"sender_egress": result.sender_egress_bytes,
+                                                     "host_ingress": result.host_ingress_bytes}
+                                    for result in self.results.values()}}
         return {
             "backends": list(self.backends), "model_bytes": total, "model_mb": round(total / MiB, 3),
             "mix": options.mix, "tensors": len(self.main.layout), "receivers": self.main.receivers,
@@ -75,6 +103,7 @@ class Summary:
             "bucketed_over_raw_gloo": round(self.bucketed_gbps / self.raw_gbps, 4),
             "wall_seconds": round(self.wall_seconds, 1),
             "seconds": {result.backend: [round(s, 4) for s in result.seconds] for result in self.results.values()},
+            **hosts,
         }
 
 
@@ -83,6 +112,8 @@ def print_report(summary: Summary, ray: RayOutcome) -> None:
     raw_gbps, bucketed = summary.raw_gbps, summary.bucketed_gbps
     print(f"model {main.total_bytes / MiB:g} MiB ({options.mix}, {len(main.layout)} tensors), {main.receivers} "
           f"receivers, buckets {options.bucket_mb} MiB, {options.repeat} updates after a warm-up; GB/s per receiver")
+    if options.hosts:
+        _print_hosts(summary)
     print(f"limit {summary.limit_gbps:.2f} GB/s = BW(k={yardsticks.copiers}) {yardsticks.copy_bandwidth / 1e9:.2f} "
           f"GB/s / (1+R); raw gloo broadcast {raw_gbps:.2f} GB/s; bucketed = {bucketed / raw_gbps:.2f} x raw "
           f"({'meets' if bucketed >= 0.8 * raw_gbps else 'BELOW'} the 0.8 x raw bar)")
@@ -93,6 +124,8 @@ def print_report(summary: Summary, ray: RayOutcome) -> None:
     for row in summary.rows():
         print(f"{row['backend']:<10} {row['gbps_p50']:>7.2f} {row['gbps_p90']:>7.2f} {row['ratio_bucketed']:>11.2f} "
               f"{row['ratio_limit']:>8.2f} {row['peak_extra_rss_mb']:>19.1f}")
+    if options.hosts:
+        _print_links(summary)
     e2e = ray.measured
     if e2e is not None:
         stages = " + ".join(f"{step} {ms:.1f}" for step, ms in e2e.to_json()["stages_ms_p50"].items())
@@ -105,13 +138,34 @@ def print_report(summary: Summary, ray: RayOutcome) -> None:
     print(f"wall time {summary.wall_seconds:.0f} s")
 
 
+def _print_hosts(summary: Summary) -> None:
+    options = summary.options
+    rtt = f", RTT {options.rtt_ms:g} ms" if options.rtt_ms else ""
+    print(f"testbed: {options.hosts} hosts, sender on host 0, {summary.main.receivers // (options.hosts - 1)} "
+          f"receivers on each of hosts 1..{options.hosts - 1}; links {options.link_gbps:g} Gb/s each way{rtt}: "
+          f"link limit {summary.link_limit_gbps:.3f} GB/s"
+          + (f"; skipped (cannot cross hosts): {', '.join(summary.skipped)}" if summary.skipped else ""))
+
+
+def _print_links(summary: Summary) -> None:
+    """Per backend: GB/s against the link, and the bytes each link carried per update (median), as multiples of S."""
+    total = summary.main.total_bytes
+    print(f"{'backend':<10} {'x link':>7} {'host 0 out / S':>15} {'hosts 1.. in / S':>17}")
+    for row in summary.rows():
+        ingress = " ".join(f"{value / total:.3f}" for value in row["host_ingress_bytes"])
+        print(f"{row['backend']:<10} {row['ratio_link_limit']:>7.2f} {row['sender_egress_bytes'] / total:>15.3f} "
+              f"{ingress:>17}")
+
+
 def write_json(path: str, summary: Summary, ray: RayOutcome) -> None:
     with open(path, "w") as handle:
-        json.dump({"scenario": summary.scenario(), "limit_gbps": round(summary.limit_gbps, 4),
-                   "engine_copy_limit_gbps": round(summary.engine_copy_limit_gbps, 4),
-                   "raw_gloo_gbps": round(summary.raw_gbps, 4), "results": summary.rows(),
-                   "ray_end_to_end": ray.to_json()},
-                  handle, indent=2)
+        data: dict[str, Any] = {"scenario": summary.scenario(), "limit_gbps": round(summary.limit_gbps, 4),
+                                "engine_copy_limit_gbps": round(summary.engine_copy_limit_gbps, 4),
+                                "raw_gloo_gbps": round(summary.raw_gbps, 4)}
+        if summary.options.hosts:
+            data["link_limit_gbps"] = round(summary.link_limit_gbps, 6)
+        data.update(results=summary.rows(), ray_end_to_end=ray.to_json())
+        json.dump(data, handle, indent=2)
 
 
 def chrome_trace(events: list[dict[str, Any]]) -> dict[str, Any]:

@@ -8,11 +8,14 @@ from dataclasses import dataclass
 from weightsync.api.config import MiB
 from weightsync.cli.bench.worker import Layout
 
-__all__ = ["BASELINES", "BenchOptions", "Case", "make_case", "model_bytes", "model_layout"]
+__all__ = ["BASELINES", "HOSTS_MODEL_MB", "BenchOptions", "Case", "make_case", "model_bytes", "model_layout"]
 
 BASELINES = ("naive", "bucketed")
 SMALL_TENSOR_BYTES = 4096
 SMALL_DEFAULT_TENSORS = 10_000
+# ``--hosts``'s model (its other defaults are the CLI's): small enough that a run across 2 Gb/s links stays under
+# 5 minutes.
+HOSTS_MODEL_MB = 256
 
 
 @dataclass(frozen=True)
@@ -31,11 +34,21 @@ class BenchOptions:
     """Also measure the Ray end-to-end update against a gathered no-op (``--no-ray`` turns it off)."""
     ray_backend: str | None = None
     """Backend of the Ray end-to-end update; None: shm where it can run, else the first measured backend."""
+    hosts: int = 0
+    """0: every process on this machine. H >= 2: an emulated testbed of H hosts (see ``hosts``), the sender on host
+    0 and ``receivers`` rollout workers on each of hosts 1..H-1."""
+    link_gbps: float = 2.0
+    """With ``hosts``: every host's link rate, Gb/s each way."""
+    rtt_ms: float = 0.0
+    """With ``hosts``: round-trip delay between any two hosts (needs sch_netem)."""
 
 
 @dataclass
 class Case:
-    """One set of spawned processes: a backend or baseline, its model and buckets, R receivers, timed updates."""
+    """One set of spawned processes: a backend or baseline, its model and buckets, R receivers, timed updates.
+
+    ``receivers`` counts every receiving process; with ``hosts`` (H >= 2) they are spread evenly over hosts 1..H-1.
+    """
 
     name: str
     total_bytes: int
@@ -43,11 +56,20 @@ class Case:
     bucket_bytes: int
     receivers: int
     repeat: int
+    hosts: int = 0
+
+    def host_of(self, group_rank: int) -> int:
+        """The testbed host of group rank ``group_rank`` (0: the sender; rollout ranks host by host)."""
+        if self.hosts < 2 or group_rank == 0:
+            return 0
+        return 1 + (group_rank - 1) // (self.receivers // (self.hosts - 1))
 
 
 def model_bytes(options: BenchOptions) -> int:
     if options.model_mb is not None:
         return int(options.model_mb * MiB)
+    if options.hosts:
+        return HOSTS_MODEL_MB * MiB
     return SMALL_DEFAULT_TENSORS * SMALL_TENSOR_BYTES if options.mix == "small" else 1024 * MiB
 
 
@@ -76,8 +98,11 @@ def model_layout(total_bytes: int, bucket_bytes: int, mix: str) -> Layout:
 
 def make_case(name: str, options: BenchOptions, receivers: int | None = None, bucket_mb: int | None = None,
               total_bytes: int | None = None, repeat: int | None = None) -> Case:
-    """The case ``name`` as ``options`` describe it, each given argument overriding its option."""
+    """The case ``name`` as ``options`` describe it, each given argument overriding its option (``receivers``: per
+    receiving host with ``options.hosts``)."""
     bucket_bytes = (bucket_mb or options.bucket_mb) * MiB
     layout = model_layout(total_bytes or model_bytes(options), bucket_bytes, options.mix)
+    receiving_hosts = max(1, options.hosts - 1)
     return Case(name=name, total_bytes=sum(2 * math.prod(shape) for _, shape in layout), layout=layout,
-                bucket_bytes=bucket_bytes, receivers=receivers or options.receivers, repeat=repeat or options.repeat)
+                bucket_bytes=bucket_bytes, receivers=(receivers or options.receivers) * receiving_hosts,
+                repeat=repeat or options.repeat, hosts=options.hosts)

@@ -7,6 +7,10 @@ A worker is one of three kinds:
   of bucket k is in flight, receivers post the broadcast of bucket k+1 before unpacking bucket k (two buffers each).
 The ``bucketed`` workers also serve the two yardsticks once their own figures are taken: a raw gloo broadcast of the
 model's bytes between pre-faulted buffers, and the copy bandwidth of this host (see ``copy``).
+
+On this machine a worker is a ``multiprocessing`` child talking over a ``Pipe`` (``serve``); on a testbed host
+(``bench --hosts``) it is a process started in the host, talking over its stdin and stdout with the same framing
+(``serve_stdio``), and it takes its node id and address from the host's ``WEIGHTSYNC_TESTBED_*`` variables.
 """
 
 from __future__ import annotations
@@ -15,18 +19,20 @@ import asyncio
 import datetime
 import json
 import multiprocessing.connection
+import os
 import resource
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import WorkerContext
+from weightsync.cli.testbed import ENV_ADDR, ENV_NODE_ID
 from weightsync.core.planner import PIECE_BYTES
 from weightsync.core.tensors import copy_stream
 
-__all__ = ["Layout", "bucket_plan", "c10d", "serve"]
+__all__ = ["Channel", "Duplex", "Layout", "bucket_plan", "c10d", "serve", "serve_stdio", "worker_identity"]
 
 # torch.distributed re-exports its C++ classes without declaring them to type checkers.
 c10d: Any = dist
@@ -36,6 +42,45 @@ Layout = list[tuple[str, tuple[int, ...]]]
 Bucket = list[tuple[int, int, int, int]]
 
 PAGE = resource.getpagesize()
+STORE_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+class Channel(Protocol):
+    """One end of a worker's command channel: length-framed messages both ways."""
+
+    def send_bytes(self, buf: bytes) -> None: ...
+
+    def recv_bytes(self) -> bytes: ...
+
+
+class Duplex:
+    """A channel over two one-way file descriptors (a process's stdin and stdout), framed as ``Connection`` frames
+    them, so either end may be a ``multiprocessing`` Connection or this."""
+
+    def __init__(self, read_fd: int, write_fd: int) -> None:
+        self.reader = multiprocessing.connection.Connection(read_fd, writable=False)
+        self.writer = multiprocessing.connection.Connection(write_fd, readable=False)
+
+    def send_bytes(self, buf: bytes) -> None:
+        self.writer.send_bytes(buf)
+
+    def recv_bytes(self) -> bytes:
+        return self.reader.recv_bytes()
+
+    def close(self) -> None:
+        self.writer.close()
+        self.reader.close()
+
+
+def worker_identity(spec: dict[str, Any]) -> tuple[str, str]:
+    """This worker's node id and the address peers reach it at: on a testbed host the host's own (its environment
+    says which host it runs in), else what the driver put in ``spec``."""
+    if not spec.get("testbed"):
+        return spec["node_id"], spec.get("host_ip", "127.0.0.1")
+    node_id, address = os.environ.get(ENV_NODE_ID), os.environ.get(ENV_ADDR)
+    if not node_id or not address:
+        raise RuntimeError(f"a testbed worker runs outside a testbed host ({ENV_NODE_ID}/{ENV_ADDR} are not set)")
+    return node_id, address
 
 
 def bucket_plan(sizes: list[int], bucket_bytes: int) -> list[Bucket]:
@@ -80,16 +125,19 @@ def _peak_bytes(reset_worked: bool) -> int:
 
 
 class _Gloo:
-    """The two baselines: a plain ProcessGroupGloo over the driver's TCPStore, on the loopback interface."""
+    """The two baselines: a plain ProcessGroupGloo over a TCPStore, on this worker's address (the loopback interface
+    on this machine, the host's link on a testbed). The store is the driver's on this machine, group rank 0's
+    (``store``) on a testbed, where the driver cannot be reached."""
 
-    def __init__(self, spec: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+    def __init__(self, spec: dict[str, Any], tensors: list[torch.Tensor], *, host_ip: str, store_host: str,
+                 store_port: int, store: Any = None) -> None:
         self.kind: str = spec["kind"]
         self.rank: int = spec["group_rank"]
-        store = c10d.TCPStore(spec["store_host"], spec["store_port"], is_master=False,
-                              timeout=datetime.timedelta(seconds=120))
+        if store is None:
+            store = c10d.TCPStore(store_host, store_port, is_master=False, timeout=STORE_TIMEOUT)
         options = c10d.ProcessGroupGloo._Options()
-        options._timeout = datetime.timedelta(seconds=120)
-        options._devices = [c10d.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        options._timeout = STORE_TIMEOUT
+        options._devices = [c10d.ProcessGroupGloo.create_device(hostname=host_ip)]
         self.group = c10d.ProcessGroupGloo(c10d.PrefixStore(f"bench/{spec['tag']}", store), self.rank,
                                            spec["group_size"], options)
         self.tensors = tensors
@@ -168,10 +216,13 @@ class _Worker:
         self.by_name = dict(zip((name for name, _ in layout), self.tensors))
         self.engine: Any = None
         self.gloo: _Gloo | None = None
+        self.store: Any = None
+        self.node_id, self.host_ip = worker_identity(spec)
         if spec["kind"] == "engine":
             self.engine = load_engine_class(spec["backend"])(
                 bucket_bytes=spec["bucket_bytes"],
-                context=WorkerContext(role=spec["role"], rank=spec["rank"], node_id=spec["node_id"]),
+                context=WorkerContext(role=spec["role"], rank=spec["rank"], node_id=self.node_id,
+                                      host_ip=self.host_ip),
             )
         self.rss_before = 0
         self.reset_worked = False
@@ -183,11 +234,18 @@ class _Worker:
         op = command["op"]
         if op == "prepare":
             return self.engine.prepare()
+        if op == "store":
+            self.store = c10d.TCPStore(self.host_ip, 0, None, True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+            return {"store_host": self.host_ip, "store_port": int(self.store.port)}
         if op == "init":
             if self.engine is not None:
                 self.engine.init_process_group(rank_args=command["rank_args"])
             else:
-                self.gloo = _Gloo(self.spec, self.tensors)
+                # The store's address: in the command on a testbed (group rank 0's), in the spec on this machine.
+                where: dict[str, Any] = {key: command.get(key, self.spec.get(key))
+                                         for key in ("store_host", "store_port")}
+                self.gloo = _Gloo(self.spec, self.tensors, host_ip=self.host_ip, store_host=where["store_host"],
+                                  store_port=where["store_port"], store=self.store)
         elif op == "mark":
             # Before the first update: what the process holds once its model and connections exist.
             self.rss_before = _rss_bytes()
@@ -260,7 +318,7 @@ class _Worker:
             self.gloo.close()
 
 
-def serve(conn: multiprocessing.connection.Connection, spec: dict[str, Any]) -> None:
+def serve(conn: Channel, spec: dict[str, Any]) -> None:
     """Answer the driver's commands until ``close``; every reply is JSON (``null`` when there is nothing to say)."""
     # One intra-op thread: R+1 processes already share the cores, and torch's own threads would fight over them.
     torch.set_num_threads(1)
@@ -272,3 +330,17 @@ def serve(conn: multiprocessing.connection.Connection, spec: dict[str, Any]) -> 
             conn.send_bytes(b"null")
             return
         conn.send_bytes(json.dumps(worker.handle(command)).encode())
+
+
+def serve_stdio() -> None:
+    """A worker on a testbed host: the spec is the first message on stdin, then ``serve`` over stdin and stdout."""
+    # Replies go out on a private copy of stdout, and fd 1 becomes stderr: a library that prints cannot garble them.
+    reply_fd = os.dup(1)
+    os.dup2(2, 1)
+    channel = Duplex(os.dup(0), reply_fd)
+    try:
+        serve(channel, json.loads(channel.recv_bytes()))
+    except EOFError:
+        pass  # the driver went away: nothing left to answer
+    finally:
+        channel.close()

@@ -1,0 +1,107 @@
+"""``weightsync bench --hosts H``: the same cases across an emulated testbed (``weightsync.cli.testbed``).
+
+The bench builds the testbed itself and removes it when done (on error and Ctrl-C too): H hosts, each behind its
+own link shaped to ``--link-gbps`` both ways. The sender runs on host 0 and ``--receivers`` rollout workers on each
+of hosts 1..H-1; every worker is a process started inside its host, speaking the bench's worker protocol over its
+stdin and stdout (``worker.serve_stdio``), and advertising its host's node id and address (198.18.x.x), so the
+control plane and every transport run over the testbed's links.
+
+Why the bytes must cross the links, and how we know they do: hosts share no ``/dev/shm``, no IPC and no PID
+namespace, so shared memory and cross-memory attach cannot reach another host's memory (see the testbed's
+``holder``); backends whose spec says they cannot cross nodes (shm) are left out and listed as skipped. The link
+counters, read outside every host around each timed update, give the bytes host 0 sent and each receiving host
+received: a full update must show at least S on each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from weightsync.api.registry import get_backend_spec
+from weightsync.cli.bench.measure import LocalPlacement, Placement, Spawned
+from weightsync.cli.bench.scenario import BenchOptions
+from weightsync.cli.bench.worker import Duplex
+from weightsync.cli.testbed import CleanupError, LinkCounters, Testbed, TestbedError, TestbedUnavailable, cleanup
+
+__all__ = ["WORKER_ARGV", "HostPlacement", "cross_host_split", "placement", "run_cleanup"]
+
+WORKER_ARGV = (sys.executable, "-c", "from weightsync.cli.bench.worker import serve_stdio; serve_stdio()")
+STOP_KILL_TIMEOUT_S = 15.0
+
+
+class HostPlacement:
+    """Workers started inside the hosts of a running testbed (``Testbed.popen``), over their stdin and stdout."""
+
+    testbed = True
+
+    def __init__(self, testbed: Testbed) -> None:
+        self.bed = testbed
+
+    def start(self, spec: dict[str, Any], *, host: int) -> Spawned:
+        process = self.bed.popen(host, WORKER_ARGV, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        if process.stdin is None or process.stdout is None:
+            raise TestbedError("a bench worker started without pipes")
+        # The channel owns duplicates of the pipes' descriptors; the file objects are closed at once, so that no
+        # descriptor is closed twice.
+        channel = Duplex(os.dup(process.stdout.fileno()), os.dup(process.stdin.fileno()))
+        process.stdout.close()
+        process.stdin.close()
+        channel.send_bytes(json.dumps(spec).encode())
+
+        def stop(timeout: float) -> None:
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(STOP_KILL_TIMEOUT_S)
+            finally:
+                channel.close()
+
+        return Spawned(channel, stop)
+
+    def read_links(self) -> Sequence[LinkCounters]:
+        return self.bed.counters()
+
+
+def cross_host_split(backends: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The backends that can cross hosts, and those that cannot (their spec's ``cross_node`` is False)."""
+    crossing = tuple(name for name in backends if get_backend_spec(name).cross_node)
+    return crossing, tuple(name for name in backends if name not in crossing)
+
+
+@contextlib.contextmanager
+def placement(options: BenchOptions) -> Iterator[Placement]:
+    """This machine, or (``options.hosts``) a testbed built for the block and removed after it; TestbedUnavailable
+    (with its one-line reason) where this machine cannot host one."""
+    if not options.hosts:
+        yield LocalPlacement()
+        return
+    with Testbed(options.hosts, link_gbps=options.link_gbps, rtt_ms=options.rtt_ms) as testbed:
+        yield HostPlacement(testbed)
+
+
+def run_cleanup() -> int:
+    """``weightsync bench --cleanup``: remove what killed testbed runs left (runs whose owner lives are kept)."""
+    try:
+        report = cleanup()
+    except TestbedUnavailable as error:
+        print(f"weightsync bench --cleanup: no testbed on this machine: {error.reason}", file=sys.stderr)
+        return 2
+    except CleanupError as error:
+        print(f"weightsync bench --cleanup: {error}", file=sys.stderr)
+        return 1
+    removed = len(report.removed_netns) + len(report.removed_folders)
+    print(f"removed {len(report.removed_netns)} namespaces, {len(report.removed_folders)} folders and "
+          f"{len(report.killed_pids)} processes of killed testbed runs" if removed or report.killed_pids
+          else "nothing to remove: no leftovers of a killed testbed run")
+    for netns in report.removed_netns:
+        print(f"  {netns}")
+    if report.live_runs:
+        print(f"left alone (their owner still runs): {', '.join(report.live_runs)}")
+    return 0
