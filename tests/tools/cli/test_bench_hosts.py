@@ -1,0 +1,167 @@
+"""`weightsync bench --hosts` as a user runs it: a real testbed (network namespaces, shaped veth links), the workers
+started inside its hosts, real transports across the links, and `bench --cleanup` after a killed run.
+
+Where this machine cannot build a testbed these tests skip with its one-line reason (and fail where
+``WEIGHTSYNC_REQUIRE_TESTBED=1``, as in CI). No timing assertions beyond what a link physically allows: the machine
+is shared. What is checked is the JSON's shape, that its figures agree with each other, and that the link counters
+(read by the driver from the switch side of each link, outside every host and every engine) saw every update's
+bytes cross: at least 0.95 × S out of the sender's host and into each receiving host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import pytest
+from weightsync.api.registry import available_backends
+from weightsync.cli.bench.scenario import BenchOptions, make_case
+from weightsync.cli.main import main
+from weightsync.cli.testbed import probe
+
+from tests.tools.testbed.support import netns_names, skip_unless_testbed, wait_until
+
+HOSTS_RESULT_KEYS = {"backend", "gbps_p50", "gbps_p90", "ratio_bucketed", "ratio_limit", "ratio_engine_copy_limit",
+                     "peak_extra_rss_mb", "ratio_link_limit", "sender_egress_bytes", "host_ingress_bytes"}
+# The transports where bytes could bypass a link (one-sided reads through UCX or Mooncake); gloo's engine uses the
+# same TCP as the baselines, which run anyway.
+CROSSING = ("nixl", "mooncake")
+LINK_GBPS = 1.0
+MODEL_BYTES = 16 * 2**20
+
+
+def bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GLOG_minloglevel": "2"}
+    return subprocess.run([sys.executable, "-m", "weightsync.cli", "bench", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, check=False)
+
+
+@pytest.fixture(scope="module")
+def hosts_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, list[str]]:
+    skip_unless_testbed()
+    backends = [name for name in CROSSING if name in available_backends()]
+    out = tmp_path_factory.mktemp("bench-hosts") / "hosts.json"
+    # shm is asked for explicitly: it must be left out, not fail the run.
+    result = bench("--hosts", "3", "--receivers", "1", "--link-gbps", str(LINK_GBPS), "--model-mb", "16",
+                   "--bucket-mb", "4", "--repeat", "2", "--backends", ",".join([*backends, "shm"]),
+                   "--json", str(out))
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(out.read_text()), result.stdout, backends
+
+
+def test_json_keeps_the_schema_and_adds_the_testbed_fields(hosts_run: tuple[dict[str, Any], str, list[str]]) -> None:
+    data, stdout, backends = hosts_run
+    assert set(data) == {"scenario", "limit_gbps", "engine_copy_limit_gbps", "raw_gloo_gbps", "link_limit_gbps",
+                         "results", "ray_end_to_end"}
+    assert [row["backend"] for row in data["results"]] == [*backends, "naive", "bucketed"]
+    assert all(set(row) == HOSTS_RESULT_KEYS for row in data["results"])
+    scenario = data["scenario"]
+    assert scenario["hosts"] == 3 and scenario["link_gbps"] == LINK_GBPS
+    assert scenario["skipped"] == ["shm"] and scenario["backends"] == backends
+    # --receivers is per receiving host: 2 receiving hosts, 1 each.
+    assert scenario["receivers"] == 2 and scenario["receivers_per_host"] == 1
+    assert scenario["model_bytes"] == MODEL_BYTES and scenario["bucket_mb"] == 4
+    # The link's rate in decimal GB/s.
+    assert data["link_limit_gbps"] == pytest.approx(LINK_GBPS / 8)
+    assert data["ray_end_to_end"] == {"skipped": "--hosts"}
+    assert "skipped (cannot cross hosts): shm" in stdout and "ray end-to-end: skipped (--hosts)" in stdout
+
+
+def test_figures_agree_and_no_update_beats_the_link(hosts_run: tuple[dict[str, Any], str, list[str]]) -> None:
+    data, _, _ = hosts_run
+    scenario, limit = data["scenario"], data["link_limit_gbps"]
+    for row in data["results"]:
+        seconds = scenario["seconds"][row["backend"]]
+        assert len(seconds) == 2
+        # gbps_p50 stays S / update time (the median over the updates), and ratio_link_limit is it over the
+        # link's rate...
+        assert row["gbps_p50"] == pytest.approx(statistics.median(MODEL_BYTES / s / 1e9 for s in seconds), rel=1e-2)
+        assert row["ratio_link_limit"] == pytest.approx(row["gbps_p50"] / limit, rel=1e-2)
+        # ...which no update can beat through the sender's link (tbf lets a 256 KiB burst through at line rate).
+        assert row["gbps_p50"] <= limit * (1 + 256 * 1024 / MODEL_BYTES) * 1.02, row
+
+
+def test_link_counters_show_every_update_crossing_every_link(
+    hosts_run: tuple[dict[str, Any], str, list[str]]
+) -> None:
+    data, _, backends = hosts_run
+    per_update = data["scenario"]["link_bytes"]
+    for row in data["results"]:
+        name = row["backend"]
+        egress, ingress = per_update[name]["sender_egress"], per_update[name]["host_ingress"]
+        assert len(egress) == len(ingress) == 2  # one reading per timed update
+        for update_egress, update_ingress in zip(egress, ingress):
+            assert update_egress >= 0.95 * MODEL_BYTES, (name, update_egress)
+            assert len(update_ingress) == 2
+            assert all(value >= 0.95 * MODEL_BYTES for value in update_ingress), (name, update_ingress)
+        # The entry holds the median per update.
+        assert row["sender_egress_bytes"] == int(statistics.median(egress))
+        assert row["host_ingress_bytes"] == [int(statistics.median(update[host] for update in ingress))
+                                             for host in range(2)]
+    rows = {row["backend"]: row for row in data["results"]}
+    # The counters tell topologies apart, so they count real transfers: a chain's sender reads out S once (headers
+    # on top), gloo's broadcast from rank 0 sends S to each of the two receiving hosts.
+    for name in backends:
+        assert rows[name]["sender_egress_bytes"] <= 1.1 * MODEL_BYTES, rows[name]
+    for name in ("naive", "bucketed"):
+        assert rows[name]["sender_egress_bytes"] >= 1.9 * MODEL_BYTES, rows[name]
+
+
+def test_bench_cleanup_removes_a_killed_runs_leftovers() -> None:
+    skip_unless_testbed()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "weightsync.cli", "bench", "--hosts", "2", "--receivers", "1", "--model-mb", "4",
+         "--bucket-mb", "1", "--repeat", "100", "--backends", "gloo"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "GLOG_minloglevel": "2"})
+    prefix = f"wst-{process.pid}-"
+    try:
+        # Killed once its testbed (a switch and 2 hosts) exists.
+        assert wait_until(lambda: len({n for n in netns_names() if n.startswith(prefix)}) == 3, 60), netns_names()
+        time.sleep(1.0)  # its workers start in the hosts
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait(10)
+    leftovers = {name for name in netns_names() if name.startswith(prefix)}
+    # The negative control: without --cleanup they stay.
+    assert len(leftovers) == 3
+    result = bench("--cleanup", timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert not {name for name in netns_names() if name.startswith(prefix)}
+    assert all(name in result.stdout for name in leftovers)
+    run_folder = pathlib.Path(tempfile.gettempdir()) / next(iter(leftovers)).rsplit("-", 1)[0]
+    assert not run_folder.exists()
+
+
+def test_an_rtt_without_netem_says_why_in_one_line() -> None:
+    skip_unless_testbed()
+    if probe().netem:
+        pytest.skip("this kernel has sch_netem: an RTT is possible here")
+    result = bench("--hosts", "2", "--rtt-ms", "5", "--model-mb", "1", "--bucket-mb", "1", "--repeat", "1")
+    assert result.returncode == 2
+    assert "no testbed on this machine: an RTT needs sch_netem" in result.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--hosts", "1"], "at least 2 hosts"),
+    (["--link-gbps", "2"], "need --hosts"),
+    (["--hosts", "3", "--plot", "x.png"], "do not apply with --hosts"),
+])
+def test_bad_hosts_options_are_refused(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_receivers_are_placed_host_by_host() -> None:
+    case = make_case("bucketed", BenchOptions(hosts=4, receivers=2, model_mb=1, bucket_mb=1))
+    assert case.receivers == 6
+    assert [case.host_of(group_rank) for group_rank in range(7)] == [0, 1, 1, 2, 2, 3, 3]
+    local = make_case("bucketed", BenchOptions(receivers=2, model_mb=1, bucket_mb=1))
+    assert local.receivers == 2 and [local.host_of(rank) for rank in range(3)] == [0, 0, 0]
