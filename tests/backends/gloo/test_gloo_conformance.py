@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.devices import EMULATED
+from tests.backends.placements import MixedPlacement, OnEmulatedDevice
 from weightsync.api.testing import EngineConformance
 
 
@@ -13,19 +13,9 @@ class TestGlooConformance(EngineConformance):
         return "gloo"
 
 
-class TestGlooOnDevice(TestGlooConformance):
+class TestGlooOnDevice(OnEmulatedDevice, TestGlooConformance):
     """Every case with sources and destinations on the emulated accelerator: staged through pinned host buckets."""
 
-    @pytest.fixture(scope="class")
-    @classmethod
-    def device(cls) -> str:
-        return EMULATED
 
-
-class TestGlooMixedDevices(TestGlooOnDevice):
+class TestGlooMixedDevices(MixedPlacement, TestGlooOnDevice):
     """Host and device tensors interleaved in one update, on both sides."""
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def placement(cls) -> str:
-        return "mixed"

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.devices import EMULATED, NEGATIVE_CONTROL_DELAY, emulated_device
+from tests.backends.placements import MixedPlacement, OnEmulatedDevice
+from tests.devices import NEGATIVE_CONTROL_DELAY, emulated_device
 from tests.backends.nccl.accel_gloo import (
     SPEC, GlooAcceleratorEngine, HostBounceGroup, RecordingEngine, RecordingOps, RecordingTransport,
 )
@@ -136,7 +137,7 @@ def test_backend_on_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s
         sys.path.remove(str(root))
 
 
-class TestAcceleratorEngineOnGloo(EngineConformance):
+class TestAcceleratorEngineOnGloo(OnEmulatedDevice, EngineConformance):
     """The conformance suite, unchanged, over the accelerator engine on the emulated device (one sender, two
     receivers): sources and destinations on the device, buckets in device rings."""
 
@@ -145,20 +146,10 @@ class TestAcceleratorEngineOnGloo(EngineConformance):
     def backend(cls, test_backend_on_path: str) -> str:
         return test_backend_on_path
 
-    @pytest.fixture(scope="class")
-    @classmethod
-    def device(cls) -> str:
-        return EMULATED
 
-
-class TestAcceleratorEngineMixedDevices(TestAcceleratorEngineOnGloo):
+class TestAcceleratorEngineMixedDevices(MixedPlacement, TestAcceleratorEngineOnGloo):
     """Host and device tensors interleaved: host sources are copied into device buckets, device buckets into host
     destinations."""
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def placement(cls) -> str:
-        return "mixed"
 
 
 def _in_threads(calls: list[tuple[Callable[..., None], tuple[Any, ...]]], timeout: float) -> None:

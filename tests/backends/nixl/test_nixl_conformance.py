@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.devices import EMULATED
+from tests.backends.placements import MixedPlacement, OnEmulatedDevice
 from weightsync.api.testing import EngineConformance
 
 
@@ -44,20 +44,10 @@ class TestNixlTreeConformance(EngineConformance):
         return {"fanout": 2, "slots": 3}
 
 
-class TestNixlOnDevice(TestNixlConformance):
+class TestNixlOnDevice(OnEmulatedDevice, TestNixlConformance):
     """Every case with sources and destinations on the emulated accelerator, through the host ring (a device ring
     needs CUDA: tools/gpu-check runs it)."""
 
-    @pytest.fixture(scope="class")
-    @classmethod
-    def device(cls) -> str:
-        return EMULATED
 
-
-class TestNixlMixedDevices(TestNixlOnDevice):
+class TestNixlMixedDevices(MixedPlacement, TestNixlOnDevice):
     """Host and device tensors interleaved in one update, on both sides."""
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def placement(cls) -> str:
-        return "mixed"

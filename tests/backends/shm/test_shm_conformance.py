@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.devices import EMULATED
+from tests.backends.placements import MixedPlacement, OnEmulatedDevice
 from weightsync.api.testing import EngineConformance
 
 
@@ -13,19 +13,9 @@ class TestShmConformance(EngineConformance):
         return "shm"
 
 
-class TestShmOnDevice(TestShmConformance):
+class TestShmOnDevice(OnEmulatedDevice, TestShmConformance):
     """Every case with sources and destinations on the emulated accelerator: staged through pinned host buckets."""
 
-    @pytest.fixture(scope="class")
-    @classmethod
-    def device(cls) -> str:
-        return EMULATED
 
-
-class TestShmMixedDevices(TestShmOnDevice):
+class TestShmMixedDevices(MixedPlacement, TestShmOnDevice):
     """Host and device tensors interleaved in one update, on both sides."""
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def placement(cls) -> str:
-        return "mixed"
