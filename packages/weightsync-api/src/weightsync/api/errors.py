@@ -35,6 +35,7 @@ __all__ = [
     "TransferError",
     "DigestMismatchError",
     "StepTimeoutError",
+    "HostUnreachableError",
     "WorkerError",
     "RenamedKeywordError",
 ]
@@ -140,6 +141,16 @@ class StepTimeoutError(WeightsyncError, TimeoutError):
 
     step: str
     workers: Sequence[str]
+
+
+class HostUnreachableError(StepTimeoutError):
+    """A step timed out and some of its pending workers did not answer a probe either: their host, or its link, is
+    down. ``hosts`` names those hosts (name and address, as the workers reported them at setup), ``unreachable``
+    the workers on them; ``workers`` still lists every worker the step was waiting for (the others were waiting
+    for the unreachable ones)."""
+
+    hosts: Sequence[str]
+    unreachable: Sequence[str]
 
 
 class WorkerError(WeightsyncError, RuntimeError):

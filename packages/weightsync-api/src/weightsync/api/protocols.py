@@ -257,7 +257,9 @@ class ActorWorkerGroup(Protocol):
 
         ``method`` is one of ``"prepare"`` (keyword ``engine``: the backend name and ``SyncConfig`` as plain data;
         the host builds or reuses its engine and returns ``prepare()``'s metadata), ``"init_process_group"``
-        (keyword ``rank_args``), ``"finalize"`` and ``"close"``.
+        (keyword ``rank_args``), ``"finalize"``, ``"close"`` and ``"ping"`` (answer at once, even mid-transfer, with
+        where the worker runs; the manager pings workers that missed a step's deadline, to tell an unreachable host
+        from a worker that is only waiting for one: a host that answers with an error still counts as reachable).
         """
         ...
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import os
+import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -24,7 +26,7 @@ from weightsync.core.steps import unwrap
 
 __all__ = ["EngineHost", "EngineSlot", "build_engine", "engine_spec", "is_untouched", "mark_untouched"]
 
-_METHODS = ("prepare", "init_process_group", "finalize", "close")
+_METHODS = ("prepare", "init_process_group", "finalize", "close", "ping")
 # What build_engine requires of an engine class: the CheckpointEngine Protocol's methods, build_topology class-level.
 _ENGINE_METHODS = ("prepare", "init_process_group", "send_weights", "receive_weights", "finalize", "close")
 
@@ -109,6 +111,11 @@ class EngineHost:
         """Run lifecycle step ``method`` (one of prepare, init_process_group, finalize, close) off the loop."""
         if method not in _METHODS:
             raise ConfigError(f"unknown checkpoint-engine method {method!r}; expected one of {', '.join(_METHODS)}")
+        if method == "ping":
+            # Answered on the worker's event loop, never queued behind a blocking step: the manager pings workers
+            # that missed a deadline to tell a host that cannot be reached from one that is merely waiting.
+            return {"hostname": socket.gethostname(), "host_ip": self.host_ip, "node_id": self.node_id,
+                    "pid": os.getpid()}
         handler: Callable[..., Any] = getattr(self, f"_{method}")
         return await asyncio.to_thread(handler, **kwargs)
 

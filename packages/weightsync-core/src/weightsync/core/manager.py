@@ -23,6 +23,7 @@ from weightsync.api.errors import (
     ConfigError,
     DigestMismatchError,
     LifecycleError,
+    StepTimeoutError,
     reject_renamed_keywords,
 )
 from weightsync.api.protocols import ActorWorkerGroup, PausableReplica, RolloutReplica, RolloutWorker
@@ -75,6 +76,7 @@ class CheckpointEngineManager:
         self._replicas: list[RolloutReplica] = []
         self._states: list[ReplicaOutcome] = []
         self._epoch: str | None = None
+        self._where: dict[str, str] = {}  # worker label -> its host, as the workers said at the last setup
         self._version = 0
         self._updating = False
         self.add_replicas(replicas)
@@ -178,9 +180,11 @@ class CheckpointEngineManager:
             sender_reports = [outcome for outcome in outcomes[: len(sends)] if isinstance(outcome, TransferReport)]
             failed = {id(outcome): (outcome, label) for outcome, label in zip(outcomes, labels)
                       if isinstance(outcome, BaseException)}  # one timeout error stands for every pending worker
-            errors = [steps.typed_error(outcome, step="transfer", worker=label) for outcome, label in failed.values()]
+            timed_out = steps.timeout_of(labels, outcomes)
+            errors = [outcome if outcome is timed_out else steps.typed_error(outcome, step="transfer", worker=label)
+                      for outcome, label in failed.values()]
             if errors:
-                raise steps.root_cause(errors)
+                raise await self._explain(errors, timed_out, workers)
             self._check_digests(sender_reports, reports, workers)
             if not all(isinstance(report, TransferReport) and report.finalized for report in outcomes):
                 # A host that does not finalize within its transfer call (ours do: one round trip fewer).
@@ -203,6 +207,30 @@ class CheckpointEngineManager:
             ), rebuilt=rebuilt,
         )
 
+    async def _explain(self, errors: list[BaseException], timed_out: StepTimeoutError | None,
+                       workers: list[tuple[int, RolloutWorker]]) -> BaseException:
+        """The error a failed transfer raises. When it timed out, every worker is pinged: a host none of whose
+        workers answers cannot be reached (``HostUnreachableError`` naming it), and that explains the rest."""
+        if timed_out is not None:
+            pings = self._pings(workers)
+            down = await steps.unreachable(timed_out, self.config.timeouts.transfer, pings, self._where)
+            if down is not None:
+                for error in errors:
+                    if error is not timed_out:
+                        down.add_note(f"also: {type(error).__name__}: {error}")
+                return down
+        return steps.root_cause(errors)
+
+    def _pings(self, workers: list[tuple[int, RolloutWorker]]) -> list[tuple[str, Awaitable[Any]]]:
+        """A ``ping`` call to every worker; none if the worker group cannot even start one."""
+        try:
+            pings = [(f"actor rank {rank}", call)
+                     for rank, call in enumerate(self.actor_wg.execute_checkpoint_engine("ping"))]
+            pings += [(_worker_label(r, worker), worker.execute_checkpoint_engine("ping")) for r, worker in workers]
+        except Exception:  # noqa: BLE001 - an adapter without ping: no diagnosis, the step's own error stands
+            return []
+        return pings
+
     async def _setup(self, stages: dict[str, float], workers: list[tuple[int, RolloutWorker]]) -> None:
         """prepare → build_topology → init_process_group for a new membership epoch."""
         started = time.perf_counter()
@@ -220,6 +248,7 @@ class CheckpointEngineManager:
             for rank, (r, worker) in enumerate(workers)
         ]
         metadata: list[WorkerMetadata] = await steps.gather("prepare", timeout, labelled)
+        self._where = {label: _host_of(entry) for (label, _), entry in zip(labelled, metadata)}
         topology = build_checked_topology(
             self.engine_class, backend=self.backend, actor_wg_world_size=actor_size, rollout_world_size=len(workers),
             metadata=WorldMetadata(actor=metadata[:actor_size], rollout=metadata[actor_size:]),
@@ -327,6 +356,14 @@ async def _resume(replica: RolloutReplica) -> None:
         return
     await replica.resume_kv_cache()
     await replica.resume_generation()
+
+
+def _host_of(metadata: WorkerMetadata) -> str:
+    """A worker's host for people: "name (address)" from its prepare() metadata, or whichever of them it gave."""
+    name, address = metadata.get("hostname"), metadata.get("host_ip")
+    if name and address:
+        return f"{name} ({address})"
+    return str(name or address or metadata.get("node_id") or "of unknown name")
 
 
 def _worker_label(replica: int, worker: RolloutWorker) -> str:

@@ -89,6 +89,7 @@ class EngineSettings:
             "rank": self.context.rank,
             "node_id": self.context.node_id,
             "host_ip": self.context.host_ip,
+            "hostname": socket.gethostname(),  # for people: errors name a worker's host by it
             "pid": os.getpid(),
             "bucket_bytes": self.bucket_bytes,
             "slots": self.slots,

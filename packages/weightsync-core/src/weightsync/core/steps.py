@@ -9,12 +9,15 @@ the worker and the step.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
-from weightsync.api.errors import StepTimeoutError, WeightsyncError, WorkerError
+from weightsync.api.errors import HostUnreachableError, StepTimeoutError, WeightsyncError, WorkerError
 
-__all__ = ["gather", "root_cause", "typed_error", "unwrap"]
+__all__ = ["PROBE_TIMEOUT_S", "gather", "root_cause", "timeout_of", "typed_error", "unreachable", "unwrap"]
+
+PROBE_TIMEOUT_S = 0.5
+"""How long a worker that missed a deadline has to answer a ping before its host counts as unreachable."""
 
 
 def unwrap(error: BaseException) -> BaseException:
@@ -88,3 +91,40 @@ async def gather(step: str, timeout: float, labelled: list[tuple[str, Awaitable[
         else:
             results.append(future.result())
     return results
+
+
+def timeout_of(labels: Sequence[str], outcomes: Sequence[Any]) -> StepTimeoutError | None:
+    """``gather(raise_first=False)``'s own timeout error among its outcomes (None if nothing timed out)."""
+    return next((outcome for label, outcome in zip(labels, outcomes)
+                 if isinstance(outcome, StepTimeoutError) and label in outcome.workers), None)
+
+
+async def unreachable(timed_out: StepTimeoutError, timeout: float, pings: list[tuple[str, Awaitable[Any]]],
+                      where: Mapping[str, str]) -> HostUnreachableError | None:
+    """After ``timed_out``: ping every worker (``pings``: one ``ping`` call each; ``where``: worker → host, from
+    setup). A host none of whose workers answers within ``PROBE_TIMEOUT_S`` cannot be reached: an error naming
+    those hosts, or None if every host answered through at least one worker (then the pending workers were
+    waiting, or one of them is stuck on a host that is up, and the step's own timeout stands).
+
+    A worker that answers with an error (an adapter without ``ping``) answered: its host is reachable.
+    """
+    answers = await gather("probe", PROBE_TIMEOUT_S, pings, raise_first=False)
+    by_host: dict[str, list[str]] = {}
+    answered: set[str] = set()
+    for (label, _), answer in zip(pings, answers):
+        host = where.get(label, f"of {label}")
+        if isinstance(answer, StepTimeoutError) and answer.step == "probe":
+            by_host.setdefault(host, []).append(label)
+        else:
+            answered.add(host)
+    silent_hosts = {host: labels for host, labels in sorted(by_host.items()) if host not in answered}
+    if not silent_hosts:
+        return None
+    described = "; ".join(f"host {host} does not answer ({', '.join(labels)} missed the deadline and a ping)"
+                          for host, labels in silent_hosts.items())
+    return HostUnreachableError(
+        f"step {timed_out.step!r} did not finish within {timeout:g}s: {described}: its link or the host is down "
+        f"(or every worker of ours on it is stuck); still waiting for: {', '.join(timed_out.workers)}",
+        step=timed_out.step, workers=list(timed_out.workers), hosts=list(silent_hosts),
+        unreachable=[label for labels in silent_hosts.values() for label in labels],
+    )
