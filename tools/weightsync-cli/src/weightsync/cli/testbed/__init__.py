@@ -20,6 +20,8 @@ How a bench driver uses it::
         host_ingress = [(after[h] - before[h]).ingress_bytes for h in range(1, 4)]
 
 Fault tests: ``testbed.link_down(h)`` (``mode="drop"`` or ``"carrier"``) mid-update, ``testbed.link_up(h)``.
+A Ray cluster across the hosts (a raylet in each, a driver started in the head's host): ``TestbedRay(testbed)``
+(``raycluster``).
 A killed run's leftovers: :func:`cleanup`. Design notes live in the submodules: ``bed`` (layout, identity),
 ``holder`` (how namespaces are held and why), ``links`` (shaping, link down, counters), ``cleanup``, ``probe``
 (when the testbed is unavailable), ``signals``.
@@ -38,6 +40,7 @@ from weightsync.cli.testbed.cleanup import CleanupError, CleanupReport, cleanup
 from weightsync.cli.testbed.links import LinkCounters, LinkMode, tbf_burst_bytes
 from weightsync.cli.testbed.probe import REQUIRE_ENV, Capabilities, probe, testbed_required, unavailable_reason
 from weightsync.cli.testbed.processes import HostProcess
+from weightsync.cli.testbed.raycluster import TestbedRay, testbed_host_resource
 from weightsync.cli.testbed.system import PREFIX, TestbedError, TestbedUnavailable
 
 __all__ = [
@@ -57,10 +60,12 @@ __all__ = [
     "LinkMode",
     "Testbed",
     "TestbedError",
+    "TestbedRay",
     "TestbedUnavailable",
     "cleanup",
     "probe",
     "tbf_burst_bytes",
+    "testbed_host_resource",
     "testbed_required",
     "unavailable_reason",
 ]
