@@ -32,6 +32,7 @@ from weightsync.core.framing import accept_peers, recv_frame, send_frame
 from weightsync.core.handover import Handover, Hold
 from weightsync.core.planner import validate_pair
 from weightsync.core.settings import EngineBase, EngineSettings, default_node_id
+from weightsync.core.sharedmem import SharedSegment, new_segment_prefix, sweep_orphan_segments
 from weightsync.core.tensors import as_byte_view, dtype_name, memoryview_of
 from weightsync.core.transport import (
     NO_SLOT,
@@ -58,6 +59,8 @@ __all__ = [
     # control plane and waiting
     "WIRE_VERSION", "Hello", "Ack", "encode", "accept_peers", "send_frame", "recv_frame", "AckedPeers",
     "FreeSlots", "SlotSequence", "poll_until", "Handover", "Hold",
+    # shared memory on one host
+    "SharedSegment", "new_segment_prefix", "sweep_orphan_segments",
     # tensors and digests
     "validate_pair", "as_byte_view", "dtype_name", "memoryview_of", "UpdateDigest",
 ]

@@ -1,8 +1,7 @@
 """The ``shm`` engine: a ring of shared-memory buckets on one host.
 
-Why its own mapping code rather than ``multiprocessing.shared_memory``: on Python < 3.13 every process that
-attaches a ``SharedMemory`` registers it with a resource tracker that unlinks it when that process exits, so a
-receiver's exit would delete the sender's segment. We open ``/dev/shm`` files directly; only the creator unlinks.
+The ring's buckets are core's ``SharedSegment``s (``/dev/shm`` files only their creator unlinks; see
+``weightsync.core.sharedmem``), which the chain's two-level layout shares within a host too.
 
 Control: the sender listens on an abstract Unix socket; each receiver connects, presents the epoch token, and gets
 the segment names. Per bucket the sender writes a frame ``slot, nbytes, header`` to every receiver; a receiver
@@ -12,9 +11,7 @@ has acknowledged what it last held. Frames from a connection that did not presen
 
 from __future__ import annotations
 
-import mmap
 import os
-import re
 import secrets
 import socket
 import time
@@ -27,13 +24,12 @@ from weightsync.api.errors import LifecycleError, TopologyError, TransferError, 
 from weightsync.api.registry import KNOWN_BACKENDS, get_backend_spec, installed_backends
 from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
 from weightsync.core.backend import (
-    NO_SLOT, WIRE_VERSION, Ack, AckedPeers, Hello, ReceivedBucket, SlotSequence, Transport, accept_peers, encode,
-    engine_class, recv_frame, send_frame,
+    NO_SLOT, WIRE_VERSION, Ack, AckedPeers, Hello, ReceivedBucket, SharedSegment, SlotSequence, Transport,
+    accept_peers, encode, engine_class, new_segment_prefix, recv_frame, send_frame, sweep_orphan_segments,
 )
 
 __all__ = ["ShmCheckpointEngine", "ShmTransport", "SharedSegment"]
 
-SHM_DIR = "/dev/shm"
 _FRAME_PREFIX = 12  # int32 slot + int64 nbytes
 
 
@@ -45,47 +41,6 @@ class SegmentInfo(msgspec.Struct, frozen=True, tag="segments"):
 
 
 _segment_decoder = msgspec.msgpack.Decoder(SegmentInfo)
-
-
-class SharedSegment:
-    """One ``/dev/shm`` file mapped into this process, viewed as a flat uint8 tensor."""
-
-    def __init__(self, name: str, size: int, *, create: bool) -> None:
-        if "/" in name or not name.startswith("weightsync-"):
-            raise WireError(f"refusing shared-memory segment name {name!r}")
-        self.name = name
-        self.path = os.path.join(SHM_DIR, name)
-        self.owner = create
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size < size:
-                raise WireError(f"shared segment {name} is smaller than the announced {size} bytes")
-            populate = getattr(mmap, "MAP_POPULATE", 0)
-            self._map: mmap.mmap | None = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
-        finally:
-            os.close(fd)
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
-        if create:
-            self.tensor.zero_()  # pre-fault every page once, here, not during the first update
-
-    def close(self) -> None:
-        """Idempotent: an engine closing under a transport that closes its segments too is fine."""
-        mapping, self._map = self._map, None
-        if mapping is None:
-            return
-        del self.tensor
-        try:
-            mapping.close()
-        except BufferError:
-            pass  # a consumer still holds a view; the mapping goes when it does
-        if self.owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
 
 
 class _Sender:
@@ -209,12 +164,10 @@ class ShmTransport(Transport):
         if self._listener is None:
             raise LifecycleError("shm: init_process_group before prepare on the sender")
         if self._segments is None:
-            _sweep_orphans()
-            self._segments = [
-                SharedSegment(f"weightsync-{os.getpid()}-{secrets.token_hex(6)}-{slot}", self.settings.bucket_bytes,
-                              create=True)
-                for slot in range(self.settings.slots)
-            ]
+            sweep_orphan_segments()
+            prefix = new_segment_prefix()
+            self._segments = [SharedSegment(f"{prefix}-{slot}", self.settings.bucket_bytes, create=True)
+                              for slot in range(self.settings.slots)]
         info = encode(SegmentInfo(
             wire=WIRE_VERSION, epoch=epoch, names=[s.name for s in self._segments], capacity=self.settings.bucket_bytes,
         ))
@@ -260,35 +213,6 @@ class ShmTransport(Transport):
 
 
 ShmCheckpointEngine = engine_class(ShmTransport)
-
-_SEGMENT_NAME = re.compile(r"weightsync-(\d+)-[0-9a-f]{12}-\d+")
-
-
-def _sweep_orphans() -> None:
-    """Unlink ring segments whose creating process is gone (it was killed before ``close()`` could unlink them).
-
-    Segment names carry the creator's pid. Receivers that still map such a segment keep their mapping (unlinking
-    removes the name, not the memory). Limitation: two pid namespaces sharing one /dev/shm would see each other's
-    processes as gone; run one sender per pid namespace and /dev/shm, as containers normally do.
-    """
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return
-    for name in names:
-        match = _SEGMENT_NAME.fullmatch(name)
-        if match is None or int(match.group(1)) == os.getpid():
-            continue
-        try:
-            os.kill(int(match.group(1)), 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except OSError:
-                pass
-        except PermissionError:
-            pass  # alive, someone else's
-
 
 def _cross_node_backends() -> str:
     names = []
