@@ -8,10 +8,14 @@ import sys
 
 import pytest
 
+from tests.backends.twolevel import HOSTS, LEADER_OF, check_in_place
+
 from weightsync.api.errors import TopologyError
 from weightsync.api.types import WorkerMetadata, WorldMetadata
 from weightsync.core.backend import BucketCheckpointEngine
+from weightsync.api.testing import EngineHarness
 from weightsync.core.chain import chain_positions
+from weightsync.core.chaintopology import plan_positions
 from weightsync.mooncake.engine import MooncakeCheckpointEngine
 from weightsync.nixl.engine import NixlCheckpointEngine
 
@@ -98,3 +102,31 @@ def test_unreachable_upstream_is_a_transfer_error_naming_it(
     outcome = json.loads(lines[-1])
     assert outcome["type"] == "TransferError" and outcome["peer"] == "rollout rank 0", outcome
     assert "rollout rank 0" in outcome["message"]
+
+
+def test_two_level_plan() -> None:
+    # Hosts a (the sender's), b, c; rank order interleaves them.
+    plan = plan_positions(nodes=["a", "a", "b", "b", "c", "b"], fanout=1, layout="two_level")
+    assert plan.upstream == [-1, 0, 0, 2, 2, 2]  # leaders 0 → 2 → 4; 1 reads 0 in place; 3 and 5 read 2
+    assert plan.local == [False, True, False, True, False, True]
+    assert plan.children == [[1, 2], [], [3, 4, 5], [], [], []]
+    tree = plan_positions(nodes=["a", "b", "c", "d", "b"], fanout=2, layout="two_level")
+    assert tree.upstream == [-1, 0, 0, 1, 1]  # leaders 1 and 2 read the sender; 3 reads leader 1
+    assert tree.local == [False, False, False, False, True]
+    one_host = plan_positions(nodes=["a", "a", "a"], fanout=1, layout="two_level")
+    assert one_host.upstream == [-1, 0, 0] and one_host.local == [False, True, True]  # the shm layout
+    chain = plan_positions(nodes=["a", "b", "a"], fanout=1, layout="chain")
+    assert chain.upstream == [-1, 0, 1] and chain.local == [False] * 3
+
+
+def test_in_place_checker_fails_on_the_plain_chain() -> None:
+    """Negative control for tests/backends/twolevel.py: the plain chain on the same pretend hosts maps no ring."""
+    harness = EngineHarness("mooncake", receivers=4, bucket_bytes=1 << 20, hosts=HOSTS)
+    harness.start()
+    try:
+        harness.setup()
+        harness.update("three_buckets")
+        with pytest.raises(AssertionError):
+            check_in_place(harness.pids, LEADER_OF)
+    finally:
+        harness.close()

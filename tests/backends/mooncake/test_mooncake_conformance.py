@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.backends.placements import MixedPlacement, OnEmulatedDevice
+from tests.backends.twolevel import TwoLevelHosts
 from weightsync.api.testing import EngineConformance
 
 
@@ -51,3 +52,8 @@ class TestMooncakeOnDevice(OnEmulatedDevice, TestMooncakeConformance):
 
 class TestMooncakeMixedDevices(MixedPlacement, TestMooncakeOnDevice):
     """Host and device tensors interleaved in one update, on both sides."""
+
+
+
+class TestMooncakeTwoLevel(TwoLevelHosts, TestMooncakeConformance):
+    pass

@@ -5,10 +5,12 @@ and performs a one-sided read (:mod:`weightsync.core.rings`), so each backend ad
 
 Topology
 --------
-Positions: 0 is actor rank 0 (the only sender), position p >= 1 is rollout rank p - 1. With fan-out degree d the
-upstream of position p is position ``(p - 1) // d``: d = 1 is the chain rank0 → r0 → r1 → … (the sender's egress
-is one model's bytes whatever the number of receivers), larger d a d-ary tree (shorter, but each inner node serves d
-readers). The degree is the engine option ``fanout``, read from actor rank 0's metadata.
+Positions: 0 is actor rank 0 (the only sender), position p >= 1 is rollout rank p - 1. Option ``layout``:
+``"chain"`` (default) reads in rank order — with fan-out degree d the upstream of position p is ``(p - 1) // d``:
+d = 1 is the chain rank0 → r0 → r1 → … (the sender's egress is one model's bytes whatever the number of receivers),
+larger d a d-ary tree (shorter, but each inner node serves d readers); ``"two_level"`` is host-aware: one leader per
+host on that tree, the host's other workers reading its ring in place through shared memory (see
+:mod:`weightsync.core.chaintopology`). Fan-out and layout are engine options, read from actor rank 0's metadata.
 
 Data path
 ---------
@@ -39,7 +41,6 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar
 
-import msgspec
 import torch
 
 from weightsync.api.errors import ConfigError, LifecycleError, TopologyError, TransferError, WeightsyncError, WireError
@@ -47,7 +48,17 @@ from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetada
 from weightsync.core import codec
 from weightsync.core.device import AcceleratorOps, AcceleratorPolicy, process_accelerator
 from weightsync.core.framing import accept_peers, recv_frame, send_frame
-from weightsync.core.rings import RegisteredRing, RemoteRing, RingEndpoint, decode_ring
+from weightsync.core.chaintopology import LAYOUTS, chain_positions, plan_positions, position_name
+from weightsync.core.hostring import HostRingReader, map_upstream_ring
+from weightsync.core.rings import (
+    HOST_SHARED,
+    BucketReady,
+    RegisteredRing,
+    RemoteRing,
+    RingEndpoint,
+    decode_ready,
+    decode_ring,
+)
 from weightsync.core.settings import EngineSettings
 from weightsync.core.transport import HOST_POLICY, NO_SLOT, DevicePolicy, ReceivedBucket, Transport
 from weightsync.core.waiting import AckedPeers, SlotSequence
@@ -62,40 +73,6 @@ DEFAULT_FANOUT = 1
 fan-outs)."""
 
 _MAX_CONTROL_FRAME = 1 << 20  # headers of buckets with many tensors stay far below this
-
-
-class BucketReady(msgspec.Struct, frozen=True, tag="ready"):
-    """An upstream announces bucket ``seq`` (1-based, counted per epoch) in its ``slot``; ``slot`` = NO_SLOT for the
-    payload-less final and abort markers (``seq`` 0). ``header`` is the pipeline's encoded ``BucketHeader``."""
-
-    wire: int
-    epoch: str
-    seq: int
-    slot: int
-    nbytes: int
-    header: bytes
-
-
-_ready_decoder = msgspec.msgpack.Decoder(BucketReady)
-
-
-def decode_ready(data: bytes, *, epoch: str, peer: str) -> BucketReady:
-    return codec.decode_message(_ready_decoder, data, what="bucket announcement", epoch=epoch, peer=peer)
-
-
-# -- topology ---------------------------------------------------------------------------------------------------------
-
-
-def position_name(position: int) -> str:
-    return "actor rank 0" if position == 0 else f"rollout rank {position - 1}"
-
-
-def chain_positions(*, rollout_world_size: int, fanout: int) -> list[list[int]]:
-    """Children of every position (0 = the sender, p = rollout rank p - 1) of a ``fanout``-ary tree in rank order."""
-    children: list[list[int]] = [[] for _ in range(rollout_world_size + 1)]
-    for position in range(1, rollout_world_size + 1):
-        children[(position - 1) // fanout].append(position)
-    return children
 
 
 # -- the control plane's two ends ------------------------------------------------------------------------------------
@@ -238,13 +215,14 @@ class _ChainReceiver:
 
 class ChainTransport(Transport):
     """The one-sided chain. Options: ``fanout`` (readers per position, 1 = chain, the default), ``device``
-    (``"cpu"``, or ``"cuda"`` for a ring in GPU memory where the library supports it).
+    (``"cpu"``, or ``"cuda"`` for a ring in GPU memory where the library supports it), ``layout`` (``"chain"``, the
+    default, or ``"two_level"``: one reader per host over the network, the host's others in place; host rings only).
 
     A backend provides ``library`` and ``make_ring``. Sender: actor rank 0; every other actor rank drains its stream.
     """
 
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
-    option_names: ClassVar[frozenset[str]] = frozenset({"fanout", "device"})
+    option_names: ClassVar[frozenset[str]] = frozenset({"fanout", "device", "layout"})
     library: ClassVar[str]
 
     def __init__(self, settings: EngineSettings) -> None:
@@ -258,8 +236,16 @@ class ChainTransport(Transport):
         if device == "cuda" and getattr(process_accelerator(), "type", None) != "cuda":
             raise ConfigError(f"{self.name}: device='cuda' puts the ring in GPU memory, but this process has no CUDA "
                               "device (leave device='cpu': tensors on any device are staged through a host ring)")
+        layout = settings.options.get("layout", "chain")
+        if layout not in LAYOUTS:
+            raise ConfigError(f"{self.name}: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        if layout == "two_level" and device != "cpu":
+            raise ConfigError(f"{self.name}: layout='two_level' shares a host ring between the workers of a host; "
+                              f"it needs device='cpu' (tensors on any device are staged through it)")
         self.fanout: int = fanout
-        self.ring_device: str = device
+        self.layout: str = layout
+        # A two-level ring is a shared segment: the other workers of this host may read it in place.
+        self.ring_device: str = HOST_SHARED if layout == "two_level" else device
         self.buffers = "host" if device == "cpu" else "device"
         # A device ring's packing copies and digests are ordered on device streams; a host ring needs nothing.
         self._policy: DevicePolicy = HOST_POLICY if device == "cpu" else AcceleratorPolicy(
@@ -282,8 +268,8 @@ class ChainTransport(Transport):
     def prepare(self) -> WorkerMetadata:
         if not self._serves():
             return {}
-        if self._ring is None:
-            self._ring = self.make_ring()
+        if self._ring is None and self.layout == "chain":
+            self._ring = self.make_ring()  # two-level: made at connect, by the positions that need one
         if self._listener is None:
             listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -291,7 +277,7 @@ class ChainTransport(Transport):
             listener.listen(64)
             self._listener = listener
         host, port = self._listener.getsockname()[:2]
-        return {"address": f"{host}:{port}", "fanout": self.fanout, "library": self.library}
+        return {"address": f"{host}:{port}", "fanout": self.fanout, "layout": self.layout, "library": self.library}
 
     def release(self) -> None:
         if self._listener is not None:
@@ -300,6 +286,7 @@ class ChainTransport(Transport):
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.close()
+            ring.free()
 
     # -- step 2 --------------------------------------------------------------------------------------------------------
 
@@ -321,26 +308,32 @@ class ChainTransport(Transport):
                 raise TopologyError(f"{cls.name}: {position_name(position)} did not advertise a {cls.library} "
                                     f"endpoint (was prepare() called with this backend?)")
             addresses.append(address)
-        fanout = workers[0].get("fanout", DEFAULT_FANOUT)
+        fanout, layout = workers[0].get("fanout", DEFAULT_FANOUT), workers[0].get("layout", "chain")
         if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
             raise TopologyError(f"{cls.name}: actor rank 0 advertised fanout {fanout!r}")
-        children = chain_positions(rollout_world_size=rollout_world_size, fanout=fanout)
-        actor: list[RankArgs] = [{"role": "sender", "sender": 0, "children": list(children[0])}]
+        if layout not in LAYOUTS:
+            raise TopologyError(f"{cls.name}: actor rank 0 advertised layout {layout!r}")
+        plan = plan_positions(nodes=[str(worker.get("node_id")) for worker in workers], fanout=fanout,
+                              layout=str(layout))
+        actor: list[RankArgs] = [{"role": "sender", "sender": 0, "children": list(plan.children[0])}]
         actor += [{"role": "idle", "sender": 0} for _ in range(actor_wg_world_size - 1)]
         rollout: list[RankArgs] = []
         for position in range(1, rollout_world_size + 1):
-            upstream = (position - 1) // fanout
+            upstream = plan.upstream[position]
             rollout.append({
                 "role": "receiver", "sender": 0, "rank": position - 1, "upstream": addresses[upstream],
-                "upstream_position": upstream, "children": list(children[position]),
+                "upstream_position": upstream, "children": list(plan.children[position]),
+                "local": plan.local[position],
             })
         return Topology(actor=actor, rollout=rollout, senders=(0,))
 
     # -- step 3 --------------------------------------------------------------------------------------------------------
 
     def _ready_ring(self) -> RegisteredRing:
-        if self._ring is None or self._listener is None:
+        if self._listener is None:
             raise LifecycleError(f"{self.name}: init_process_group before prepare on {self.settings.self_name}")
+        if self._ring is None:
+            self._ring = self.make_ring()
         return self._ring
 
     def connect_sender(self, rank_args: RankArgs) -> _ChainSender:
@@ -349,8 +342,7 @@ class ChainTransport(Transport):
         downstream = self._accept_children(ring, rank_args, epoch)
         return _ChainSender(ring, downstream)
 
-    def connect_receiver(self, rank_args: RankArgs) -> _ChainReceiver:
-        ring = self._ready_ring()
+    def connect_receiver(self, rank_args: RankArgs) -> _ChainReceiver | HostRingReader:
         epoch = str(rank_args["epoch"])
         address, rank, upstream_position = (rank_args.get("upstream"), rank_args.get("rank"),
                                             rank_args.get("upstream_position"))
@@ -359,6 +351,9 @@ class ChainTransport(Transport):
                                 f"got {rank_args}")
         peer = position_name(upstream_position)
         deadline = time.monotonic() + self.settings.timeout
+        if rank_args.get("local") is True:
+            return self._connect_in_place(address, peer=peer, rank=rank, epoch=epoch, deadline=deadline)
+        ring = self._ready_ring()
         sock = _connect(address, deadline=deadline, peer=peer)
         remote: RemoteRing | None = None
         try:
@@ -375,6 +370,22 @@ class ChainTransport(Transport):
             raise
         return _ChainReceiver(ring=ring, upstream=_Upstream(sock, peer, remote, endpoint), downstream=downstream,
                               epoch=epoch, rank=rank)
+
+    def _connect_in_place(self, address: str, *, peer: str, rank: int, epoch: str, deadline: float
+                          ) -> HostRingReader:
+        """A worker on its upstream's host: the same hello, then the upstream's shared ring mapped, not opened."""
+        sock = _connect(address, deadline=deadline, peer=peer)
+        try:
+            send_frame(sock, codec.encode(codec.Hello(wire=codec.WIRE_VERSION, epoch=epoch, rank=rank + 1)),
+                       deadline=deadline, peer=peer)
+            endpoint = decode_ring(recv_frame(sock, deadline=deadline, peer=peer, max_len=_MAX_CONTROL_FRAME),
+                                   epoch=epoch, library=self.library, peer=peer)
+            ring = map_upstream_ring(endpoint, peer=peer, node=self.settings.context.node_id)
+        except BaseException:
+            sock.close()
+            raise
+        return HostRingReader(sock=sock, peer=peer, ring=ring, endpoint=endpoint, epoch=epoch, rank=rank,
+                              timeout=self.settings.timeout)
 
     def _accept_children(self, ring: RegisteredRing, rank_args: RankArgs, epoch: str) -> _Downstream:
         """Accept a connection from every child position; each must present this epoch's token and its position."""

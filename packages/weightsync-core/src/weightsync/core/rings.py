@@ -14,8 +14,15 @@ import torch
 
 from weightsync.api.errors import WireError
 from weightsync.core import codec
+from weightsync.core.sharedmem import SharedSegment, new_segment_prefix, sweep_orphan_segments
 
-__all__ = ["RingEndpoint", "RemoteRing", "RegisteredRing", "decode_ring"]
+__all__ = [
+    "HOST_SHARED", "BucketReady", "RingEndpoint", "RemoteRing", "RegisteredRing", "decode_ready", "decode_ring",
+]
+
+HOST_SHARED = "cpu-shared"
+"""``device`` of a ring in host memory that every process of its host may map (a shared segment, named in the
+ring's endpoint): the chain's two-level layout reads a host leader's ring in place."""
 
 
 class RingEndpoint(msgspec.Struct, frozen=True, tag="ring"):
@@ -35,9 +42,30 @@ class RingEndpoint(msgspec.Struct, frozen=True, tag="ring"):
     slots: int
     memory: str = "cpu"
     """Device of the ring: ``"cpu"`` or ``"cuda:N"``."""
+    segment: str = ""
+    """The shared segment holding a ``HOST_SHARED`` ring (empty otherwise): workers of the same host map it."""
 
 
 _ring_decoder = msgspec.msgpack.Decoder(RingEndpoint)
+
+
+class BucketReady(msgspec.Struct, frozen=True, tag="ready"):
+    """An upstream announces bucket ``seq`` (1-based, counted per epoch) in its ``slot``; ``slot`` = NO_SLOT for the
+    payload-less final and abort markers (``seq`` 0). ``header`` is the pipeline's encoded ``BucketHeader``."""
+
+    wire: int
+    epoch: str
+    seq: int
+    slot: int
+    nbytes: int
+    header: bytes
+
+
+_ready_decoder = msgspec.msgpack.Decoder(BucketReady)
+
+
+def decode_ready(data: bytes, *, epoch: str, peer: str) -> BucketReady:
+    return codec.decode_message(_ready_decoder, data, what="bucket announcement", epoch=epoch, peer=peer)
 
 
 def decode_ring(data: bytes, *, epoch: str, library: str, peer: str) -> RingEndpoint:
@@ -74,9 +102,15 @@ class RegisteredRing(abc.ABC):
     def __init__(self, *, slots: int, slot_bytes: int, device: str) -> None:
         self.slots = slots
         self.slot_bytes = slot_bytes
-        # Pre-fault every page now (first touch runs at ~0.5 GB/s): updates then only ever see warm memory.
-        self.tensor = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
-        self.tensor.fill_(0)
+        self.shared: SharedSegment | None = None
+        if device == HOST_SHARED:
+            sweep_orphan_segments()
+            self.shared = SharedSegment(f"{new_segment_prefix()}-0", slots * slot_bytes, create=True)  # pre-faulted
+            self.tensor = self.shared.tensor
+        else:
+            # Pre-fault every page now (first touch runs at ~0.5 GB/s): updates then only ever see warm memory.
+            self.tensor = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
+            self.tensor.fill_(0)
         self.memory = str(self.tensor.device)
 
     def slot(self, index: int) -> torch.Tensor:
@@ -91,6 +125,7 @@ class RegisteredRing(abc.ABC):
         return RingEndpoint(
             wire=codec.WIRE_VERSION, epoch=epoch, library=self.library, agent=agent, blob=blob, base=self.base,
             slot_bytes=self.slot_bytes, slots=self.slots, memory=self.memory,
+            segment=self.shared.name if self.shared is not None else "",
         )
 
     @abc.abstractmethod
@@ -104,3 +139,10 @@ class RegisteredRing(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Deregister the ring and release the library's resources. Idempotent."""
+
+    def free(self) -> None:
+        """After ``close()``: unmap and unlink a shared ring's segment (the transport calls it). Idempotent."""
+        shared, self.shared = self.shared, None
+        if shared is not None:
+            self.tensor = torch.empty(0, dtype=torch.uint8)  # our view must go for the mapping to close
+            shared.close()

@@ -12,7 +12,10 @@ Usage, in a backend's test module::
 Fixtures to override: ``backend`` (required), ``engine_options``, ``receivers``, ``bucket_bytes``, and where the
 tensors live: ``device`` (``"cpu"``, an accelerator's device type such as ``"cuda"``, or ``"module:function"``
 that registers a device in each worker process and returns its type, e.g. ``"weightsync.emuaccel:install"``) and
-``placement`` (``"device"``: every source and destination on it; ``"mixed"``: host and device interleaved). The kit
+``placement`` (``"device"``: every source and destination on it; ``"mixed"``: host and device interleaved), and
+``hosts``: which pretend host each worker is on (entry 0 the sender, then the receivers; ``None``: this host) —
+workers on different pretend hosts advertise different node ids, so a host-aware topology treats them as apart
+(they still share this machine's memory). The kit
 starts one sender and ``receivers`` receiver processes per test class and runs every case through the full
 lifecycle.
 Comparison is by raw bytes, inside the receiver's loop. The kit is tested against transports that corrupt a byte
@@ -78,12 +81,17 @@ class EngineConformance:
 
     @pytest.fixture(scope="class")
     @classmethod
+    def hosts(cls) -> list[int] | None:
+        return None
+
+    @pytest.fixture(scope="class")
+    @classmethod
     def harness(
         cls, backend: str, engine_options: dict[str, Any], receivers: int, bucket_bytes: int, device: str,
-        placement: str,
+        placement: str, hosts: list[int] | None,
     ) -> Iterator[EngineHarness]:
         harness = EngineHarness(backend, receivers=receivers, bucket_bytes=bucket_bytes, options=engine_options,
-                                device=device, placement=placement)
+                                device=device, placement=placement, hosts=hosts)
         harness.start()
         try:
             harness.setup()

@@ -192,9 +192,13 @@ class EngineHarness:
 
     def __init__(self, backend: str, *, receivers: int = 2, bucket_bytes: int = 1 << 20,
                  options: dict[str, Any] | None = None, timeout: float = 120.0, device: str = "cpu",
-                 placement: str = "device") -> None:
+                 placement: str = "device", hosts: Sequence[int] | None = None) -> None:
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        if hosts is not None and len(hosts) != receivers + 1:
+            raise ValueError(f"hosts needs one entry per worker (the sender, then {receivers} receivers), got "
+                             f"{len(hosts)}")
+        self.hosts = list(hosts) if hosts is not None else None
         self.backend = backend
         self.device = device
         """``"cpu"``, a device type, or ``"module:function"`` registering a device in each worker (``resolve_device``)."""
@@ -214,11 +218,13 @@ class EngineHarness:
         node = _node_id()
         roles: list[tuple[str, Role, int]] = [("actor rank 0", "actor", 0)]
         roles += [(f"rollout rank {rank}", "rollout", rank) for rank in range(self.receivers)]
-        for label, role, rank in roles:
+        for index, (label, role, rank) in enumerate(roles):
+            # A pretend host is a node id of its own on this machine.
+            worker_node = node if self.hosts is None else f"{node}/host{self.hosts[index]}"
             parent, child = self._context.Pipe()
             process = self._context.Process(
                 target=_worker_main,
-                args=(child, self.backend, role, rank, self.bucket_bytes, self.options, node,
+                args=(child, self.backend, role, rank, self.bucket_bytes, self.options, worker_node,
                       (self.device, self.placement)),
                 daemon=True, name=f"weightsync-conformance-{label}",
             )
