@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 from typing import Any
 
 import ray
 
+from tests.tools.testbed.driving import DriverChannel
 from tests.workloads import ModelSource, RecordingSink
 from weightsync.api.config import StepTimeouts, SyncConfig
 from weightsync.api.errors import WeightsyncError
@@ -32,27 +32,13 @@ FAULT_AFTER_S = 0.6
 SLOW_TENSOR_S = 0.15  # 12 tensors: about 1.8 s of streaming, so the fault lands mid-update
 
 
-class Channel:
-    """JSON lines to the test on a private copy of stdout (fd 1 becomes stderr: Ray and torch may print)."""
-
-    def __init__(self) -> None:
-        self.out = os.fdopen(os.dup(1), "w")
-        os.dup2(2, 1)
-
-    def ask(self, message: dict[str, Any]) -> None:
-        self.out.write(json.dumps(message) + "\n")
-        self.out.flush()
-        if message.keys() & {"fault", "restore"} and not sys.stdin.readline():
-            raise SystemExit("the test went away")
-
-
 def describe(error: BaseException) -> dict[str, Any]:
     return {"type": type(error).__name__, "message": str(error), "notes": list(getattr(error, "__notes__", [])),
             "details": {key: value for key, value in getattr(error, "details", {}).items()
                         if isinstance(value, (str, int, float, bool, list))}}
 
 
-async def faulted_update(manager: CheckpointEngineManager, channel: Channel, host: int) -> dict[str, Any]:
+async def faulted_update(manager: CheckpointEngineManager, channel: DriverChannel, host: int) -> dict[str, Any]:
     started = time.perf_counter()
     task = asyncio.create_task(manager.update_weights())
     await asyncio.sleep(FAULT_AFTER_S)
@@ -67,7 +53,7 @@ async def faulted_update(manager: CheckpointEngineManager, channel: Channel, hos
 def main() -> None:
     backend, victim = sys.argv[1], int(sys.argv[2])
     node_ids: dict[str, str] = json.loads(sys.argv[3])  # host index -> Ray node id
-    channel = Channel()
+    channel = DriverChannel()
     ray.init(logging_level="ERROR", log_to_driver=False)
     actor_wg = RayActorWorkerGroup.create(world_size=1, source_factory=ModelSource, node_id=node_ids["1"])
     replicas = [RayRolloutReplica.create(replica=r, sink_factory=RecordingSink, node_id=node_ids[str(2 + r)])
@@ -98,7 +84,7 @@ def main() -> None:
         result["next"] = {"ok": False, "error": describe(error)}
     result["digests"] = digests()
     result["hooks"] = hooks()
-    channel.ask({"result": result})
+    channel.tell({"result": result})
     for replica in replicas:
         replica.shutdown()
     actor_wg.shutdown()

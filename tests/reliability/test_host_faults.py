@@ -13,7 +13,6 @@ source's own).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -22,12 +21,12 @@ import pytest
 from weightsync.cli.testbed import LinkMode, Testbed, TestbedRay
 
 from tests.reliability.host_fault_driver import TRANSFER_TIMEOUT
-from tests.tools.testbed.support import read_line, start_or_skip
+from tests.tools.testbed.driving import steer
+from tests.tools.testbed.support import start_or_skip
 
 CROSSING_BACKENDS = ["nixl", "mooncake", "gloo"]
 SLACK = 1.0
 SENDER_HOST, RECEIVING_HOST = 1, 3
-DRIVER_TIMEOUT_S = 240.0
 
 
 @pytest.fixture(scope="module")
@@ -44,30 +43,19 @@ def run_case(cluster: TestbedRay, backend: str, victim: int, mode: LinkMode = "d
     """Run the driver; take ``victim``'s link down (``mode``) and up when it asks; its result."""
     bed = cluster.bed
     nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
-    driver = cluster.driver([sys.executable, "-m", "tests.reliability.host_fault_driver", backend, str(victim), nodes],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert driver.stdin is not None
+
+    def on_request(message: dict[str, Any]) -> None:
+        if "fault" in message:
+            bed.link_down(message["fault"], mode=mode)
+        else:
+            bed.link_up(message["restore"])
+
     try:
-        while True:
-            message = json.loads(read_line(driver, DRIVER_TIMEOUT_S) or "null")
-            if not isinstance(message, dict):
-                raise AssertionError(f"the driver ended without a result (exit code {driver.wait(30)})")
-            if "result" in message:
-                return dict(message["result"])
-            if "fault" in message:
-                bed.link_down(message["fault"], mode=mode)
-            else:
-                bed.link_up(message["restore"])
-            driver.stdin.write(b"done\n")
-            driver.stdin.flush()
+        return steer(cluster, [sys.executable, "-m", "tests.reliability.host_fault_driver", backend, str(victim),
+                               nodes], on_request)
     finally:
         if not bed.link_is_up(victim):
             bed.link_up(victim)
-        try:
-            driver.wait(30)
-        except subprocess.TimeoutExpired:
-            driver.kill()
-            driver.wait(30)
 
 
 def check_fault(result: dict[str, Any], cluster: TestbedRay, victim: int) -> None:

@@ -304,3 +304,16 @@ def test_multi_worker_replicas(ray_nodes: RayNodes) -> None:
     finally:
         actor_wg.shutdown()
         replica.shutdown()
+
+
+def test_auto_is_the_default_and_picks_shm_on_one_host(world: World) -> None:
+    manager = CheckpointEngineManager(actor_wg=world.actor_wg, replicas=world.replicas,
+                                      config=SyncConfig(bucket_bytes=BUCKET))
+    assert manager.backend == "auto"
+    expected = world.set_version(31)
+    report = asyncio.run(manager.update_weights(version=31))
+    assert report.ok and world.sink_digests() == [expected, expected]
+    assert report.backend == "auto" and report.chosen == "shm: every worker shares the sender's host"
+    assert manager.choice is not None and manager.choice.backend == "shm"
+    sender = int(ray.get(world.actor_wg.call("pid")[0]))
+    assert any(name.startswith(f"weightsync-{sender}-") for name in shm_entries())  # the sender's shm ring

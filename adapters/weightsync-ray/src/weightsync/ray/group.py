@@ -200,20 +200,25 @@ class RayRolloutReplica:
         replica: int,
         sink_factory: SinkFactory,
         num_workers: int = 1,
-        node_id: str | None = None,
+        node_id: str | Sequence[str] | None = None,
         ray_options: Mapping[str, Any] | None = None,
     ) -> RayRolloutReplica:
+        """``num_workers`` workers, pinned to Ray node ``node_id`` — or worker i to ``node_id[i]`` (a replica
+        spanning nodes, e.g. tensor parallelism across hosts)."""
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ConfigError(f"num_workers must be a positive int, got {num_workers!r}")
+        nodes = [node_id] * num_workers if node_id is None or isinstance(node_id, str) else list(node_id)
+        if len(nodes) != num_workers:
+            raise ConfigError(f"node_id lists {len(nodes)} nodes for {num_workers} workers")
         remote = ray.remote(RolloutWorkerHost)
         workers = [
             RayRolloutWorker(
-                remote.options(**_actor_options(ray_options, node_id)).remote(
+                remote.options(**_actor_options(ray_options, node)).remote(
                     replica=replica, worker=worker, sink_factory=sink_factory
                 ),
                 name=f"worker{worker}",
             )
-            for worker in range(num_workers)
+            for worker, node in enumerate(nodes)
         ]
         return cls(workers)
 

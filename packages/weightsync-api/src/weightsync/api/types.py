@@ -168,6 +168,9 @@ class UpdateReport:
     transfers: tuple[TransferReport, ...] = ()
     rebuilt: bool = False
     """Whether this update (re)built the topology (first update, membership change, or after a failure)."""
+    chosen: str = ""
+    """With ``backend="auto"``: the backend it picked at the last setup, its layout and why (e.g. ``"nixl
+    (two-level): workers on 3 hosts: the fastest network transport installed"``); empty for a named backend."""
 
     @property
     def transfer_seconds(self) -> float:

@@ -26,7 +26,13 @@ from weightsync.api.errors import (
     StepTimeoutError,
     reject_renamed_keywords,
 )
-from weightsync.api.protocols import ActorWorkerGroup, PausableReplica, RolloutReplica, RolloutWorker
+from weightsync.api.protocols import (
+    ActorWorkerGroup,
+    CheckpointEngine,
+    PausableReplica,
+    RolloutReplica,
+    RolloutWorker,
+)
 from weightsync.api.registry import load_engine_class
 from weightsync.api.topology import build_checked_topology, with_epoch
 from weightsync.api.types import (
@@ -37,7 +43,8 @@ from weightsync.api.types import (
     WorkerMetadata,
     WorldMetadata,
 )
-from weightsync.core import steps
+from weightsync.core import auto, steps
+from weightsync.core.auto import AUTO, AutoChoice
 from weightsync.core.host import engine_spec, is_untouched
 
 __all__ = ["CheckpointEngineManager"]
@@ -59,7 +66,7 @@ class CheckpointEngineManager:
     def __init__(
         self,
         *,
-        backend: str,
+        backend: str = AUTO,
         actor_wg: ActorWorkerGroup,
         replicas: Sequence[RolloutReplica],
         config: SyncConfig | None = None,
@@ -70,7 +77,10 @@ class CheckpointEngineManager:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"actor_wg.world_size must be a positive int, got {world_size!r}")
         self.backend = backend
-        self.engine_class = load_engine_class(backend)  # fails now, naming the package, if not installed
+        # Fails now, naming the package, if not installed; "auto" picks one at each setup (weightsync.core.auto).
+        self.engine_class = load_engine_class(backend) if backend != AUTO else None
+        self.choice: AutoChoice | None = None
+        """What ``backend="auto"`` picked at the last setup (None for an explicit backend or before the first)."""
         self.actor_wg = actor_wg
         self.config = config or SyncConfig()
         self._replicas: list[RolloutReplica] = []
@@ -204,7 +214,7 @@ class CheckpointEngineManager:
             stages=stages, digest=sender_reports[0].digest if sender_reports else "", receivers=len(workers),
             replicas=tuple(outcomes_by_replica), transfers=tuple(
                 [*sender_reports, *(r for r in reports if isinstance(r, TransferReport))]
-            ), rebuilt=rebuilt,
+            ), rebuilt=rebuilt, chosen=f"{self.choice.name}: {self.choice.reason}" if self.choice else "",
         )
 
     async def _explain(self, errors: list[BaseException], timed_out: StepTimeoutError | None,
@@ -221,6 +231,23 @@ class CheckpointEngineManager:
                 return down
         return steps.root_cause(errors)
 
+    async def _resolve(self, workers: list[tuple[int, RolloutWorker]], timeout: float
+                       ) -> tuple[str, SyncConfig, type[CheckpointEngine]]:
+        """The backend, configuration and engine class of this setup: the named backend's, or what ``auto`` picks
+        from the nodes the workers answer a ping with (actor rank 0 is the sender)."""
+        if self.engine_class is not None:
+            return self.backend, self.config, self.engine_class
+        pings = self._pings(workers)
+        if not pings:
+            raise ConfigError("backend='auto' needs workers that answer execute_checkpoint_engine('ping'); name a "
+                              "backend instead")
+        answers = await steps.gather("setup", timeout, pings)
+        nodes = [str(answer.get("node_id")) if isinstance(answer, dict) else "" for answer in answers]
+        actor_size = self.actor_wg.world_size
+        self.choice = choice = auto.choose(sender_node=nodes[0], rollout_nodes=nodes[actor_size:])
+        config = dataclasses.replace(self.config, backend_options={**choice.options, **self.config.backend_options})
+        return choice.backend, config, load_engine_class(choice.backend)
+
     def _pings(self, workers: list[tuple[int, RolloutWorker]]) -> list[tuple[str, Awaitable[Any]]]:
         """A ``ping`` call to every worker; none if the worker group cannot even start one."""
         try:
@@ -236,21 +263,21 @@ class CheckpointEngineManager:
         started = time.perf_counter()
         timeout = self.config.timeouts.setup
         actor_size = self.actor_wg.world_size
-        specs = [engine_spec(backend=self.backend, config=self.config, role="actor", rank=rank)
-                 for rank in range(actor_size)]
+        backend, config, engine_class = await self._resolve(workers, timeout)
+        specs = [engine_spec(backend=backend, config=config, role="actor", rank=rank) for rank in range(actor_size)]
         actor_calls = self.actor_wg.execute_checkpoint_engine("prepare", engine=specs)
         labelled: list[tuple[str, Awaitable[Any]]] = [
             (f"actor rank {rank}", call) for rank, call in enumerate(actor_calls)
         ]
         labelled += [
             (_worker_label(r, worker), worker.execute_checkpoint_engine(
-                "prepare", engine=engine_spec(backend=self.backend, config=self.config, role="rollout", rank=rank)))
+                "prepare", engine=engine_spec(backend=backend, config=config, role="rollout", rank=rank)))
             for rank, (r, worker) in enumerate(workers)
         ]
         metadata: list[WorkerMetadata] = await steps.gather("prepare", timeout, labelled)
         self._where = {label: _host_of(entry) for (label, _), entry in zip(labelled, metadata)}
         topology = build_checked_topology(
-            self.engine_class, backend=self.backend, actor_wg_world_size=actor_size, rollout_world_size=len(workers),
+            engine_class, backend=backend, actor_wg_world_size=actor_size, rollout_world_size=len(workers),
             metadata=WorldMetadata(actor=metadata[:actor_size], rollout=metadata[actor_size:]),
         )
         # Our engines stamp the epoch token in build_topology; an engine that does not gets one here.

@@ -87,8 +87,10 @@ def _doctor(as_json: bool) -> int:
         if status.status == "not installed":
             detail = status.install
         print(f"{status.backend:<{width}}  {status.status:<14}  {detail}")
-    from weightsync.core.tensors import STREAM_COPY  # imports torch: only for the table, after the backends
+    from weightsync.core.auto import describe_rule  # imports torch: only for the table, after the backends
+    from weightsync.core.tensors import STREAM_COPY
 
+    print(f"backend='auto' (the default): {describe_rule()}")
     print(f"host copies of large tensors: {STREAM_COPY}")
     return 0
 

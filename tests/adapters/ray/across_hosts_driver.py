@@ -1,0 +1,53 @@
+"""The driver of test_across_hosts, run inside the testbed's head host: ``backend="auto"`` through the Ray adapter.
+
+Placement (hosts by index): the actor worker group on host 1; two replicas of two workers each, spanning hosts 2 and
+3 (worker 0 on host 2, worker 1 on host 3), so that in rank order the hosts interleave: 2, 3, 2, 3. It commits one
+update (the setup), then asks the test to read the link counters before and after a second one, and reports the
+choice ``auto`` made and the digest every worker holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import sys
+from typing import Any
+
+import ray
+
+from tests.tools.testbed.driving import DriverChannel
+from tests.workloads import ModelSource, RecordingSink
+from weightsync.api.config import MiB, StepTimeouts, SyncConfig
+from weightsync.core.manager import CheckpointEngineManager
+from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
+
+NUMEL = 500_000  # 12 fp32 tensors: 24 MB a model, far above Ray's own traffic on the links
+
+
+def main() -> None:
+    nodes: dict[str, str] = json.loads(sys.argv[1])  # host index -> Ray node id
+    backend = sys.argv[2] if len(sys.argv) > 2 else "auto"
+    channel = DriverChannel()
+    ray.init(logging_level="ERROR", log_to_driver=False)
+    actor_wg = RayActorWorkerGroup.create(world_size=1, source_factory=functools.partial(ModelSource, numel=NUMEL),
+                                          node_id=nodes["1"])
+    replicas = [RayRolloutReplica.create(replica=r, sink_factory=RecordingSink, num_workers=2,
+                                         node_id=[nodes["2"], nodes["3"]]) for r in range(2)]
+    config = SyncConfig(bucket_bytes=4 * MiB, timeouts=StepTimeouts(transfer=60, setup=60))
+    manager = CheckpointEngineManager(backend=backend, actor_wg=actor_wg, replicas=replicas, config=config)
+    result: dict[str, Any] = {"first": asyncio.run(manager.update_weights()).ok}
+    result["expected"] = ray.get(actor_wg.call("set_version", 3))[0]
+    channel.ask({"mark": "before"})
+    report = asyncio.run(manager.update_weights())
+    channel.ask({"mark": "after"})
+    result.update(ok=report.ok, chosen=report.chosen, backend=report.backend, nbytes=report.nbytes,
+                  digests=[digest for replica in replicas for digest in ray.get(replica.call("digest"))])
+    channel.tell({"result": result})
+    for replica in replicas:
+        replica.shutdown()
+    actor_wg.shutdown()
+
+
+if __name__ == "__main__":
+    main()

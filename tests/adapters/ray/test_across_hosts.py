@@ -1,0 +1,65 @@
+"""A Ray cluster across the emulated hosts (a raylet in each), ``CheckpointEngineManager`` with ``backend="auto"``
+through the Ray adapter: it picks the two-level chain, every worker ends bit-exact, and the link counters (read
+outside every host) show each byte crossed each link once — although the hosts interleave in rank order, where the
+plain chain would have taken the model into each receiving host twice.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from weightsync.cli.testbed import LinkCounters, Testbed, TestbedRay
+from weightsync.core.auto import choose
+
+from tests.tools.testbed.driving import steer
+from tests.tools.testbed.support import start_or_skip
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[TestbedRay]:
+    bed = start_or_skip(Testbed(4, link_gbps=2.0))
+    try:
+        with TestbedRay(bed) as ray_cluster:
+            yield ray_cluster
+    finally:
+        bed.close()
+
+
+def run(cluster: TestbedRay, *backend: str) -> tuple[dict[str, Any], list[LinkCounters]]:
+    """The driver's result, and each host's link counters over its second update."""
+    marks: dict[str, tuple[LinkCounters, ...]] = {}
+
+    def on_request(message: dict[str, Any]) -> None:
+        marks[message["mark"]] = cluster.bed.counters()
+
+    nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
+    result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.across_hosts_driver", nodes, *backend],
+                   on_request)
+    assert result["first"] and result["ok"]
+    assert result["digests"] == [result["expected"]] * 4  # what each worker holds, hashed in its own process
+    return result, [after - before for before, after in zip(marks["before"], marks["after"])]
+
+
+def test_auto_moves_each_byte_across_each_link_once(cluster: TestbedRay) -> None:
+    result, moved = run(cluster)
+    expected_choice = choose(sender_node="host 1", rollout_nodes=["host 2", "host 3"])
+    assert result["backend"] == "auto" and result["chosen"].startswith(f"{expected_choice.name}:"), result
+    assert expected_choice.options == {"layout": "two_level"}  # a chain backend is installed where this runs
+    size = result["nbytes"]
+    assert 0.95 * size <= moved[1].egress_bytes <= 1.2 * size, moved  # the sender's host sent the model once
+    for host in (2, 3):
+        assert 0.95 * size <= moved[host].ingress_bytes <= 1.2 * size, moved  # into each host once
+    assert moved[2].egress_bytes <= 1.2 * size and moved[3].egress_bytes <= 0.1 * size  # host 2 relays to host 3
+
+
+def test_the_rank_order_chain_takes_the_model_into_each_host_twice(cluster: TestbedRay) -> None:
+    """Negative control of the link checks above: the plain chain (nixl named, no layout) on the same placement."""
+    result, moved = run(cluster, "nixl")
+    assert result["chosen"] == ""
+    size = result["nbytes"]
+    for host in (2, 3):
+        assert moved[host].ingress_bytes >= 1.9 * size, moved
