@@ -164,3 +164,13 @@ def test_the_printed_ratio_is_the_reported_one_at_a_rounding_edge() -> None:
     assert reported == 3.045 and f"{result.ratio:.2f}" == f"{reported:.2f}"
     # Negative control: the unrounded figure is the one that would disagree.
     assert f"{result.update_p50 / result.noop_p50:.2f}" != f"{reported:.2f}"
+
+
+def test_auto_is_an_entry_and_picks_shm_on_one_host(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "auto.json"
+    result = bench("--backends", "auto", "--model-mb", "4", "--bucket-mb", "1", "--repeat", "1", "--receivers", "2",
+                   "--no-ray", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = {row["backend"]: row for row in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"auto", "naive", "bucketed"} and rows["auto"]["chosen"] == "shm"
+    assert rows["auto"]["gbps_p50"] > 0 and "(auto picked shm here)" in result.stdout

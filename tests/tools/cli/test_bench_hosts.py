@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from weightsync.api.registry import available_backends
+from weightsync.core.auto import choose
 from weightsync.cli.bench.scenario import BenchOptions, make_case
 from weightsync.cli.main import main
 from weightsync.cli.testbed import probe
@@ -47,7 +48,7 @@ def bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def hosts_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, list[str]]:
     skip_unless_testbed()
-    backends = [name for name in CROSSING if name in available_backends()]
+    backends = [*(name for name in CROSSING if name in available_backends()), "auto"]
     out = tmp_path_factory.mktemp("bench-hosts") / "hosts.json"
     # shm is asked for explicitly: it must be left out, not fail the run.
     result = bench("--hosts", "3", "--receivers", "1", "--link-gbps", str(LINK_GBPS), "--model-mb", "16",
@@ -62,7 +63,11 @@ def test_json_keeps_the_schema_and_adds_the_testbed_fields(hosts_run: tuple[dict
     assert set(data) == {"scenario", "limit_gbps", "engine_copy_limit_gbps", "raw_gloo_gbps", "link_limit_gbps",
                          "results", "ray_end_to_end"}
     assert [row["backend"] for row in data["results"]] == [*backends, "naive", "bucketed"]
-    assert all(set(row) == HOSTS_RESULT_KEYS for row in data["results"])
+    assert all(set(row) == HOSTS_RESULT_KEYS for row in data["results"] if row["backend"] != "auto")
+    auto = next(row for row in data["results"] if row["backend"] == "auto")
+    assert set(auto) == HOSTS_RESULT_KEYS | {"chosen"}
+    assert auto["chosen"] == choose(sender_node="0", rollout_nodes=["1", "2"]).name  # e.g. "nixl (two-level)"
+    assert f"(auto picked {auto['chosen']} here)" in stdout
     scenario = data["scenario"]
     assert scenario["hosts"] == 3 and scenario["link_gbps"] == LINK_GBPS
     assert scenario["skipped"] == ["shm"] and scenario["backends"] == backends

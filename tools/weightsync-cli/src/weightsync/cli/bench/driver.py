@@ -38,6 +38,7 @@ from weightsync.cli.bench.scenario import BASELINES, BenchOptions, Case, make_ca
 from weightsync.cli.bench.sweep import measure_sweep, plot, sweep_bytes, sweep_cases, sweep_steps
 from weightsync.cli.progress import Progress
 from weightsync.cli.testbed import TestbedUnavailable
+from weightsync.core.auto import AUTO
 
 __all__ = ["BenchOptions", "BenchResult", "model_layout", "run_bench"]
 
@@ -48,7 +49,7 @@ RAY_ACTOR_RANKS = 2
 
 def run_bench(options: BenchOptions) -> int:
     wall_started = time.perf_counter()
-    backends = options.backends or tuple(available_backends())
+    backends = options.backends or (*available_backends(), AUTO)
     if not _backends_usable(backends):
         return 2
     skipped: tuple[str, ...] = ()
@@ -111,7 +112,8 @@ def _backends_usable(backends: tuple[str, ...]) -> bool:
         if backend in BASELINES:
             print(f"weightsync bench: {backend!r} is a baseline and always runs; do not list it", file=sys.stderr)
             return False
-        load_engine_class(backend)
+        if backend != AUTO:
+            load_engine_class(backend)
     return True
 
 
@@ -122,7 +124,8 @@ def _ray_plan(options: BenchOptions, backends: tuple[str, ...]) -> tuple[str | N
     if ray_skipped is None:
         if not ray_backend:
             ray_backend = "shm" if "shm" in available_backends() else backends[0]
-        load_engine_class(ray_backend)
+        if ray_backend != AUTO:
+            load_engine_class(ray_backend)
     return ray_skipped, ray_backend
 
 

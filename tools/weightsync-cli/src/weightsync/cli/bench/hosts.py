@@ -27,6 +27,7 @@ from weightsync.api.registry import get_backend_spec
 from weightsync.cli.bench.measure import LocalPlacement, Placement, Spawned
 from weightsync.cli.bench.scenario import BenchOptions
 from weightsync.cli.bench.worker import Duplex
+from weightsync.core.auto import AUTO
 from weightsync.cli.testbed import CleanupError, LinkCounters, Testbed, TestbedError, TestbedUnavailable, cleanup
 
 __all__ = ["WORKER_ARGV", "HostPlacement", "cross_host_split", "placement", "run_cleanup"]
@@ -70,8 +71,9 @@ class HostPlacement:
 
 
 def cross_host_split(backends: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The backends that can cross hosts, and those that cannot (their spec's ``cross_node`` is False)."""
-    crossing = tuple(name for name in backends if get_backend_spec(name).cross_node)
+    """The backends that can cross hosts, and those that cannot (their spec's ``cross_node`` is False; ``auto``
+    crosses: it picks a backend that does)."""
+    crossing = tuple(name for name in backends if name == AUTO or get_backend_spec(name).cross_node)
     return crossing, tuple(name for name in backends if name not in crossing)
 
 

@@ -25,6 +25,7 @@ from weightsync.cli.bench.scenario import BASELINES, Case
 from weightsync.cli.bench.worker import Channel, c10d, serve
 from weightsync.cli.progress import Progress
 from weightsync.cli.testbed import LinkCounters
+from weightsync.core.auto import AUTO, choose
 from weightsync.core.engine import default_node_id
 
 __all__ = ["COPY_TRIES", "RAW_TRIES", "BenchResult", "LocalPlacement", "Placement", "Spawned", "Yardsticks", "cores",
@@ -46,6 +47,8 @@ class BenchResult:
     """Per timed update (testbed only): bytes host 0 sent on its link."""
     host_ingress_bytes: list[list[int]] = field(default_factory=list)
     """Per timed update (testbed only): bytes each of hosts 1..H-1 received on its link."""
+    chosen: str = ""
+    """For ``auto``: the backend (and layout) it picked for this placement."""
 
 
 @dataclass
@@ -120,6 +123,13 @@ class _Workers:
                 common.update(store_host="127.0.0.1", store_port=int(self.store.port))
         else:
             common.update(kind="engine", backend=case.name)
+        self.backend, self.chosen = case.name, ""
+        if case.name == AUTO:
+            # What the manager's auto would pick for these workers: their hosts are the testbed's (or this one).
+            choice = choose(sender_node=str(case.host_of(0)),
+                            rollout_nodes=[str(case.host_of(rank)) for rank in range(1, 1 + case.receivers)])
+            self.backend, self.chosen = choice.backend, choice.name
+            common.update(backend=choice.backend, options=choice.options)
         self.pipes: list[Channel] = []
         self.stops: list[Callable[[float], None]] = []
         for group_rank in range(1 + case.receivers):
@@ -154,7 +164,7 @@ class _Workers:
                 self.each("init")
             return
         metadata = self.each("prepare")
-        topology = load_engine_class(self.name).build_topology(
+        topology = load_engine_class(self.backend).build_topology(
             actor_wg_world_size=1, rollout_world_size=receivers,
             metadata=WorldMetadata(actor=metadata[:1], rollout=metadata[1:]),
         )
@@ -210,7 +220,7 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
     p90 = rates[max(0, round(0.1 * (len(rates) - 1)))]  # 90% of the updates were at least this fast
     return BenchResult(backend=case.name, gbps_p50=statistics.median(rates), gbps_p90=p90,
                        peak_extra_rss_mb=peak_extra, seconds=seconds, sender_egress_bytes=egress,
-                       host_ingress_bytes=ingress)
+                       host_ingress_bytes=ingress, chosen=workers.chosen)
 
 
 def _trace_update(workers: _Workers, case: Case, progress: Progress, trace: list[dict[str, Any]]) -> None:

@@ -75,6 +75,8 @@ class Summary:
                 "ratio_engine_copy_limit": round(result.gbps_p50 / self.engine_copy_limit_gbps, 4),
                 "peak_extra_rss_mb": round(result.peak_extra_rss_mb, 1),
             }
+            if result.chosen:
+                row["chosen"] = result.chosen
             if self.options.hosts:
                 # Per update: the median over the timed updates (every update's counts are in the scenario).
                 row.update(ratio_link_limit=round(result.gbps_p50 / self.link_limit_gbps, 4),
@@ -122,6 +124,8 @@ def print_report(summary: Summary, ray: RayOutcome) -> None:
           "per receiver; JSON: ratio_engine_copy_limit)")
     print(f"{'backend':<10} {'p50':>7} {'p90':>7} {'x bucketed':>11} {'x limit':>8} {'peak extra RSS MiB':>19}")
     for row in summary.rows():
+        if "chosen" in row:
+            print(f"({row['backend']} picked {row['chosen']} here)")
         print(f"{row['backend']:<10} {row['gbps_p50']:>7.2f} {row['gbps_p90']:>7.2f} {row['ratio_bucketed']:>11.2f} "
               f"{row['ratio_limit']:>8.2f} {row['peak_extra_rss_mb']:>19.1f}")
     if options.hosts:

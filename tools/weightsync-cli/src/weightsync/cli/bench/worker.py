@@ -223,6 +223,7 @@ class _Worker:
                 bucket_bytes=spec["bucket_bytes"],
                 context=WorkerContext(role=spec["role"], rank=spec["rank"], node_id=self.node_id,
                                       host_ip=self.host_ip),
+                **spec.get("options", {}),
             )
         self.rss_before = 0
         self.reset_worked = False
