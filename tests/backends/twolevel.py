@@ -55,7 +55,8 @@ class TwoLevelHosts:
     @pytest.fixture(scope="class")
     @classmethod
     def engine_options(cls) -> dict[str, Any]:
-        return {"layout": "two_level"}
+        # Pieces far smaller than a bucket: rank 1 relays every bucket to rank 3 in 16 pieces as they land.
+        return {"layout": "two_level", "relay_piece_bytes": 65536}
 
     def test_the_workers_of_a_host_read_its_leader_s_ring_in_place(self, harness: EngineHarness) -> None:
         harness.update("three_buckets")

@@ -49,8 +49,13 @@ class HostRingReader:
         self._received = 0
 
     def receive(self, deadline: float) -> ReceivedBucket:
-        ready = decode_ready(recv_frame(self._sock, deadline=deadline, peer=self._peer, max_len=MAX_CONTROL_FRAME),
-                             epoch=self._epoch, peer=self._peer)
+        while True:  # a relaying leader announces pieces as they land; this reader wants whole buckets
+            ready = decode_ready(recv_frame(self._sock, deadline=deadline, peer=self._peer,
+                                            max_len=MAX_CONTROL_FRAME), epoch=self._epoch, peer=self._peer)
+            if ready.complete:
+                break
+            if ready.seq != self._received + 1:
+                raise WireError(f"{self._peer} announced part of bucket {ready.seq} after {self._received}")
         if ready.slot == NO_SLOT:
             return ReceivedBucket(header=ready.header, payload=torch.empty(0, dtype=torch.uint8), token=0)
         ring = self._endpoint

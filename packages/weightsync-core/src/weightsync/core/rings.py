@@ -51,7 +51,11 @@ _ring_decoder = msgspec.msgpack.Decoder(RingEndpoint)
 
 class BucketReady(msgspec.Struct, frozen=True, tag="ready"):
     """An upstream announces bucket ``seq`` (1-based, counted per epoch) in its ``slot``; ``slot`` = NO_SLOT for the
-    payload-less final and abort markers (``seq`` 0). ``header`` is the pipeline's encoded ``BucketHeader``."""
+    payload-less final and abort markers (``seq`` 0). ``header`` is the pipeline's encoded ``BucketHeader``.
+
+    A relay announces a bucket while it is still arriving: first with ``available`` < ``nbytes`` (the bytes of the
+    slot readable so far, no header) as each piece lands, then once whole (``available`` = -1, with the header), so
+    the next hop reads each piece as soon as it is there and a hop adds a piece's time, not a bucket's."""
 
     wire: int
     epoch: str
@@ -59,6 +63,16 @@ class BucketReady(msgspec.Struct, frozen=True, tag="ready"):
     slot: int
     nbytes: int
     header: bytes
+    available: int = -1
+
+    @property
+    def readable(self) -> int:
+        """Bytes of the bucket the upstream's slot holds now."""
+        return self.nbytes if self.available < 0 else min(self.available, self.nbytes)
+
+    @property
+    def complete(self) -> bool:
+        return self.available < 0
 
 
 _ready_decoder = msgspec.msgpack.Decoder(BucketReady)
