@@ -63,3 +63,21 @@ def test_the_rank_order_chain_takes_the_model_into_each_host_twice(cluster: Test
     size = result["nbytes"]
     for host in (2, 3):
         assert moved[host].ingress_bytes >= 1.9 * size, moved
+
+
+def test_a_killed_host_leader_tears_its_host_only_and_another_leads_next(cluster: TestbedRay) -> None:
+    nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
+    result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.leader_fault_driver", nodes],
+                   lambda message: None)
+    assert result["first"]
+    faulted = result["faulted"]
+    assert faulted["error"] == "WorkerError" and "replica1/worker0" in faulted["message"], faulted
+    assert faulted["seconds"] < 6.0 + 1.0, faulted
+    # Host 3's workers (replica 1, killed; replica 2, reading its ring) are torn; host 2's replica committed.
+    assert result["states"] == ["committed", "torn", "torn"], result["states"]
+    replica0_hooks, replica2_hooks = result["hooks"]
+    assert all(hooks[-1] == "resume_generation" for hooks in replica0_hooks)  # resumed, both workers
+    assert replica2_hooks[0][-1] == "release_kv_cache"  # torn: paused, never resumed
+    # Replica 1 removed: replica 2's worker leads host 3, and every worker that is left ends bit-exact.
+    assert result["next"]["ok"] and result["next"]["rebuilt"] and "two-level" in result["next"]["chosen"]
+    assert result["digests"] == [result["expected"]] * 3

@@ -127,9 +127,11 @@ class EpochMismatchError(WireError):
 
 
 class TransferError(WeightsyncError, RuntimeError):
-    """Moving a bucket to or from a peer failed; ``peer`` names it."""
+    """Moving a bucket to or from a peer failed; ``peer`` names it, and ``closed`` is true when the peer's end
+    of the connection is gone (its process exited or was killed) rather than slow or broken mid-stream."""
 
     peer: str
+    closed: bool = False
 
 
 class DigestMismatchError(WeightsyncError, RuntimeError):

@@ -93,8 +93,7 @@ class _Downstream:
                  available: int = -1) -> None:
         frame = codec.encode(BucketReady(wire=codec.WIRE_VERSION, epoch=self.epoch, seq=seq, slot=slot,
                                          nbytes=nbytes, header=header, available=available))
-        for name, sock in self.reads.peers:
-            send_frame(sock, frame, deadline=deadline, peer=name)
+        self.reads.send_all(frame, deadline)
 
     def abort(self, message: str) -> None:
         """Best effort: tell children this position failed, so they stop now rather than at their deadline."""
@@ -198,7 +197,7 @@ class _ChainReceiver:
         them available, announcing each piece to this position's children as it lands; the complete announcement."""
         upstream, done = self._upstream, 0
         local, remote = slot * self._ring.slot_bytes, ready.slot * upstream.ring.slot_bytes
-        relaying = bool(self._downstream.reads.peers)
+        relaying = len(self._downstream.reads.peers) > len(self._downstream.reads.lost)
         while True:
             while done < ready.readable:
                 # A last hop reads what is there in one go; a relay in pieces its children can follow.

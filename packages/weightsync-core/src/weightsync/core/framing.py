@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 MAX_FRAME = 64 << 20
 
+# The peer's end is gone (its process exited or was killed): such a TransferError carries ``closed=True``.
+_CLOSED = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+
 
 def _remaining(deadline: float, peer: str, what: str) -> float:
     left = deadline - time.monotonic()
@@ -40,7 +43,8 @@ def send_frame(sock: socket.socket, payload: bytes, *, deadline: float, peer: st
     except socket.timeout:
         raise TransferError(f"timed out sending to {peer}", peer=peer) from None
     except OSError as exc:
-        raise TransferError(f"connection to {peer} failed while sending: {exc}", peer=peer) from None
+        raise TransferError(f"connection to {peer} failed while sending: {exc}", peer=peer,
+                            closed=isinstance(exc, _CLOSED)) from None
 
 
 def _recv_exact(sock: socket.socket, size: int, *, deadline: float, peer: str) -> bytes:
@@ -52,9 +56,10 @@ def _recv_exact(sock: socket.socket, size: int, *, deadline: float, peer: str) -
         except socket.timeout:
             raise TransferError(f"timed out waiting for {peer}", peer=peer) from None
         except OSError as exc:
-            raise TransferError(f"connection to {peer} failed while receiving: {exc}", peer=peer) from None
+            raise TransferError(f"connection to {peer} failed while receiving: {exc}", peer=peer,
+                                closed=isinstance(exc, _CLOSED)) from None
         if not chunk:
-            raise TransferError(f"{peer} closed the connection", peer=peer)
+            raise TransferError(f"{peer} closed the connection", peer=peer, closed=True)
         chunks += chunk
     return bytes(chunks)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from weightsync.api.errors import TransferError, WireError
 from weightsync.core import codec
-from weightsync.core.framing import recv_frame
+from weightsync.core.framing import recv_frame, send_frame
 
 __all__ = ["poll_until", "poll_until_async", "FreeSlots", "AckedPeers", "SlotSequence"]
 
@@ -89,21 +89,45 @@ class SlotSequence:
 class AckedPeers:
     """Peers that acknowledge, in order, each bucket they are done with (``codec.Ack`` frames on a socket).
 
-    A slot may be overwritten once every peer acknowledged the bucket it last carried: ``wait(seq)``.
+    A slot may be overwritten once every peer acknowledged the bucket it last carried: ``wait(seq)``. A peer whose
+    connection closes (its process died: ``TransferError.closed``) is dropped, not waited for: the others go on,
+    and the lost one — with whatever reads from it — fails on its own, which the manager reports. ``lost`` names
+    the dropped peers and why.
     """
 
     def __init__(self, peers: list[tuple[str, socket.socket]], epoch: str) -> None:
         self.peers = peers
         self.epoch = epoch
         self._acked = [0] * len(peers)
+        self.lost: dict[str, str] = {}
 
     def wait(self, seq: int, deadline: float) -> None:
         for index, (name, sock) in enumerate(self.peers):
-            while self._acked[index] < seq:
-                ack = codec.decode_ack(recv_frame(sock, deadline=deadline, peer=name, max_len=4096), epoch=self.epoch)
+            while name not in self.lost and self._acked[index] < seq:
+                try:
+                    frame = recv_frame(sock, deadline=deadline, peer=name, max_len=4096)
+                except TransferError as exc:
+                    self._drop_if_closed(name, exc)
+                    break
+                ack = codec.decode_ack(frame, epoch=self.epoch)
                 if ack.index != self._acked[index] + 1:
                     raise WireError(f"{name} acknowledged bucket {ack.index} after {self._acked[index]}")
                 self._acked[index] = ack.index
+
+    def send_all(self, frame: bytes, deadline: float) -> None:
+        """Send ``frame`` to every peer not lost."""
+        for name, sock in self.peers:
+            if name in self.lost:
+                continue
+            try:
+                send_frame(sock, frame, deadline=deadline, peer=name)
+            except TransferError as exc:
+                self._drop_if_closed(name, exc)
+
+    def _drop_if_closed(self, name: str, error: TransferError) -> None:
+        if not error.closed:
+            raise error
+        self.lost[name] = str(error)
 
     def close(self) -> None:
         for _, sock in self.peers:

@@ -63,8 +63,7 @@ class _Sender:
         frame = slot.to_bytes(4, "little", signed=True) + nbytes.to_bytes(8, "little") + header
         if slot != NO_SLOT:
             self._sequence.publish(slot)
-        for name, sock in self._acks.peers:
-            send_frame(sock, frame, deadline=deadline, peer=name)
+        self._acks.send_all(frame, deadline)
 
     def close(self) -> None:
         self._acks.close()
