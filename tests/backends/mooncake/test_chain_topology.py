@@ -130,3 +130,18 @@ def test_in_place_checker_fails_on_the_plain_chain() -> None:
             check_in_place(harness.pids, LEADER_OF)
     finally:
         harness.close()
+
+
+@pytest.mark.parametrize("engine", [NixlCheckpointEngine, MooncakeCheckpointEngine])
+def test_two_level_topology_names_the_children_that_read_in_place(engine: type[BucketCheckpointEngine]) -> None:
+    # Those children wait for whole buckets, so a position whose children all read in place reads in one go and
+    # announces no pieces; a leader with a network child (host b's, read by host c's) relays piece by piece.
+    metadata = _metadata(_library(engine), 4)
+    nodes = ["a", "b", "b", "c", "c"]
+    metadata = WorldMetadata(
+        actor=[{**metadata.actor[0], "layout": "two_level", "node_id": nodes[0]}, {}],
+        rollout=[{**worker, "node_id": node} for worker, node in zip(metadata.rollout, nodes[1:])])
+    topology = engine.build_topology(actor_wg_world_size=2, rollout_world_size=4, metadata=metadata)
+    assert topology.actor[0]["children"] == [1] and topology.actor[0]["in_place"] == []
+    assert [args["children"] for args in topology.rollout] == [[2, 3], [], [4], []]
+    assert [args["in_place"] for args in topology.rollout] == [[2], [], [4], []]

@@ -16,6 +16,7 @@ from weightsync.core.chain import (
     RingEndpoint,
     chain_positions,
 )
+from weightsync.core.rings import PendingRead
 from weightsync.core.codec import WIRE_VERSION, Ack, Hello, encode
 from weightsync.core.collective import CollectiveTransport, Group, c10d
 from weightsync.core.device import (
@@ -52,7 +53,7 @@ __all__ = [
     # the transport interface
     "Transport", "SenderTransport", "ReceiverTransport", "ReceivedBucket", "NO_SLOT", "BufferPlace", "DevicePolicy",
     # shared transports
-    "ChainTransport", "RegisteredRing", "RemoteRing", "RingEndpoint", "chain_positions", "DEFAULT_FANOUT",
+    "ChainTransport", "RegisteredRing", "RemoteRing", "PendingRead", "RingEndpoint", "chain_positions", "DEFAULT_FANOUT",
     "CollectiveTransport", "Group", "c10d",
     "AcceleratorCollectiveTransport", "AcceleratorOps", "AcceleratorPolicy", "process_accelerator",
     "accepted_devices", "node_local_plan", "wait_event",

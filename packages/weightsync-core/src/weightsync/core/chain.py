@@ -36,32 +36,29 @@ from __future__ import annotations
 
 import abc
 import socket
-import threading
 import time
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from weightsync.api.errors import ConfigError, LifecycleError, TopologyError, TransferError, WeightsyncError, WireError
-from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
+from weightsync.api.errors import ConfigError, LifecycleError, TopologyError, TransferError
+from weightsync.api.types import JsonValue, RankArgs, Topology, WorkerMetadata, WorldMetadata
 from weightsync.core import codec
+from weightsync.core.chainends import (
+    MAX_CONTROL_FRAME,
+    RELAY_PIECE_BYTES,
+    ChainReceiver,
+    ChainSender,
+    Downstream,
+    Upstream,
+)
+from weightsync.core.chaintopology import LAYOUTS, chain_positions, plan_positions, position_name
 from weightsync.core.device import AcceleratorOps, AcceleratorPolicy, process_accelerator
 from weightsync.core.framing import accept_peers, recv_frame, send_frame
-from weightsync.core.chaintopology import LAYOUTS, chain_positions, plan_positions, position_name
 from weightsync.core.hostring import HostRingReader, map_upstream_ring
-from weightsync.core.rings import (
-    HOST_SHARED,
-    BucketReady,
-    RegisteredRing,
-    RemoteRing,
-    RingEndpoint,
-    decode_ready,
-    decode_ring,
-)
+from weightsync.core.rings import HOST_SHARED, BucketReady, RegisteredRing, RemoteRing, RingEndpoint, decode_ring
 from weightsync.core.settings import EngineSettings
-from weightsync.core.transport import HOST_POLICY, NO_SLOT, DevicePolicy, ReceivedBucket, Transport
-from weightsync.core.waiting import AckedPeers, SlotSequence
+from weightsync.core.transport import HOST_POLICY, DevicePolicy, Transport
 
 __all__ = [
     "DEFAULT_FANOUT", "BucketReady", "ChainTransport", "chain_positions", "RegisteredRing", "RemoteRing",
@@ -71,172 +68,6 @@ __all__ = [
 DEFAULT_FANOUT = 1
 """Chain: the sender's egress stays one model whatever the number of receivers (docs/performance.md compares the
 fan-outs)."""
-
-_MAX_CONTROL_FRAME = 1 << 20  # headers of buckets with many tensors stay far below this
-
-RELAY_PIECE_BYTES = 1 << 20
-"""A relay reads a bucket in pieces of this size and announces each downstream as it lands (cut-through): each hop
-adds one piece's time to an update rather than one bucket's (1 MiB: 4 ms on a 2 Gb/s link)."""
-
-
-# -- the control plane's two ends ------------------------------------------------------------------------------------
-
-
-class _Downstream:
-    """The connections to the positions that read from this one: announcements out, read acknowledgements in."""
-
-    def __init__(self, children: list[tuple[str, socket.socket]], epoch: str) -> None:
-        self.reads = AckedPeers(children, epoch)
-        self.epoch = epoch
-
-    def announce(self, *, seq: int, slot: int, nbytes: int, header: bytes, deadline: float,
-                 available: int = -1) -> None:
-        frame = codec.encode(BucketReady(wire=codec.WIRE_VERSION, epoch=self.epoch, seq=seq, slot=slot,
-                                         nbytes=nbytes, header=header, available=available))
-        self.reads.send_all(frame, deadline)
-
-    def abort(self, message: str) -> None:
-        """Best effort: tell children this position failed, so they stop now rather than at their deadline."""
-        header = codec.encode(codec.BucketHeader(
-            wire=codec.WIRE_VERSION, epoch=self.epoch, version=0, sender=0, index=0, slot=NO_SLOT, nbytes=0,
-            tensors=[], abort=message[:500] or "aborted",
-        ))
-        try:
-            self.announce(seq=0, slot=NO_SLOT, nbytes=0, header=header, deadline=time.monotonic() + 2.0)
-        except WeightsyncError:
-            pass
-
-    def close(self) -> None:
-        self.reads.close()
-
-
-class _ChainSender:
-    """``SenderTransport`` of position 0: pack into the local ring, announce, reuse a slot once children read it."""
-
-    def __init__(self, ring: RegisteredRing, downstream: _Downstream) -> None:
-        self.slots = ring.slots
-        self.capacity = ring.slot_bytes
-        self._ring = ring
-        self._downstream = downstream
-        self._sequence = SlotSequence(ring.slots)
-
-    def buffer(self, slot: int) -> torch.Tensor:
-        return self._ring.slot(slot)
-
-    def wait_slot(self, slot: int, deadline: float) -> None:
-        self._downstream.reads.wait(self._sequence.last(slot), deadline)
-
-    def publish(self, slot: int, nbytes: int, header: bytes, deadline: float) -> None:
-        # One-sided: children pull the bytes; wait_slot keeps the slot intact until they have.
-        seq = self._sequence.publish(slot) if slot != NO_SLOT else 0
-        self._downstream.announce(seq=seq, slot=slot, nbytes=nbytes, header=header, deadline=deadline)
-
-    def close(self) -> None:
-        self._downstream.close()
-
-
-@dataclass
-class _Upstream:
-    """The position this one reads from: its control connection and its ring, opened for one-sided reads."""
-
-    sock: socket.socket
-    name: str
-    remote: RemoteRing
-    ring: RingEndpoint
-
-
-class _ChainReceiver:
-    """``ReceiverTransport`` of a rollout position: read from upstream into the local ring, forward, hand over."""
-
-    def __init__(self, *, ring: RegisteredRing, upstream: _Upstream, downstream: _Downstream, epoch: str, rank: int,
-                 piece_bytes: int = RELAY_PIECE_BYTES) -> None:
-        self.capacity = ring.slot_bytes
-        self._piece_bytes = piece_bytes
-        self._ring, self._upstream, self._downstream = ring, upstream, downstream
-        self._epoch, self._rank = epoch, rank
-        self._received = self._released = 0
-        self._sequence = SlotSequence(ring.slots)
-        self._consumer = threading.Condition()
-
-    def receive(self, deadline: float) -> ReceivedBucket:
-        try:
-            return self._receive(deadline)
-        except BaseException as exc:
-            self._downstream.abort(f"rollout rank {self._rank} failed to receive: {type(exc).__name__}: {exc}")
-            raise
-
-    def _receive(self, deadline: float) -> ReceivedBucket:
-        ready = self._next(deadline)
-        if ready.slot == NO_SLOT:
-            # The final or abort marker: pass it down the chain, no payload to read.
-            self._downstream.announce(seq=0, slot=NO_SLOT, nbytes=0, header=ready.header, deadline=deadline)
-            return ReceivedBucket(header=ready.header, payload=torch.empty(0, dtype=torch.uint8), token=0)
-        remote, peer = self._upstream.ring, self._upstream.name
-        if ready.seq != self._received + 1:
-            raise WireError(f"{peer} announced bucket {ready.seq} after {self._received}")
-        if not 0 <= ready.slot < remote.slots or not 0 <= ready.nbytes <= min(remote.slot_bytes, self.capacity):
-            raise WireError(f"{peer} announced {ready.nbytes} bytes in slot {ready.slot}, outside the rings")
-        seq = self._received = ready.seq
-        slot = (seq - 1) % self._ring.slots
-        self._wait_consumer(self._sequence.last(slot), deadline)
-        self._downstream.reads.wait(self._sequence.last(slot), deadline)
-        ready = self._read(ready, slot, deadline)
-        ack = codec.Ack(wire=codec.WIRE_VERSION, epoch=self._epoch, rank=self._rank, index=seq)
-        send_frame(self._upstream.sock, codec.encode(ack), deadline=deadline, peer=peer)
-        self._sequence.record(slot, seq)
-        self._downstream.announce(seq=seq, slot=slot, nbytes=ready.nbytes, header=ready.header, deadline=deadline)
-        return ReceivedBucket(header=ready.header, payload=self._ring.slot(slot)[:ready.nbytes], token=seq)
-
-    def _next(self, deadline: float) -> BucketReady:
-        upstream = self._upstream
-        frame = recv_frame(upstream.sock, deadline=deadline, peer=upstream.name, max_len=_MAX_CONTROL_FRAME)
-        return decode_ready(frame, epoch=self._epoch, peer=upstream.name)
-
-    def _read(self, ready: BucketReady, slot: int, deadline: float) -> BucketReady:
-        """Read bucket ``ready.seq`` into ``slot`` in pieces of at most ``relay_piece_bytes``, as the upstream makes
-        them available, announcing each piece to this position's children as it lands; the complete announcement."""
-        upstream, done = self._upstream, 0
-        local, remote = slot * self._ring.slot_bytes, ready.slot * upstream.ring.slot_bytes
-        relaying = len(self._downstream.reads.peers) > len(self._downstream.reads.lost)
-        while True:
-            while done < ready.readable:
-                # A last hop reads what is there in one go; a relay in pieces its children can follow.
-                piece = min(self._piece_bytes if relaying else ready.readable, ready.readable - done)
-                upstream.remote.read(local_offset=local + done, remote_offset=remote + done, nbytes=piece,
-                                     deadline=deadline)
-                done += piece
-                if relaying and done < ready.nbytes:
-                    self._downstream.announce(seq=ready.seq, slot=slot, nbytes=ready.nbytes, header=b"",
-                                              deadline=deadline, available=done)
-            if ready.complete:
-                return ready
-            more = self._next(deadline)
-            if (more.seq, more.slot, more.nbytes) != (ready.seq, ready.slot, ready.nbytes) or (
-                    not more.complete and more.available <= ready.available):
-                raise WireError(f"{upstream.name} announced bucket {more.seq} ({more.available} of {more.nbytes} "
-                                f"bytes) while bucket {ready.seq} was arriving")
-            ready = more
-
-    def _wait_consumer(self, seq: int, deadline: float) -> None:
-        with self._consumer:
-            while self._released < seq:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransferError(f"rollout rank {self._rank}: the local consumer did not release bucket {seq} "
-                                        f"in time", peer=f"rollout rank {self._rank} (local consumer)")
-                self._consumer.wait(left)
-
-    def release(self, token: int) -> None:
-        if token <= 0:
-            return
-        with self._consumer:
-            self._released = max(self._released, token)
-            self._consumer.notify_all()
-
-    def close(self) -> None:
-        self._upstream.sock.close()
-        self._downstream.close()
-        self._upstream.remote.close()
 
 
 # -- the transport ------------------------------------------------------------------------------------------------
@@ -349,7 +180,11 @@ class ChainTransport(Transport):
             raise TopologyError(f"{cls.name}: actor rank 0 advertised layout {layout!r}")
         plan = plan_positions(nodes=[str(worker.get("node_id")) for worker in workers], fanout=fanout,
                               layout=str(layout))
-        actor: list[RankArgs] = [{"role": "sender", "sender": 0, "children": list(plan.children[0])}]
+        def in_place(position: int) -> list[JsonValue]:
+            return [child for child in plan.children[position] if plan.local[child]]
+
+        actor: list[RankArgs] = [{"role": "sender", "sender": 0, "children": list(plan.children[0]),
+                                  "in_place": in_place(0)}]
         actor += [{"role": "idle", "sender": 0} for _ in range(actor_wg_world_size - 1)]
         rollout: list[RankArgs] = []
         for position in range(1, rollout_world_size + 1):
@@ -357,6 +192,7 @@ class ChainTransport(Transport):
             rollout.append({
                 "role": "receiver", "sender": 0, "rank": position - 1, "upstream": addresses[upstream],
                 "upstream_position": upstream, "children": list(plan.children[position]),
+                "in_place": in_place(position),
                 "local": plan.local[position],
             })
         return Topology(actor=actor, rollout=rollout, senders=(0,))
@@ -370,13 +206,13 @@ class ChainTransport(Transport):
             self._ring = self.make_ring()
         return self._ring
 
-    def connect_sender(self, rank_args: RankArgs) -> _ChainSender:
+    def connect_sender(self, rank_args: RankArgs) -> ChainSender:
         ring = self._ready_ring()
         epoch = str(rank_args["epoch"])
         downstream = self._accept_children(ring, rank_args, epoch)
-        return _ChainSender(ring, downstream)
+        return ChainSender(ring, downstream)
 
-    def connect_receiver(self, rank_args: RankArgs) -> _ChainReceiver | HostRingReader:
+    def connect_receiver(self, rank_args: RankArgs) -> ChainReceiver | HostRingReader:
         epoch = str(rank_args["epoch"])
         address, rank, upstream_position = (rank_args.get("upstream"), rank_args.get("rank"),
                                             rank_args.get("upstream_position"))
@@ -393,7 +229,7 @@ class ChainTransport(Transport):
         try:
             hello = codec.Hello(wire=codec.WIRE_VERSION, epoch=epoch, rank=rank + 1)
             send_frame(sock, codec.encode(hello), deadline=deadline, peer=peer)
-            endpoint = decode_ring(recv_frame(sock, deadline=deadline, peer=peer, max_len=_MAX_CONTROL_FRAME),
+            endpoint = decode_ring(recv_frame(sock, deadline=deadline, peer=peer, max_len=MAX_CONTROL_FRAME),
                                    epoch=epoch, library=self.library, peer=peer)
             remote = ring.open(endpoint, peer=peer)
             downstream = self._accept_children(ring, rank_args, epoch)
@@ -402,7 +238,7 @@ class ChainTransport(Transport):
             if remote is not None:
                 remote.close()
             raise
-        return _ChainReceiver(ring=ring, upstream=_Upstream(sock, peer, remote, endpoint), downstream=downstream,
+        return ChainReceiver(ring=ring, upstream=Upstream(sock, peer, remote, endpoint), downstream=downstream,
                               epoch=epoch, rank=rank, piece_bytes=self.relay_piece_bytes)
 
     def _connect_in_place(self, address: str, *, peer: str, rank: int, epoch: str, deadline: float
@@ -412,7 +248,7 @@ class ChainTransport(Transport):
         try:
             send_frame(sock, codec.encode(codec.Hello(wire=codec.WIRE_VERSION, epoch=epoch, rank=rank + 1)),
                        deadline=deadline, peer=peer)
-            endpoint = decode_ring(recv_frame(sock, deadline=deadline, peer=peer, max_len=_MAX_CONTROL_FRAME),
+            endpoint = decode_ring(recv_frame(sock, deadline=deadline, peer=peer, max_len=MAX_CONTROL_FRAME),
                                    epoch=epoch, library=self.library, peer=peer)
             ring = map_upstream_ring(endpoint, peer=peer, node=self.settings.context.node_id)
         except BaseException:
@@ -421,7 +257,7 @@ class ChainTransport(Transport):
         return HostRingReader(sock=sock, peer=peer, ring=ring, endpoint=endpoint, epoch=epoch, rank=rank,
                               timeout=self.settings.timeout)
 
-    def _accept_children(self, ring: RegisteredRing, rank_args: RankArgs, epoch: str) -> _Downstream:
+    def _accept_children(self, ring: RegisteredRing, rank_args: RankArgs, epoch: str) -> Downstream:
         """Accept a connection from every child position; each must present this epoch's token and its position."""
         listener = self._listener
         expected = rank_args.get("children", [])
@@ -433,7 +269,10 @@ class ChainTransport(Transport):
                              reply=lambda hello: endpoint, what=self.settings.self_name)
         for sock in socks:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return _Downstream([(position_name(p), sock) for p, sock in zip(positions, socks)], epoch)
+        listed = rank_args.get("in_place", [])
+        in_place = frozenset(position_name(p) for p in (listed if isinstance(listed, list) else [])
+                             if isinstance(p, int))
+        return Downstream([(position_name(p), sock) for p, sock in zip(positions, socks)], epoch, in_place=in_place)
 
 
 def _connect(address: str, *, deadline: float, peer: str) -> socket.socket:

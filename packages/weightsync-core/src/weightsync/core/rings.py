@@ -17,7 +17,8 @@ from weightsync.core import codec
 from weightsync.core.sharedmem import SharedSegment, new_segment_prefix, sweep_orphan_segments
 
 __all__ = [
-    "HOST_SHARED", "BucketReady", "RingEndpoint", "RemoteRing", "RegisteredRing", "decode_ready", "decode_ring",
+    "HOST_SHARED", "BucketReady", "PendingRead", "RingEndpoint", "RemoteRing", "RegisteredRing", "decode_ready",
+    "decode_ring",
 ]
 
 HOST_SHARED = "cpu-shared"
@@ -94,6 +95,23 @@ def decode_ring(data: bytes, *, epoch: str, library: str, peer: str) -> RingEndp
 # -- the library-specific part ----------------------------------------------------------------------------------------
 
 
+class PendingRead(abc.ABC):
+    """A read in flight, from :meth:`RemoteRing.start_read`."""
+
+    @abc.abstractmethod
+    def wait(self, deadline: float) -> None:
+        """Block (sleeping) until the bytes are in place; ``TransferError`` naming the upstream on failure or at
+        ``deadline``. Called at most once."""
+
+    def cancel(self) -> None:
+        """Best effort: give up a read not waited for (the bytes of its range are then undefined)."""
+
+
+class _Finished(PendingRead):
+    def wait(self, deadline: float) -> None:
+        pass
+
+
 class RemoteRing(abc.ABC):
     """An upstream's ring, opened for one-sided reads into the local ring."""
 
@@ -103,6 +121,13 @@ class RemoteRing(abc.ABC):
 
         Blocks (sleeping) until done; ``TransferError`` naming the upstream on failure or at ``deadline``.
         """
+
+    def start_read(self, *, local_offset: int, remote_offset: int, nbytes: int, deadline: float) -> PendingRead:
+        """Start the same read and return it in flight: the chain keeps several in flight so that the link never
+        waits for a request's round trip. This default reads before returning (a library that cannot overlap
+        reads); the caller waits for its reads in the order it started them."""
+        self.read(local_offset=local_offset, remote_offset=remote_offset, nbytes=nbytes, deadline=deadline)
+        return _Finished()
 
     @abc.abstractmethod
     def close(self) -> None: ...
