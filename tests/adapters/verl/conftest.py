@@ -57,6 +57,18 @@ class VerlWorld:
 
 @pytest.fixture(scope="session")
 def verl_world(ray_nodes: RayNodes) -> Iterator[VerlWorld]:
+    yield from build_world(BACKEND)
+
+
+@pytest.fixture(scope="module")
+def verl_auto_world(ray_nodes: RayNodes) -> Iterator[VerlWorld]:
+    """A smaller world with ``weightsync.auto`` (the session's Ray cluster has room for both): one actor rank, one
+    replica of one worker; engines are built at prepare, for the backend weightsync's manager picks."""
+    yield from build_world("weightsync.auto", actor_ranks=1, replica_workers=(1,))
+
+
+def build_world(backend: str, *, actor_ranks: int = 2, replica_workers: tuple[int, ...] = (2, 1)
+                ) -> Iterator[VerlWorld]:
     import ray
     from verl.checkpoint_engine.base import CheckpointEngineWorker
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -65,11 +77,11 @@ def verl_world(ray_nodes: RayNodes) -> Iterator[VerlWorld]:
     from tests.adapters.verl.workloads import BUCKET_MEGABYTES, RecordingServerAdapter, ToyActorWorker, ToyReplica
 
     config = CheckpointEngineConfig(
-        backend=BACKEND,
+        backend=backend,
         update_weights_bucket_megabytes=BUCKET_MEGABYTES,
         custom_backend_module="weightsync.verl",
         # A transfer that stalls fails within a minute instead of weightsync's default ten.
-        engine_kwargs={BACKEND: {"timeouts": {"setup": 60, "transfer": 60}}},
+        engine_kwargs={backend: {"timeouts": {"setup": 60, "transfer": 60}}},
     )
 
     def pool(processes: int) -> Any:
@@ -77,12 +89,12 @@ def verl_world(ray_nodes: RayNodes) -> Iterator[VerlWorld]:
         return RayResourcePool(process_on_nodes=[processes], use_gpu=False, max_colocate_count=1)
 
     actor_wg = RayWorkerGroup(
-        resource_pool=pool(2), ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(ToyActorWorker),
+        resource_pool=pool(actor_ranks), ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(ToyActorWorker),
                                                                       checkpoint_config=config),
         device_name="cpu",
     )
     groups, replicas = [], []
-    for replica_rank, workers in enumerate((2, 1)):
+    for replica_rank, workers in enumerate(replica_workers):
         rollout_config = RolloutConfig(name="weightsync-test", checkpoint_engine=config)
         group = RayWorkerGroup(
             resource_pool=pool(workers),

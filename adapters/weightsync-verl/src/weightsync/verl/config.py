@@ -13,7 +13,7 @@ from typing import Any
 
 from weightsync.api.errors import ConfigError
 
-__all__ = ["CheckpointConfig", "config_value", "read_checkpoint_config"]
+__all__ = ["DEFAULT_BACKEND", "CheckpointConfig", "config_value", "read_checkpoint_config"]
 
 DEFAULT_BUCKET_MEGABYTES = 2048
 """verl's default ``update_weights_bucket_megabytes``."""
@@ -24,6 +24,11 @@ def config_value(config: Any, key: str, default: Any = None) -> Any:
     if isinstance(config, Mapping):
         return config.get(key, default)
     return getattr(config, key, default)
+
+
+DEFAULT_BACKEND = "weightsync.auto"
+"""What an unnamed ``checkpoint_engine.backend`` means: weightsync's manager picks shm on one host, the two-level
+chain over the fastest network library across hosts."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +53,9 @@ class CheckpointConfig:
 def read_checkpoint_config(config: Any) -> CheckpointConfig:
     """Read and check verl's ``checkpoint_engine`` config; a bad value is a ``ConfigError`` naming the key."""
     backend = config_value(config, "backend")
-    if not isinstance(backend, str) or not backend:
+    if backend is None or backend == "":
+        backend = DEFAULT_BACKEND
+    if not isinstance(backend, str):
         raise ConfigError(f"checkpoint_engine.backend must name a backend, got {backend!r}")
     megabytes = config_value(config, "update_weights_bucket_megabytes", DEFAULT_BUCKET_MEGABYTES)
     if isinstance(megabytes, bool) or not isinstance(megabytes, int) or megabytes < 1:

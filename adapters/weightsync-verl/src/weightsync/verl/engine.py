@@ -19,6 +19,7 @@ onto our keyword-only API. It serves two drivers:
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, cast
@@ -39,6 +40,7 @@ from weightsync.api.protocols import CheckpointEngine
 from weightsync.api.registry import installed_backends, load_engine_class
 from weightsync.api.topology import build_checked_topology, with_epoch
 from weightsync.api.types import RankArgs, Role, StageTiming, TransferReport, WorkerMetadata, WorldMetadata
+from weightsync.core.auto import AUTO
 from weightsync.core.engine import default_node_id
 from weightsync.core.host import EngineSlot, build_engine, engine_spec
 
@@ -167,13 +169,16 @@ class VerlCheckpointEngine(_VerlCheckpointEngineABC):  # type: ignore[misc]  # v
         if role == "actor" and bool(is_master) != (rank == 0):
             raise ConfigError(f"is_master={is_master} but this actor process has rank {rank}")
         self.is_master = is_master
-        self._default_spec = engine_spec(backend=self.backend, config=self.config, role=role, rank=rank)
+        # ``auto`` has no engine of its own: weightsync's manager picks one from every worker's node at prepare.
+        self._default_spec = (None if self.backend == AUTO else
+                              engine_spec(backend=self.backend, config=self.config, role=role, rank=rank))
         self._lock = threading.RLock()
         self._slot = EngineSlot(self._build)
         self._stream: _ReceiveStream | None = None
         self._report: TransferReport | None = None
         # Built now, so that an unknown option or an unusable backend fails while verl builds its workers.
-        self._ensure(self._default_spec)
+        if self._default_spec is not None:
+            self._ensure(self._default_spec)
 
     # -- engine lifetime -------------------------------------------------------------------------------------------
 
@@ -204,9 +209,18 @@ class VerlCheckpointEngine(_VerlCheckpointEngineABC):  # type: ignore[misc]  # v
     def prepare(self, engine: Mapping[str, Any] | None = None) -> WorkerMetadata:
         """Step 1. ``engine`` (from weightsync's manager) names backend, config, role and global rank; verl's own
         manager passes nothing and the engine built from verl's constructor arguments is used."""
+        spec = engine if engine is not None else self._default_spec
+        if spec is None:
+            raise _auto_needs_our_manager()
         with self._lock:
             self._abandoned_stream()
-            return self._ensure(engine if engine is not None else self._default_spec).prepare()
+            return self._ensure(spec).prepare()
+
+    def ping(self) -> dict[str, Any]:
+        """Where this worker runs: weightsync's manager picks ``auto``'s backend from every worker's node, and
+        names the hosts it cannot reach when an update times out."""
+        return {"hostname": socket.gethostname(), "host_ip": _host_ip(), "node_id": default_node_id(),
+                "pid": os.getpid()}
 
     @classmethod
     def build_topology(
@@ -214,6 +228,8 @@ class VerlCheckpointEngine(_VerlCheckpointEngineABC):  # type: ignore[misc]  # v
     ) -> tuple[dict[str, list[RankArgs]], dict[str, list[RankArgs]]]:
         """Step 2, verl's positional call. Forwards by keyword to the weightsync backend and returns verl's shape:
         one ``{"rank_args": [...]}`` per side, each list as long as that side's world size."""
+        if cls.backend == AUTO:
+            raise _auto_needs_our_manager()
         sizes = (actor_wg_world_size, rollout_world_size)
         if all(isinstance(size, int) and size >= 0 for size in sizes) and len(metadata) != sum(sizes):
             # verl passes one flat list; build_checked_topology checks sizes and each side of the split.
@@ -303,6 +319,14 @@ class VerlCheckpointEngine(_VerlCheckpointEngineABC):  # type: ignore[misc]  # v
             self._drop_engine()
 
 
+def _auto_needs_our_manager() -> ConfigError:
+    return ConfigError(
+        f"{REGISTRY_PREFIX}{AUTO} picks its backend from every worker's node, which weightsync's manager "
+        f"(checkpoint_manager_class_fqn=weightsync.verl.CheckpointEngineManager) asks for; verl's own manager "
+        f"cannot: name a backend ({REGISTRY_PREFIX}shm, {REGISTRY_PREFIX}nixl, ...) or use weightsync's manager"
+    )
+
+
 def _version(global_steps: int | None) -> int:
     if global_steps is None:
         return 0
@@ -341,7 +365,7 @@ def register_backends() -> list[str]:
     """
     registry: dict[str, Any] = CheckpointEngineRegistry._registry
     names = []
-    for backend in installed_backends():
+    for backend in (*installed_backends(), AUTO):
         verl_name = REGISTRY_PREFIX + backend
         existing = registry.get(verl_name)
         if existing is not None:
