@@ -101,7 +101,7 @@ def receiver(sockets: list[socket.socket], *, network_child: bool
 
 
 def announcements(child_end: socket.socket) -> list[BucketReady]:
-    seen = []
+    seen: list[BucketReady] = []
     child_end.settimeout(0.2)
     while True:
         try:
@@ -150,7 +150,7 @@ def test_the_pipeline_checker_can_fail() -> None:
         def read(self, *, local_offset: int, remote_offset: int, nbytes: int, deadline: float) -> None:
             self.sizes.append(nbytes)
 
-        start_read = RemoteRing.start_read  # type: ignore[assignment]
+        start_read = RemoteRing.start_read
 
     ring = _Ring(slots=1, slot_bytes=SLOT, device="cpu")
     remote = Blocking(ring, torch.zeros(SLOT, dtype=torch.uint8))
