@@ -67,7 +67,8 @@ def main() -> None:
     def hooks() -> list[list[str]]:
         return [list(ray.get(replica.call("hook_log")[0])) for replica in replicas]
 
-    result: dict[str, Any] = {"first": asyncio.run(manager.update_weights()).ok}
+    first = asyncio.run(manager.update_weights())
+    result: dict[str, Any] = {"first": first.ok, "chosen": first.chosen}
     ray.get(actor_wg.call("set_version", 5))
     ray.get(actor_wg.call("set_mode", "normal", SLOW_TENSOR_S))
     result["faulted"] = asyncio.run(faulted_update(manager, channel, victim))

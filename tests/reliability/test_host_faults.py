@@ -2,7 +2,7 @@
 
 Layout (4 hosts, 1 Gb/s links): host 0 runs Ray's head and the driver (``host_fault_driver``), host 1 the actor
 worker group, hosts 2 and 3 one replica each. Every byte between them, Ray's control traffic included, crosses the
-links. Two cases per backend that crosses hosts: the link of a receiving host (3) goes down mid-update, and the
+links. Two cases per backend that crosses hosts, and for ``auto``: the link of a receiving host (3) goes down mid-update, and the
 link of the sending host (1) — every packet dropped both ways; once, for nixl, the receiving host's veth loses its
 carrier instead. Each must end within the transfer timeout + 1 s with ``HostUnreachableError`` naming
 exactly that host, resume no torn replica (read from the hooks each replica's own process recorded), and — the
@@ -24,7 +24,8 @@ from tests.reliability.host_fault_driver import TRANSFER_TIMEOUT
 from tests.tools.testbed.driving import steer
 from tests.tools.testbed.support import start_or_skip
 
-CROSSING_BACKENDS = ["nixl", "mooncake", "gloo"]
+# auto (the manager's default) picks nixl in the two-level layout across these hosts: check_fault asserts its pick.
+CROSSING_BACKENDS = ["nixl", "mooncake", "gloo", "auto"]
 SLACK = 1.0
 SENDER_HOST, RECEIVING_HOST = 1, 3
 
@@ -58,8 +59,12 @@ def run_case(cluster: TestbedRay, backend: str, victim: int, mode: LinkMode = "d
             bed.link_up(victim)
 
 
-def check_fault(result: dict[str, Any], cluster: TestbedRay, victim: int) -> None:
+def check_fault(result: dict[str, Any], cluster: TestbedRay, victim: int, backend: str) -> None:
     assert result["first"] is True
+    if backend == "auto":
+        assert result["chosen"].startswith("nixl (two-level): "), result["chosen"]
+    else:
+        assert result["chosen"] == "", result["chosen"]  # an explicit backend is that backend, no choice made
     faulted = result["faulted"]
     host = cluster.bed.hosts[victim]
     error = faulted["error"]
@@ -111,7 +116,7 @@ def test_every_host_runs_its_own_raylet(cluster: TestbedRay) -> None:
 @pytest.mark.parametrize("backend, mode", [*((name, "drop") for name in CROSSING_BACKENDS), ("nixl", "carrier")])
 def test_receiving_host_link_down_mid_update(cluster: TestbedRay, backend: str, mode: LinkMode) -> None:
     result = run_case(cluster, backend, RECEIVING_HOST, mode)
-    check_fault(result, cluster, RECEIVING_HOST)
+    check_fault(result, cluster, RECEIVING_HOST, backend)
     assert result["states"][1] == "torn"  # the replica on the cut host
     check_recovery(result)
 
@@ -119,6 +124,6 @@ def test_receiving_host_link_down_mid_update(cluster: TestbedRay, backend: str, 
 @pytest.mark.parametrize("backend", CROSSING_BACKENDS)
 def test_sender_host_link_down_mid_update(cluster: TestbedRay, backend: str) -> None:
     result = run_case(cluster, backend, SENDER_HOST)
-    check_fault(result, cluster, SENDER_HOST)
+    check_fault(result, cluster, SENDER_HOST, backend)
     assert result["states"] == ["torn", "torn"]  # nothing complete reached either replica
     check_recovery(result)
