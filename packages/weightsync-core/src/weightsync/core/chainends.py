@@ -40,8 +40,11 @@ READS_IN_FLIGHT = 16
 
 
 def _pending(sock: socket.socket) -> bool:
-    """Bytes are waiting on ``sock`` (an announcement has arrived)."""
-    return bool(select.select([sock], [], [], 0)[0])
+    """Bytes are waiting on ``sock`` (an announcement has arrived, or the peer closed). ``poll``, not ``select``:
+    a process with many files (a Ray worker) may hold descriptors past select's limit of 1024."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 # -- the control plane's two ends ------------------------------------------------------------------------------------
