@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from weightsync.api.errors import TransferError
 from weightsync.core import codec
 from weightsync.core.chainends import READS_IN_FLIGHT, ChainReceiver, Downstream, Upstream
 from weightsync.core.framing import recv_frame, send_frame
@@ -157,3 +158,15 @@ def test_the_pipeline_checker_can_fail() -> None:
     for offset in range(0, SLOT, PIECE):
         remote.start_read(local_offset=offset, remote_offset=offset, nbytes=PIECE, deadline=time.monotonic() + 1)
     assert remote.most_in_flight == 0
+
+
+def test_an_upstream_aborting_mid_bucket_is_reported_with_its_reason(sockets: list[socket.socket]) -> None:
+    chain, _, upstream_end, child_end = receiver(sockets, network_child=True)
+    deadline = time.monotonic() + 5
+    send_frame(upstream_end, ready(1, available=2 * PIECE), deadline=deadline, peer="test")
+    # What a failing relay sends its children (Downstream.abort), from the upstream's end of the socket.
+    Downstream([("rollout rank 0", upstream_end)], EPOCH).abort("rollout rank 7 failed to receive: boom")
+    with pytest.raises(TransferError, match="aborted the update while bucket 1 was arriving: rollout rank 7 failed"):
+        chain.receive(deadline)
+    # And this position passes the failure on to its own children.
+    assert announcements(child_end)[-1].slot < 0

@@ -201,6 +201,11 @@ class ChainReceiver:
     def _more(self, ready: BucketReady, deadline: float) -> BucketReady:
         """The upstream's next announcement, which must offer more of the bucket ``ready`` is part of."""
         more = self._next(deadline)
+        if more.slot == NO_SLOT:
+            # The upstream failed mid-bucket and says so (Downstream.abort): its reason, not a protocol error.
+            header, _ = codec.decode_bucket(more.header, epoch=self._epoch, capacity=0)
+            raise TransferError(f"{self._upstream.name} aborted the update while bucket {ready.seq} was arriving: "
+                                f"{header.abort or 'no reason given'}", peer=self._upstream.name)
         if (more.seq, more.slot, more.nbytes) != (ready.seq, ready.slot, ready.nbytes) or (
                 not more.complete and more.available <= ready.available):
             raise WireError(f"{self._upstream.name} announced bucket {more.seq} ({more.available} of {more.nbytes} "
