@@ -19,7 +19,6 @@ onto our keyword-only API. It serves two drivers:
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, cast
@@ -42,7 +41,7 @@ from weightsync.api.topology import build_checked_topology, with_epoch
 from weightsync.api.types import RankArgs, Role, StageTiming, TransferReport, WorkerMetadata, WorldMetadata
 from weightsync.core.auto import AUTO
 from weightsync.core.engine import default_node_id
-from weightsync.core.host import EngineSlot, build_engine, engine_spec
+from weightsync.core.host import EngineSlot, build_engine, engine_spec, ping_answer
 
 __all__ = [
     "REGISTRY_PREFIX",
@@ -219,8 +218,7 @@ class VerlCheckpointEngine(_VerlCheckpointEngineABC):  # type: ignore[misc]  # v
     def ping(self) -> dict[str, Any]:
         """Where this worker runs: weightsync's manager picks ``auto``'s backend from every worker's node, and
         names the hosts it cannot reach when an update times out."""
-        return {"hostname": socket.gethostname(), "host_ip": _host_ip(), "node_id": default_node_id(),
-                "pid": os.getpid()}
+        return ping_answer(node_id=default_node_id(), host_ip=_host_ip())
 
     @classmethod
     def build_topology(

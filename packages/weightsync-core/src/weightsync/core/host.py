@@ -24,11 +24,17 @@ from weightsync.api.registry import load_engine_class
 from weightsync.api.types import RankArgs, Role, TransferReport, WorkerContext, WorkerMetadata
 from weightsync.core.steps import unwrap
 
-__all__ = ["EngineHost", "EngineSlot", "build_engine", "engine_spec", "is_untouched", "mark_untouched"]
+__all__ = ["EngineHost", "EngineSlot", "build_engine", "engine_spec", "is_untouched", "mark_untouched", "ping_answer"]
 
 _METHODS = ("prepare", "init_process_group", "finalize", "close", "ping")
 # What build_engine requires of an engine class: the CheckpointEngine Protocol's methods, build_topology class-level.
 _ENGINE_METHODS = ("prepare", "init_process_group", "send_weights", "receive_weights", "finalize", "close")
+
+
+def ping_answer(*, node_id: str, host_ip: str) -> dict[str, Any]:
+    """What a worker answers ``execute_checkpoint_engine("ping")`` with: where it runs. The manager's ``auto`` picks
+    a backend from the node ids; after a timeout, hosts none of whose workers answer are reported unreachable."""
+    return {"hostname": socket.gethostname(), "host_ip": host_ip, "node_id": node_id, "pid": os.getpid()}
 
 
 def engine_spec(*, backend: str, config: SyncConfig, role: Role, rank: int) -> dict[str, Any]:
@@ -114,8 +120,7 @@ class EngineHost:
         if method == "ping":
             # Answered on the worker's event loop, never queued behind a blocking step: the manager pings workers
             # that missed a deadline to tell a host that cannot be reached from one that is merely waiting.
-            return {"hostname": socket.gethostname(), "host_ip": self.host_ip, "node_id": self.node_id,
-                    "pid": os.getpid()}
+            return ping_answer(node_id=self.node_id, host_ip=self.host_ip)
         handler: Callable[..., Any] = getattr(self, f"_{method}")
         return await asyncio.to_thread(handler, **kwargs)
 
