@@ -189,16 +189,19 @@ def copy_columns(destinations: array.array[int], sources: array.array[int], size
         copy_small(destinations[index], source_base + sources[index], sizes[index])
 
 
-def memoryview_at(address: int, nbytes: int) -> memoryview:
-    """A read-only memoryview over ``nbytes`` of host memory at ``address`` (the caller keeps the memory alive)."""
+def memoryview_at(address: int, nbytes: int, *, writable: bool = False) -> memoryview:
+    """A memoryview over ``nbytes`` of host memory at ``address``, read-only unless ``writable`` (the caller keeps
+    the memory alive)."""
     if nbytes == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B").toreadonly()
+        return memoryview(bytearray()) if writable else memoryview(b"")
+    view = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+    return view if writable else view.toreadonly()
 
 
-def memoryview_of(tensor: torch.Tensor) -> memoryview:
-    """A read-only memoryview over a contiguous CPU uint8 tensor, without numpy. It does not keep ``tensor``
-    alive: the caller holds the tensor while the view is used (a freed tensor's memory may be unmapped)."""
+def memoryview_of(tensor: torch.Tensor, *, writable: bool = False) -> memoryview:
+    """A memoryview over a contiguous CPU uint8 tensor, without numpy; read-only unless ``writable`` (a socket
+    receiving into it). It does not keep ``tensor`` alive: the caller holds the tensor while the view is used (a
+    freed tensor's memory may be unmapped)."""
     if tensor.device.type != "cpu" or tensor.dtype != torch.uint8 or not tensor.is_contiguous():
         raise ValueError("memoryview_of needs a contiguous CPU uint8 tensor")
-    return memoryview_at(tensor.data_ptr(), tensor.numel())
+    return memoryview_at(tensor.data_ptr(), tensor.numel(), writable=writable)
