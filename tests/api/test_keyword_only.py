@@ -93,7 +93,7 @@ def test_each_exemption_is_still_one_of_the_two_documented_shapes() -> None:
     assert list(inspect.signature(wrapper.__init__).parameters) == ["self", "actor_wg"]
 
 
-EXPECTED_BACKENDS = {"shm", "gloo", "nixl", "mooncake", "nccl", "hccl", "kimi"}
+EXPECTED_BACKENDS = {"shm", "gloo", "tcp", "nixl", "mooncake", "nccl", "hccl", "kimi"}
 
 
 def _installed(backend: str) -> bool:

@@ -13,7 +13,7 @@ import pytest
 from weightsync.core.backend import BucketCheckpointEngine, Transport, engine_class
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-BACKENDS = ("shm", "gloo", "nixl", "mooncake", "nccl", "hccl", "kimi")
+BACKENDS = ("shm", "gloo", "tcp", "nixl", "mooncake", "nccl", "hccl", "kimi")
 ENGINE_DATA = {"name", "devices", "option_names", "default_slots", "transport_class"}
 
 
@@ -55,7 +55,7 @@ def test_no_backend_class_subclasses_the_pipeline_or_overrides_a_private_core_me
                 assert not private & set(vars(base)), f"{name} overrides {private & set(vars(base))} of {base}"
 
 
-@pytest.mark.parametrize("backend", ["shm", "gloo", "nixl", "mooncake", "nccl", "hccl"])
+@pytest.mark.parametrize("backend", ["shm", "gloo", "tcp", "nixl", "mooncake", "nccl", "hccl"])
 def test_a_bucket_backend_engine_is_core_s_engine_with_a_transport_and_nothing_else(backend: str) -> None:
     try:
         engine = importlib.import_module(f"weightsync.{backend}.{'collective' if backend == 'gloo' else 'engine'}")

@@ -9,8 +9,8 @@ device ``emu``): the same code, so CI runs it too (``--device emu --quick``); on
 What to carry, and how to build it (on a machine with network, from the repository root)::
 
     python -m pip wheel --no-deps -w gpu-wheels packages/weightsync-api packages/weightsync-core \\
-        packages/weightsync-shm packages/weightsync-gloo packages/weightsync-nixl packages/weightsync-mooncake \\
-        packages/weightsync-nccl
+        packages/weightsync-shm packages/weightsync-gloo packages/weightsync-tcp packages/weightsync-nixl \\
+        packages/weightsync-mooncake packages/weightsync-nccl
     python -m pip download --no-deps -d gpu-wheels msgspec xxhash typing-extensions pytest iniconfig pluggy \\
         packaging   # those the GPU machine lacks (the conformance kit imports pytest)
     # carry: gpu-wheels/ and the repository checkout (all of tools/gpu-check/, tests/)
@@ -39,7 +39,7 @@ Checks, in this order, each in a bounded time (``--check-budget``; all of them t
    writes back; reports the hand-off latency. CUDA only.
 7. conformance — the conformance kit (``weightsync.api.testing``: every test of ``EngineConformance``, run here in
    a loop with one ``EngineHarness`` per line) with sources and destinations on the device, 1 MiB buckets:
-   ``shm``, ``gloo``, ``nixl``, ``mooncake`` through host rings (``<backend>/device``, ``<backend>/mixed``: all
+   ``shm``, ``gloo``, ``tcp``, ``nixl``, ``mooncake`` through host rings (``<backend>/device``, ``<backend>/mixed``: all
    tensors on the device, or host and device interleaved); ``nixl`` and ``mooncake`` with device rings
    (``<backend>/cuda-ring/...``, engine option ``device="cuda"``; CUDA only); the accelerator collective engine
    that nccl and hccl instantiate, with a gloo group standing in for NCCL (``accel-gloo/...``, the test backend

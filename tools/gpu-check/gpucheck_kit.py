@@ -20,7 +20,7 @@ CHECKOUT_TESTS = REPO / "tests" / "backends" / "nccl" / "accel_gloo.py"
 MEASURE_BUDGET_S, IPC_BUDGET_S, CONFORMANCE_BUDGET_S = 60.0, 90.0, 150.0
 """Each check's own budget, unless ``--check-budget`` says otherwise."""
 
-HOST_RING_BACKENDS = ("shm", "gloo", "nixl", "mooncake")
+HOST_RING_BACKENDS = ("shm", "gloo", "tcp", "nixl", "mooncake")
 DEVICE_RING_BACKENDS = ("nixl", "mooncake")
 ACCEL_GLOO = "test-accel-gloo"
 KIT_BUCKET_BYTES = 1 << 20

@@ -71,7 +71,7 @@ def test_quick_run_on_the_emulated_device_passes(tmp_path: pathlib.Path) -> None
     assert summary.group(1) == "emu" and summary.group(3) == "0"
     results = {result["check"]: result for result in json.loads(report.read_text())["results"]}
     # Every backend runs on the device (this environment installs nixl and mooncake); only CUDA's lines skip.
-    for check in ("buckets", "copy", "legs", "staging", "overlap", "shm/mixed", "gloo/mixed", "nixl/mixed",
+    for check in ("buckets", "copy", "legs", "staging", "overlap", "shm/mixed", "gloo/mixed", "tcp/mixed", "nixl/mixed",
                   "mooncake/mixed", "accel-gloo/mixed"):
         assert results[check]["status"] == "ok", results[check]
     for check in ("ipc", "nixl/cuda-ring/mixed", "mooncake/cuda-ring/mixed", "nccl/device"):

@@ -25,7 +25,7 @@ def test_doctor_json_lists_every_known_backend() -> None:
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
     by_name = {row["backend"]: row for row in rows}
-    assert set(by_name) >= {"shm", "gloo", "nixl", "mooncake", "nccl", "hccl", "kimi"}
+    assert set(by_name) >= {"shm", "gloo", "tcp", "nixl", "mooncake", "nccl", "hccl", "kimi"}
     assert all(set(row) == {"backend", "status", "reason", "install"} for row in rows)
     assert by_name["shm"]["status"] == "available" and by_name["gloo"]["status"] == "available"
     assert all(f"weightsync-{row['backend']}" in row["install"] for row in rows)
@@ -45,7 +45,7 @@ def test_demo_model_size_follows_the_flag(megabytes: int) -> None:
     assert abs(config_for_megabytes(megabytes).parameters * 4 / 1e6 - megabytes) < 0.25 * megabytes
 
 
-@pytest.mark.parametrize("backend", ["shm", "gloo"])
+@pytest.mark.parametrize("backend", ["shm", "gloo", "tcp"])
 def test_demo_is_bit_exact(backend: str) -> None:
     result = weightsync("demo", "--backend", backend, "--steps", "2", "--model-mb", "12", "--replicas", "2")
     lines = result.stdout.strip().splitlines()

@@ -45,6 +45,7 @@ KNOWN_BACKENDS: dict[str, str] = {
     "shm": "weightsync-shm",
     "gloo": "weightsync-gloo",
     "nixl": "weightsync-nixl",
+    "tcp": "weightsync-tcp",
     "mooncake": "weightsync-mooncake[cpu]  (or weightsync-mooncake[cuda] on GPU machines)",
     "nccl": "weightsync-nccl",
     "hccl": "weightsync-hccl",

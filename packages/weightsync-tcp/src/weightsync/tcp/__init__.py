@@ -1,0 +1,14 @@
+"""Backend ``tcp``: the pipelined chain over plain TCP sockets, each upstream serving reads of its ring. The engine
+is imported lazily (``TcpCheckpointEngine``)."""
+
+from typing import Any
+
+__all__ = ["TcpCheckpointEngine"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TcpCheckpointEngine":
+        from weightsync.tcp.engine import TcpCheckpointEngine
+
+        return TcpCheckpointEngine
+    raise AttributeError(name)
