@@ -4,10 +4,11 @@ one host and across hosts is tested with Ray (tests/adapters/ray/test_manager_ra
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from weightsync.api.errors import BackendUnavailableError
-from weightsync.core.auto import choose, describe_rule
+from weightsync.core.auto import choose, describe_rule, has_rdma
 
 
 def installed(*names: str) -> Callable[[], list[str]]:
@@ -20,16 +21,23 @@ def test_one_host_is_shm() -> None:
     assert "shares the sender's host" in choice.reason
 
 
-@pytest.mark.parametrize("names, backend, options", [
-    (("shm", "gloo", "nixl", "mooncake"), "nixl", {"layout": "two_level"}),
-    (("shm", "gloo", "mooncake"), "mooncake", {"layout": "two_level"}),
-    (("shm", "gloo"), "gloo", {}),
+@pytest.mark.parametrize("rdma, names, backend, options", [
+    (False, ("shm", "gloo", "nixl", "mooncake", "tcp"), "tcp", {"layout": "two_level"}),
+    (False, ("shm", "gloo", "nixl", "mooncake"), "nixl", {"layout": "two_level"}),
+    (False, ("shm", "gloo", "mooncake"), "mooncake", {"layout": "two_level"}),
+    (False, ("shm", "gloo"), "gloo", {}),
+    (True, ("shm", "gloo", "nixl", "mooncake", "tcp"), "nixl", {"layout": "two_level"}),
+    (True, ("shm", "gloo", "mooncake", "tcp"), "mooncake", {"layout": "two_level"}),
+    (True, ("shm", "gloo", "tcp"), "tcp", {"layout": "two_level"}),
 ])
-def test_across_hosts_the_fastest_network_transport(names: tuple[str, ...], backend: str,
+def test_across_hosts_the_fastest_network_transport(rdma: bool, names: tuple[str, ...], backend: str,
                                                      options: dict[str, str]) -> None:
-    choice = choose(sender_node="a", rollout_nodes=["a", "b", "c"], available=installed(*names))
+    """Without RDMA devices on every host the plain-socket chain is fastest (UCX would use TCP too); with them,
+    the one-sided libraries."""
+    choice = choose(sender_node="a", rollout_nodes=["a", "b", "c"], rdma=rdma, available=installed(*names))
     assert (choice.backend, choice.options) == (backend, options)
     assert "3 hosts" in choice.reason
+    assert ("with RDMA devices" in choice.reason) is rdma
     assert choice.name == (f"{backend} (two-level)" if options else backend)
 
 
@@ -39,11 +47,23 @@ def test_one_host_without_shm_falls_back_to_the_network() -> None:
 
 
 def test_nothing_crosses_hosts() -> None:
-    with pytest.raises(BackendUnavailableError, match="install one of: nixl"):
+    with pytest.raises(BackendUnavailableError, match="install one of: tcp"):
         choose(sender_node="a", rollout_nodes=["b"], available=installed("shm"))
 
 
 def test_describe_rule() -> None:
-    assert describe_rule(installed("shm", "nixl")) == (
-        "auto picks shm when every worker shares the sender's host, nixl (two-level) across hosts")
+    assert describe_rule(installed("shm", "nixl", "tcp"), rdma=False) == (
+        "auto picks shm when every worker shares the sender's host, tcp (two-level) across hosts without RDMA "
+        "devices")
+    assert describe_rule(installed("shm", "nixl", "tcp"), rdma=True).endswith(
+        "nixl (two-level) across hosts with RDMA devices")
     assert "nothing (no network backend available)" in describe_rule(installed("shm"))
+
+
+def test_has_rdma_reads_the_kernels_device_class(tmp_path: Path) -> None:
+    """An RDMA device is an entry under /sys/class/infiniband (mlx5_0, rxe0, ...); an empty or missing class is
+    none (negative control: the same directory with a device in it)."""
+    assert not has_rdma(str(tmp_path / "missing"))
+    assert not has_rdma(str(tmp_path))
+    (tmp_path / "mlx5_0").mkdir()
+    assert has_rdma(str(tmp_path))

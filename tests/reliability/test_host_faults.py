@@ -24,7 +24,8 @@ from tests.reliability.host_fault_driver import TRANSFER_TIMEOUT
 from tests.tools.testbed.driving import steer
 from tests.tools.testbed.support import start_or_skip
 
-# auto (the manager's default) picks nixl in the two-level layout across these hosts: check_fault asserts its pick.
+# auto (the manager's default) picks tcp in the two-level layout across these hosts (no RDMA devices): check_fault
+# asserts its pick.
 CROSSING_BACKENDS = ["nixl", "mooncake", "gloo", "auto"]
 SLACK = 1.0
 SENDER_HOST, RECEIVING_HOST = 1, 3
@@ -62,7 +63,7 @@ def run_case(cluster: TestbedRay, backend: str, victim: int, mode: LinkMode = "d
 def check_fault(result: dict[str, Any], cluster: TestbedRay, victim: int, backend: str) -> None:
     assert result["first"] is True
     if backend == "auto":
-        assert result["chosen"].startswith("nixl (two-level): "), result["chosen"]
+        assert result["chosen"].startswith("tcp (two-level): "), result["chosen"]
     else:
         assert result["chosen"] == "", result["chosen"]  # an explicit backend is that backend, no choice made
     faulted = result["faulted"]

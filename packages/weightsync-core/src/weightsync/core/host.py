@@ -22,6 +22,7 @@ from weightsync.api.errors import ConfigError, LifecycleError, WeightsyncError, 
 from weightsync.api.protocols import CheckpointEngine, ReceivedWeights, WeightSink
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import RankArgs, Role, TransferReport, WorkerContext, WorkerMetadata
+from weightsync.core.auto import has_rdma
 from weightsync.core.steps import unwrap
 
 __all__ = ["EngineHost", "EngineSlot", "build_engine", "engine_spec", "is_untouched", "mark_untouched", "ping_answer"]
@@ -33,8 +34,10 @@ _ENGINE_METHODS = ("prepare", "init_process_group", "send_weights", "receive_wei
 
 def ping_answer(*, node_id: str, host_ip: str) -> dict[str, Any]:
     """What a worker answers ``execute_checkpoint_engine("ping")`` with: where it runs. The manager's ``auto`` picks
-    a backend from the node ids; after a timeout, hosts none of whose workers answer are reported unreachable."""
-    return {"hostname": socket.gethostname(), "host_ip": host_ip, "node_id": node_id, "pid": os.getpid()}
+    a backend from the node ids and RDMA devices; after a timeout, hosts none of whose workers answer are reported
+    unreachable."""
+    return {"hostname": socket.gethostname(), "host_ip": host_ip, "node_id": node_id, "pid": os.getpid(),
+            "rdma": has_rdma()}
 
 
 def engine_spec(*, backend: str, config: SyncConfig, role: Role, rank: int) -> dict[str, Any]:

@@ -244,7 +244,8 @@ class CheckpointEngineManager:
         answers = await steps.gather("setup", timeout, pings)
         nodes = [str(answer.get("node_id")) if isinstance(answer, dict) else "" for answer in answers]
         actor_size = self.actor_wg.world_size
-        self.choice = choice = auto.choose(sender_node=nodes[0], rollout_nodes=nodes[actor_size:])
+        rdma = all(isinstance(answer, dict) and answer.get("rdma") is True for answer in answers)
+        self.choice = choice = auto.choose(sender_node=nodes[0], rollout_nodes=nodes[actor_size:], rdma=rdma)
         config = dataclasses.replace(self.config, backend_options={**choice.options, **self.config.backend_options})
         return choice.backend, config, load_engine_class(choice.backend)
 

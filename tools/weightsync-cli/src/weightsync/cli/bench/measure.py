@@ -25,7 +25,7 @@ from weightsync.cli.bench.scenario import BASELINES, Case
 from weightsync.cli.bench.worker import Channel, c10d, serve
 from weightsync.cli.progress import Progress
 from weightsync.cli.testbed import LinkCounters
-from weightsync.core.auto import AUTO, choose
+from weightsync.core.auto import AUTO, choose, has_rdma
 from weightsync.core.engine import default_node_id
 
 __all__ = ["COPY_TRIES", "RAW_TRIES", "BenchResult", "LocalPlacement", "Placement", "Spawned", "Yardsticks", "cores",
@@ -125,9 +125,11 @@ class _Workers:
             common.update(kind="engine", backend=case.name)
         self.backend, self.chosen = case.name, ""
         if case.name == AUTO:
-            # What the manager's auto would pick for these workers: their hosts are the testbed's (or this one).
+            # What the manager's auto would pick for these workers: their hosts are the testbed's (or this one), whose
+            # NICs are this machine's.
             choice = choose(sender_node=str(case.host_of(0)),
-                            rollout_nodes=[str(case.host_of(rank)) for rank in range(1, 1 + case.receivers)])
+                            rollout_nodes=[str(case.host_of(rank)) for rank in range(1, 1 + case.receivers)],
+                            rdma=has_rdma())
             self.backend, self.chosen = choice.backend, choice.name
             common.update(backend=choice.backend, options=choice.options)
         self.pipes: list[Channel] = []
