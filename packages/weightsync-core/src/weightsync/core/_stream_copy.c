@@ -10,6 +10,7 @@
  *   overlapping copies, and CPUs without SSE2/AVX2 code here, go to memmove;
  * - weightsync_copy_batch(...), weightsync_copy_columns(...): many small copies in one call (below);
  * - weightsync_stream_copy_kind(): which path large copies take, 2 AVX2, 1 SSE2, 0 memmove;
+ * - weightsync_delta_encode(...), weightsync_delta_apply(...): delta updates' changed units (below);
  * - weightsync_stream_copy_abi(): the version of these signatures.
  */
 #include <stddef.h>
@@ -17,7 +18,7 @@
 #include <string.h>
 
 #define WEIGHTSYNC_STREAM_MIN 4096 /* below this, memmove's cached copy is as fast and keeps the bytes cached */
-#define WEIGHTSYNC_STREAM_COPY_ABI 3 /* bumped with any change of these functions' signatures or meaning */
+#define WEIGHTSYNC_STREAM_COPY_ABI 4 /* bumped with any change of these functions' signatures or meaning */
 
 /* The Python side refuses a library built from another version of this file (a stale in-place build). */
 int weightsync_stream_copy_abi(void) { return WEIGHTSYNC_STREAM_COPY_ABI; }
@@ -121,4 +122,148 @@ void weightsync_copy_columns(const uint64_t *destinations, const uint64_t *sourc
                                    (const void *)(uintptr_t)(source_base + sources[i]), (size_t)sizes[i]);
         }
     }
+}
+
+/* Delta updates (weightsync.core.delta). A bucket's pieces are compared with the base version's copy of them in
+ * units (a unit is the dtype's element size: 1, 2, 4 or 8 bytes). Each piece is encoded as runs of changed units,
+ *     varint run (units, at least 1), varint gap (units since the end of the previous run, or since the piece's
+ *     start), then the run's new bytes,
+ * and closed by a 0 byte. A varint holds 7 bits per byte, low bits first, the high bit set on every byte but the
+ * last. */
+
+static inline uint64_t load_unit(const unsigned char *p, uint64_t unit) {
+    switch (unit) {
+    case 1: return *p;
+    case 2: { uint16_t v; memcpy(&v, p, 2); return v; }
+    case 4: { uint32_t v; memcpy(&v, p, 4); return v; }
+    default: { uint64_t v; memcpy(&v, p, 8); return v; }
+    }
+}
+
+static inline uint64_t load_word(const unsigned char *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static inline unsigned char *put_varint(unsigned char *out, uint64_t value) {
+    while (value >= 0x80) {
+        *out++ = (unsigned char)(value | 0x80);
+        value >>= 7;
+    }
+    *out++ = (unsigned char)value;
+    return out;
+}
+
+/* pieces: count rows of (source address, base address, nbytes, unit); nbytes is a multiple of unit, and unit one of
+ * 1, 2, 4, 8. Compares every source with its base, writes the encoding to out while it fits in capacity bytes, and
+ * copies every changed run into the base (so the base then holds the source's bytes, whether or not the encoding
+ * fit). Returns the encoding's length, or UINT64_MAX when it did not fit; *changed gets the changed bytes. */
+uint64_t weightsync_delta_encode(const uint64_t *pieces, size_t count, unsigned char *out, uint64_t capacity,
+                                 uint64_t *changed) {
+    unsigned char *p = out;
+    uint64_t room = capacity, changed_bytes = 0;
+    int fits = 1;
+    for (size_t i = 0; i < count; i++, pieces += 4) {
+        const unsigned char *source = (const unsigned char *)(uintptr_t)pieces[0];
+        unsigned char *base = (unsigned char *)(uintptr_t)pieces[1];
+        uint64_t nbytes = pieces[2], unit = pieces[3], at = 0, last = 0;
+        while (at < nbytes) {
+            while (at + 8 <= nbytes && load_word(source + at) == load_word(base + at)) {
+                at += 8; /* unchanged bytes, a word at a time (unit divides 8 and every word starts on a unit) */
+            }
+            while (at < nbytes && load_unit(source + at, unit) == load_unit(base + at, unit)) {
+                at += unit;
+            }
+            if (at >= nbytes) {
+                break;
+            }
+            uint64_t start = at;
+            while (at < nbytes && load_unit(source + at, unit) != load_unit(base + at, unit)) {
+                at += unit;
+            }
+            uint64_t run = at - start;
+            memcpy(base + start, source + start, run);
+            changed_bytes += run;
+            if (fits) {
+                if (room < run + 21) { /* two varints of at most 10 bytes, and the piece's closing byte */
+                    fits = 0;
+                } else {
+                    unsigned char *begin = p;
+                    p = put_varint(p, run / unit);
+                    p = put_varint(p, (start - last) / unit);
+                    memcpy(p, source + start, run);
+                    p += run;
+                    room -= (uint64_t)(p - begin);
+                }
+            }
+            last = at;
+        }
+        if (fits) {
+            if (room < 1) {
+                fits = 0;
+            } else {
+                *p++ = 0;
+                room -= 1;
+            }
+        }
+    }
+    *changed = changed_bytes;
+    return fits ? (uint64_t)(p - out) : UINT64_MAX;
+}
+
+static int get_varint(const unsigned char **p, const unsigned char *end, uint64_t *value) {
+    uint64_t result = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+        if (*p >= end) {
+            return -1;
+        }
+        unsigned char byte = *(*p)++;
+        result |= (uint64_t)(byte & 0x7f) << shift;
+        if (!(byte & 0x80)) {
+            *value = result;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+static int walk_delta(const unsigned char *delta, uint64_t length, const uint64_t *pieces, size_t count, int write) {
+    const unsigned char *p = delta, *end = delta + length;
+    for (size_t i = 0; i < count; i++, pieces += 3) {
+        unsigned char *destination = (unsigned char *)(uintptr_t)pieces[0];
+        uint64_t units = pieces[1] / pieces[2], unit = pieces[2], position = 0;
+        for (;;) {
+            uint64_t run, gap;
+            if (get_varint(&p, end, &run) != 0) {
+                return -1;
+            }
+            if (run == 0) {
+                break;
+            }
+            if (get_varint(&p, end, &gap) != 0 || gap > units - position || run > units - position - gap) {
+                return -1;
+            }
+            position += gap;
+            if ((uint64_t)(end - p) < run * unit) {
+                return -1;
+            }
+            if (write) {
+                memcpy(destination + position * unit, p, run * unit);
+            }
+            p += run * unit;
+            position += run;
+        }
+    }
+    return p == end ? 0 : -1;
+}
+
+/* pieces: count rows of (destination address, nbytes, unit), as the encoding's pieces. Checks the whole encoding
+ * first and writes nothing unless it is well formed (every run inside its piece, nothing left over): returns 0 after
+ * applying it, -1 for a malformed one. */
+int weightsync_delta_apply(const unsigned char *delta, uint64_t length, const uint64_t *pieces, size_t count) {
+    if (walk_delta(delta, length, pieces, count, 0) != 0) {
+        return -1;
+    }
+    return walk_delta(delta, length, pieces, count, 1);
 }

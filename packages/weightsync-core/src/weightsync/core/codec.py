@@ -34,7 +34,7 @@ __all__ = [
     "encode_tensors",
 ]
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 MAX_NAME_BYTES = 1024
 MAX_TENSORS_PER_BUCKET = 1 << 16
 MAX_DIMS = 32
@@ -81,6 +81,15 @@ class _BucketFields(msgspec.Struct, frozen=True, tag="bucket"):
     final: bool = False
     digest: str = ""
     abort: str = ""
+    base: int = -1
+    """A delta update's base version (every bucket of the update carries it), -1 for a full update."""
+    base_model: str = ""
+    """The model digest of ``base`` (what a receiver must hold to apply the update's deltas)."""
+    dense: int = -1
+    """For a delta bucket: its dense size, the layout its table describes (``nbytes`` is the encoding's); -1 for a
+    bucket whose payload is its dense bytes."""
+    model: str = ""
+    """On the final header of an update of a delta-enabled sender: the model digest of the version it completes."""
 
 
 class BucketHeader(_BucketFields, frozen=True, tag="bucket", kw_only=True):
@@ -159,13 +168,14 @@ def encode_tensors(tensors: Sequence[TensorMeta]) -> bytes:
 
 
 def encode_bucket(
-    *, epoch: str, version: int, sender: int, index: int, slot: int, nbytes: int, table: bytes
+    *, epoch: str, version: int, sender: int, index: int, slot: int, nbytes: int, table: bytes, base: int = -1,
+    base_model: str = "", dense: int = -1,
 ) -> bytes:
     """A bucket's header around its already encoded table (``encode_tensors``): the bytes of
     ``encode(BucketHeader(..., tensors=<that table's entries>))``, without encoding the entries a second time."""
     return _encoder.encode(_TableHeader(
         wire=WIRE_VERSION, epoch=epoch, version=version, sender=sender, index=index, slot=slot, nbytes=nbytes,
-        tensors=msgspec.Raw(table),
+        tensors=msgspec.Raw(table), base=base, base_model=base_model, dense=dense,
     ))
 
 
@@ -193,8 +203,11 @@ def decode_bucket(
         raise WireError(f"bucket of {raw.nbytes} bytes does not fit a {capacity}-byte buffer")
     if raw.index < 0 or raw.version < 0 or raw.sender < 0:
         raise WireError("negative index, version or sender in bucket header")
+    if raw.dense >= 0 and (raw.base < 0 or raw.dense > capacity):
+        raise WireError(f"delta bucket of {raw.dense} dense bytes (base {raw.base}) for a {capacity}-byte buffer")
+    layout = raw.dense if raw.dense >= 0 else raw.nbytes  # what the table's ranges lie in
     table = bytes(raw.tensors)
-    tensors = cache.get(table, raw.nbytes) if cache is not None else None
+    tensors = cache.get(table, layout) if cache is not None else None
     if tensors is None:
         try:
             tensors = _table_decoder.decode(table)
@@ -203,12 +216,13 @@ def decode_bucket(
         if len(tensors) > MAX_TENSORS_PER_BUCKET:
             raise WireError(f"bucket lists {len(tensors)} tensors (limit {MAX_TENSORS_PER_BUCKET})")
         for meta in tensors:
-            check_tensor_meta(meta, bucket_nbytes=raw.nbytes)
+            check_tensor_meta(meta, bucket_nbytes=layout)
         if cache is not None:
-            cache.put(table, raw.nbytes, tensors)
+            cache.put(table, layout, tensors)
     header = BucketHeader(
         wire=raw.wire, epoch=raw.epoch, version=raw.version, sender=raw.sender, index=raw.index, slot=raw.slot,
-        nbytes=raw.nbytes, tensors=tensors, final=raw.final, digest=raw.digest, abort=raw.abort,
+        nbytes=raw.nbytes, tensors=tensors, final=raw.final, digest=raw.digest, abort=raw.abort, base=raw.base,
+        base_model=raw.base_model, dense=raw.dense, model=raw.model,
     )
     return header, table
 

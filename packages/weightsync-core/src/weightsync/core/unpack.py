@@ -174,6 +174,16 @@ class BucketReader:
                     return completed
         return self._copy_batched(current, destinations, fallback)
 
+    def skip_applied(self) -> int:
+        """The rest of the current bucket was written elsewhere (a delta applied in place): the tensors it
+        completes."""
+        current = self._current()
+        rest = current.header.tensors[self.position:]
+        completed = sum(meta.offset + meta.nbytes == meta.total_nbytes for meta in rest)
+        self.position = len(current.header.tensors)
+        self.tensors += completed
+        return completed
+
     def _current(self) -> Arrived:
         if self.current is None:
             raise RuntimeError("no bucket is current (callers check ``pending`` first)")
