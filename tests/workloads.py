@@ -291,3 +291,67 @@ class DeviceSink(RecordingSink):
 
 class MixedSink(DeviceSink):
     mixed = True
+
+
+# -- delta updates: versions that differ in a few elements, and a model loaded in place --------------------------
+
+_RAW_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def delta_model(version: int, *, dense: frozenset[int] = frozenset(), fraction: float = 0.01
+                ) -> list[tuple[str, torch.Tensor]]:
+    """bf16, fp32 and fp8 weights (one split across several 256 KiB buckets) whose version ``version`` changes
+    the bits of about ``fraction`` of the base model's elements, a different set each version (every element when
+    ``version`` is in ``dense``): consecutive versions differ in about twice ``fraction``."""
+    base = torch.Generator().manual_seed(0)
+    changes = torch.Generator().manual_seed(1000 + version)
+    out = []
+    shapes = [((300, 1000), torch.bfloat16), ((64, 256), torch.float32), ((128, 512), torch.float8_e4m3fn),
+              ((4096,), torch.bfloat16), ((7,), torch.float32), ((50, 50), torch.bfloat16)]
+    for index, (shape, dtype) in enumerate(shapes):
+        tensor = (torch.randn(shape, generator=base) * 0.02).to(dtype)
+        bits = as_byte_view(tensor).view(_RAW_INTS[tensor.element_size()])
+        mask = torch.rand(bits.numel(), generator=changes) < fraction
+        if version in dense:
+            mask[:] = True
+        bits[mask] += version
+        out.append((f"model.layers.{index}.weight", tensor))
+    return out
+
+
+class DeltaModelSource(ModelSource):
+    """An actor rank whose versions differ in a few elements (:func:`delta_model`)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size)
+        self.dense: frozenset[int] = frozenset()
+
+    def set_version(self, version: int) -> str:
+        self.version = version
+        return weights_digest(delta_model(version, dense=self.dense))
+
+    def set_dense(self, versions: list[int]) -> None:
+        self.dense = frozenset(versions)
+
+    def named_weights(self) -> Iterator[Any]:
+        for index, item in enumerate(delta_model(self.version, dense=self.dense)):
+            if self.mode == "raise_midway" and index == 3:
+                raise RuntimeError("the trainer's weight gather failed half-way")
+            yield item
+
+
+class InPlaceSink(RecordingSink):
+    """A rollout worker whose model lives in tensors of its own, loaded in place (``copy_into``), as an inference
+    engine's parameters are; ``scribble`` changes one of them behind the engine's back."""
+
+    def __init__(self, replica: int, worker: int) -> None:
+        super().__init__(replica, worker)
+        self.weights = {name: torch.zeros_like(tensor) for name, tensor in delta_model(0)}
+
+    async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
+        await weights.copy_into(self.weights)  # type: ignore[attr-defined]
+        self.version = version
+
+    def scribble(self) -> None:
+        tensor = self.weights["model.layers.1.weight"]
+        as_byte_view(tensor).view(torch.int32)[5] += 1

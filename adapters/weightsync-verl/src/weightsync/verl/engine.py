@@ -56,7 +56,7 @@ REGISTRY_PREFIX = "weightsync."
 """verl registry names are ``weightsync.<backend>``: verl's own ``nccl``/``nixl``/... keep their names."""
 
 # engine_kwargs keys that configure the pipeline (SyncConfig) rather than the backend's own constructor options.
-_SYNC_KEYS = frozenset({"slots", "verify_digest", "timeouts"})
+_SYNC_KEYS = frozenset({"slots", "verify_digest", "timeouts", "delta", "verify_every"})
 
 
 def sync_config_from_engine_kwargs(*, bucket_bytes: int, engine_kwargs: Mapping[str, Any]) -> SyncConfig:
@@ -149,8 +149,8 @@ class VerlCheckpointEngine(_VerlCheckpointEngineABC):  # type: ignore[misc]  # v
 
     Constructor keywords are verl's: ``bucket_size`` (bytes), ``is_master`` (passed on actor ranks only; its
     presence is how an engine knows it is on the actor side) and the backend's ``engine_kwargs`` from verl's config,
-    of which ``slots``, ``verify_digest`` and ``timeouts`` configure the pipeline and the rest are the weightsync
-    backend's own options (an unknown one is a ``ConfigError`` here, at construction).
+    of which ``slots``, ``verify_digest``, ``delta``, ``verify_every`` and ``timeouts`` configure the pipeline and the
+    rest are the weightsync backend's own options (an unknown one is a ``ConfigError`` here, at construction).
     """
 
     backend: ClassVar[str] = ""

@@ -47,6 +47,11 @@ class SyncConfig:
     per side (2 = double buffering: one is filled while the other moves); None: the backend's own default (2, and 4
     for ``shm``, whose ring is one copy in host memory shared by every receiver). ``backend_options`` are passed to the
     backend's constructor as keywords. ``verify_digest`` makes receivers check the end-to-end digest.
+
+    ``delta``: send only what changed since the version every replica holds (``weightsync.core.delta``): the
+    sender keeps a host copy of that version (the model's size in host memory); a replica that does not hold it
+    exactly gets a full update. ``verify_every``: with ``delta``, receivers hash what they hold after every
+    ``verify_every``-th delta update and compare it with the sender's (1: after every one).
     """
 
     bucket_bytes: int = 64 * MiB
@@ -54,6 +59,8 @@ class SyncConfig:
     timeouts: StepTimeouts = field(default_factory=StepTimeouts)
     backend_options: Mapping[str, JsonValue] = field(default_factory=dict)
     verify_digest: bool = True
+    delta: bool = False
+    verify_every: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int):
@@ -68,6 +75,10 @@ class SyncConfig:
             isinstance(self.slots, bool) or not isinstance(self.slots, int) or not 1 <= self.slots <= 16
         ):
             raise ConfigError(f"slots must be an int between 1 and 16, got {self.slots!r}")
+        if not isinstance(self.delta, bool):
+            raise ConfigError(f"delta must be a bool, got {self.delta!r}")
+        if isinstance(self.verify_every, bool) or not isinstance(self.verify_every, int) or self.verify_every < 1:
+            raise ConfigError(f"verify_every must be a positive int, got {self.verify_every!r}")
         if not isinstance(self.timeouts, StepTimeouts):
             raise ConfigError("timeouts must be a StepTimeouts")
         try:

@@ -162,7 +162,9 @@ class CheckpointEngine(Protocol):
     ``Engine(bucket_bytes=..., context=..., slots=..., timeout=..., verify_digest=..., **options)``: ``context``
     (a ``WorkerContext``: role, rank, node, address, supplied by the host), ``slots`` (buckets per side; ``None``:
     the backend's default), ``timeout`` (seconds any single blocking wait may take), ``verify_digest`` (check the
-    end-to-end digest on receipt). Backends document their own ``options``.
+    end-to-end digest on receipt). With ``SyncConfig.delta`` the adapters add ``delta=True`` and ``verify_every``
+    (send only what changed, see ``weightsync.core.delta``); an engine that cannot raises ``ConfigError`` for them.
+    Backends document their own ``options``.
 
     Class attributes (data, read without constructing an engine): ``name`` (the registry name) and ``devices``
     (where the backend's own buffers can live, e.g. ``frozenset({"cpu"})``; ``{"cuda"}`` for a backend that needs

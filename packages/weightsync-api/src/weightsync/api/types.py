@@ -129,6 +129,14 @@ class TransferReport:
     finalized: bool = False
     """The worker already ran the engine's ``finalize`` after this transfer (a host that does so in the same call
     spares the manager a round trip); False: the manager calls ``finalize`` on it."""
+    wire_bytes: int = 0
+    """Payload bytes that crossed to (a receiver) or were published for (a sender) each receiver: ``nbytes`` for a
+    full update, the encoded changes (and any bucket sent dense) for a delta update."""
+    changed_bytes: int = 0
+    """A sender's: bytes of tensor data that differ from the previous version it sent (``nbytes`` when it kept
+    none), counted when the sender keeps that version (``SyncConfig.delta``); 0 otherwise."""
+    base: int = -1
+    """The version this update's deltas applied to; -1 for a full update."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -148,6 +156,8 @@ class ReplicaOutcome:
     """The version the replica holds now (None when torn or never updated)."""
     resumed: bool
     error: str | None = None
+    full: bool = True
+    """The update sent this replica every byte (False: only what changed since the version it held)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,7 +167,7 @@ class UpdateReport:
     version: int
     backend: str
     nbytes: int
-    """Bytes of weights each receiver got (the model's size for a full update)."""
+    """The model's size: bytes of weights each receiver holds from this update (also for a delta update)."""
     seconds: float
     """Wall time of the whole update, pause to resume."""
     stages: Mapping[str, float] = field(default_factory=dict)
@@ -171,6 +181,11 @@ class UpdateReport:
     chosen: str = ""
     """With ``backend="auto"``: the backend it picked at the last setup, its layout and why (e.g. ``"nixl
     (two-level): workers on 3 hosts: the fastest network transport installed"``); empty for a named backend."""
+    wire_bytes: int = 0
+    """Payload bytes sent per receiver: ``nbytes`` for a full update, the encoded changes for a delta update."""
+    changed_fraction: float = 1.0
+    """Bytes of the model that differ from the previous version, over ``nbytes`` (1.0 when not compared: a
+    sender without ``SyncConfig.delta`` keeps no previous version)."""
 
     @property
     def transfer_seconds(self) -> float:

@@ -96,6 +96,8 @@ class BucketCheckpointEngine(EngineBase):
         self._disconnect()
         sender = rank_args.get("sender", 0)
         self._sender_rank = sender if isinstance(sender, int) else 0
+        base = rank_args.get("delta_base")  # the manager's: the version every receiver holds (delta updates)
+        self._send.allowed_base = base if isinstance(base, int) and not isinstance(base, bool) else None
         if role == "sender":
             self._sender = self.transport.connect_sender(rank_args)
         elif role == "receiver":

@@ -209,12 +209,17 @@ class CheckpointEngineManager:
             await self._resume(stages, replicas, outcomes_by_replica, failure)
         self._version = version
         total = sum(report.nbytes for report in sender_reports)
+        changed = sum(report.changed_bytes for report in sender_reports)
+        compared = self.config.delta and all(report.changed_bytes or report.base >= 0 for report in sender_reports
+                                             if report.nbytes)
         return UpdateReport(
             version=version, backend=self.backend, nbytes=total, seconds=time.perf_counter() - started,
             stages=stages, digest=sender_reports[0].digest if sender_reports else "", receivers=len(workers),
             replicas=tuple(outcomes_by_replica), transfers=tuple(
                 [*sender_reports, *(r for r in reports if isinstance(r, TransferReport))]
             ), rebuilt=rebuilt, chosen=f"{self.choice.name}: {self.choice.reason}" if self.choice else "",
+            wire_bytes=sum(report.wire_bytes for report in sender_reports),
+            changed_fraction=changed / total if compared and total else 1.0,
         )
 
     async def _explain(self, errors: list[BaseException], timed_out: StepTimeoutError | None,
@@ -283,7 +288,11 @@ class CheckpointEngineManager:
         )
         # Our engines stamp the epoch token in build_topology; an engine that does not gets one here.
         topology = with_epoch(topology)
-        init_calls = self.actor_wg.execute_checkpoint_engine("init_process_group", rank_args=list(topology.actor))
+        actor_args = list(topology.actor)
+        base = self._delta_base()
+        if base is not None:  # the senders may send only what changed since it
+            actor_args = [{**args, "delta_base": base} for args in actor_args]
+        init_calls = self.actor_wg.execute_checkpoint_engine("init_process_group", rank_args=actor_args)
         labelled = [(f"actor rank {rank}", call) for rank, call in enumerate(init_calls)]
         labelled += [
             (_worker_label(r, worker), worker.execute_checkpoint_engine("init_process_group", rank_args=args))
@@ -292,6 +301,17 @@ class CheckpointEngineManager:
         await steps.gather("init_process_group", timeout, labelled)
         self._epoch = str(topology.actor[0]["epoch"])
         stages["setup"] = time.perf_counter() - started
+
+    def _delta_base(self) -> int | None:
+        """With ``SyncConfig.delta``: the version every replica holds, committed and verified, when they all hold
+        the same one (the base the next update's changes are computed against); else None, and the update is full
+        for every replica: one stream reaches them all (a ring, a chain, a broadcast), so a replica that needs every
+        byte gets them all to everyone, at the cost the deltas would have added on top."""
+        if not self.config.delta or not self._states:
+            return None
+        versions = {state.version if state.state == "committed" else None for state in self._states}
+        version = versions.pop() if len(versions) == 1 else None
+        return version if version is not None and version == self._version else None
 
     def _all_workers(self, method: str, workers: list[tuple[int, RolloutWorker]]) -> list[tuple[str, Awaitable[Any]]]:
         calls: list[tuple[str, Awaitable[Any]]] = [
@@ -338,7 +358,9 @@ class CheckpointEngineManager:
             error = None
             if state == "torn" and failure is not None:
                 error = f"{type(failure).__name__}: {failure}"
-            outcomes.append(ReplicaOutcome(replica=r, state=state, version=held, resumed=False, error=error))
+            full = not all(isinstance(report, TransferReport) and report.base >= 0 for report in mine) or not mine
+            outcomes.append(ReplicaOutcome(replica=r, state=state, version=held, resumed=False, error=error,
+                                           full=full))
         return outcomes
 
     async def _resume(

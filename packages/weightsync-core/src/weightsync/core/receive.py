@@ -17,6 +17,7 @@ import torch
 from weightsync.api.errors import DigestMismatchError, TransferError, WireError
 from weightsync.api.types import StageTiming, TransferReport
 from weightsync.core import codec
+from weightsync.core.delta import ReceiverDelta
 from weightsync.core.handover import Hold
 from weightsync.core.settings import EngineSettings
 from weightsync.core.trace import Tracer
@@ -37,6 +38,8 @@ class ReceiveContext:
         self.tables = codec.TableCache()
         """Bucket tables received and validated before: a model's next update repeats them."""
         self.plans = BulkPlans()
+        self.delta = ReceiverDelta(verify_every=settings.verify_every) if settings.delta else None
+        """With ``settings.delta``: what this receiver holds across updates (``weightsync.core.delta``)."""
 
 
 class ReceiveStream:
@@ -50,9 +53,13 @@ class ReceiveStream:
         self._queue: asyncio.Queue[Arrived | BaseException] | None = None
         self._started = time.perf_counter()
         self._receive_seconds = 0.0
-        self._nbytes = self._buckets = 0
+        self._nbytes = self._buckets = self._wire = 0
         self._finished = False
         self._unpack_started = 0.0
+        self._destinations: Mapping[str, torch.Tensor] | None = None
+        """Where the consumer reads the current bucket to: its ``copy_into`` destinations, or None for views."""
+        self._patched: Arrived | None = None
+        self._applied: Arrived | None = None
 
     def __aiter__(self) -> ReceiveStream:
         return self
@@ -60,6 +67,8 @@ class ReceiveStream:
     async def _start(self) -> asyncio.Queue[Arrived | BaseException]:
         if self._queue is None:
             await self._hold.start()
+            if self._context.delta is not None:
+                self._context.delta.begin()
             loop = asyncio.get_running_loop()
             self._queue = asyncio.Queue()
             loop.run_in_executor(self._context.pool, self._receive_loop, loop, self._queue)
@@ -68,9 +77,10 @@ class ReceiveStream:
     async def __anext__(self) -> tuple[str, torch.Tensor]:
         if self._finished:
             raise StopAsyncIteration
+        self._destinations = None
         try:
             while True:
-                if self._reader.pending:
+                if self._reader.pending and self._patch():
                     ready = self._reader.next_view()
                     if ready is not None:
                         return ready
@@ -90,10 +100,14 @@ class ReceiveStream:
         if self._finished:
             return 0
         count = 0
+        self._destinations = destinations
         try:
             while True:
                 if self._reader.pending:
-                    count += self._reader.copy_out(destinations, fallback)
+                    if self._patch():
+                        count += self._reader.copy_out(destinations, fallback)
+                    else:
+                        count += self._reader.skip_applied()
                     continue
                 if not await self._advance():
                     return count
@@ -101,10 +115,27 @@ class ReceiveStream:
             self._close()
             raise
 
+    def _patch(self) -> bool:
+        """Hand a bucket of a delta update to the delta receiver (once); False when that wrote it to the
+        destinations whole."""
+        current = self._reader.current
+        if current is None or current.header.base < 0 or current is self._patched:
+            return current is not self._applied
+        self._patched = current
+        if self._context.delta is None:
+            raise TransferError(f"{self._peer} sent a delta update to a receiver without SyncConfig.delta",
+                                peer=self._peer)
+        if self._context.delta.take(current, self._destinations):
+            return True
+        self._applied = current
+        return False
+
     async def _advance(self) -> bool:
         """Finish the current bucket and make the next one current; False at the end of the update."""
         done = self._reader.finish()
         if done is not None:
+            if self._context.delta is not None and done is not self._applied:
+                self._context.delta.read(done, self._destinations)
             self._transport.release(done.token)
             self._context.tracer.span("unpack", done.header.index, self._unpack_started, time.perf_counter())
         arrived = await (await self._start()).get()
@@ -144,18 +175,22 @@ class ReceiveStream:
                     return
                 if header.index != expected:
                     raise WireError(f"bucket {header.index} arrived where bucket {expected} was expected")
+                if expected == 0 and header.base >= 0 and context.delta is not None:
+                    context.delta.check_base(header, self._peer)
                 expected += 1
                 payload = received.payload[: header.nbytes]
                 after_receive = getattr(context.settings.hook, "after_receive", None)
                 if after_receive is not None:
                     after_receive(header.index, payload)
                 if fused is None:  # one way for the whole update: the digest folds buckets in order
-                    fused = digest.fusable and payload.device.type == "cpu"
+                    # (a delta update's buckets are hashed here: small, and read by the patch, not the consumer)
+                    fused = digest.fusable and payload.device.type == "cpu" and header.base < 0
                 if not fused:
                     digest.update_bucket(table, payload)
                 context.tracer.span("receive", header.index, started, time.perf_counter())
                 self._receive_seconds += time.perf_counter() - started
                 self._nbytes += sum(meta.nbytes for meta in header.tensors)
+                self._wire += header.nbytes
                 self._buckets += 1
                 deliver(Arrived(header, payload, received.token, table, fused))
         except BaseException as exc:
@@ -190,11 +225,14 @@ class ReceiveStream:
                     f"{self._peer}'s {header.digest[:16]}: the update was corrupted in transit",
                     receiver=settings.context.rank, expected=header.digest, actual=digest,
                 )
+            if self._context.delta is not None:
+                self._context.delta.complete(header, receiver=settings.context.rank, peer=self._peer)
             self.report = TransferReport(
                 role="rollout", rank=settings.context.rank, version=header.version, nbytes=self._nbytes,
                 tensors=self._reader.tensors, buckets=self._buckets, seconds=time.perf_counter() - self._started,
                 digest=digest, sender=header.sender,
                 stages=(StageTiming(stage="receive", seconds=self._receive_seconds),),
+                wire_bytes=self._wire, base=header.base,
             )
         finally:
             self._close()

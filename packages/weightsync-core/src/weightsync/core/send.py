@@ -8,18 +8,19 @@ every copy cost more than they save.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import concurrent.futures
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from weightsync.api.errors import WeightStreamError
 from weightsync.api.types import StageTiming, TransferReport
-from weightsync.core import codec
+from weightsync.core import codec, delta, tensors
 from weightsync.core.device import AcceleratorPolicy
 from weightsync.core.digest import UpdateDigest
 from weightsync.core.planner import PIECE_BYTES, PlannedBucket, piece_bytes, plan_buckets, validate_pair
@@ -46,6 +47,20 @@ async def drain(weights: Iterable[object], *, devices: frozenset[str], rank: int
 
 
 @dataclass
+class _DeltaUpdate:
+    """One update of a sender that keeps its last version (``SyncConfig.delta``): against which base it encodes,
+    and what it counted."""
+
+    kept: delta.BaseCopies
+    base: int
+    """The base version of this update's deltas, -1 for a full update (the kept copy is then rewritten)."""
+    base_model: str
+    model: UpdateDigest = field(default_factory=UpdateDigest)
+    """The model digest of the version being sent, folded from the kept copy as each bucket is final."""
+    changed: int = 0
+
+
+@dataclass
 class SendPipeline:
     """One sender's pipeline over the transport of the current epoch. Its threads are the engine's to shut down."""
 
@@ -59,6 +74,25 @@ class SendPipeline:
     """Made at the first bucket with accelerator pieces bound for a host transport, then kept with the engine."""
     uploads: Upload | None = None
     """Made at the first bucket with host pieces bound for a device transport, then kept with the engine."""
+    kept: delta.BaseCopies = field(default_factory=delta.BaseCopies)
+    """With ``settings.delta``: the last version this sender sent, on the host (the base of the next update)."""
+    allowed_base: int | None = None
+    """The version every receiver holds, as the manager said at ``init_process_group`` (advanced by every update
+    this epoch completes); None: send the next update full."""
+
+    def delta_update(self, transport: SenderTransport, digest: UpdateDigest) -> _DeltaUpdate | None:
+        """This update's delta bookkeeping, or None when the sender keeps no version (``delta`` off, buffers on a
+        device, no compiled encoder, or a test hook that rewrites packed buckets). A delta against the kept version
+        only when every receiver holds it."""
+        if (not self.settings.delta or tensors._HELPER is None or not transport.buffer(0).is_cpu
+                or not digest.fusable or getattr(self.settings.hook, "after_pack", None) is not None):
+            return None
+        kept = self.kept
+        usable = kept.version is not None and kept.version == self.allowed_base
+        update = _DeltaUpdate(kept, kept.version if usable and kept.version is not None else -1,
+                              kept.model if usable else "")
+        kept.version = None  # changed bucket by bucket from here: holds no whole version until the update completes
+        return update
 
     async def send(self, transport: SenderTransport, weights: Iterable[object], *, epoch: str, version: int,
                    started: float) -> TransferReport:
@@ -67,7 +101,8 @@ class SendPipeline:
         digest = self.policy.new_digest()
         in_flight: dict[int, asyncio.Future[float]] = {}
         pack_seconds = publish_seconds = 0.0
-        index = nbytes = tensors = 0
+        index = nbytes = tensors = wire = 0
+        update = self.delta_update(transport, digest)
         try:
             planned = time.perf_counter()
             staging_begun = False
@@ -80,32 +115,44 @@ class SendPipeline:
                 previous = in_flight.pop(slot, None)
                 if previous is not None:
                     await previous
-                header, seconds = await loop.run_in_executor(
-                    self.pack_pool, self.pack, transport, slot, index, bucket, version, epoch, digest, deadline)
+                header, length, seconds = await loop.run_in_executor(
+                    self.pack_pool, self.pack, transport, slot, index, bucket, version, epoch, digest, deadline,
+                    update)
                 pack_seconds += seconds
                 in_flight[slot] = loop.run_in_executor(
-                    self.transfer_pool, self.publish, transport, index, slot, bucket.nbytes, header, deadline)
+                    self.transfer_pool, self.publish, transport, index, slot, length, header, deadline)
                 index, nbytes, tensors = index + 1, nbytes + bucket.payload_bytes, tensors + bucket.completed
+                wire += length
                 planned = time.perf_counter()
             if tensors == 0:
                 raise WeightStreamError("the weights stream was empty: an update must carry at least one tensor")
             for future in list(in_flight.values()):
                 publish_seconds += await future
             in_flight.clear()
+            model = ""
+            if update is not None:
+                update.kept.truncate(index)
+                model = update.model.hexdigest()
             final = codec.BucketHeader(
                 wire=codec.WIRE_VERSION, epoch=epoch, version=version, sender=self.settings.context.rank,
-                index=index, slot=NO_SLOT, nbytes=0, tensors=[], final=True, digest=digest.hexdigest())
+                index=index, slot=NO_SLOT, nbytes=0, tensors=[], final=True, digest=digest.hexdigest(),
+                base=update.base if update is not None else -1, model=model)
             publish_seconds += await loop.run_in_executor(
                 self.transfer_pool, _timed, transport.publish, NO_SLOT, 0, codec.encode(final), deadline)
         except BaseException as exc:
             await self.abort(transport, in_flight, epoch=epoch, version=version, index=index, reason=exc)
             raise
+        if update is not None:  # every receiver acknowledged every bucket: the kept copy is this version now
+            update.kept.version, update.kept.model = version, model
+            self.allowed_base = version
         rank = self.settings.context.rank
         return TransferReport(
             role="actor", rank=rank, version=version, nbytes=nbytes, tensors=tensors, buckets=index,
             seconds=time.perf_counter() - started, digest=digest.hexdigest(), sender=rank,
             stages=(StageTiming(stage="pack", seconds=pack_seconds),
                     StageTiming(stage="publish", seconds=publish_seconds)),
+            wire_bytes=wire, changed_bytes=update.changed if update is not None else 0,
+            base=update.base if update is not None else -1,
         )
 
     def begin_staging(self, bucket: PlannedBucket) -> None:
@@ -124,8 +171,10 @@ class SendPipeline:
         return ended - started
 
     def pack(self, transport: SenderTransport, slot: int, index: int, bucket: PlannedBucket, version: int,
-             epoch: str, digest: UpdateDigest, deadline: float) -> tuple[bytes, float]:
-        """Copy ``bucket``'s pieces into ``slot`` and fold them into the digest; returns the bucket's header."""
+             epoch: str, digest: UpdateDigest, deadline: float, update: _DeltaUpdate | None = None
+             ) -> tuple[bytes, int, float]:
+        """Copy ``bucket``'s pieces into ``slot`` (or, in a delta update, what changed in them) and fold them into the
+        digest; returns the bucket's header and the bytes to publish."""
         with self.policy.packing(transport, slot, bucket):
             transport.wait_slot(slot, deadline)
             started = time.perf_counter()
@@ -134,6 +183,11 @@ class SendPipeline:
                 bucket = self.staging.stage(bucket, deadline)
             table = codec.encode_tensors([item[0] for item in bucket.items])
             after_pack = getattr(self.settings.hook, "after_pack", None)
+            if update is not None:
+                header, length = self.pack_delta(update, buffer, bucket, table, digest, epoch=epoch, version=version,
+                                                 index=index, slot=slot)
+                self.tracer.span("pack", index, started, time.perf_counter())
+                return header, length, time.perf_counter() - started
             if after_pack is None and digest.fusable and buffer.is_cpu and not bucket.on_device:
                 digest.begin_bucket(table, bucket.nbytes)
                 pack_hashing(buffer.data_ptr(), bucket, digest)
@@ -152,7 +206,43 @@ class SendPipeline:
             header = codec.encode_bucket(epoch=epoch, version=version, sender=self.settings.context.rank,
                                          index=index, slot=slot, nbytes=bucket.nbytes, table=table)
         self.tracer.span("pack", index, started, time.perf_counter())
-        return header, time.perf_counter() - started
+        return header, bucket.nbytes, time.perf_counter() - started
+
+    def pack_delta(self, update: _DeltaUpdate, buffer: torch.Tensor, bucket: PlannedBucket, table: bytes,
+                   digest: UpdateDigest, *, epoch: str, version: int, index: int, slot: int) -> tuple[bytes, int]:
+        """A bucket of a sender that keeps its version (host buffer, host pieces): its changes against the kept
+        bucket when that lines up and they are smaller than the bucket, else the bucket dense; either way the kept
+        bucket becomes this version's and is folded into the model digest."""
+        base, dense = buffer.data_ptr(), -1
+        kept = update.kept.match(index, table, bucket.nbytes) if update.base >= 0 and bucket.nbytes else None
+        length: int | None = None
+        if kept is not None:
+            rows = array.array("Q")
+            kept_at = kept.data.data_ptr()
+            for meta, source, start in bucket.items:
+                rows.extend((source.data_ptr() + start, kept_at + meta.bucket_offset, meta.nbytes,
+                             delta.unit_of(meta)))
+            length, changed = delta.encode(rows, base, bucket.nbytes - 1)
+            update.changed += changed
+        if kept is not None and length is not None:
+            dense = bucket.nbytes
+            digest.update_bucket(table, buffer[:length])
+        else:
+            length = bucket.nbytes
+            digest.begin_bucket(table, bucket.nbytes)
+            pack_hashing(base, bucket, digest)
+            if kept is None:  # the kept bucket is rewritten from the packed one (its padding stays zero)
+                kept = update.kept.replace(index, table, bucket.nbytes)
+                copy_batch([item for meta, _, _ in bucket.items for item in (meta.bucket_offset, meta.bucket_offset,
+                                                                             meta.nbytes)],
+                           kept.data.data_ptr(), base)
+                update.changed += bucket.payload_bytes
+        update.model.begin_bucket(table, kept.nbytes)
+        update.model.update_at(kept.data.data_ptr(), kept.nbytes)
+        header = codec.encode_bucket(epoch=epoch, version=version, sender=self.settings.context.rank, index=index,
+                                     slot=slot, nbytes=length, table=table, base=update.base,
+                                     base_model=update.base_model, dense=dense)
+        return header, length
 
     def upload(self, policy: AcceleratorPolicy, buffer: torch.Tensor, bucket: PlannedBucket, table: bytes,
                digest: UpdateDigest, deadline: float) -> None:

@@ -48,7 +48,8 @@ class EngineSettings:
     """One engine's settings. Build with :meth:`parse`, which raises ``ConfigError`` for anything invalid.
 
     Options common to every backend: ``context`` (``WorkerContext``, from the host), ``slots`` (buckets per side),
-    ``timeout`` (seconds any single blocking wait may take), ``verify_digest``, ``transport_hook`` (tests only).
+    ``timeout`` (seconds any single blocking wait may take), ``verify_digest``, ``delta`` and ``verify_every``
+    (``SyncConfig``'s), ``transport_hook`` (tests only).
     A backend's own options arrive in ``options``, checked against the names it declares.
     """
 
@@ -58,6 +59,8 @@ class EngineSettings:
     timeout: float
     verify_digest: bool
     context: WorkerContext
+    delta: bool = False
+    verify_every: int = 1
     options: dict[str, Any] = field(default_factory=dict)
     hook: TransportHook | None = None
 
@@ -65,20 +68,22 @@ class EngineSettings:
     def parse(
         cls, name: str, *, option_names: frozenset[str], default_slots: int, bucket_bytes: int,
         context: WorkerContext | None = None, slots: int | None = None, timeout: float = 600.0,
-        verify_digest: bool = True, transport_hook: str | None = None, **options: Any,
+        verify_digest: bool = True, transport_hook: str | None = None, delta: bool = False, verify_every: int = 1,
+        **options: Any,
     ) -> EngineSettings:
         unknown = sorted(set(options) - option_names)
         if unknown:
             accepted = ", ".join(sorted(option_names)) or "none"
             raise ConfigError(f"{name} engine got unknown options {unknown}; its own options: {accepted}")
-        SyncConfig(bucket_bytes=bucket_bytes, slots=slots)  # validates both, raising ConfigError
+        # validates these, raising ConfigError
+        SyncConfig(bucket_bytes=bucket_bytes, slots=slots, delta=delta, verify_every=verify_every)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         return cls(
             name=name, bucket_bytes=bucket_bytes, slots=slots if slots is not None else default_slots,
             timeout=float(timeout), verify_digest=verify_digest,
             context=context or WorkerContext(role="actor", rank=0, node_id=default_node_id()),
-            options=options, hook=load_transport_hook(transport_hook),
+            options=options, hook=load_transport_hook(transport_hook), delta=delta, verify_every=verify_every,
         )
 
     def metadata(self) -> WorkerMetadata:
@@ -108,15 +113,17 @@ class EngineBase:
     name: ClassVar[str]
     option_names: ClassVar[frozenset[str]] = frozenset()
     default_slots: ClassVar[int] = 2
+    supports_delta: ClassVar[bool] = True
+    """Whether ``delta=True`` is accepted (bucket engines: yes; an engine without buckets to encode: no)."""
 
     def __init__(self, *, bucket_bytes: int, context: WorkerContext | None = None, slots: int | None = None,
                  timeout: float = 600.0, verify_digest: bool = True, transport_hook: str | None = None,
-                 **options: Any) -> None:
+                 delta: bool = False, verify_every: int = 1, **options: Any) -> None:
         reject_renamed_keywords(type(self).__name__, options)
         self.settings = EngineSettings.parse(
             self.name, option_names=self.option_names, default_slots=self.default_slots, bucket_bytes=bucket_bytes,
             context=context, slots=slots, timeout=timeout, verify_digest=verify_digest,
-            transport_hook=transport_hook, **options)
+            transport_hook=transport_hook, delta=delta, verify_every=verify_every, **options)
         self._closed = False
 
     @property

@@ -70,6 +70,7 @@ import torch
 from weightsync.api.errors import (
     BackendUnavailableError,
     ConcurrentUpdateError,
+    ConfigError,
     LifecycleError,
 )
 from weightsync.api.types import (
@@ -98,9 +99,13 @@ class KimiCheckpointEngine(EngineBase):
     devices: ClassVar[frozenset[str]] = frozenset({"cuda"})
     option_names: ClassVar[frozenset[str]] = KimiOptions.NAMES
     default_slots: ClassVar[int] = 2
+    supports_delta: ClassVar[bool] = False
 
     def __init__(self, *, bucket_bytes: int, **options: Any) -> None:
         super().__init__(bucket_bytes=bucket_bytes, **options)
+        if self.settings.delta:  # supports_delta
+            # checkpoint-engine moves whole tensors through its own buffers: there is no bucket to encode.
+            raise ConfigError("the kimi backend sends full updates only; use SyncConfig(delta=False) with it")
         self.options = KimiOptions.parse(self.settings.options)
         self.library = CheckpointEngineLibrary()
         """Every call into checkpoint-engine goes through it (the tests put a fake in its place)."""
