@@ -106,6 +106,32 @@ def test_a_dense_change_does_not_fit_and_still_updates_the_base() -> None:
     assert torch.equal(base, bucket_of(metas, new))
 
 
+@pytest.mark.parametrize("python", [False, True], ids=["helper", "python"])
+def test_piece_by_piece_each_piece_is_written_before_its_callback(monkeypatch: pytest.MonkeyPatch,
+                                                                  python: bool) -> None:
+    old = {"a": torch.randn(300).to(torch.bfloat16), "b": torch.randn(7, 5), "c": torch.randn(64)}
+    new = {name: changed_copy(tensor, 0.1, seed=11) for name, tensor in old.items()}
+    metas = pieces(old)
+    encoded, _ = encode(metas, new, bucket_of(metas, old), capacity=1 << 20)
+    assert encoded is not None
+    if python:
+        monkeypatch.setattr(tensors, "_HELPER", None)
+    held = {name: tensor.clone() for name, tensor in old.items()}
+    seen: list[tuple[int, bool]] = []
+    delta.apply(encoded, rows_into(metas, held),
+                lambda piece: seen.append((piece, torch.equal(raw(held[metas[piece].name]),
+                                                              raw(new[metas[piece].name])))))
+    assert seen == [(0, True), (1, True), (2, True)]
+    # Negative control of the check inside the callback: a piece not yet written compares unequal.
+    assert not torch.equal(raw(old["c"]), raw(new["c"]))
+    broken = torch.cat([encoded, torch.zeros(1, dtype=torch.uint8)])
+    held = {name: tensor.clone() for name, tensor in old.items()}
+    calls: list[int] = []
+    with pytest.raises(WireError, match="malformed delta"):
+        delta.apply(broken, rows_into(metas, held), calls.append)
+    assert calls == [] and all(torch.equal(raw(held[name]), raw(old[name])) for name in old)
+
+
 @pytest.mark.parametrize("python", [False, True])
 @pytest.mark.parametrize("damage", ["truncated", "extra byte", "run past the end", "gap past the end"])
 def test_a_malformed_encoding_writes_nothing(monkeypatch: pytest.MonkeyPatch, python: bool, damage: str) -> None:

@@ -10,7 +10,8 @@
  *   overlapping copies, and CPUs without SSE2/AVX2 code here, go to memmove;
  * - weightsync_copy_batch(...), weightsync_copy_columns(...): many small copies in one call (below);
  * - weightsync_stream_copy_kind(): which path large copies take, 2 AVX2, 1 SSE2, 0 memmove;
- * - weightsync_delta_encode(...), weightsync_delta_apply(...): delta updates' changed units (below);
+ * - weightsync_delta_encode(...), weightsync_delta_apply(...), weightsync_delta_check(...): delta updates'
+ *   changed units (below);
  * - weightsync_stream_copy_abi(): the version of these signatures.
  */
 #include <stddef.h>
@@ -18,7 +19,7 @@
 #include <string.h>
 
 #define WEIGHTSYNC_STREAM_MIN 4096 /* below this, memmove's cached copy is as fast and keeps the bytes cached */
-#define WEIGHTSYNC_STREAM_COPY_ABI 4 /* bumped with any change of these functions' signatures or meaning */
+#define WEIGHTSYNC_STREAM_COPY_ABI 5 /* bumped with any change of these functions' signatures or meaning */
 
 /* The Python side refuses a library built from another version of this file (a stale in-place build). */
 int weightsync_stream_copy_abi(void) { return WEIGHTSYNC_STREAM_COPY_ABI; }
@@ -155,6 +156,50 @@ static inline unsigned char *put_varint(unsigned char *out, uint64_t value) {
     return out;
 }
 
+/* The offset of the first unit at or after at (a multiple of unit) where source and base differ, or nbytes: equal
+ * bytes are skipped 32, then 8 at a time; a differing word names its first differing byte (little-endian: the lowest
+ * set byte of the XOR), rounded down to its unit (every word starts on a unit: unit divides 8). */
+static inline uint64_t next_change(const unsigned char *source, const unsigned char *base, uint64_t at,
+                                   uint64_t nbytes, uint64_t unit) {
+    while (at + 32 <= nbytes) {
+        uint64_t x = (load_word(source + at) ^ load_word(base + at)) |
+                     (load_word(source + at + 8) ^ load_word(base + at + 8)) |
+                     (load_word(source + at + 16) ^ load_word(base + at + 16)) |
+                     (load_word(source + at + 24) ^ load_word(base + at + 24));
+        if (x != 0) {
+            break;
+        }
+        at += 32;
+    }
+    while (at + 8 <= nbytes) {
+        uint64_t x = load_word(source + at) ^ load_word(base + at);
+        if (x != 0) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+            return at + (uint64_t)__builtin_ctzll(x) / 8 / unit * unit;
+#else
+            break;
+#endif
+        }
+        at += 8;
+    }
+    while (at < nbytes && load_unit(source + at, unit) == load_unit(base + at, unit)) {
+        at += unit;
+    }
+    return at;
+}
+
+/* Copies one run of changed units: runs are mostly a unit or two long, where a call to memcpy costs more than the
+ * copy. */
+static inline void copy_run(unsigned char *to, const unsigned char *from, uint64_t nbytes) {
+    switch (nbytes) {
+    case 1: *to = *from; return;
+    case 2: memcpy(to, from, 2); return;
+    case 4: memcpy(to, from, 4); return;
+    case 8: memcpy(to, from, 8); return;
+    default: memcpy(to, from, nbytes); return;
+    }
+}
+
 /* pieces: count rows of (source address, base address, nbytes, unit); nbytes is a multiple of unit, and unit one of
  * 1, 2, 4, 8. Compares every source with its base, writes the encoding to out while it fits in capacity bytes, and
  * copies every changed run into the base (so the base then holds the source's bytes, whether or not the encoding
@@ -168,22 +213,13 @@ uint64_t weightsync_delta_encode(const uint64_t *pieces, size_t count, unsigned 
         const unsigned char *source = (const unsigned char *)(uintptr_t)pieces[0];
         unsigned char *base = (unsigned char *)(uintptr_t)pieces[1];
         uint64_t nbytes = pieces[2], unit = pieces[3], at = 0, last = 0;
-        while (at < nbytes) {
-            while (at + 8 <= nbytes && load_word(source + at) == load_word(base + at)) {
-                at += 8; /* unchanged bytes, a word at a time (unit divides 8 and every word starts on a unit) */
-            }
-            while (at < nbytes && load_unit(source + at, unit) == load_unit(base + at, unit)) {
-                at += unit;
-            }
-            if (at >= nbytes) {
-                break;
-            }
+        while ((at = next_change(source, base, at, nbytes, unit)) < nbytes) {
             uint64_t start = at;
-            while (at < nbytes && load_unit(source + at, unit) != load_unit(base + at, unit)) {
+            do {
                 at += unit;
-            }
+            } while (at < nbytes && load_unit(source + at, unit) != load_unit(base + at, unit));
             uint64_t run = at - start;
-            memcpy(base + start, source + start, run);
+            copy_run(base + start, source + start, run);
             changed_bytes += run;
             if (fits) {
                 if (room < run + 21) { /* two varints of at most 10 bytes, and the piece's closing byte */
@@ -192,7 +228,7 @@ uint64_t weightsync_delta_encode(const uint64_t *pieces, size_t count, unsigned 
                     unsigned char *begin = p;
                     p = put_varint(p, run / unit);
                     p = put_varint(p, (start - last) / unit);
-                    memcpy(p, source + start, run);
+                    copy_run(p, source + start, run);
                     p += run;
                     room -= (uint64_t)(p - begin);
                 }
@@ -212,23 +248,37 @@ uint64_t weightsync_delta_encode(const uint64_t *pieces, size_t count, unsigned 
     return fits ? (uint64_t)(p - out) : UINT64_MAX;
 }
 
-static int get_varint(const unsigned char **p, const unsigned char *end, uint64_t *value) {
+/* Reads one varint at *p (not past end) into *value; -1 for one that is cut off or longer than 64 bits. A value
+ * below 128, the common case (a run of a unit or two, a short gap), is one byte. */
+static inline __attribute__((always_inline)) int get_varint(const unsigned char **p, const unsigned char *end,
+                                                             uint64_t *value) {
+    const unsigned char *at = *p;
+    if (at < end && *at < 0x80) {
+        *value = *at;
+        *p = at + 1;
+        return 0;
+    }
     uint64_t result = 0;
     for (int shift = 0; shift < 64; shift += 7) {
-        if (*p >= end) {
+        if (at >= end) {
             return -1;
         }
-        unsigned char byte = *(*p)++;
+        unsigned char byte = *at++;
         result |= (uint64_t)(byte & 0x7f) << shift;
         if (!(byte & 0x80)) {
             *value = result;
+            *p = at;
             return 0;
         }
     }
     return -1;
 }
 
-static int walk_delta(const unsigned char *delta, uint64_t length, const uint64_t *pieces, size_t count, int write) {
+/* Walks an encoding over its pieces: checks it (every run inside its piece, nothing left over), writes it when
+ * write, and records where each piece's part of it ends in ends[] when ends is not NULL. */
+static inline __attribute__((always_inline)) int walk_delta(const unsigned char *delta, uint64_t length,
+                                                             const uint64_t *pieces, size_t count, int write,
+                                                             uint64_t *ends) {
     const unsigned char *p = delta, *end = delta + length;
     for (size_t i = 0; i < count; i++, pieces += 3) {
         unsigned char *destination = (unsigned char *)(uintptr_t)pieces[0];
@@ -245,14 +295,18 @@ static int walk_delta(const unsigned char *delta, uint64_t length, const uint64_
                 return -1;
             }
             position += gap;
-            if ((uint64_t)(end - p) < run * unit) {
+            uint64_t nbytes = run * unit;
+            if ((uint64_t)(end - p) < nbytes) {
                 return -1;
             }
             if (write) {
-                memcpy(destination + position * unit, p, run * unit);
+                copy_run(destination + position * unit, p, nbytes);
             }
-            p += run * unit;
+            p += nbytes;
             position += run;
+        }
+        if (ends != NULL) {
+            ends[i] = (uint64_t)(p - delta);
         }
     }
     return p == end ? 0 : -1;
@@ -262,8 +316,15 @@ static int walk_delta(const unsigned char *delta, uint64_t length, const uint64_
  * first and writes nothing unless it is well formed (every run inside its piece, nothing left over): returns 0 after
  * applying it, -1 for a malformed one. */
 int weightsync_delta_apply(const unsigned char *delta, uint64_t length, const uint64_t *pieces, size_t count) {
-    if (walk_delta(delta, length, pieces, count, 0) != 0) {
+    if (walk_delta(delta, length, pieces, count, 0, NULL) != 0) {
         return -1;
     }
-    return walk_delta(delta, length, pieces, count, 1);
+    return walk_delta(delta, length, pieces, count, 1, NULL);
+}
+
+/* Checks an encoding as weightsync_delta_apply does, writing nothing; ends[i] gets the offset where piece i's part
+ * of it ends (so each piece can then be applied on its own, and read while its bytes are still in cache). */
+int weightsync_delta_check(const unsigned char *delta, uint64_t length, const uint64_t *pieces, size_t count,
+                           uint64_t *ends) {
+    return walk_delta(delta, length, pieces, count, 0, ends);
 }

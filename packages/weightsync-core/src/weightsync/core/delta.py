@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import array
 import ctypes
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -67,19 +67,36 @@ def encode(rows: array.array[int], out: int, capacity: int) -> tuple[int | None,
     return (None if length == (1 << 64) - 1 else int(length)), int(changed.value)
 
 
-def apply(encoded: torch.Tensor, rows: array.array[int]) -> None:
+_MALFORMED = "malformed delta bucket: a run outside its tensor, or bytes missing or left over"
+
+
+def apply(encoded: torch.Tensor, rows: array.array[int], each: Callable[[int], None] | None = None) -> None:
     """Apply the encoding ``encoded`` (a host uint8 tensor) to the pieces ``rows`` (flat ``(destination address,
-    nbytes, unit)`` rows, in the encoding's order); ``WireError``, with nothing written, when it is malformed."""
+    nbytes, unit)`` rows, in the encoding's order); ``WireError``, with nothing written, when it is malformed.
+    ``each(i)`` runs once piece i is written (a receiver hashes it there, while its bytes are still in cache)."""
     helper = tensors._HELPER
-    if helper is not None:
-        result = helper.weightsync_delta_apply(encoded.data_ptr(), encoded.numel(), rows.buffer_info()[0],
-                                               len(rows) // 3)
-        if result != 0:
-            raise WireError("malformed delta bucket: a run outside its tensor, or bytes missing or left over")
+    count = len(rows) // 3
+    if helper is None:
+        data = bytes(memoryview_of(encoded)) if encoded.numel() else b""
+        _walk(data, rows, write=False)
+        _walk(data, rows, write=True)
+        if each is not None:
+            for piece in range(count):
+                each(piece)
         return
-    data = bytes(memoryview_of(encoded)) if encoded.numel() else b""
-    _walk(data, rows, write=False)
-    _walk(data, rows, write=True)
+    address, table = encoded.data_ptr(), rows.buffer_info()[0]
+    if each is None:
+        if helper.weightsync_delta_apply(address, encoded.numel(), table, count) != 0:
+            raise WireError(_MALFORMED)
+        return
+    ends = array.array("Q", bytes(8 * count))
+    if helper.weightsync_delta_check(address, encoded.numel(), table, count, ends.buffer_info()[0]) != 0:
+        raise WireError(_MALFORMED)
+    start = 0
+    for piece, end in enumerate(ends):  # checked whole: each part applies on its own
+        helper.weightsync_delta_apply(address + start, end - start, table + 24 * piece, 1)
+        each(piece)
+        start = end
 
 
 def _walk(data: bytes, rows: array.array[int], *, write: bool) -> None:
@@ -190,16 +207,29 @@ class ReceiverDelta:
         self.delta_updates = 0
         self._base: tuple[int, str] | None = None
         self._kept_base: int | None = None
-        self._records: list[tuple[bytes, int, list[Held]]] = []
+        self._model: UpdateDigest | None = None
+        """This update's model digest, folded bucket by bucket as each is final here; None when this update is not
+        verified (a full update, not due, or a bucket this receiver cannot hash)."""
         self._views = True
-        self._verifiable = True
 
     def begin(self) -> None:
         """A new update starts: until it completes, this receiver holds no version it can vouch for."""
         self._base, self.held = self.held, None
         self._kept_base, self.kept.version = self.kept.version, None
-        self._records = []
-        self._views = self._verifiable = True
+        self._model = None
+        self._views = True
+
+    def _verifies(self, header: codec.BucketHeader) -> bool:
+        """Whether this update's model digest is being folded (decided at its first bucket: delta updates, every
+        ``verify_every``-th of them)."""
+        if header.index == 0:
+            due = header.base >= 0 and (self.delta_updates + 1) % self.verify_every == 0
+            self._model = UpdateDigest() if due else None
+        return self._model is not None
+
+    def _fold(self, header: codec.BucketHeader, table: bytes, pieces: Sequence[Held]) -> None:
+        if self._verifies(header) and self._model is not None:
+            fold_bucket(self._model, table, _layout(header), pieces)
 
     def check_base(self, header: codec.BucketHeader, peer: str) -> None:
         """Refuse a delta update against a base this receiver does not hold (before anything is written)."""
@@ -225,7 +255,7 @@ class ReceiverDelta:
             at = kept.data.data_ptr()
             apply(payload, array.array("Q", [value for meta in tensors_
                                              for value in (at + meta.bucket_offset, meta.nbytes, unit_of(meta))]))
-            arrived.payload = kept.data
+            arrived.payload = kept.data  # read from the kept copy as a dense bucket (``read`` folds it)
             return True
         if destinations is None:
             raise TransferError("a delta update reached a consumer that iterates views, and this receiver kept no "
@@ -249,6 +279,11 @@ class ReceiverDelta:
                 address = staged[meta.name][1].data_ptr()
             rows.extend((address + meta.offset, meta.nbytes, unit_of(meta)))
             held.append((meta, destination, meta.offset))
+        if header.dense >= 0 and not staged and self._verifies(header) and self._model is not None:
+            fold = BucketFold(self._model, arrived.table, header.dense)  # each piece hashed as soon as it is written
+            apply(payload, rows, lambda piece: fold.piece(*held[piece]))
+            fold.end()
+            return False
         if header.dense >= 0:
             apply(payload, rows)
         else:  # a bucket sent dense: each piece copied to its place
@@ -258,32 +293,30 @@ class ReceiverDelta:
         with torch.no_grad():
             for destination, host in staged.values():
                 destination.copy_(host.view(destination.dtype).reshape(destination.shape))
-        self._records.append((arrived.table, _layout(header), held))
+        self._fold(header, arrived.table, held)
         return False
 
     def read(self, arrived: Arrived, destinations: Mapping[str, torch.Tensor] | None) -> None:
         """A bucket was read as a dense one: by views (its bytes are kept, for the next delta) or into
         ``destinations`` (recorded, for verifying what this receiver holds)."""
         header = arrived.header
-        nbytes = _layout(header)
         if destinations is None:
-            kept = self.kept.replace(header.index, arrived.table, nbytes)
-            if arrived.payload.data_ptr() != kept.data.data_ptr():
+            kept = self.kept.replace(header.index, arrived.table, _layout(header))
+            if arrived.payload.data_ptr() != kept.data.data_ptr():  # not read from the kept copy: keep it now
                 for meta in header.tensors:
                     piece = arrived.payload[meta.bucket_offset:meta.bucket_offset + meta.nbytes]
                     kept.data[meta.bucket_offset:meta.bucket_offset + meta.nbytes].copy_(piece)
-            self._records.append((arrived.table, nbytes, [(meta, kept.data, meta.bucket_offset)
-                                                          for meta in header.tensors]))
+            self._fold(header, arrived.table, [(meta, kept.data, meta.bucket_offset) for meta in header.tensors])
             return
         self._views = False
         held: list[Held] = []
         for meta in header.tensors:
             destination = destinations.get(meta.name)
-            if destination is None:  # the consumer's fallback took it: nothing this receiver can hash later
-                self._verifiable = False
+            if destination is None:  # the consumer's fallback took it: nothing this receiver can hash
+                self._model = None
                 return
             held.append((meta, destination, meta.offset))
-        self._records.append((arrived.table, nbytes, held))
+        self._fold(header, arrived.table, held)
 
     def complete(self, header: codec.BucketHeader, *, receiver: int, peer: str) -> None:
         """The update's final header: verify what this receiver holds when due, then hold the new version."""
@@ -291,8 +324,8 @@ class ReceiverDelta:
             return
         if header.base >= 0:
             self.delta_updates += 1
-            if self._verifiable and self.delta_updates % self.verify_every == 0:
-                actual = self.model_digest()
+            if self._model is not None:
+                actual = self._model.hexdigest()
                 if actual != header.model:
                     raise DigestMismatchError(
                         f"rollout rank {receiver} holds tensors whose digest {actual[:16]} differs from version "
@@ -304,12 +337,6 @@ class ReceiverDelta:
             self.kept.version, self.kept.model = header.version, header.model
             self.kept.truncate(header.index)
 
-    def model_digest(self) -> str:
-        digest = UpdateDigest()
-        for table, nbytes, pieces in self._records:
-            fold_bucket(digest, table, nbytes, pieces)
-        return digest.hexdigest()
-
 
 def _layout(header: codec.BucketHeader) -> int:
     """The size of the dense bucket a header's table describes."""
@@ -319,21 +346,34 @@ def _layout(header: codec.BucketHeader) -> int:
 _ZEROS = bytes(1 << 16)
 
 
-def fold_bucket(digest: UpdateDigest, table: bytes, nbytes: int, pieces: Sequence[Held]) -> None:
-    """Fold one bucket of what a receiver holds into a model digest: its table, then each piece's bytes read from
-    where they live (on the host or a device) with zeros for the padding between pieces — the bytes the sender's
-    :class:`BaseCopies` hash."""
-    digest.begin_bucket(table, nbytes)
-    at = 0
-    for meta, source, start in pieces:
-        _zeros(digest, meta.bucket_offset - at)
+class BucketFold:
+    """One bucket of what a receiver holds, folded into a model digest piece by piece, in the table's order: each
+    piece's bytes read from where they live (on the host or a device), zeros for the padding between pieces — the
+    bytes the sender's :class:`BaseCopies` hash."""
+
+    def __init__(self, digest: UpdateDigest, table: bytes, nbytes: int) -> None:
+        digest.begin_bucket(table, nbytes)
+        self.digest, self.nbytes, self.at = digest, nbytes, 0
+
+    def piece(self, meta: TensorMeta, source: torch.Tensor, start: int) -> None:
+        _zeros(self.digest, meta.bucket_offset - self.at)
         if meta.nbytes:
             piece = tensors.as_byte_view(source)[start:start + meta.nbytes]
             if not piece.is_cpu:
                 piece = piece.cpu()
-            digest.update_at(piece.data_ptr(), meta.nbytes)
-        at = meta.bucket_offset + meta.nbytes
-    _zeros(digest, nbytes - at)
+            self.digest.update_at(piece.data_ptr(), meta.nbytes)
+        self.at = meta.bucket_offset + meta.nbytes
+
+    def end(self) -> None:
+        _zeros(self.digest, self.nbytes - self.at)
+
+
+def fold_bucket(digest: UpdateDigest, table: bytes, nbytes: int, pieces: Sequence[Held]) -> None:
+    """Fold one bucket of what a receiver holds into a model digest (see :class:`BucketFold`)."""
+    fold = BucketFold(digest, table, nbytes)
+    for held in pieces:
+        fold.piece(*held)
+    fold.end()
 
 
 def _zeros(digest: UpdateDigest, count: int) -> None:

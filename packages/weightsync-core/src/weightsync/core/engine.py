@@ -63,12 +63,15 @@ class BucketCheckpointEngine(EngineBase):
         self._receiver: ReceiverTransport | None = None
         pack_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-pack")
         transfer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-xfer")
-        self._pools = (pack_pool, transfer_pool)
+        # Delta updates only (its thread starts at the first use): the sender hashes its kept buckets there, off the
+        # pack thread.
+        digest_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-digest")
+        self._pools = (pack_pool, transfer_pool, digest_pool)
         # Any engine takes tensors on the host or on this process's accelerator (core stages between them and the
         # transport's buffers); ``devices`` says where the transport's own buffers may live.
         self._accepted = self.devices | accepted_devices()
         self._send = SendPipeline(self.settings, self._accepted, self._policy, self._tracer, pack_pool,
-                                  transfer_pool)
+                                  transfer_pool, digest_pool)
         self._receive = ReceiveContext(self.settings, tracer=self._tracer, pool=transfer_pool)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------

@@ -46,6 +46,14 @@ async def drain(weights: Iterable[object], *, devices: frozenset[str], rank: int
                           seconds=time.perf_counter() - started, digest="")
 
 
+def _settle_quietly(update: _DeltaUpdate) -> None:
+    """After a failed update: its folds finish before anything changes the kept copy; their errors do not matter."""
+    try:
+        update.settled()
+    except Exception:  # noqa: BLE001 - the update failed already; its model digest is discarded
+        pass
+
+
 @dataclass
 class _DeltaUpdate:
     """One update of a sender that keeps its last version (``SyncConfig.delta``): against which base it encodes,
@@ -58,6 +66,28 @@ class _DeltaUpdate:
     model: UpdateDigest = field(default_factory=UpdateDigest)
     """The model digest of the version being sent, folded from the kept copy as each bucket is final."""
     changed: int = 0
+    folding: list[concurrent.futures.Future[None]] = field(default_factory=list)
+    """The kept buckets being folded into ``model`` (in order, on the digest thread)."""
+
+    def fold(self, pool: concurrent.futures.ThreadPoolExecutor, table: bytes, kept: delta.BucketCopy) -> None:
+        """Fold ``kept`` (final for this version) into the model digest on ``pool``, behind the buckets before it."""
+        def run() -> None:
+            self.model.begin_bucket(table, kept.nbytes)
+            self.model.update_at(kept.data.data_ptr(), kept.nbytes)
+
+        self.folding.append(pool.submit(run))
+
+    def model_digest(self) -> str:
+        """Once every bucket is folded: the model digest."""
+        self.settled()
+        return self.model.hexdigest()
+
+    def settled(self) -> None:
+        """Wait for the folds under way (no kept bucket may change or go while one reads it); raises a fold's
+        error."""
+        folding, self.folding = self.folding, []
+        for future in folding:
+            future.result()
 
 
 @dataclass
@@ -70,6 +100,8 @@ class SendPipeline:
     tracer: Tracer
     pack_pool: concurrent.futures.ThreadPoolExecutor
     transfer_pool: concurrent.futures.ThreadPoolExecutor
+    digest_pool: concurrent.futures.ThreadPoolExecutor
+    """Delta updates: folds each kept bucket into the model digest while the pack thread encodes the next one."""
     staging: SendStaging | None = None
     """Made at the first bucket with accelerator pieces bound for a host transport, then kept with the engine."""
     uploads: Upload | None = None
@@ -131,8 +163,8 @@ class SendPipeline:
             in_flight.clear()
             model = ""
             if update is not None:
+                model = update.model_digest()
                 update.kept.truncate(index)
-                model = update.model.hexdigest()
             final = codec.BucketHeader(
                 wire=codec.WIRE_VERSION, epoch=epoch, version=version, sender=self.settings.context.rank,
                 index=index, slot=NO_SLOT, nbytes=0, tensors=[], final=True, digest=digest.hexdigest(),
@@ -141,6 +173,8 @@ class SendPipeline:
                 self.transfer_pool, _timed, transport.publish, NO_SLOT, 0, codec.encode(final), deadline)
         except BaseException as exc:
             await self.abort(transport, in_flight, epoch=epoch, version=version, index=index, reason=exc)
+            if update is not None:
+                await loop.run_in_executor(None, _settle_quietly, update)
             raise
         if update is not None:  # every receiver acknowledged every bucket: the kept copy is this version now
             update.kept.version, update.kept.model = version, model
@@ -237,8 +271,7 @@ class SendPipeline:
                                                                              meta.nbytes)],
                            kept.data.data_ptr(), base)
                 update.changed += bucket.payload_bytes
-        update.model.begin_bucket(table, kept.nbytes)
-        update.model.update_at(kept.data.data_ptr(), kept.nbytes)
+        update.fold(self.digest_pool, table, kept)
         header = codec.encode_bucket(epoch=epoch, version=version, sender=self.settings.context.rank, index=index,
                                      slot=slot, nbytes=length, table=table, base=update.base,
                                      base_model=update.base_model, dense=dense)
