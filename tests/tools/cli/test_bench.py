@@ -174,3 +174,17 @@ def test_auto_is_an_entry_and_picks_shm_on_one_host(tmp_path: pathlib.Path) -> N
     rows = {row["backend"]: row for row in json.loads(out.read_text())["results"]}
     assert set(rows) == {"auto", "naive", "bucketed"} and rows["auto"]["chosen"] == "shm"
     assert rows["auto"]["gbps_p50"] > 0 and "(auto picked shm here)" in result.stdout
+
+
+def test_rl_mix_with_delta_adds_an_entry_per_backend(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "rl.json"
+    result = bench("--backends", "shm", "--mix", "rl", "--model-mb", "8", "--bucket-mb", "2", "--repeat", "2",
+                   "--receivers", "1", "--no-ray", "--delta", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert [row["backend"] for row in data["results"]] == ["shm", "shm+delta", "naive", "bucketed"]
+    assert all(set(row) == RESULT_KEYS and row["gbps_p50"] > 0 for row in data["results"])
+    scenario = data["scenario"]
+    assert scenario["mix"] == "rl" and scenario["lr"] == 1e-6 and 0 < scenario["changed_fraction"] < 0.2
+    assert abs(scenario["model_bytes"] - 8 * 2**20) < 2 * 2**20  # the decoder closest to the size asked for
+    assert f"{scenario['changed_fraction']:.2%} of the bytes changed per update" in result.stdout

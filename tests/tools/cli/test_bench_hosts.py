@@ -120,6 +120,26 @@ def test_link_counters_show_every_update_crossing_every_link(
         assert rows[name]["sender_egress_bytes"] >= 1.9 * MODEL_BYTES, rows[name]
 
 
+def test_delta_updates_cross_the_links_as_a_few_percent_of_the_model(tmp_path: pathlib.Path) -> None:
+    """``--mix rl --delta`` across a link: by the link counters, each delta update's bytes are at most 3 × the
+    changed bytes + 1 % of S, while the full updates of the same run (the negative control: the counters do see a
+    whole model) carry at least 0.95 × S."""
+    skip_unless_testbed()
+    out = tmp_path / "delta.json"
+    result = bench("--hosts", "2", "--receivers", "2", "--link-gbps", str(LINK_GBPS), "--mix", "rl", "--model-mb",
+                   "16", "--bucket-mb", "4", "--repeat", "2", "--backends", "tcp", "--delta", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-4000:]
+    data = json.loads(out.read_text())
+    scenario = data["scenario"]
+    total, changed = scenario["model_bytes"], scenario["changed_fraction"] * scenario["model_bytes"]
+    assert 0 < changed < 0.2 * total
+    links = scenario["link_bytes"]
+    assert all(egress >= 0.95 * total for egress in links["tcp"]["sender_egress"])
+    for egress, ingress in zip(links["tcp+delta"]["sender_egress"], links["tcp+delta"]["host_ingress"]):
+        assert egress <= 3 * changed + 0.01 * total, (egress, changed)
+        assert ingress[0] <= 3 * changed + 0.01 * total, (ingress, changed)
+
+
 def test_bench_cleanup_removes_a_killed_runs_leftovers() -> None:
     skip_unless_testbed()
     process = subprocess.Popen(

@@ -37,6 +37,7 @@ def test_doctor_table() -> None:
     result = weightsync("doctor")
     assert result.returncode == 0 and "shm" in result.stdout and "available" in result.stdout
     assert "host copies of large tensors: " in result.stdout
+    assert "delta updates (SyncConfig.delta): compiled" in result.stdout
     assert "backend='auto' (the default): auto picks shm when every worker shares the sender's host, " in result.stdout
 
 

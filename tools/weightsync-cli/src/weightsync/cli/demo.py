@@ -128,6 +128,8 @@ class DemoOptions:
     model_mb: float = 64.0
     bucket_mb: int = 32
     address: str | None = None
+    delta: bool = False
+    """Delta updates (``SyncConfig.delta``): each step's line then says how many bytes crossed per receiver."""
 
 
 def _free_port() -> int:
@@ -169,7 +171,7 @@ async def run_demo(options: DemoOptions) -> int:
         await asyncio.gather(*actor_wg.call("join", f"tcp://{address}:{_free_port()}"))
         manager = CheckpointEngineManager(
             backend=options.backend, actor_wg=actor_wg, replicas=replicas,
-            config=SyncConfig(bucket_bytes=options.bucket_mb * MiB),
+            config=SyncConfig(bucket_bytes=options.bucket_mb * MiB, delta=options.delta),
         )
         trainer_logits = await actor_wg.call("logits", PROMPT)[0]
         before = await asyncio.gather(*(replica.call("logits", PROMPT)[0] for replica in replicas))
@@ -191,8 +193,13 @@ async def run_demo(options: DemoOptions) -> int:
             exact = all(logits == expected for logits in got)
             exact_steps += exact
             progress.show(step, f"step {step}: {'bit-exact' if exact else 'MISMATCH'}")
+            sent = ""
+            if options.delta:
+                full = sum(outcome.full for outcome in report.replicas)
+                sent = (f"  sent {report.wire_bytes / 1e6:.1f} MB ({report.changed_fraction:.1%} changed; "
+                        f"{full}/{len(report.replicas)} replicas full)")
             print(
-                f"step {step}/{options.steps}  version {report.version}  {report.nbytes / 1e6:.1f} MB  "
+                f"step {step}/{options.steps}  version {report.version}  {report.nbytes / 1e6:.1f} MB{sent}  "
                 f"{report.transfer_seconds:.3f} s  {report.gbps_per_receiver:.2f} GB/s per receiver  "
                 f"digest {'ok' if report.ok else 'MISMATCH'}  logits {'bit-exact' if exact else 'DIFFER'}",
                 flush=True,

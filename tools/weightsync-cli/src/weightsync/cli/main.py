@@ -31,23 +31,32 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model-mb", type=float, default=64.0, help="model size in MB, fp32 (default 64)")
     demo.add_argument("--bucket-mb", type=int, default=32, help="bucket size in MiB (default 32)")
     demo.add_argument("--address", default=None, help="an existing Ray cluster's address (default: start one here)")
+    demo.add_argument("--delta", action="store_true",
+                      help="delta updates (SyncConfig.delta): after the first update, send only the bytes that changed")
 
     bench = commands.add_parser("bench", help="throughput of each backend between processes on this machine, or across "
                                                     "an emulated testbed of hosts (--hosts)")
     bench.add_argument("--backends", default="", help="comma-separated backends (default: all available)")
     bench.add_argument("--model-mb", type=float, default=None,
-                       help="model size in MiB (default 1024, 256 with --hosts; with --mix small, 10,000 tensors of "
-                            "4 KiB)")
+                       help="model size in MiB (default 1024, 256 with --hosts or --mix rl; with --mix small, 10,000 "
+                            "tensors of 4 KiB)")
     bench.add_argument("--receivers", type=int, default=2,
                        help="receiving processes (default 2); with --hosts, on each receiving host")
     bench.add_argument("--bucket-mb", type=int, default=None, help="bucket size in MiB (default 64; 8 with --hosts)")
-    bench.add_argument("--mix", choices=["realistic", "small"], default="realistic")
+    bench.add_argument("--mix", choices=["realistic", "small", "rl"], default="realistic",
+                       help="the model: large bf16 tensors (realistic), many 4 KiB ones (small), or a bf16 Llama-style "
+                            "decoder whose versions are one Adam step apart (rl; computed once before timing)")
+    bench.add_argument("--lr", type=float, default=None,
+                       help="with --mix rl: the Adam step's learning rate (default 1e-6; 1e-3 is the dense control)")
+    bench.add_argument("--delta", action="store_true",
+                       help="also measure every backend B with delta updates, as the entry B+delta")
     bench.add_argument("--repeat", type=int, default=5, help="timed runs per backend after a warm-up")
     bench.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON")
     bench.add_argument("--plot", dest="plot_path", default=None,
                        help="also sweep bucket size and R and plot GB/s per backend to this PNG (needs matplotlib)")
     bench.add_argument("--trace", dest="trace_path", default=None,
-                       help="Chrome trace JSON of one update of the first backend (open in Perfetto)")
+                       help="Chrome trace JSON of one update of the first backend (with --delta: of its delta entry; open "
+                            "in Perfetto)")
     bench.add_argument("--no-ray", dest="ray", action="store_false",
                        help="skip the Ray end-to-end figure (a 1 MiB update against a no-op gathered from every worker)")
     bench.add_argument("--ray-backend", default=None,
@@ -88,10 +97,12 @@ def _doctor(as_json: bool) -> int:
             detail = status.install
         print(f"{status.backend:<{width}}  {status.status:<14}  {detail}")
     from weightsync.core.auto import describe_rule  # imports torch: only for the table, after the backends
+    from weightsync.core.delta import ENCODER
     from weightsync.core.tensors import STREAM_COPY
 
     print(f"backend='auto' (the default): {describe_rule()}")
     print(f"host copies of large tensors: {STREAM_COPY}")
+    print(f"delta updates (SyncConfig.delta): {ENCODER}")
     return 0
 
 
@@ -113,6 +124,7 @@ def _bench(args: argparse.Namespace) -> int:
         json_path=args.json_path, plot_path=args.plot_path, trace_path=args.trace_path,
         ray=args.ray and not args.hosts, ray_backend=args.ray_backend, hosts=args.hosts,
         link_gbps=args.link_gbps if args.link_gbps is not None else HOSTS_LINK_GBPS, rtt_ms=args.rtt_ms,
+        delta=args.delta, **({"lr": args.lr} if args.lr is not None else {}),
     ))
 
 
@@ -121,6 +133,10 @@ def _bench_error(args: argparse.Namespace) -> str:
     if args.receivers < 1 or args.repeat < 1 or (args.model_mb is not None and args.model_mb <= 0) \
             or (args.bucket_mb is not None and args.bucket_mb < 1):
         return "--receivers, --repeat, --model-mb and --bucket-mb must be positive"
+    if args.lr is not None and (args.mix != "rl" or not 0 < args.lr <= 1):
+        return "--lr needs --mix rl and must be in (0, 1]"
+    if args.mix == "rl" and args.plot_path:
+        return "--plot does not apply with --mix rl (its model is the decoder's, not a size to sweep)"
     if not args.hosts:
         if args.link_gbps is not None or args.rtt_ms:
             return "--link-gbps and --rtt-ms need --hosts"
@@ -154,6 +170,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     options = DemoOptions(
         backend=args.backend, steps=args.steps, replicas=args.replicas, model_mb=args.model_mb,
-        bucket_mb=args.bucket_mb, address=args.address,
+        bucket_mb=args.bucket_mb, address=args.address, delta=args.delta,
     )
     return asyncio.run(run_demo(options))

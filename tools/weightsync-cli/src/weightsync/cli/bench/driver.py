@@ -34,7 +34,8 @@ from weightsync.cli.bench.hosts import cross_host_split, placement
 from weightsync.cli.bench.measure import COPY_TRIES, RAW_TRIES, BenchResult, Placement, Yardsticks, measure_case
 from weightsync.cli.bench.ray_e2e import measure_ray_end_to_end, ray_unavailable
 from weightsync.cli.bench.report import RayOutcome, Summary, chrome_trace, print_report, write_json
-from weightsync.cli.bench.scenario import BASELINES, BenchOptions, Case, make_case, model_layout
+from weightsync.cli.bench.rl import RLVersions, make_versions
+from weightsync.cli.bench.scenario import BASELINES, DELTA, BenchOptions, Case, make_case, model_bytes, model_layout
 from weightsync.cli.bench.sweep import measure_sweep, plot, sweep_bytes, sweep_cases, sweep_steps
 from weightsync.cli.progress import Progress
 from weightsync.cli.testbed import TestbedUnavailable
@@ -67,23 +68,33 @@ def run_bench(options: BenchOptions) -> int:
                   "(or pip install 'weightsync-cli[plot]')", file=sys.stderr)
             return 2
         plotting = sweep_cases(options, backends)
-    names = [*backends, *BASELINES]
-    progress = Progress(_steps(options, names, ray=ray_skipped is None, plotting=plotting), clock=True)
+    names = [name for backend in backends
+             for name in ((backend, backend + DELTA) if options.delta and _supports_delta(backend) else (backend,))]
+    names += BASELINES
+    versions = _version_count(options)
+    progress = Progress(_steps(options, names, ray=ray_skipped is None, plotting=plotting) + versions, clock=True)
     yardsticks = Yardsticks()
     trace: list[dict[str, Any]] = []
+    rl: RLVersions | None = None
     try:
+        if versions:
+            rl = make_versions(model_bytes(options), versions, lr=options.lr, step=progress.step)
         with placement(options) as where:
-            results = _measure_cases(options, names, progress, where, yardsticks, trace)
+            results = _measure_cases(options, names, progress, where, yardsticks, trace, rl)
     except TestbedUnavailable as error:
         progress.finish()
         print(f"weightsync bench --hosts: no testbed on this machine: {error.reason}", file=sys.stderr)
         return 2
+    finally:
+        if rl is not None:
+            rl.remove()
     ray = RayOutcome(None, ray_skipped) if ray_skipped is not None else _measure_ray(options, ray_backend, progress)
     sweep = measure_sweep(plotting, progress) if plotting is not None else []
     progress.finish()
 
-    summary = Summary(options=options, backends=backends, main=make_case("bucketed", options), results=results,
-                      yardsticks=yardsticks, wall_seconds=time.perf_counter() - wall_started, skipped=skipped)
+    summary = Summary(options=options, backends=backends, main=make_case("bucketed", options, rl=rl), results=results,
+                      yardsticks=yardsticks, wall_seconds=time.perf_counter() - wall_started, skipped=skipped,
+                      changed_fraction=rl.changed_fraction(range(1, 1 + options.repeat)) if rl else None)
     print_report(summary, ray)
     if options.json_path:
         write_json(options.json_path, summary, ray)
@@ -95,12 +106,28 @@ def run_bench(options: BenchOptions) -> int:
     return 1 if ray.failed else 0
 
 
+def _supports_delta(backend: str) -> bool:
+    """Whether ``backend`` takes ``delta=True`` (auto picks among bucket backends, which all do); one that does not is
+    said so and measured full only."""
+    if backend == AUTO or getattr(load_engine_class(backend), "supports_delta", True):
+        return True
+    print(f"weightsync bench --delta: {backend} sends full updates only: no {backend}{DELTA} entry", file=sys.stderr)
+    return False
+
+
+def _version_count(options: BenchOptions) -> int:
+    """With ``--mix rl``: the versions the run sends (a warm-up, the timed updates, the traced one), else 0."""
+    return 1 + options.repeat + (1 if options.trace_path else 0) if options.mix == "rl" else 0
+
+
 def _measure_cases(options: BenchOptions, names: list[str], progress: Progress, where: Placement,
-                   yardsticks: Yardsticks, trace: list[dict[str, Any]]) -> dict[str, BenchResult]:
+                   yardsticks: Yardsticks, trace: list[dict[str, Any]], rl: RLVersions | None
+                   ) -> dict[str, BenchResult]:
     results: dict[str, BenchResult] = {}
-    for index, name in enumerate(names):
-        results[name] = measure_case(make_case(name, options), progress,
-                                     trace=trace if options.trace_path and index == 0 else None,
+    traced = next((name for name in names if name.endswith(DELTA)), names[0]) if options.delta else names[0]
+    for name in names:
+        results[name] = measure_case(make_case(name, options, rl=rl), progress,
+                                     trace=trace if options.trace_path and name == traced else None,
                                      yardsticks=yardsticks if name == "bucketed" else None, placement=where)
     return results
 

@@ -114,7 +114,8 @@ class _Workers:
         self.placement = placement
         self.store: Any = None
         common: dict[str, Any] = {"layout": case.layout, "bucket_bytes": case.bucket_bytes,
-                                  "node_id": default_node_id(), "testbed": placement.testbed}
+                                  "node_id": default_node_id(), "testbed": placement.testbed,
+                                  "versions": case.versions}
         if case.name in BASELINES:
             common.update(kind=case.name, group_size=1 + case.receivers, tag=secrets.token_hex(8))
             if not placement.testbed:
@@ -122,16 +123,16 @@ class _Workers:
                 self.store = c10d.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
                 common.update(store_host="127.0.0.1", store_port=int(self.store.port))
         else:
-            common.update(kind="engine", backend=case.name)
-        self.backend, self.chosen = case.name, ""
-        if case.name == AUTO:
+            common.update(kind="engine", backend=case.backend, options={"delta": True} if case.delta else {})
+        self.backend, self.chosen = case.backend, ""
+        if case.backend == AUTO:
             # What the manager's auto would pick for these workers: their hosts are the testbed's (or this one), whose
             # NICs are this machine's.
             choice = choose(sender_node=str(case.host_of(0)),
                             rollout_nodes=[str(case.host_of(rank)) for rank in range(1, 1 + case.receivers)],
                             rdma=has_rdma())
             self.backend, self.chosen = choice.backend, choice.name
-            common.update(backend=choice.backend, options=choice.options)
+            common.update(backend=choice.backend, options={**choice.options, **common["options"]})
         self.pipes: list[Channel] = []
         self.stops: list[Callable[[float], None]] = []
         for group_rank in range(1 + case.receivers):
@@ -196,10 +197,12 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
     try:
         workers.connect(case.receivers)
         workers.each("mark")
+        workers.each("load", version=0)
         workers.each("run")
         progress.step(f"{case.name}: warm-up")
         seconds = []
         for index in range(case.repeat):
+            workers.each("load", version=index + 1)
             before = placement.read_links()
             started = time.perf_counter()
             workers.each("run")
@@ -226,6 +229,7 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
 
 
 def _trace_update(workers: _Workers, case: Case, progress: Progress, trace: list[dict[str, Any]]) -> None:
+    workers.each("load", version=case.repeat + 1)
     started = time.perf_counter()
     for events in workers.each("trace"):
         trace.extend(events)

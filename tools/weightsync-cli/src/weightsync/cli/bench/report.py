@@ -41,6 +41,9 @@ class Summary:
     wall_seconds: float
     skipped: tuple[str, ...] = ()
     """With ``--hosts``: requested or available backends left out because they cannot cross hosts."""
+    changed_fraction: float | None = None
+    """With ``--mix rl``: the bytes of each timed update's version that differ from the previous one's, / S, averaged
+    over the timed updates."""
 
     @property
     def link_limit_gbps(self) -> float:
@@ -104,6 +107,8 @@ class Summary:
             "engine_copy_bandwidth_gbps": round(yardsticks.engine_copy_bandwidth / 1e9, 3),
             "bucketed_over_raw_gloo": round(self.bucketed_gbps / self.raw_gbps, 4),
             "wall_seconds": round(self.wall_seconds, 1),
+            **({"lr": options.lr, "changed_fraction": round(self.changed_fraction, 6)}
+               if self.changed_fraction is not None else {}),
             "seconds": {result.backend: [round(s, 4) for s in result.seconds] for result in self.results.values()},
             **hosts,
         }
@@ -114,6 +119,9 @@ def print_report(summary: Summary, ray: RayOutcome) -> None:
     raw_gbps, bucketed = summary.raw_gbps, summary.bucketed_gbps
     print(f"model {main.total_bytes / MiB:g} MiB ({options.mix}, {len(main.layout)} tensors), {main.receivers} "
           f"receivers, buckets {options.bucket_mb} MiB, {options.repeat} updates after a warm-up; GB/s per receiver")
+    if summary.changed_fraction is not None:
+        print(f"rl: versions one Adam step apart at lr {options.lr:g}; {summary.changed_fraction:.2%} of the bytes "
+              "changed per update")
     if options.hosts:
         _print_hosts(summary)
     print(f"limit {summary.limit_gbps:.2f} GB/s = BW(k={yardsticks.copiers}) {yardsticks.copy_bandwidth / 1e9:.2f} "
@@ -122,11 +130,11 @@ def print_report(summary: Summary, ray: RayOutcome) -> None:
     print(f"(the engines copy large tensors with {STREAM_COPY} in 256 KiB pieces: BW(k) that way "
           f"{yardsticks.engine_copy_bandwidth / 1e9:.2f} GB/s, a limit of {summary.engine_copy_limit_gbps:.2f} GB/s "
           "per receiver; JSON: ratio_engine_copy_limit)")
-    print(f"{'backend':<10} {'p50':>7} {'p90':>7} {'x bucketed':>11} {'x limit':>8} {'peak extra RSS MiB':>19}")
+    print(f"{'backend':<12} {'p50':>7} {'p90':>7} {'x bucketed':>11} {'x limit':>8} {'peak extra RSS MiB':>19}")
     for row in summary.rows():
         if "chosen" in row:
             print(f"({row['backend']} picked {row['chosen']} here)")
-        print(f"{row['backend']:<10} {row['gbps_p50']:>7.2f} {row['gbps_p90']:>7.2f} {row['ratio_bucketed']:>11.2f} "
+        print(f"{row['backend']:<12} {row['gbps_p50']:>7.2f} {row['gbps_p90']:>7.2f} {row['ratio_bucketed']:>11.2f} "
               f"{row['ratio_limit']:>8.2f} {row['peak_extra_rss_mb']:>19.1f}")
     if options.hosts:
         _print_links(summary)
@@ -154,10 +162,10 @@ def _print_hosts(summary: Summary) -> None:
 def _print_links(summary: Summary) -> None:
     """Per backend: GB/s against the link, and the bytes each link carried per update (median), as multiples of S."""
     total = summary.main.total_bytes
-    print(f"{'backend':<10} {'x link':>7} {'host 0 out / S':>15} {'hosts 1.. in / S':>17}")
+    print(f"{'backend':<12} {'x link':>7} {'host 0 out / S':>15} {'hosts 1.. in / S':>17}")
     for row in summary.rows():
         ingress = " ".join(f"{value / total:.3f}" for value in row["host_ingress_bytes"])
-        print(f"{row['backend']:<10} {row['ratio_link_limit']:>7.2f} {row['sender_egress_bytes'] / total:>15.3f} "
+        print(f"{row['backend']:<12} {row['ratio_link_limit']:>7.2f} {row['sender_egress_bytes'] / total:>15.3f} "
               f"{ingress:>17}")
 
 

@@ -6,15 +6,19 @@ import math
 from dataclasses import dataclass
 
 from weightsync.api.config import MiB
+from weightsync.cli.bench.rl import DEFAULT_LR, RLVersions
 from weightsync.cli.bench.worker import Layout
 
-__all__ = ["BASELINES", "HOSTS_MODEL_MB", "BenchOptions", "Case", "make_case", "model_bytes", "model_layout"]
+__all__ = ["BASELINES", "DELTA", "HOSTS_MODEL_MB", "BenchOptions", "Case", "make_case", "model_bytes",
+           "model_layout"]
 
 BASELINES = ("naive", "bucketed")
+DELTA = "+delta"
+"""The suffix of a backend's entry measured with delta updates (``--delta``)."""
 SMALL_TENSOR_BYTES = 4096
 SMALL_DEFAULT_TENSORS = 10_000
-# ``--hosts``'s model (its other defaults are the CLI's): small enough that a run across 2 Gb/s links stays under
-# 5 minutes.
+# ``--hosts``'s and ``--mix rl``'s model (its other defaults are the CLI's): small enough that a run across 2 Gb/s
+# links stays under 5 minutes.
 HOSTS_MODEL_MB = 256
 
 
@@ -41,6 +45,10 @@ class BenchOptions:
     """With ``hosts``: every host's link rate, Gb/s each way."""
     rtt_ms: float = 0.0
     """With ``hosts``: round-trip delay between any two hosts (needs sch_netem)."""
+    lr: float = DEFAULT_LR
+    """With ``mix="rl"``: the learning rate of the Adam step between two versions."""
+    delta: bool = False
+    """Also measure every backend B with delta updates (``SyncConfig.delta``), as the entry ``B+delta``."""
 
 
 @dataclass
@@ -57,6 +65,17 @@ class Case:
     receivers: int
     repeat: int
     hosts: int = 0
+    versions: str = ""
+    """With ``--mix rl``: the directory of the versions the sender loads before each update (``rl``)."""
+
+    @property
+    def backend(self) -> str:
+        """The backend or baseline measured (an entry ``B+delta`` measures B)."""
+        return self.name.removesuffix(DELTA)
+
+    @property
+    def delta(self) -> bool:
+        return self.name.endswith(DELTA)
 
     def host_of(self, group_rank: int) -> int:
         """The testbed host of group rank ``group_rank`` (0: the sender; rollout ranks host by host)."""
@@ -68,7 +87,7 @@ class Case:
 def model_bytes(options: BenchOptions) -> int:
     if options.model_mb is not None:
         return int(options.model_mb * MiB)
-    if options.hosts:
+    if options.hosts or options.mix == "rl":
         return HOSTS_MODEL_MB * MiB
     return SMALL_DEFAULT_TENSORS * SMALL_TENSOR_BYTES if options.mix == "small" else 1024 * MiB
 
@@ -97,12 +116,15 @@ def model_layout(total_bytes: int, bucket_bytes: int, mix: str) -> Layout:
 
 
 def make_case(name: str, options: BenchOptions, receivers: int | None = None, bucket_mb: int | None = None,
-              total_bytes: int | None = None, repeat: int | None = None) -> Case:
+              total_bytes: int | None = None, repeat: int | None = None, rl: RLVersions | None = None) -> Case:
     """The case ``name`` as ``options`` describe it, each given argument overriding its option (``receivers``: per
-    receiving host with ``options.hosts``)."""
+    receiving host with ``options.hosts``); with ``rl``, the model is its versions'."""
     bucket_bytes = (bucket_mb or options.bucket_mb) * MiB
-    layout = model_layout(total_bytes or model_bytes(options), bucket_bytes, options.mix)
+    if rl is not None:
+        layout = list(rl.layout)
+    else:
+        layout = model_layout(total_bytes or model_bytes(options), bucket_bytes, options.mix)
     receiving_hosts = max(1, options.hosts - 1)
     return Case(name=name, total_bytes=sum(2 * math.prod(shape) for _, shape in layout), layout=layout,
                 bucket_bytes=bucket_bytes, receivers=(receivers or options.receivers) * receiving_hosts,
-                repeat=repeat or options.repeat, hosts=options.hosts)
+                repeat=repeat or options.repeat, hosts=options.hosts, versions=rl.directory if rl else "")

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import WorkerContext
+from weightsync.cli.bench.rl import load_version
 from weightsync.cli.testbed import ENV_ADDR, ENV_NODE_ID
 from weightsync.core.planner import PIECE_BYTES
 from weightsync.core.tensors import copy_stream
@@ -247,6 +248,10 @@ class _Worker:
                                          for key in ("store_host", "store_port")}
                 self.gloo = _Gloo(self.spec, self.tensors, host_ip=self.host_ip, store_host=where["store_host"],
                                   store_port=where["store_port"], store=self.store)
+        elif op == "load":
+            # ``--mix rl``: the sender takes on the next version before an update (untimed); receivers keep theirs.
+            if self.spec.get("versions") and self.spec["group_rank"] == 0:
+                load_version(self.spec["versions"], command["version"], self.tensors)
         elif op == "mark":
             # Before the first update: what the process holds once its model and connections exist.
             self.rss_before = _rss_bytes()
