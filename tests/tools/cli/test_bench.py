@@ -186,5 +186,6 @@ def test_rl_mix_with_delta_adds_an_entry_per_backend(tmp_path: pathlib.Path) -> 
     assert all(set(row) == RESULT_KEYS and row["gbps_p50"] > 0 for row in data["results"])
     scenario = data["scenario"]
     assert scenario["mix"] == "rl" and scenario["lr"] == 1e-6 and 0 < scenario["changed_fraction"] < 0.2
+    assert scenario["verify_every"] == 1
     assert abs(scenario["model_bytes"] - 8 * 2**20) < 2 * 2**20  # the decoder closest to the size asked for
     assert f"{scenario['changed_fraction']:.2%} of the bytes changed per update" in result.stdout

@@ -66,6 +66,8 @@ def test_a_version_file_that_does_not_match_the_layout_is_refused(tmp_path: os.P
     (["--lr", "1e-3"], "--lr needs --mix rl"),
     (["--mix", "rl", "--lr", "0"], "must be in (0, 1]"),
     (["--mix", "rl", "--plot", "x.png"], "--plot does not apply with --mix rl"),
+    (["--verify-every", "5"], "--verify-every needs --delta"),
+    (["--delta", "--verify-every", "0"], "must be positive"),
 ])
 def test_bad_rl_options_are_refused(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", *args]) == 2

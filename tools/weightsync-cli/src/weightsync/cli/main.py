@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --mix rl: the Adam step's learning rate (default 1e-6; 1e-3 is the dense control)")
     bench.add_argument("--delta", action="store_true",
                        help="also measure every backend B with delta updates, as the entry B+delta")
+    bench.add_argument("--verify-every", type=int, default=1, metavar="K",
+                       help="with --delta: receivers verify what they hold after every K-th delta update (default 1)")
     bench.add_argument("--repeat", type=int, default=5, help="timed runs per backend after a warm-up")
     bench.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON")
     bench.add_argument("--plot", dest="plot_path", default=None,
@@ -124,7 +126,7 @@ def _bench(args: argparse.Namespace) -> int:
         json_path=args.json_path, plot_path=args.plot_path, trace_path=args.trace_path,
         ray=args.ray and not args.hosts, ray_backend=args.ray_backend, hosts=args.hosts,
         link_gbps=args.link_gbps if args.link_gbps is not None else HOSTS_LINK_GBPS, rtt_ms=args.rtt_ms,
-        delta=args.delta, **({"lr": args.lr} if args.lr is not None else {}),
+        delta=args.delta, verify_every=args.verify_every, **({"lr": args.lr} if args.lr is not None else {}),
     ))
 
 
@@ -135,6 +137,8 @@ def _bench_error(args: argparse.Namespace) -> str:
         return "--receivers, --repeat, --model-mb and --bucket-mb must be positive"
     if args.lr is not None and (args.mix != "rl" or not 0 < args.lr <= 1):
         return "--lr needs --mix rl and must be in (0, 1]"
+    if args.verify_every < 1 or (args.verify_every != 1 and not args.delta):
+        return "--verify-every needs --delta and must be positive"
     if args.mix == "rl" and args.plot_path:
         return "--plot does not apply with --mix rl (its model is the decoder's, not a size to sweep)"
     if not args.hosts:

@@ -123,7 +123,8 @@ class _Workers:
                 self.store = c10d.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
                 common.update(store_host="127.0.0.1", store_port=int(self.store.port))
         else:
-            common.update(kind="engine", backend=case.backend, options={"delta": True} if case.delta else {})
+            delta = {"delta": True, "verify_every": case.verify_every} if case.delta else {}
+            common.update(kind="engine", backend=case.backend, options=delta)
         self.backend, self.chosen = case.backend, ""
         if case.backend == AUTO:
             # What the manager's auto would pick for these workers: their hosts are the testbed's (or this one), whose

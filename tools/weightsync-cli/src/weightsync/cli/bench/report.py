@@ -109,6 +109,7 @@ class Summary:
             "wall_seconds": round(self.wall_seconds, 1),
             **({"lr": options.lr, "changed_fraction": round(self.changed_fraction, 6)}
                if self.changed_fraction is not None else {}),
+            **({"verify_every": options.verify_every} if options.delta else {}),
             "seconds": {result.backend: [round(s, 4) for s in result.seconds] for result in self.results.values()},
             **hosts,
         }

@@ -49,6 +49,8 @@ class BenchOptions:
     """With ``mix="rl"``: the learning rate of the Adam step between two versions."""
     delta: bool = False
     """Also measure every backend B with delta updates (``SyncConfig.delta``), as the entry ``B+delta``."""
+    verify_every: int = 1
+    """With ``delta``: ``SyncConfig.verify_every`` of the delta entries."""
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Case:
     hosts: int = 0
     versions: str = ""
     """With ``--mix rl``: the directory of the versions the sender loads before each update (``rl``)."""
+    verify_every: int = 1
 
     @property
     def backend(self) -> str:
@@ -127,4 +130,5 @@ def make_case(name: str, options: BenchOptions, receivers: int | None = None, bu
     receiving_hosts = max(1, options.hosts - 1)
     return Case(name=name, total_bytes=sum(2 * math.prod(shape) for _, shape in layout), layout=layout,
                 bucket_bytes=bucket_bytes, receivers=(receivers or options.receivers) * receiving_hosts,
-                repeat=repeat or options.repeat, hosts=options.hosts, versions=rl.directory if rl else "")
+                repeat=repeat or options.repeat, hosts=options.hosts, versions=rl.directory if rl else "",
+                verify_every=options.verify_every)
