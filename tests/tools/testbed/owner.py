@@ -8,6 +8,7 @@ namespaces) and sleeps at most 120 s, waiting to be signalled or killed.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 
@@ -23,6 +24,10 @@ def hold(testbed: Testbed) -> None:
 
 
 def main(mode: str) -> None:
+    # The owner a user starts from a shell: SIGHUP at its default. A test run started under nohup passes SIGHUP on
+    # ignored, and the testbed leaves an ignored signal alone (it only replaces defaults), so the owner would
+    # never see the SIGHUP the test sends.
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     testbed = Testbed(2, link_gbps=1.0)
     if mode == "with":
         with testbed:
