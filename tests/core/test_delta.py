@@ -106,14 +106,21 @@ def test_a_dense_change_does_not_fit_and_still_updates_the_base() -> None:
     assert torch.equal(base, bucket_of(metas, new))
 
 
+def encoded_change(old: dict[str, torch.Tensor], fraction: float, *, seed: int
+                   ) -> tuple[dict[str, torch.Tensor], list[TensorMeta], torch.Tensor]:
+    """``old`` with about ``fraction`` of its elements changed, its pieces, and the encoding of the change."""
+    new = {name: changed_copy(tensor, fraction, seed=seed) for name, tensor in old.items()}
+    metas = pieces(old)
+    encoded, _ = encode(metas, new, bucket_of(metas, old), capacity=1 << 20)
+    assert encoded is not None
+    return new, metas, encoded
+
+
 @pytest.mark.parametrize("python", [False, True], ids=["helper", "python"])
 def test_piece_by_piece_each_piece_is_written_before_its_callback(monkeypatch: pytest.MonkeyPatch,
                                                                   python: bool) -> None:
     old = {"a": torch.randn(300).to(torch.bfloat16), "b": torch.randn(7, 5), "c": torch.randn(64)}
-    new = {name: changed_copy(tensor, 0.1, seed=11) for name, tensor in old.items()}
-    metas = pieces(old)
-    encoded, _ = encode(metas, new, bucket_of(metas, old), capacity=1 << 20)
-    assert encoded is not None
+    new, metas, encoded = encoded_change(old, 0.1, seed=11)
     if python:
         monkeypatch.setattr(tensors, "_HELPER", None)
     held = {name: tensor.clone() for name, tensor in old.items()}
@@ -136,10 +143,7 @@ def test_piece_by_piece_each_piece_is_written_before_its_callback(monkeypatch: p
 @pytest.mark.parametrize("damage", ["truncated", "extra byte", "run past the end", "gap past the end"])
 def test_a_malformed_encoding_writes_nothing(monkeypatch: pytest.MonkeyPatch, python: bool, damage: str) -> None:
     old = {"a": torch.randn(100), "b": torch.randn(50)}
-    new = {name: changed_copy(tensor, 0.2, seed=5) for name, tensor in old.items()}
-    metas = pieces(old)
-    encoded, _ = encode(metas, new, bucket_of(metas, old), capacity=1 << 20)
-    assert encoded is not None
+    new, metas, encoded = encoded_change(old, 0.2, seed=5)
     if python:
         monkeypatch.setattr(tensors, "_HELPER", None)
     # Negative control first: the intact encoding applies (through the same path).
