@@ -4,6 +4,7 @@ byte for byte with the tensors themselves; a malformed encoding writes nothing."
 from __future__ import annotations
 
 import array
+import concurrent.futures
 
 import pytest
 import torch
@@ -48,19 +49,27 @@ def pieces(weights: dict[str, torch.Tensor]) -> list[TensorMeta]:
 
 def encode(metas: list[TensorMeta], new: dict[str, torch.Tensor], base: torch.Tensor,
            capacity: int) -> tuple[torch.Tensor | None, int]:
+    encoded, changed, _ = encode_summed(metas, new, base, capacity)
+    return encoded, changed
+
+
+def encode_summed(metas: list[TensorMeta], new: dict[str, torch.Tensor], base: torch.Tensor,
+                  capacity: int) -> tuple[torch.Tensor | None, int, int]:
+    """The encoding (None when it does not fit), the changed bytes and what the base's keyed sum changed by."""
     rows = array.array("Q")
     for meta in metas:
         rows.extend((new[meta.name].data_ptr(), base.data_ptr() + meta.bucket_offset, meta.nbytes,
-                     delta.unit_of(meta)))
+                     delta.unit_of(meta), delta.piece_key(0, meta.bucket_offset)))
     out = torch.empty(capacity + 64, dtype=torch.uint8)
-    length, changed = delta.encode(rows, out.data_ptr(), capacity)
-    return (None if length is None else out[:length].clone()), changed
+    length, changed, sum_change = delta.encode(rows, out.data_ptr(), capacity)
+    return (None if length is None else out[:length].clone()), changed, sum_change
 
 
 def rows_into(metas: list[TensorMeta], held: dict[str, torch.Tensor]) -> array.array[int]:
     rows = array.array("Q")
     for meta in metas:
-        rows.extend((held[meta.name].data_ptr(), meta.nbytes, delta.unit_of(meta)))
+        rows.extend((held[meta.name].data_ptr(), meta.nbytes, delta.unit_of(meta),
+                     delta.piece_key(0, meta.bucket_offset)))
     return rows
 
 
@@ -116,27 +125,78 @@ def encoded_change(old: dict[str, torch.Tensor], fraction: float, *, seed: int
     return new, metas, encoded
 
 
-@pytest.mark.parametrize("python", [False, True], ids=["helper", "python"])
-def test_piece_by_piece_each_piece_is_written_before_its_callback(monkeypatch: pytest.MonkeyPatch,
-                                                                  python: bool) -> None:
-    old = {"a": torch.randn(300).to(torch.bfloat16), "b": torch.randn(7, 5), "c": torch.randn(64)}
-    new, metas, encoded = encoded_change(old, 0.1, seed=11)
+M64 = (1 << 64) - 1
+
+
+def reference_sum(index: int, metas: list[TensorMeta], held: dict[str, torch.Tensor]) -> int:
+    """The keyed sum as ``_stream_copy.c`` documents it, in plain Python integers: every 8-byte little-endian word
+    of each piece (the last zero-filled), x = word XOR key, (x mod 2^32) * (x div 2^32) + x, modulo 2^64."""
+    total = 0
+    for meta in metas:
+        data = as_byte_view(held[meta.name]).numpy().tobytes()
+        data += bytes(-len(data) % 8)
+        key = delta.piece_key(index, meta.bucket_offset)
+        for at in range(0, len(data), 8):
+            x = int.from_bytes(data[at:at + 8], "little") ^ key
+            total += (x & 0xFFFFFFFF) * (x >> 32) + x
+            key = (key + delta.KEY_STEP) & M64
+    return total & M64
+
+
+def held_sum(index: int, metas: list[TensorMeta], held: dict[str, torch.Tensor]) -> int:
+    return delta.held_sum(index, [(meta, held[meta.name], 0) for meta in metas])
+
+
+@pytest.mark.parametrize("python", [False, True], ids=["helper", "numpy"])
+def test_keyed_sums_follow_their_definition(monkeypatch: pytest.MonkeyPatch, python: bool) -> None:
+    generator = torch.Generator().manual_seed(4)
+    # Lengths around the helper's 64-byte vector blocks and ragged tails, and more than a numpy step.
+    weights = {f"w{n}": torch.randint(-128, 127, (n,), dtype=torch.int8, generator=generator)
+               for n in (0, 1, 7, 8, 9, 63, 64, 65, 200, 4096 + 13)}
+    weights["big"] = torch.randn((1 << 19) + 3, generator=generator)
+    metas = pieces(weights)
+    expected = reference_sum(3, [meta for meta in metas if meta.name != "big"], weights)
     if python:
         monkeypatch.setattr(tensors, "_HELPER", None)
+    assert held_sum(3, [meta for meta in metas if meta.name != "big"], weights) == expected
+    big = [meta for meta in metas if meta.name == "big"]
+    assert held_sum(3, big, weights) == reference_sum(3, big, weights)
+
+
+def test_a_keyed_sum_changes_with_any_change_of_what_is_held() -> None:
+    generator = torch.Generator().manual_seed(6)
+    weights = {"a": torch.randn(1000, generator=generator).to(torch.bfloat16),
+               "b": torch.randn(77, generator=generator)}
+    metas = pieces(weights)
+    before = held_sum(0, metas, weights)
+    assert held_sum(0, metas, {name: tensor.clone() for name, tensor in weights.items()}) == before  # control
+    flipped = {name: tensor.clone() for name, tensor in weights.items()}
+    raw(flipped["a"])[517] ^= 1 << 9  # one bit
+    assert held_sum(0, metas, flipped) != before
+    swapped = {name: tensor.clone() for name, tensor in weights.items()}
+    as_byte_view(swapped["b"])[:16] = torch.cat([as_byte_view(weights["b"])[8:16], as_byte_view(weights["b"])[:8]])
+    assert held_sum(0, metas, swapped) != before  # two words trade places
+    assert held_sum(1, metas, weights) != before  # the same bytes in another bucket
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int16])
+@pytest.mark.parametrize("fraction", [0.0, 0.02, 0.5])
+def test_the_sender_updates_its_sum_from_the_changes_and_receivers_sum_while_applying(dtype: torch.dtype,
+                                                                                        fraction: float) -> None:
+    generator = torch.Generator().manual_seed(2)
+    old = {f"w{i}": (torch.randn(shape, generator=generator) * 10).to(dtype)
+           for i, shape in enumerate([(64, 33), (7,), (1,), (0,), (3001,)])}
+    new = {name: changed_copy(tensor, fraction, seed=i) for i, (name, tensor) in enumerate(old.items())}
+    metas = pieces(old)
+    base = bucket_of(metas, old)
+    old_sum, new_sum = reference_sum(0, metas, old), reference_sum(0, metas, new)
+    assert (old_sum == new_sum) == (fraction == 0.0)
+    encoded, _, sum_change = encode_summed(metas, new, base, capacity=1 << 20)
+    assert (old_sum + sum_change) & M64 == new_sum
+    assert encoded is not None
     held = {name: tensor.clone() for name, tensor in old.items()}
-    seen: list[tuple[int, bool]] = []
-    delta.apply(encoded, rows_into(metas, held),
-                lambda piece: seen.append((piece, torch.equal(raw(held[metas[piece].name]),
-                                                              raw(new[metas[piece].name])))))
-    assert seen == [(0, True), (1, True), (2, True)]
-    # Negative control of the check inside the callback: a piece not yet written compares unequal.
-    assert not torch.equal(raw(old["c"]), raw(new["c"]))
-    broken = torch.cat([encoded, torch.zeros(1, dtype=torch.uint8)])
-    held = {name: tensor.clone() for name, tensor in old.items()}
-    calls: list[int] = []
-    with pytest.raises(WireError, match="malformed delta"):
-        delta.apply(broken, rows_into(metas, held), calls.append)
-    assert calls == [] and all(torch.equal(raw(held[name]), raw(old[name])) for name in old)
+    assert delta.apply(encoded, rows_into(metas, held), summed=True) == new_sum
+    assert all(torch.equal(raw(held[name]), raw(new[name])) for name in old)
 
 
 @pytest.mark.parametrize("python", [False, True])
@@ -180,3 +240,34 @@ def test_the_python_apply_writes_what_the_helper_writes(monkeypatch: pytest.Monk
     for name in old:
         assert torch.equal(as_byte_view(by_python[name]), as_byte_view(by_helper[name]))
         assert torch.equal(as_byte_view(by_python[name]), as_byte_view(new[name]))
+
+
+@pytest.mark.parametrize("layout", ["one piece", "pieces"])
+@pytest.mark.parametrize("fraction", [0.0, 0.01, 0.4])
+def test_a_bucket_compared_in_two_halves_applies_as_compared_whole(layout: str, fraction: float) -> None:
+    generator = torch.Generator().manual_seed(8)
+    shapes = [(delta.SPLIT_BYTES,)] if layout == "one piece" else [(300_001,), (5,), (700_000,), (3,)]
+    old = {f"w{i}": torch.randn(shape, generator=generator).to(torch.bfloat16) for i, shape in enumerate(shapes)}
+    new = {name: changed_copy(tensor, fraction, seed=i) for i, (name, tensor) in enumerate(old.items())}
+    # Changes on both sides of the middle word, so a run crosses where the halves meet.
+    for tensor in new.values():
+        raw(tensor)[tensor.numel() // 2 - 3:tensor.numel() // 2 + 3] += 1
+    metas = pieces(old)
+    results = []
+    with concurrent.futures.ThreadPoolExecutor(1) as beside:
+        for pool in (None, beside):
+            base = bucket_of(metas, old)
+            rows = array.array("Q")
+            for meta in metas:
+                rows.extend((new[meta.name].data_ptr(), base.data_ptr() + meta.bucket_offset, meta.nbytes,
+                             delta.unit_of(meta), delta.piece_key(0, meta.bucket_offset)))
+            out = torch.zeros(base.numel(), dtype=torch.uint8)
+            length, changed, sum_change = delta.encode(rows, out.data_ptr(), base.numel() - 1, pool)
+            assert length is not None and torch.equal(base, bucket_of(metas, new))
+            held = {name: tensor.clone() for name, tensor in old.items()}
+            applied = delta.apply(out[:length], rows_into(metas, held), summed=True)
+            assert all(torch.equal(raw(held[name]), raw(new[name])) for name in old)
+            results.append((length, changed, sum_change, applied))
+    (whole, split) = results
+    assert split[1:] == whole[1:]  # the same changes, sum and applied sum
+    assert whole[0] <= split[0] <= whole[0] + 4  # a run across the middle may become two

@@ -179,8 +179,9 @@ def test_a_helper_built_from_another_version_is_not_used(tmp_path: pathlib.Path)
     if compiler is None or platform.machine() != "x86_64":
         pytest.skip("needs a C compiler on x86-64 to build the stale helper")
     source = pathlib.Path(tensors.__file__).with_name("_stream_copy.c").read_text()
-    assert "WEIGHTSYNC_STREAM_COPY_ABI 5" in source
-    (tmp_path / "stale.c").write_text(source.replace("WEIGHTSYNC_STREAM_COPY_ABI 5", "WEIGHTSYNC_STREAM_COPY_ABI 2"))
+    current = f"WEIGHTSYNC_STREAM_COPY_ABI {tensors._HELPER_ABI}"
+    assert current in source
+    (tmp_path / "stale.c").write_text(source.replace(current, "WEIGHTSYNC_STREAM_COPY_ABI 2"))
     subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(tmp_path / "stale.so"), str(tmp_path / "stale.c")],
                    check=True, timeout=120)
     library, why = tensors._load_helper(tmp_path / "stale.so")

@@ -10,8 +10,8 @@
  *   overlapping copies, and CPUs without SSE2/AVX2 code here, go to memmove;
  * - weightsync_copy_batch(...), weightsync_copy_columns(...): many small copies in one call (below);
  * - weightsync_stream_copy_kind(): which path large copies take, 2 AVX2, 1 SSE2, 0 memmove;
- * - weightsync_delta_encode(...), weightsync_delta_apply(...), weightsync_delta_check(...): delta updates'
- *   changed units (below);
+ * - weightsync_delta_encode(...), weightsync_delta_apply(...), weightsync_delta_sum(...): delta updates'
+ *   changed units and the keyed sums that verify what a receiver holds (below);
  * - weightsync_stream_copy_abi(): the version of these signatures.
  */
 #include <stddef.h>
@@ -19,7 +19,7 @@
 #include <string.h>
 
 #define WEIGHTSYNC_STREAM_MIN 4096 /* below this, memmove's cached copy is as fast and keeps the bytes cached */
-#define WEIGHTSYNC_STREAM_COPY_ABI 5 /* bumped with any change of these functions' signatures or meaning */
+#define WEIGHTSYNC_STREAM_COPY_ABI 6 /* bumped with any change of these functions' signatures or meaning */
 
 /* The Python side refuses a library built from another version of this file (a stale in-place build). */
 int weightsync_stream_copy_abi(void) { return WEIGHTSYNC_STREAM_COPY_ABI; }
@@ -125,6 +125,85 @@ void weightsync_copy_columns(const uint64_t *destinations, const uint64_t *sourc
     }
 }
 
+/* Keyed sums (weightsync.core.delta.bucket_sum): the sum, modulo 2^64, over the 8-byte words of some pieces of
+ * memory (little-endian; a piece's last word zero-filled past its end) of
+ *     x = word XOR key, (x mod 2^32) * (x div 2^32) + x,
+ * where a piece's first word has the key its row gives and each next word the key before plus KEY_STEP. A sum of
+ * independent terms: the sender updates it from the words that changed alone, and a receiver computes it in the
+ * same pass that applies the changes. */
+#define KEY_STEP 0x9E3779B97F4A7C15ull
+
+static inline uint64_t keyed_term(uint64_t word, uint64_t key) {
+    uint64_t x = word ^ key;
+    return (x & 0xffffffffull) * (x >> 32) + x;
+}
+
+/* The word at p, or its first nbytes (below 8) zero-filled. */
+static inline uint64_t load_partial(const unsigned char *p, uint64_t nbytes) {
+    uint64_t v = 0;
+    if (nbytes >= 8) {
+        memcpy(&v, p, 8);
+        return v;
+    }
+    for (uint64_t i = 0; i < nbytes; i++) {
+        v |= (uint64_t)p[i] << (8 * i);
+    }
+    return v;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/* 64-byte blocks, two vectors of four words: the same terms, summed in eight lanes. */
+__attribute__((target("avx2"))) static uint64_t keyed_blocks_avx2(const unsigned char *p, uint64_t blocks,
+                                                                  uint64_t key) {
+    __m256i k = _mm256_set_epi64x((long long)(key + 3 * KEY_STEP), (long long)(key + 2 * KEY_STEP),
+                                  (long long)(key + KEY_STEP), (long long)key);
+    __m256i k2 = _mm256_add_epi64(k, _mm256_set1_epi64x((long long)(4 * KEY_STEP)));
+    const __m256i step = _mm256_set1_epi64x((long long)(8 * KEY_STEP));
+    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+    for (uint64_t i = 0; i < blocks; i++, p += 64) {
+        __m256i x = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p), k);
+        __m256i y = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 32)), k2);
+        a = _mm256_add_epi64(a, _mm256_add_epi64(_mm256_mul_epu32(x, _mm256_srli_epi64(x, 32)), x));
+        b = _mm256_add_epi64(b, _mm256_add_epi64(_mm256_mul_epu32(y, _mm256_srli_epi64(y, 32)), y));
+        k = _mm256_add_epi64(k, step);
+        k2 = _mm256_add_epi64(k2, step);
+    }
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, _mm256_add_epi64(a, b));
+    return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+#endif
+
+/* The keyed sum of nbytes at p whose first word has key. */
+static uint64_t keyed_sum(const unsigned char *p, uint64_t nbytes, uint64_t key) {
+    uint64_t sum = 0;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    if (weightsync_stream_copy_kind() == 2) {
+        uint64_t blocks = nbytes / 64;
+        sum = keyed_blocks_avx2(p, blocks, key);
+        p += blocks * 64;
+        nbytes -= blocks * 64;
+        key += blocks * 8 * KEY_STEP;
+    }
+#endif
+    for (; nbytes >= 8; p += 8, nbytes -= 8, key += KEY_STEP) {
+        sum += keyed_term(load_partial(p, 8), key);
+    }
+    if (nbytes > 0) {
+        sum += keyed_term(load_partial(p, nbytes), key);
+    }
+    return sum;
+}
+
+/* pieces: count rows of (address, nbytes, key of the first word). Returns their keyed sum. */
+uint64_t weightsync_delta_sum(const uint64_t *pieces, size_t count) {
+    uint64_t sum = 0;
+    for (size_t i = 0; i < count; i++, pieces += 3) {
+        sum += keyed_sum((const unsigned char *)(uintptr_t)pieces[0], pieces[1], pieces[2]);
+    }
+    return sum;
+}
+
 /* Delta updates (weightsync.core.delta). A bucket's pieces are compared with the base version's copy of them in
  * units (a unit is the dtype's element size: 1, 2, 4 or 8 bytes). Each piece is encoded as runs of changed units,
  *     varint run (units, at least 1), varint gap (units since the end of the previous run, or since the piece's
@@ -200,51 +279,90 @@ static inline void copy_run(unsigned char *to, const unsigned char *from, uint64
     }
 }
 
-/* pieces: count rows of (source address, base address, nbytes, unit); nbytes is a multiple of unit, and unit one of
- * 1, 2, 4, 8. Compares every source with its base, writes the encoding to out while it fits in capacity bytes, and
- * copies every changed run into the base (so the base then holds the source's bytes, whether or not the encoding
- * fit). Returns the encoding's length, or UINT64_MAX when it did not fit; *changed gets the changed bytes. */
-uint64_t weightsync_delta_encode(const uint64_t *pieces, size_t count, unsigned char *out, uint64_t capacity,
-                                 uint64_t *changed) {
-    unsigned char *p = out;
-    uint64_t room = capacity, changed_bytes = 0;
-    int fits = 1;
-    for (size_t i = 0; i < count; i++, pieces += 4) {
-        const unsigned char *source = (const unsigned char *)(uintptr_t)pieces[0];
-        unsigned char *base = (unsigned char *)(uintptr_t)pieces[1];
-        uint64_t nbytes = pieces[2], unit = pieces[3], at = 0, last = 0;
-        while ((at = next_change(source, base, at, nbytes, unit)) < nbytes) {
-            uint64_t start = at;
-            do {
-                at += unit;
-            } while (at < nbytes && load_unit(source + at, unit) != load_unit(base + at, unit));
-            uint64_t run = at - start;
-            copy_run(base + start, source + start, run);
-            changed_bytes += run;
-            if (fits) {
-                if (room < run + 21) { /* two varints of at most 10 bytes, and the piece's closing byte */
-                    fits = 0;
-                } else {
-                    unsigned char *begin = p;
-                    p = put_varint(p, run / unit);
-                    p = put_varint(p, (start - last) / unit);
-                    copy_run(p, source + start, run);
-                    p += run;
-                    room -= (uint64_t)(p - begin);
-                }
-            }
-            last = at;
+/* Encodes one piece (see weightsync_delta_encode) at *out while it fits in *room; returns 0 once it stopped fitting.
+ * An open piece gets no closing byte and *last_end gets where its last run ended. Inlined for each unit, so its
+ * unit-sized loads and copies are single instructions. */
+static inline __attribute__((always_inline)) int encode_piece(const unsigned char *source, unsigned char *base,
+                                                               uint64_t nbytes, uint64_t unit, uint64_t key,
+                                                               unsigned char **out, uint64_t *room, int fits,
+                                                               uint64_t *changed, uint64_t *adjust, int open,
+                                                               uint64_t *last_end) {
+    unsigned char *p = *out;
+    uint64_t at = 0, last = 0, next_word = 0;
+    while ((at = next_change(source, base, at, nbytes, unit)) < nbytes) {
+        uint64_t start = at;
+        do {
+            at += unit;
+        } while (at < nbytes && load_unit(source + at, unit) != load_unit(base + at, unit));
+        uint64_t run = at - start;
+        /* The words this run touches change their terms, once each: the source's whole word is the base's once
+         * every run is copied (the bytes outside runs are equal). */
+        for (uint64_t word = start / 8 > next_word ? start / 8 : next_word; word * 8 < at; word++) {
+            uint64_t word_key = key + word * KEY_STEP, left = nbytes - word * 8;
+            *adjust += keyed_term(load_partial(source + word * 8, left), word_key) -
+                       keyed_term(load_partial(base + word * 8, left), word_key);
         }
+        next_word = (at + 7) / 8;
+        copy_run(base + start, source + start, run);
+        *changed += run;
         if (fits) {
-            if (room < 1) {
+            if (*room < run + 21) { /* two varints of at most 10 bytes, and the piece's closing byte */
                 fits = 0;
             } else {
-                *p++ = 0;
-                room -= 1;
+                unsigned char *begin = p;
+                p = put_varint(p, run / unit);
+                p = put_varint(p, (start - last) / unit);
+                copy_run(p, source + start, run);
+                p += run;
+                *room -= (uint64_t)(p - begin);
             }
         }
+        last = at;
+    }
+    *last_end = last;
+    if (fits && !open) {
+        if (*room < 1) {
+            fits = 0;
+        } else {
+            *p++ = 0;
+            *room -= 1;
+        }
+    }
+    *out = p;
+    return fits;
+}
+
+/* pieces: count rows of (source address, base address, nbytes, unit, key); nbytes is a multiple of unit, and unit
+ * one of 1, 2, 4, 8. Compares every source with its base, writes the encoding to out while it fits in capacity
+ * bytes, and copies every changed run into the base (so the base then holds the source's bytes, whether or not the
+ * encoding fit). Returns the encoding's length, or UINT64_MAX when it did not fit; *changed gets the changed bytes
+ * and *sum_change what the bases' keyed sum (key: of a piece's first word) changed by, modulo 2^64. With open_last,
+ * the last row is the first part of a piece whose rest another call encodes: it gets no closing byte, and *last_end
+ * gets where its last run ended (from the row's start; 0 without runs), which the rest's first gap must count from
+ * (weightsync.core.delta joins the two). */
+uint64_t weightsync_delta_encode(const uint64_t *pieces, size_t count, unsigned char *out, uint64_t capacity,
+                                 uint64_t *changed, uint64_t *sum_change, int open_last, uint64_t *last_end) {
+    unsigned char *p = out;
+    uint64_t room = capacity, changed_bytes = 0, adjust = 0, last = 0;
+    int fits = 1;
+    for (size_t i = 0; i < count; i++, pieces += 5) {
+        const unsigned char *source = (const unsigned char *)(uintptr_t)pieces[0];
+        unsigned char *base = (unsigned char *)(uintptr_t)pieces[1];
+        uint64_t nbytes = pieces[2], key = pieces[4];
+        int open = open_last && i + 1 == count;
+#define ENCODE_PIECE(UNIT) \
+    encode_piece(source, base, nbytes, UNIT, key, &p, &room, fits, &changed_bytes, &adjust, open, &last)
+        switch (pieces[3]) {
+        case 1: fits = ENCODE_PIECE(1); break;
+        case 2: fits = ENCODE_PIECE(2); break;
+        case 4: fits = ENCODE_PIECE(4); break;
+        default: fits = ENCODE_PIECE(8); break;
+        }
+#undef ENCODE_PIECE
     }
     *changed = changed_bytes;
+    *sum_change = adjust;
+    *last_end = last;
     return fits ? (uint64_t)(p - out) : UINT64_MAX;
 }
 
@@ -274,14 +392,11 @@ static inline __attribute__((always_inline)) int get_varint(const unsigned char 
     return -1;
 }
 
-/* Walks an encoding over its pieces: checks it (every run inside its piece, nothing left over), writes it when
- * write, and records where each piece's part of it ends in ends[] when ends is not NULL. */
-static inline __attribute__((always_inline)) int walk_delta(const unsigned char *delta, uint64_t length,
-                                                             const uint64_t *pieces, size_t count, int write,
-                                                             uint64_t *ends) {
+/* Checks an encoding over its pieces (rows of four: destination, nbytes, unit, key): every run inside its piece,
+ * nothing left over. 0 when it is well formed, else -1. */
+static int check_delta(const unsigned char *delta, uint64_t length, const uint64_t *pieces, size_t count) {
     const unsigned char *p = delta, *end = delta + length;
-    for (size_t i = 0; i < count; i++, pieces += 3) {
-        unsigned char *destination = (unsigned char *)(uintptr_t)pieces[0];
+    for (size_t i = 0; i < count; i++, pieces += 4) {
         uint64_t units = pieces[1] / pieces[2], unit = pieces[2], position = 0;
         for (;;) {
             uint64_t run, gap;
@@ -291,40 +406,81 @@ static inline __attribute__((always_inline)) int walk_delta(const unsigned char 
             if (run == 0) {
                 break;
             }
-            if (get_varint(&p, end, &gap) != 0 || gap > units - position || run > units - position - gap) {
+            if (get_varint(&p, end, &gap) != 0 || gap > units - position || run > units - position - gap ||
+                (uint64_t)(end - p) < run * unit) {
                 return -1;
             }
-            position += gap;
-            uint64_t nbytes = run * unit;
-            if ((uint64_t)(end - p) < nbytes) {
-                return -1;
-            }
-            if (write) {
-                copy_run(destination + position * unit, p, nbytes);
-            }
-            p += nbytes;
-            position += run;
-        }
-        if (ends != NULL) {
-            ends[i] = (uint64_t)(p - delta);
+            p += run * unit;
+            position += gap + run;
         }
     }
     return p == end ? 0 : -1;
 }
 
-/* pieces: count rows of (destination address, nbytes, unit), as the encoding's pieces. Checks the whole encoding
- * first and writes nothing unless it is well formed (every run inside its piece, nothing left over): returns 0 after
- * applying it, -1 for a malformed one. */
-int weightsync_delta_apply(const unsigned char *delta, uint64_t length, const uint64_t *pieces, size_t count) {
-    if (walk_delta(delta, length, pieces, count, 0, NULL) != 0) {
-        return -1;
+#define SUM_CHUNK 4096 /* bytes summed right after their runs are written, while they are in the core's cache */
+
+/* Applies one piece's part of a checked encoding, starting at p; returns where the next piece's part starts. With
+ * sum, adds the keyed sum of the piece's bytes once written, chunk by chunk as each chunk's runs are in. */
+static inline __attribute__((always_inline)) const unsigned char *apply_piece(
+    const unsigned char *p, const unsigned char *end, unsigned char *destination, uint64_t nbytes, uint64_t unit,
+    uint64_t key, uint64_t *sum) {
+    uint64_t run = 0, gap = 0, position = 0, summed = 0;
+    get_varint(&p, end, &run);
+    if (run != 0) {
+        get_varint(&p, end, &gap);
+        position = gap * unit;
     }
-    return walk_delta(delta, length, pieces, count, 1, NULL);
+    for (;;) {
+        uint64_t limit = nbytes - summed <= SUM_CHUNK ? nbytes : summed + SUM_CHUNK;
+        /* The next chunk's lines are on their way while this one's runs are written: scattered writes otherwise
+         * wait for each line in turn. */
+        for (uint64_t ahead = limit; ahead < nbytes && ahead < limit + SUM_CHUNK; ahead += 64) {
+            __builtin_prefetch(destination + ahead, 1, 3);
+        }
+        while (run != 0 && position < limit) {
+            uint64_t n = run * unit;
+            copy_run(destination + position, p, n);
+            p += n;
+            position += n;
+            get_varint(&p, end, &run);
+            if (run != 0) {
+                get_varint(&p, end, &gap);
+                position += gap * unit;
+            }
+        }
+        if (sum != NULL) {
+            *sum += keyed_sum(destination + summed, limit - summed, key + summed / 8 * KEY_STEP);
+        }
+        summed = limit;
+        if (summed >= nbytes) {
+            return p;
+        }
+    }
 }
 
-/* Checks an encoding as weightsync_delta_apply does, writing nothing; ends[i] gets the offset where piece i's part
- * of it ends (so each piece can then be applied on its own, and read while its bytes are still in cache). */
-int weightsync_delta_check(const unsigned char *delta, uint64_t length, const uint64_t *pieces, size_t count,
-                           uint64_t *ends) {
-    return walk_delta(delta, length, pieces, count, 0, ends);
+/* pieces: count rows of (destination address, nbytes, unit, key), as the encoding's pieces. Checks the whole
+ * encoding first and writes nothing unless it is well formed (every run inside its piece, nothing left over):
+ * returns 0 after applying it, -1 for a malformed one. With sum (not NULL), *sum gets the keyed sum of the pieces'
+ * bytes once applied (key: of a piece's first word), computed in the same pass. */
+int weightsync_delta_apply(const unsigned char *delta, uint64_t length, const uint64_t *pieces, size_t count,
+                           uint64_t *sum) {
+    if (check_delta(delta, length, pieces, count) != 0) {
+        return -1;
+    }
+    const unsigned char *p = delta, *end = delta + length;
+    uint64_t total = 0;
+    for (size_t i = 0; i < count; i++, pieces += 4) {
+        unsigned char *destination = (unsigned char *)(uintptr_t)pieces[0];
+        uint64_t *into = sum == NULL ? NULL : &total;
+        switch (pieces[2]) { /* inlined for each unit, as encode_piece */
+        case 1: p = apply_piece(p, end, destination, pieces[1], 1, pieces[3], into); break;
+        case 2: p = apply_piece(p, end, destination, pieces[1], 2, pieces[3], into); break;
+        case 4: p = apply_piece(p, end, destination, pieces[1], 4, pieces[3], into); break;
+        default: p = apply_piece(p, end, destination, pieces[1], 8, pieces[3], into); break;
+        }
+    }
+    if (sum != NULL) {
+        *sum = total;
+    }
+    return 0;
 }

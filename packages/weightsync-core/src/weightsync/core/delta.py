@@ -11,29 +11,37 @@ of the previous run, or from the piece's start), the piece closed by a 0 byte. R
 before writing a byte of it (:func:`apply`): a malformed one is a ``WireError`` and changes nothing.
 
 Exact or nothing: every delta bucket names its base version and the base's *model digest* — the digest of what a
-receiver holds (every bucket's table and its tensors' bytes, padding zero), not of what crossed the wire — and a
-receiver that does not hold exactly that base refuses it before writing. After applying, receivers hash what they
-hold and compare it with the new version's model digest (:func:`fold_bucket`), so a destination changed behind the
-engine's back is found at the next delta update.
+receiver holds, not of what crossed the wire — and a receiver that does not hold exactly that base refuses it before
+writing. After applying, receivers sum what they hold and compare it with the new version's model digest, so a
+destination changed behind the engine's back is found at the next delta update.
+
+The model digest (:class:`ModelDigest`) is an XXH3-128 hash over every bucket's table, size and *keyed sum*: the sum,
+modulo 2^64, of one term per 8-byte word of the bucket's pieces, each keyed by the word's place in the model
+(:func:`piece_key`; the compiled helper documents the term). Its terms are independent, which is what makes
+verification cheap: the sender updates a kept bucket's sum from the words that changed alone (no pass over the
+model), and a receiver sums each stretch of a piece right after writing its changes, in the same pass. Like XXH3 it
+finds corruption and bugs, not a forger.
 """
 
 from __future__ import annotations
 
 import array
+import concurrent.futures
 import ctypes
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import xxhash
 
 from weightsync.api.errors import DestinationError, DigestMismatchError, TransferError, WireError
 from weightsync.core import codec, tensors
 from weightsync.core.codec import TensorMeta
-from weightsync.core.digest import UpdateDigest
-from weightsync.core.tensors import DTYPES, memoryview_of
+from weightsync.core.tensors import DTYPES, memoryview_at, memoryview_of
 from weightsync.core.unpack import Arrived, check_destination, destination_fits
 
-__all__ = ["BaseCopies", "BucketCopy", "ENCODER", "ReceiverDelta", "apply", "encode", "fold_bucket", "unit_of"]
+__all__ = ["BaseCopies", "BucketCopy", "ENCODER", "ModelDigest", "ReceiverDelta", "apply", "bucket_sum", "encode",
+           "piece_key", "unit_of"]
 
 _UNITS = {name: min(dtype.itemsize, 8) for name, dtype in DTYPES.items()}
 
@@ -54,49 +62,178 @@ def unit_of(meta: TensorMeta) -> int:
     return unit if meta.nbytes % unit == 0 else 1
 
 
-def encode(rows: array.array[int], out: int, capacity: int) -> tuple[int | None, int]:
-    """Encode the pieces ``rows`` (flat ``(source address, base address, nbytes, unit)`` rows) into host memory at
-    ``out``, and bring each base up to its source. Returns the encoding's length (None when it would not fit in
-    ``capacity`` bytes) and the changed bytes. Needs the compiled helper (``ENCODER``)."""
+KEY_STEP = 0x9E3779B97F4A7C15
+"""The key of a piece's word is the key of the word before it plus this (modulo 2^64); the helper's ``KEY_STEP``."""
+_MASK = (1 << 64) - 1
+
+
+def piece_key(index: int, bucket_offset: int) -> int:
+    """The key of the first word of the piece at ``bucket_offset`` of bucket ``index`` in keyed sums: each word of
+    the model gets its own (pieces start on 8-byte boundaries)."""
+    return (((index << 40) + bucket_offset // 8) * KEY_STEP + 0x6A09E667F3BCC909) & _MASK
+
+
+SPLIT_BYTES = 1 << 20
+"""A bucket of at least this many bytes is compared in two halves at once when the caller gives a second thread."""
+
+
+def encode(rows: array.array[int], out: int, capacity: int,
+           beside: concurrent.futures.Executor | None = None) -> tuple[int | None, int, int]:
+    """Encode the pieces ``rows`` (flat ``(source address, base address, nbytes, unit, key)`` rows) into host memory
+    at ``out``, and bring each base up to its source. Returns the encoding's length (None when it would not fit in
+    ``capacity`` bytes), the changed bytes, and what the bases' keyed sum changed by (modulo 2^64; add it to the
+    sum of the bases before). With ``beside`` (a thread), a large bucket's second half is compared there while this
+    thread compares the first, and the two encodings are joined. Needs the compiled helper (``ENCODER``)."""
+    total = sum(rows[row + 2] for row in range(0, len(rows), 5))
+    if beside is None or total < SPLIT_BYTES:
+        length, changed, sum_change, _ = _encode(rows, out, capacity, open_last=False)
+        return length, changed, sum_change
+    first, second, split = _halves(rows, total)
+    share = capacity * sum(first[row + 2] for row in range(0, len(first), 5)) // total
+    later = beside.submit(_encode, second, out + share, capacity - share, open_last=False)
+    try:
+        length, changed, sum_change, last = _encode(first, out, share, open_last=split is not None)
+    finally:
+        second_length, second_changed, second_change, _ = later.result()
+    changed, sum_change = changed + second_changed, (sum_change + second_change) & _MASK
+    if length is None or second_length is None:
+        return None, changed, sum_change
+    joint = b""
+    skip = 0
+    if split is not None:  # the split piece's first run after the split counts its gap from the first part's end
+        view = memoryview_at(out + share, min(second_length, 20), writable=True)
+        run, skip = _varint(view, 0)
+        if run:
+            gap, skip = _varint(view, skip)
+            at, unit = split
+            joint = _put_varint(run) + _put_varint(gap + (at - last) // unit)
+        else:
+            skip = 0
+    joined = length + len(joint) + second_length - skip
+    if joined > capacity:
+        return None, changed, sum_change
+    ctypes.memmove(out + length + len(joint), out + share + skip, second_length - skip)
+    if joint:
+        ctypes.memmove(out + length, joint, len(joint))
+    return joined, changed, sum_change
+
+
+def _halves(rows: array.array[int], total: int) -> tuple[array.array[int], array.array[int], tuple[int, int] | None]:
+    """``rows`` split where half of ``total`` is reached: a piece across the middle is split at a word boundary
+    (its second part keyed from there). The third item is (the split's offset in that piece, its unit), or None
+    when the halves meet between pieces."""
+    half, before = total // 2, 0
+    for row in range(0, len(rows), 5):
+        source, base, nbytes, unit, key = rows[row:row + 5]
+        if before + nbytes > half:
+            at = (half - before) // 8 * 8
+            if at == 0:
+                return rows[:row], rows[row:], None
+            first = rows[:row] + array.array("Q", (source, base, at, unit, key))
+            rest = array.array("Q", (source + at, base + at, nbytes - at, unit, (key + at // 8 * KEY_STEP) & _MASK))
+            return first, rest + rows[row + 5:], (at, unit)
+        before += nbytes
+    return rows, array.array("Q"), None
+
+
+def _encode(rows: array.array[int], out: int, capacity: int, *, open_last: bool
+            ) -> tuple[int | None, int, int, int]:
     helper = tensors._HELPER
     if helper is None:
         raise RuntimeError("delta encoding needs the compiled _stream_copy helper")
-    changed = ctypes.c_uint64(0)
-    length = helper.weightsync_delta_encode(rows.buffer_info()[0], len(rows) // 4, out, capacity,
-                                            ctypes.byref(changed))
-    return (None if length == (1 << 64) - 1 else int(length)), int(changed.value)
+    changed, sum_change, last = ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_uint64(0)
+    length = helper.weightsync_delta_encode(rows.buffer_info()[0], len(rows) // 5, out, capacity,
+                                            ctypes.byref(changed), ctypes.byref(sum_change), int(open_last),
+                                            ctypes.byref(last))
+    return ((None if length == _MASK else int(length)), int(changed.value), int(sum_change.value),
+            int(last.value))
+
+
+def _varint(data: memoryview, at: int) -> tuple[int, int]:
+    """The varint at ``at`` of a well-formed encoding, and where it ends."""
+    value = shift = 0
+    while True:
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        at += 1
+        if not byte & 0x80:
+            return value, at
+        shift += 7
+
+
+def _put_varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 _MALFORMED = "malformed delta bucket: a run outside its tensor, or bytes missing or left over"
 
 
-def apply(encoded: torch.Tensor, rows: array.array[int], each: Callable[[int], None] | None = None) -> None:
+def apply(encoded: torch.Tensor, rows: array.array[int], *, summed: bool = False) -> int:
     """Apply the encoding ``encoded`` (a host uint8 tensor) to the pieces ``rows`` (flat ``(destination address,
-    nbytes, unit)`` rows, in the encoding's order); ``WireError``, with nothing written, when it is malformed.
-    ``each(i)`` runs once piece i is written (a receiver hashes it there, while its bytes are still in cache)."""
+    nbytes, unit, key)`` rows, in the encoding's order); ``WireError``, with nothing written, when it is malformed.
+    With ``summed``, returns the pieces' keyed sum once written (the helper computes it in the same pass), else 0."""
     helper = tensors._HELPER
-    count = len(rows) // 3
+    count = len(rows) // 4
     if helper is None:
         data = bytes(memoryview_of(encoded)) if encoded.numel() else b""
         _walk(data, rows, write=False)
         _walk(data, rows, write=True)
-        if each is not None:
-            for piece in range(count):
-                each(piece)
-        return
-    address, table = encoded.data_ptr(), rows.buffer_info()[0]
-    if each is None:
-        if helper.weightsync_delta_apply(address, encoded.numel(), table, count) != 0:
-            raise WireError(_MALFORMED)
-        return
-    ends = array.array("Q", bytes(8 * count))
-    if helper.weightsync_delta_check(address, encoded.numel(), table, count, ends.buffer_info()[0]) != 0:
+        if not summed:
+            return 0
+        return bucket_sum(array.array("Q", [value for row in range(0, len(rows), 4)
+                                             for value in (rows[row], rows[row + 1], rows[row + 3])]))
+    total = ctypes.c_uint64(0)
+    if helper.weightsync_delta_apply(encoded.data_ptr(), encoded.numel(), rows.buffer_info()[0], count,
+                                     ctypes.byref(total) if summed else None) != 0:
         raise WireError(_MALFORMED)
-    start = 0
-    for piece, end in enumerate(ends):  # checked whole: each part applies on its own
-        helper.weightsync_delta_apply(address + start, end - start, table + 24 * piece, 1)
-        each(piece)
-        start = end
+    return int(total.value)
+
+
+def bucket_sum(rows: array.array[int]) -> int:
+    """The keyed sum of the host pieces ``rows`` (flat ``(address, nbytes, key)`` rows)."""
+    helper = tensors._HELPER
+    if helper is not None:
+        return int(helper.weightsync_delta_sum(rows.buffer_info()[0], len(rows) // 3))
+    return sum(_keyed_sum(rows[row], rows[row + 1], rows[row + 2]) for row in range(0, len(rows), 3)) & _MASK
+
+
+def _keyed_sum(address: int, nbytes: int, key: int) -> int:
+    """The helper's keyed sum of one piece in numpy (a receiver built without the helper), a few MiB at a time."""
+    import numpy as np
+
+    total, step = 0, 1 << 19
+    with np.errstate(over="ignore"):
+        for word in range(0, (nbytes + 7) // 8, step):
+            size = min(8 * step, nbytes - 8 * word)
+            padded = np.zeros((size + 7) // 8 * 8, dtype=np.uint8)
+            padded[:size] = np.frombuffer(memoryview_at(address + 8 * word, size), dtype=np.uint8)
+            keys = np.uint64((key + word * KEY_STEP) & _MASK) + np.arange(
+                len(padded) // 8, dtype=np.uint64) * np.uint64(KEY_STEP)
+            x = padded.view("<u8") ^ keys
+            total += int(np.sum((x & np.uint64(0xFFFFFFFF)) * (x >> np.uint64(32)) + x, dtype=np.uint64))
+    return total & _MASK
+
+
+class ModelDigest:
+    """The model digest of one version, folded bucket by bucket in order: an XXH3-128 hash over each bucket's table,
+    dense size and keyed sum."""
+
+    def __init__(self) -> None:
+        self._hash = xxhash.xxh3_128()
+
+    def add(self, table: bytes, nbytes: int, total: int) -> None:
+        self._hash.update(len(table).to_bytes(8, "little"))
+        self._hash.update(table)
+        self._hash.update(nbytes.to_bytes(8, "little"))
+        self._hash.update(total.to_bytes(8, "little"))
+
+    def hexdigest(self) -> str:
+        return str(self._hash.hexdigest())
 
 
 def _walk(data: bytes, rows: array.array[int], *, write: bool) -> None:
@@ -117,7 +254,7 @@ def _walk(data: bytes, rows: array.array[int], *, write: bool) -> None:
             shift += 7
         raise WireError("malformed delta bucket: a varint longer than 64 bits")
 
-    for row in range(0, len(rows), 3):
+    for row in range(0, len(rows), 4):
         address, nbytes, unit = rows[row], rows[row + 1], rows[row + 2]
         units, at = nbytes // unit, 0
         while (run := varint()) != 0:
@@ -139,10 +276,19 @@ class BucketCopy:
 
     table: bytes
     data: torch.Tensor
+    total: int | None = None
+    """Its keyed sum, when known (a sender keeps it up to date across deltas)."""
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+    def sum(self, index: int, metas: Sequence[TensorMeta]) -> int:
+        """Its keyed sum (it is bucket ``index``, whose pieces are ``metas``), computed and remembered."""
+        at = self.data.data_ptr()
+        self.total = bucket_sum(array.array("Q", [value for meta in metas for value in (
+            at + meta.bucket_offset, meta.nbytes, piece_key(index, meta.bucket_offset))]))
+        return self.total
 
 
 @dataclass
@@ -165,9 +311,12 @@ class BaseCopies:
         return None
 
     def replace(self, index: int, table: bytes, nbytes: int) -> BucketCopy:
-        """A fresh zeroed copy for bucket ``index`` (the layout changed, or the copy is new)."""
+        """A copy for bucket ``index`` to be rewritten whole: the kept one when it lines up, else a fresh zeroed one
+        (the layout changed, or the copy is new). Its sum is unknown until it is computed again."""
         kept = self.match(index, table, nbytes)
-        if kept is None:
+        if kept is not None:
+            kept.total = None
+        else:
             kept = BucketCopy(table, torch.zeros(nbytes, dtype=torch.uint8))
             if index < len(self.buckets):
                 self.buckets[index] = kept
@@ -207,9 +356,9 @@ class ReceiverDelta:
         self.delta_updates = 0
         self._base: tuple[int, str] | None = None
         self._kept_base: int | None = None
-        self._model: UpdateDigest | None = None
+        self._model: ModelDigest | None = None
         """This update's model digest, folded bucket by bucket as each is final here; None when this update is not
-        verified (a full update, not due, or a bucket this receiver cannot hash)."""
+        verified (a full update, not due, or a bucket this receiver cannot sum)."""
         self._views = True
 
     def begin(self) -> None:
@@ -224,12 +373,12 @@ class ReceiverDelta:
         ``verify_every``-th of them)."""
         if header.index == 0:
             due = header.base >= 0 and (self.delta_updates + 1) % self.verify_every == 0
-            self._model = UpdateDigest() if due else None
+            self._model = ModelDigest() if due else None
         return self._model is not None
 
     def _fold(self, header: codec.BucketHeader, table: bytes, pieces: Sequence[Held]) -> None:
         if self._verifies(header) and self._model is not None:
-            fold_bucket(self._model, table, _layout(header), pieces)
+            self._model.add(table, _layout(header), held_sum(header.index, pieces))
 
     def check_base(self, header: codec.BucketHeader, peer: str) -> None:
         """Refuse a delta update against a base this receiver does not hold (before anything is written)."""
@@ -253,8 +402,8 @@ class ReceiverDelta:
         kept = self.kept.match(header.index, arrived.table, header.dense) if kept_valid else None
         if kept is not None:
             at = kept.data.data_ptr()
-            apply(payload, array.array("Q", [value for meta in tensors_
-                                             for value in (at + meta.bucket_offset, meta.nbytes, unit_of(meta))]))
+            apply(payload, array.array("Q", [value for meta in tensors_ for value in (
+                at + meta.bucket_offset, meta.nbytes, unit_of(meta), piece_key(header.index, meta.bucket_offset))]))
             arrived.payload = kept.data  # read from the kept copy as a dense bucket (``read`` folds it)
             return True
         if destinations is None:
@@ -277,19 +426,19 @@ class ReceiverDelta:
                 if meta.name not in staged:
                     staged[meta.name] = (destination, tensors.as_byte_view(destination).cpu().clone())
                 address = staged[meta.name][1].data_ptr()
-            rows.extend((address + meta.offset, meta.nbytes, unit_of(meta)))
+            rows.extend((address + meta.offset, meta.nbytes, unit_of(meta),
+                         piece_key(header.index, meta.bucket_offset)))
             held.append((meta, destination, meta.offset))
         if header.dense >= 0 and not staged and self._verifies(header) and self._model is not None:
-            fold = BucketFold(self._model, arrived.table, header.dense)  # each piece hashed as soon as it is written
-            apply(payload, rows, lambda piece: fold.piece(*held[piece]))
-            fold.end()
+            # Each stretch of a piece summed right after its changes are written, in the helper's one pass.
+            self._model.add(arrived.table, header.dense, apply(payload, rows, summed=True))
             return False
         if header.dense >= 0:
             apply(payload, rows)
         else:  # a bucket sent dense: each piece copied to its place
             at = payload.data_ptr()
             tensors.copy_batch([value for row, meta in enumerate(tensors_)
-                                for value in (rows[3 * row], at + meta.bucket_offset, meta.nbytes)], 0, 0)
+                                for value in (rows[4 * row], at + meta.bucket_offset, meta.nbytes)], 0, 0)
         with torch.no_grad():
             for destination, host in staged.values():
                 destination.copy_(host.view(destination.dtype).reshape(destination.shape))
@@ -343,43 +492,13 @@ def _layout(header: codec.BucketHeader) -> int:
     return header.dense if header.dense >= 0 else header.nbytes
 
 
-_ZEROS = bytes(1 << 16)
-
-
-class BucketFold:
-    """One bucket of what a receiver holds, folded into a model digest piece by piece, in the table's order: each
-    piece's bytes read from where they live (on the host or a device), zeros for the padding between pieces — the
-    bytes the sender's :class:`BaseCopies` hash."""
-
-    def __init__(self, digest: UpdateDigest, table: bytes, nbytes: int) -> None:
-        digest.begin_bucket(table, nbytes)
-        self.digest, self.nbytes, self.at = digest, nbytes, 0
-
-    def piece(self, meta: TensorMeta, source: torch.Tensor, start: int) -> None:
-        _zeros(self.digest, meta.bucket_offset - self.at)
-        if meta.nbytes:
-            piece = tensors.as_byte_view(source)[start:start + meta.nbytes]
-            if not piece.is_cpu:
-                piece = piece.cpu()
-            self.digest.update_at(piece.data_ptr(), meta.nbytes)
-        self.at = meta.bucket_offset + meta.nbytes
-
-    def end(self) -> None:
-        _zeros(self.digest, self.nbytes - self.at)
-
-
-def fold_bucket(digest: UpdateDigest, table: bytes, nbytes: int, pieces: Sequence[Held]) -> None:
-    """Fold one bucket of what a receiver holds into a model digest (see :class:`BucketFold`)."""
-    fold = BucketFold(digest, table, nbytes)
-    for held in pieces:
-        fold.piece(*held)
-    fold.end()
-
-
-def _zeros(digest: UpdateDigest, count: int) -> None:
-    buffer = ctypes.c_char_p(_ZEROS)
-    address = ctypes.cast(buffer, ctypes.c_void_p).value or 0
-    while count > 0:
-        step = min(count, len(_ZEROS))
-        digest.update_at(address, step)
-        count -= step
+def held_sum(index: int, pieces: Sequence[Held]) -> int:
+    """The keyed sum of bucket ``index``'s pieces where a receiver holds them (a device piece is read back first)."""
+    rows, read_back = array.array("Q"), []
+    for meta, source, start in pieces:
+        piece = tensors.as_byte_view(source)[start:start + meta.nbytes]
+        if not piece.is_cpu:
+            piece = piece.cpu()
+            read_back.append(piece)
+        rows.extend((piece.data_ptr(), meta.nbytes, piece_key(index, meta.bucket_offset)))
+    return bucket_sum(rows)

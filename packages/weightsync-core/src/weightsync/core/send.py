@@ -63,30 +63,35 @@ class _DeltaUpdate:
     base: int
     """The base version of this update's deltas, -1 for a full update (the kept copy is then rewritten)."""
     base_model: str
-    model: UpdateDigest = field(default_factory=UpdateDigest)
-    """The model digest of the version being sent, folded from the kept copy as each bucket is final."""
     changed: int = 0
-    folding: list[concurrent.futures.Future[None]] = field(default_factory=list)
-    """The kept buckets being folded into ``model`` (in order, on the digest thread)."""
+    folding: list[tuple[bytes, int, concurrent.futures.Future[int]]] = field(default_factory=list)
+    """Each bucket's table, size and keyed sum, in order: known for a bucket sent as changes (its kept sum updated
+    by what changed), else being summed from the kept copy on the digest thread."""
 
-    def fold(self, pool: concurrent.futures.ThreadPoolExecutor, table: bytes, kept: delta.BucketCopy) -> None:
-        """Fold ``kept`` (final for this version) into the model digest on ``pool``, behind the buckets before it."""
-        def run() -> None:
-            self.model.begin_bucket(table, kept.nbytes)
-            self.model.update_at(kept.data.data_ptr(), kept.nbytes)
-
-        self.folding.append(pool.submit(run))
+    def fold(self, pool: concurrent.futures.ThreadPoolExecutor, index: int, bucket: PlannedBucket, table: bytes,
+             kept: delta.BucketCopy) -> None:
+        """Fold ``kept`` (final for this version) into the model digest: its sum now when known, else on ``pool``
+        while the next bucket is packed."""
+        future: concurrent.futures.Future[int]
+        if kept.total is not None:
+            future = concurrent.futures.Future()
+            future.set_result(kept.total)
+        else:
+            future = pool.submit(kept.sum, index, [meta for meta, _, _ in bucket.items])
+        self.folding.append((table, kept.nbytes, future))
 
     def model_digest(self) -> str:
         """Once every bucket is folded: the model digest."""
-        self.settled()
-        return self.model.hexdigest()
+        model = delta.ModelDigest()
+        for table, nbytes, future in self.folding:
+            model.add(table, nbytes, future.result())
+        self.folding = []
+        return model.hexdigest()
 
     def settled(self) -> None:
-        """Wait for the folds under way (no kept bucket may change or go while one reads it); raises a fold's
-        error."""
+        """Wait for the sums under way (no kept bucket may change or go while one reads it); raises a sum's error."""
         folding, self.folding = self.folding, []
-        for future in folding:
+        for _, _, future in folding:
             future.result()
 
 
@@ -101,7 +106,8 @@ class SendPipeline:
     pack_pool: concurrent.futures.ThreadPoolExecutor
     transfer_pool: concurrent.futures.ThreadPoolExecutor
     digest_pool: concurrent.futures.ThreadPoolExecutor
-    """Delta updates: folds each kept bucket into the model digest while the pack thread encodes the next one."""
+    """Delta updates: compares half of each large bucket beside the pack thread, and sums a kept bucket rewritten
+    whole while the pack thread packs the next one."""
     staging: SendStaging | None = None
     """Made at the first bucket with accelerator pieces bound for a host transport, then kept with the engine."""
     uploads: Upload | None = None
@@ -255,9 +261,11 @@ class SendPipeline:
             kept_at = kept.data.data_ptr()
             for meta, source, start in bucket.items:
                 rows.extend((source.data_ptr() + start, kept_at + meta.bucket_offset, meta.nbytes,
-                             delta.unit_of(meta)))
-            length, changed = delta.encode(rows, base, bucket.nbytes - 1)
+                             delta.unit_of(meta), delta.piece_key(index, meta.bucket_offset)))
+            length, changed, sum_change = delta.encode(rows, base, bucket.nbytes - 1, self.digest_pool)
             update.changed += changed
+            if kept.total is not None:
+                kept.total = (kept.total + sum_change) & ((1 << 64) - 1)
         if kept is not None and length is not None:
             dense = bucket.nbytes
             digest.update_bucket(table, buffer[:length])
@@ -271,7 +279,7 @@ class SendPipeline:
                                                                              meta.nbytes)],
                            kept.data.data_ptr(), base)
                 update.changed += bucket.payload_bytes
-        update.fold(self.digest_pool, table, kept)
+        update.fold(self.digest_pool, index, bucket, table, kept)
         header = codec.encode_bucket(epoch=epoch, version=version, sender=self.settings.context.rank, index=index,
                                      slot=slot, nbytes=length, table=table, base=update.base,
                                      base_model=update.base_model, dense=dense)

@@ -97,7 +97,7 @@ process wants the GIL (the receive thread decoding a header, the sender's planne
 switch between the two threads."""
 
 
-_HELPER_ABI = 5
+_HELPER_ABI = 6
 """``WEIGHTSYNC_STREAM_COPY_ABI`` of the ``_stream_copy.c`` this module calls."""
 
 
@@ -121,13 +121,14 @@ def _load_helper(path: Path = Path(__file__).with_name("_stream_copy.so.1")) -> 
                                                 ctypes.c_uint64)
     library.weightsync_copy_columns.restype = None
     library.weightsync_delta_encode.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint64,
-                                                ctypes.POINTER(ctypes.c_uint64))
+                                                ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                                                ctypes.c_int, ctypes.POINTER(ctypes.c_uint64))
     library.weightsync_delta_encode.restype = ctypes.c_uint64
-    library.weightsync_delta_apply.argtypes = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t)
+    library.weightsync_delta_apply.argtypes = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
+                                               ctypes.POINTER(ctypes.c_uint64))
     library.weightsync_delta_apply.restype = ctypes.c_int
-    library.weightsync_delta_check.argtypes = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
-                                               ctypes.c_void_p)
-    library.weightsync_delta_check.restype = ctypes.c_int
+    library.weightsync_delta_sum.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    library.weightsync_delta_sum.restype = ctypes.c_uint64
     if not _copies_exactly(library.weightsync_stream_copy) or not _copies_exactly(
         lambda destination, source, nbytes: library.weightsync_copy_batch(
             (ctypes.c_uint64 * 3)(5, 3, nbytes), 1, destination - 5, source - 3, 1)
