@@ -8,7 +8,9 @@ the core's cache; a device bucket is hashed whole by the receive thread (its dig
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import threading
 import time
 from collections.abc import Callable, Mapping
 
@@ -60,6 +62,9 @@ class ReceiveStream:
         """Where the consumer reads the current bucket to: its ``copy_into`` destinations, or None for views."""
         self._patched: Arrived | None = None
         self._applied: Arrived | None = None
+        self._in_transit: collections.deque[Arrived] = collections.deque()
+        """Buckets handed to the consumer's loop and not yet taken there (``_deliver``), oldest first."""
+        self._in_transit_lock = threading.Lock()
 
     def __aiter__(self) -> ReceiveStream:
         return self
@@ -167,11 +172,16 @@ class ReceiveStream:
         fused: bool | None = None
 
         def deliver(item: Arrived | BaseException) -> None:
+            if isinstance(item, Arrived):
+                with self._in_transit_lock:
+                    self._in_transit.append(item)
             try:
                 loop.call_soon_threadsafe(self._deliver, queue, item)
-            except RuntimeError:  # the consumer's loop is gone: nobody will read it
-                if isinstance(item, Arrived):
-                    self._transport.release(item.token)
+            except RuntimeError:  # the consumer's loop is gone: nobody will read it, nor the buckets still on
+                # their way to it (a closed loop never runs their callbacks): released here, in order
+                with self._in_transit_lock:
+                    while self._in_transit:
+                        self._transport.release(self._in_transit.popleft().token)
 
         try:
             while True:
@@ -214,9 +224,15 @@ class ReceiveStream:
     def _deliver(self, queue: asyncio.Queue[Arrived | BaseException], item: Arrived | BaseException) -> None:
         """On the consumer's loop. After the consumer left, buckets are acknowledged unread, so the sender (and
         every other receiver) can finish the update instead of waiting for this one until the deadline."""
-        if self._finished:
-            if isinstance(item, Arrived):
-                self._transport.release(item.token)
+        if isinstance(item, Arrived):
+            with self._in_transit_lock:  # releases stay in order with the receive thread's (see ``deliver``)
+                if not self._in_transit or self._in_transit[0] is not item:
+                    return  # released by the receive thread already
+                self._in_transit.popleft()
+                if self._finished:
+                    self._transport.release(item.token)
+                    return
+        elif self._finished:
             return
         queue.put_nowait(item)
 
