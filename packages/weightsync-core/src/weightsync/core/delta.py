@@ -101,7 +101,7 @@ def encode(rows: array.array[int], out: int, capacity: int,
     joint = b""
     skip = 0
     if split is not None:  # the split piece's first run after the split counts its gap from the first part's end
-        view = memoryview_at(out + share, min(second_length, 20), writable=True)
+        view = memoryview_at(out + share, min(second_length, 20))
         run, skip = _varint(view, 0)
         if run:
             gap, skip = _varint(view, skip)
