@@ -285,9 +285,7 @@ class BucketCopy:
 
     def sum(self, index: int, metas: Sequence[TensorMeta]) -> int:
         """Its keyed sum (it is bucket ``index``, whose pieces are ``metas``), computed and remembered."""
-        at = self.data.data_ptr()
-        self.total = bucket_sum(array.array("Q", [value for meta in metas for value in (
-            at + meta.bucket_offset, meta.nbytes, piece_key(index, meta.bucket_offset))]))
+        self.total = held_sum(index, [(meta, self.data, meta.bucket_offset) for meta in metas])
         return self.total
 
 
