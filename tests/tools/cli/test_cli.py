@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -55,6 +56,22 @@ def test_demo_is_bit_exact(backend: str) -> None:
     steps = [line for line in lines if line.startswith("step ")]
     assert len(steps) == 2 and all("digest ok" in line and "bit-exact" in line for line in steps)
     assert "[" in result.stderr and "2/2" in result.stderr  # the progress bar
+
+
+def test_demo_delta_sends_only_what_changed_after_the_first_update() -> None:
+    result = weightsync("demo", "--backend", "shm", "--steps", "3", "--model-mb", "12", "--replicas", "2", "--delta")
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert lines[-1] == "3/3 steps bit-exact"
+    assert "bf16, fp32 masters" in lines[0] and "lr 1e-06" in lines[0]
+    pattern = re.compile(r"step (\d)/3 .* ([\d.]+) MB  sent ([\d.]+) MB \(([\d.]+)% changed; (\d)/2 replicas full\)")
+    steps = [match.groups() for line in lines if (match := pattern.match(line)) and "digest ok" in line]
+    assert [step[0] for step in steps] == ["1", "2", "3"], result.stdout
+    size = float(steps[0][1])
+    assert 4 < size < 8  # 12 MB of fp32 masters, sent as bf16
+    assert steps[0][4] == "2" and float(steps[0][2]) >= size  # the first update is full: no replica holds a base
+    for _, _, sent, changed, full in steps[1:]:
+        assert full == "0" and float(changed) < 10 and float(sent) < 0.25 * size
 
 
 def test_demo_fails_loudly_on_an_unknown_backend() -> None:

@@ -4,11 +4,16 @@ Everything is real: Ray actors in separate processes, a data-parallel trainer (t
 all-reduced over their own gloo default group — the group our gloo backend must coexist with), an AdamW step per
 iteration, ``CheckpointEngineManager.update_weights`` with the chosen backend, and forward passes on every replica
 whose logits are compared byte for byte with the trainer's.
+
+With ``--delta`` the demo runs as RL post-training does: float32 master weights, an RL learning rate (1e-6), and
+rollout weights in bfloat16 (the actor ranks send the masters cast to bf16, and the trainer's logits come from that
+cast). Most bf16 bits then survive a step, so after the first update only the changed bytes cross.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import os
 import socket
@@ -32,6 +37,9 @@ from weightsync.core.tensors import as_byte_view, memoryview_of
 __all__ = ["DemoOptions", "DemoTrainer", "DemoRolloutModel", "run_demo"]
 
 PROMPT = [[(7 * i + 3 * j) % 251 + 1 for j in range(24)] for i in range(2)]
+TRAIN_LR = 1e-3
+RL_LR = 1e-6
+"""``--delta``: an RL step's learning rate, below half the bf16 spacing of most weights."""
 
 
 def _weights_digest(model: torch.nn.Module) -> str:
@@ -50,12 +58,15 @@ def _logits_bytes(model: torch.nn.Module, prompt: list[list[int]]) -> bytes:
 class DemoTrainer:
     """One data-parallel rank of the trainer: the ``WeightSource`` of an actor rank."""
 
-    def __init__(self, rank: int, world_size: int, *, config: LlamaConfig) -> None:
+    def __init__(self, rank: int, world_size: int, *, config: LlamaConfig, lr: float = TRAIN_LR,
+                 served: torch.dtype = torch.float32) -> None:
         torch.set_num_threads(1)
         self.rank = rank
         self.world_size = world_size
         self.model = TinyLlama(config, seed=0)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.served = served
+        """The dtype the rollout replicas hold: the float32 masters are cast to it to be sent."""
 
     def address(self) -> str:
         import ray
@@ -84,18 +95,22 @@ class DemoTrainer:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, parameter in self.model.named_parameters():
-            yield name, parameter.detach()
+            yield name, parameter.detach().to(self.served)
 
     def logits(self, prompt: list[list[int]]) -> bytes:
-        return _logits_bytes(self.model, prompt)
+        """The logits of the weights as sent (the masters themselves, or their cast)."""
+        if self.served == torch.float32:
+            return _logits_bytes(self.model, prompt)
+        return _logits_bytes(copy.deepcopy(self.model).to(self.served), prompt)
 
 
 class DemoRolloutModel:
     """One rollout worker's inference model: the ``WeightSink`` (and pause hooks) of a rollout worker."""
 
-    def __init__(self, replica: int, worker: int, *, config: LlamaConfig) -> None:
+    def __init__(self, replica: int, worker: int, *, config: LlamaConfig, dtype: torch.dtype = torch.float32
+                 ) -> None:
         torch.set_num_threads(1)
-        self.model = TinyLlama(config, seed=1000 + replica)  # replicas start from different weights
+        self.model = TinyLlama(config, seed=1000 + replica).to(dtype)  # replicas start from different weights
         self.parameters = dict(self.model.named_parameters())
         self.version = 0
         self.serving = True
@@ -129,7 +144,8 @@ class DemoOptions:
     bucket_mb: int = 32
     address: str | None = None
     delta: bool = False
-    """Delta updates (``SyncConfig.delta``): each step's line then says how many bytes crossed per receiver."""
+    """Delta updates (``SyncConfig.delta``) of bf16 rollout weights trained at an RL learning rate; each step's line
+    then says how many bytes crossed per receiver."""
 
 
 def _free_port() -> int:
@@ -152,19 +168,23 @@ async def run_demo(options: DemoOptions) -> int:
     ray.init(address=options.address or "local", include_dashboard=False, logging_level="ERROR", log_to_driver=True,
              ignore_reinit_error=True)
     config = config_for_megabytes(options.model_mb)
-    model_bytes = config.parameters * 4
+    served = torch.bfloat16 if options.delta else torch.float32
+    lr = RL_LR if options.delta else TRAIN_LR
+    model_bytes = config.parameters * served.itemsize
     print(f"weightsync demo: backend {options.backend}, TinyLlama {config.num_layers} layers "
-          f"({model_bytes / 1e6:.1f} MB fp32), actor_wg of 2 ranks, {options.replicas} rollout replicas")
+          f"({model_bytes / 1e6:.1f} MB {'bf16, fp32 masters' if options.delta else 'fp32'}, AdamW lr {lr:g}), "
+          f"actor_wg of 2 ranks, {options.replicas} rollout replicas")
     progress = Progress(options.steps)
     actor_wg: Any = None
     replicas: list[Any] = []
     exact_steps = 0
     try:
         actor_wg = RayActorWorkerGroup.create(
-            world_size=2, source_factory=functools.partial(DemoTrainer, config=config)
+            world_size=2, source_factory=functools.partial(DemoTrainer, config=config, lr=lr, served=served)
         )
         replicas = [
-            RayRolloutReplica.create(replica=index, sink_factory=functools.partial(DemoRolloutModel, config=config))
+            RayRolloutReplica.create(
+                replica=index, sink_factory=functools.partial(DemoRolloutModel, config=config, dtype=served))
             for index in range(options.replicas)
         ]
         address = await actor_wg.call("address")[0]

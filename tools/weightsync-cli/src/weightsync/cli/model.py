@@ -137,8 +137,8 @@ class TinyLlama(nn.Module):
         inverse = 1.0 / config.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         angles = torch.outer(positions, inverse)
         angles = torch.cat((angles, angles), dim=-1)
-        cos, sin = angles.cos(), angles.sin()
         x = self.model.embed_tokens(tokens)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # a no-op for float32 weights
         for layer in self.model.layers:
             x = layer(x, cos, sin)
         logits: torch.Tensor = self.lm_head(self.model.norm(x))
