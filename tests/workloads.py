@@ -355,3 +355,56 @@ class InPlaceSink(RecordingSink):
     def scribble(self) -> None:
         tensor = self.weights["model.layers.1.weight"]
         as_byte_view(tensor).view(torch.int32)[5] += 1
+
+
+class DeviceDeltaSource(DeltaModelSource):
+    """:class:`DeltaModelSource` with its weights on the emulated accelerator (every other one with ``mixed``)."""
+
+    mixed = False
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size)
+        from tests.devices import emulated_device
+
+        self.device = emulated_device()
+
+    def named_weights(self) -> Iterator[Any]:
+        from weightsync.api.testing import place
+
+        yield from place(list(super().named_weights()), self.device, "mixed" if self.mixed else "device")
+
+
+class MixedDeltaSource(DeviceDeltaSource):
+    mixed = True
+
+
+class DeviceInPlaceSink(InPlaceSink):
+    """:class:`InPlaceSink` whose tensors live on the emulated accelerator; counts the bytes this process reads
+    back from the accelerator through ``Tensor.cpu`` (how the engine reads device tensors)."""
+
+    def __init__(self, replica: int, worker: int) -> None:
+        super().__init__(replica, worker)
+        from tests.devices import emulated_device
+
+        device = emulated_device()
+        self.weights = {name: tensor.to(device) for name, tensor in self.weights.items()}
+        self.read = 0
+        original = torch.Tensor.cpu
+
+        def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if not tensor.is_cpu:
+                self.read += tensor.numel() * tensor.element_size()
+            return original(tensor, *args, **kwargs)
+
+        torch.Tensor.cpu = counting  # type: ignore[method-assign,assignment]
+
+    def read_back(self) -> int:
+        """The bytes read back since the last call."""
+        read, self.read = self.read, 0
+        return read
+
+    def digest(self) -> str:
+        return weights_digest([(name, tensor.to("cpu")) for name, tensor in self.weights.items()])
+
+    def devices(self) -> list[str]:
+        return sorted({tensor.device.type for tensor in self.weights.values()})

@@ -14,7 +14,8 @@ import pytest
 import ray
 
 from tests.conftest import RayNodes
-from tests.workloads import DeltaModelSource, InPlaceSink, RecordingSink
+from tests.workloads import (DeltaModelSource, DeviceDeltaSource, DeviceInPlaceSink, InPlaceSink, MixedDeltaSource,
+                             RecordingSink)
 from weightsync.api.config import StepTimeouts, SyncConfig
 from weightsync.api.errors import DigestMismatchError, WeightsyncError
 from weightsync.api.types import UpdateReport
@@ -49,8 +50,11 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(ray_nodes: RayNodes) -> Iterator[Cluster]:
-    actor_wg = RayActorWorkerGroup.create(world_size=1, source_factory=DeltaModelSource, node_id=ray_nodes.head)
+def cluster(request: pytest.FixtureRequest, ray_nodes: RayNodes) -> Iterator[Cluster]:
+    """One actor rank (a :class:`DeltaModelSource`, or the source class a test passes as the parameter) and no
+    replicas yet."""
+    source = getattr(request, "param", DeltaModelSource)
+    actor_wg = RayActorWorkerGroup.create(world_size=1, source_factory=source, node_id=ray_nodes.head)
     made = Cluster(actor_wg, [], ray_nodes)
     try:
         yield made
@@ -85,6 +89,29 @@ def test_twenty_delta_updates_are_bit_exact(cluster: Cluster, backend: str) -> N
         assert 0.005 < report.changed_fraction < 0.05, report.changed_fraction
         assert report.wire_bytes < 0.15 * report.nbytes, (report.wire_bytes, report.nbytes)
         assert all(transfer.base == version - 1 for transfer in report.transfers)
+
+
+@pytest.mark.parametrize("cluster", [DeviceDeltaSource, MixedDeltaSource], indirect=True)
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_accelerator_weights_update_by_deltas(cluster: Cluster, backend: str) -> None:
+    # The actor's weights on the emulated accelerator (all, or every other tensor): the sender stages them to the
+    # host and keeps its base there. One replica changes tensors on the accelerator in place, one iterates views.
+    on_device = cluster.add(DeviceInPlaceSink)
+    cluster.add(RecordingSink)
+    assert "cpu" not in ray.get(on_device.call("devices")[0])
+    manager = CheckpointEngineManager(backend=backend, actor_wg=cluster.actor_wg, replicas=cluster.replicas,
+                                      config=config())
+    first = update(manager, cluster, 1)
+    assert [outcome.full for outcome in first.replicas] == [True, True]
+    for version in range(2, 7):
+        ray.get(on_device.call("read_back")[0])
+        report = update(manager, cluster, version)
+        assert [outcome.full for outcome in report.replicas] == [False, False], version
+        assert 0.005 < report.changed_fraction < 0.05, report.changed_fraction
+        assert report.wire_bytes < 0.15 * report.nbytes, (report.wire_bytes, report.nbytes)
+        # Each piece is read back once to be changed and summed on the host, not its whole tensor for every bucket
+        # it spans (the first tensor spans three).
+        assert 0 < ray.get(on_device.call("read_back")[0]) <= report.nbytes
 
 
 def test_a_replica_added_later_gets_a_full_update_and_deltas_after(cluster: Cluster) -> None:

@@ -410,7 +410,11 @@ class ReceiverDelta:
                                 peer="this receiver")
         self._views = False
         rows = array.array("Q")
-        staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        windows: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """(a piece's bytes in a destination on another device, their host copy): the copy is changed, then copied
+        back — the piece alone, not its whole tensor."""
+        whole: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        """A destination in a layout raw writes cannot fill, and a host copy of all of it, changed and copied back."""
         held: list[Held] = []
         for meta in tensors_:
             destination = destinations.get(meta.name)
@@ -418,29 +422,43 @@ class ReceiverDelta:
                 raise DestinationError(f"no destination for received tensor {meta.name!r}: a delta update changes "
                                        "the tensor in place", name=meta.name)
             check_destination(meta, destination)
-            if destination_fits(destination, DTYPES[meta.dtype], meta.shape):
-                address = destination.data_ptr()
-            else:  # another device, or a layout raw writes cannot fill: change a host copy, then copy it back
-                if meta.name not in staged:
-                    staged[meta.name] = (destination, tensors.as_byte_view(destination).cpu().clone())
-                address = staged[meta.name][1].data_ptr()
-            rows.extend((address + meta.offset, meta.nbytes, unit_of(meta),
-                         piece_key(header.index, meta.bucket_offset)))
+            dtype = DTYPES[meta.dtype]
+            if destination_fits(destination, dtype, meta.shape):
+                address = destination.data_ptr() + meta.offset
+            elif destination_fits(destination, dtype, meta.shape, anywhere=True):
+                window = tensors.as_byte_view(destination)[meta.offset:meta.offset + meta.nbytes]
+                # A dense bucket overwrites the piece: nothing to read back first.
+                host = window.cpu() if header.dense >= 0 else torch.empty(meta.nbytes, dtype=torch.uint8)
+                windows.append((window, host))
+                address = host.data_ptr()
+            else:
+                if meta.name not in whole:
+                    whole[meta.name] = (destination, tensors.as_byte_view(destination).cpu().clone())
+                address = whole[meta.name][1].data_ptr() + meta.offset
+            rows.extend((address, meta.nbytes, unit_of(meta), piece_key(header.index, meta.bucket_offset)))
             held.append((meta, destination, meta.offset))
-        if header.dense >= 0 and not staged and self._verifies(header) and self._model is not None:
-            # Each stretch of a piece summed right after its changes are written, in the helper's one pass.
-            self._model.add(arrived.table, header.dense, apply(payload, rows, summed=True))
-            return False
-        if header.dense >= 0:
-            apply(payload, rows)
+        # Verified here, from the bytes just written (a piece changed in a host copy is summed there: the copy goes
+        # back unchanged), unless a whole tensor was copied: then from what the destinations hold, below.
+        verified = not whole and self._verifies(header)
+        total = 0
+        if header.dense >= 0:  # with ``verified``, each stretch summed right after its changes, in one pass
+            total = apply(payload, rows, summed=verified)
         else:  # a bucket sent dense: each piece copied to its place
             at = payload.data_ptr()
             tensors.copy_batch([value for row, meta in enumerate(tensors_)
                                 for value in (rows[4 * row], at + meta.bucket_offset, meta.nbytes)], 0, 0)
+            if verified:
+                total = bucket_sum(array.array("Q", [value for row in range(0, len(rows), 4)
+                                                     for value in (rows[row], rows[row + 1], rows[row + 3])]))
         with torch.no_grad():
-            for destination, host in staged.values():
+            for window, host in windows:
+                window.copy_(host)
+            for destination, host in whole.values():
                 destination.copy_(host.view(destination.dtype).reshape(destination.shape))
-        self._fold(header, arrived.table, held)
+        if verified and self._model is not None:
+            self._model.add(arrived.table, _layout(header), total)
+        elif whole:
+            self._fold(header, arrived.table, held)
         return False
 
     def read(self, arrived: Arrived, destinations: Mapping[str, torch.Tensor] | None) -> None:

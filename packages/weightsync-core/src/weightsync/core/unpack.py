@@ -47,13 +47,14 @@ class Arrived:
         """The consumer hashes this bucket as it reads it (a host payload); else the receive thread hashed it."""
 
 
-def destination_fits(destination: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...]
-                     ) -> TypeGuard[torch.Tensor]:
-    """Whether raw copies can fill ``destination``: ``dtype`` and ``shape``, contiguous, on the host, its memory
-    holding the values it shows (not a lazily negated view — even a real tensor can be one, a complex tensor's
-    conjugate's ``imag`` — nor a lazily conjugated complex tensor). False for no destination."""
+def destination_fits(destination: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...], *,
+                     anywhere: bool = False) -> TypeGuard[torch.Tensor]:
+    """Whether raw copies can fill ``destination``: ``dtype`` and ``shape``, contiguous, on the host (or, with
+    ``anywhere``, on any device), its memory holding the values it shows (not a lazily negated view — even a real
+    tensor can be one, a complex tensor's conjugate's ``imag`` — nor a lazily conjugated complex tensor). False for
+    no destination."""
     return (destination is not None and destination.dtype is dtype and destination.shape == shape
-            and destination.is_cpu and destination.is_contiguous() and not destination.is_neg()
+            and (anywhere or destination.is_cpu) and destination.is_contiguous() and not destination.is_neg()
             and not (dtype.is_complex and destination.is_conj()))
 
 
