@@ -163,6 +163,16 @@ def test_keyed_sums_follow_their_definition(monkeypatch: pytest.MonkeyPatch, pyt
     assert held_sum(3, big, weights) == reference_sum(3, big, weights)
 
 
+def test_a_keyed_sum_of_non_contiguous_tensors_sums_their_values() -> None:
+    # Each is summed from a contiguous copy made for it: every copy must outlive the sum (freed early, the next one
+    # took its memory and the sum read one tensor's bytes several times: false digest mismatches).
+    generator = torch.Generator().manual_seed(8)
+    weights = {f"t{n}": torch.randn(64, 48 + n % 2, generator=generator).t() for n in range(6)}
+    metas = pieces(weights)
+    assert not any(tensor.is_contiguous() for tensor in weights.values())
+    assert held_sum(2, metas, weights) == reference_sum(2, metas, weights)
+
+
 def test_a_keyed_sum_changes_with_any_change_of_what_is_held() -> None:
     generator = torch.Generator().manual_seed(6)
     weights = {"a": torch.randn(1000, generator=generator).to(torch.bfloat16),

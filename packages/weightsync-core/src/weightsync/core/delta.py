@@ -509,12 +509,13 @@ def _layout(header: codec.BucketHeader) -> int:
 
 
 def held_sum(index: int, pieces: Sequence[Held]) -> int:
-    """The keyed sum of bucket ``index``'s pieces where a receiver holds them (a device piece is read back first)."""
-    rows, read_back = array.array("Q"), []
+    """The keyed sum of bucket ``index``'s pieces where a receiver holds them (a device piece is read back first, a
+    piece of a non-contiguous tensor read from a contiguous copy)."""
+    rows, alive = array.array("Q"), []  # every piece stays referenced until summed: some are copies made here
     for meta, source, start in pieces:
         piece = tensors.as_byte_view(source)[start:start + meta.nbytes]
         if not piece.is_cpu:
             piece = piece.cpu()
-            read_back.append(piece)
+        alive.append(piece)
         rows.extend((piece.data_ptr(), meta.nbytes, piece_key(index, meta.bucket_offset)))
     return bucket_sum(rows)
