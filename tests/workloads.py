@@ -178,6 +178,14 @@ class _FlipAfterPack:
             payload[0] ^= 0x01
 
 
+class _WatchAfterPack:
+    """Looks at every packed bucket and changes nothing; a sender with an ``after_pack`` hook keeps no version, so
+    with ``delta=True`` it sends every update full (the conformance kit's delta test must notice)."""
+
+    def after_pack(self, index: int, payload: torch.Tensor) -> None:
+        pass
+
+
 class _FlipAfterReceive:
     """Corrupts every first bucket a receiver gets, after transit and before hashing: the digest must notice."""
 
@@ -200,6 +208,7 @@ class _FlipOnce:
 
 
 FLIP_AFTER_PACK = _FlipAfterPack()
+WATCH_AFTER_PACK = _WatchAfterPack()
 FLIP_AFTER_RECEIVE = _FlipAfterReceive()
 FLIP_ONCE = _FlipOnce()
 

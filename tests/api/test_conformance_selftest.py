@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from weightsync.api.protocols import copy_stream_into
-from weightsync.api.testing import ConformanceFailure, EngineHarness, WorkerFailed
+from weightsync.api.testing import ConformanceFailure, EngineConformance, EngineHarness, WorkerFailed
 
 
 MODES = ["iterate", "copy_into"]
@@ -38,6 +38,13 @@ def test_kit_fails_a_transport_that_corrupts_in_transit(mode: str) -> None:
     with pytest.raises(WorkerFailed) as caught:
         _run("tests.workloads:FLIP_AFTER_RECEIVE", mode)
     assert caught.value.error_type == "DigestMismatchError"
+
+
+def test_kit_fails_an_engine_that_sends_every_delta_update_full() -> None:
+    # The sender keeps no version while a test hook watches its packed buckets: the bytes arrive intact, all of them.
+    harness = EngineHarness("shm", receivers=2, options={"transport_hook": "tests.workloads:WATCH_AFTER_PACK"})
+    with pytest.raises(AssertionError, match="update 1 went full"):
+        EngineConformance().test_delta_updates(harness)  # it starts a harness of its own, alike
 
 
 def test_kit_fails_an_engine_that_writes_a_mismatched_destination() -> None:

@@ -229,6 +229,14 @@ def test_node_local_senders_deliver_the_whole_model_to_every_node() -> None:
         assert same and all(same.values()) and len(same) == len(case_tensors("mixed", 1, 1 << 16))
 
 
+def test_delta_updates_are_refused_with_buckets_on_the_device() -> None:
+    # Deltas are compared and encoded in host memory; a device ring would silently send every update full.
+    emulated_device()
+    with pytest.raises(ConfigError, match="delta updates are compared and encoded in host memory"):
+        GlooAcceleratorEngine(bucket_bytes=1 << 16, delta=True)
+    GlooAcceleratorEngine(bucket_bytes=1 << 16).close()
+
+
 def test_host_weights_are_uploaded_into_device_buckets_and_hashed_on_the_host(monkeypatch: pytest.MonkeyPatch
                                                                               ) -> None:
     """Host sources reach the device ring through pinned host buckets (one non-blocking copy each)."""

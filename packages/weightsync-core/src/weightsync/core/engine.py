@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from weightsync.api.errors import LifecycleError, TopologyError, reject_renamed_keywords
+from weightsync.api.errors import ConfigError, LifecycleError, TopologyError, reject_renamed_keywords
 from weightsync.api.protocols import ReceivedWeights
 from weightsync.api.topology import check_sizes, with_epoch
 from weightsync.api.types import RankArgs, Topology, TransferReport, WorkerMetadata, WorldMetadata
@@ -53,6 +53,10 @@ class BucketCheckpointEngine(EngineBase):
                             "engine_class(SomeTransport)")
         super().__init__(bucket_bytes=bucket_bytes, **options)
         self.transport = self.transport_class(self.settings)
+        if self.settings.delta and self.transport.buffers == "device":
+            raise ConfigError(f"{self.name}: delta updates are compared and encoded in host memory, and this engine's "
+                              "buckets live on the device: use SyncConfig(delta=False) with it, or a backend with "
+                              "host buckets (shm, gloo, tcp, nixl, mooncake without a device ring)")
         self._policy = self.transport.policy()
         self._tracer = Tracer(f"{self.settings.context.role} {self.settings.context.rank}")
         self._handover = Handover(self.name, self.settings.timeout)

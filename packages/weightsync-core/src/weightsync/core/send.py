@@ -119,9 +119,9 @@ class SendPipeline:
     this epoch completes); None: send the next update full."""
 
     def delta_update(self, transport: SenderTransport, digest: UpdateDigest) -> _DeltaUpdate | None:
-        """This update's delta bookkeeping, or None when the sender keeps no version (``delta`` off, buffers on a
-        device, no compiled encoder, or a test hook that rewrites packed buckets). A delta against the kept version
-        only when every receiver holds it."""
+        """This update's delta bookkeeping, or None when the sender keeps no version (``delta`` off, no compiled
+        encoder, or a test hook that rewrites packed buckets; engines with buckets on a device refuse ``delta``). A
+        delta against the kept version only when every receiver holds it."""
         if (not self.settings.delta or tensors._HELPER is None or not transport.buffer(0).is_cpu
                 or not digest.fusable or getattr(self.settings.hook, "after_pack", None) is not None):
             return None

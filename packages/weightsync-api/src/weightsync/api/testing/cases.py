@@ -108,6 +108,24 @@ def _partial(update: int, bucket_bytes: int) -> Weights:
     return _mixed(update, bucket_bytes)[::3]
 
 
+def _delta(update: int, bucket_bytes: int) -> Weights:
+    """Versions of one model each differing from the base in about 1 % of its elements (another 1 % each update):
+    consecutive versions differ in about 2 %, in bf16, fp32, fp8 and int8, one tensor two buckets long."""
+    base = _generator("delta", 0)
+    changes = _generator("delta.changes", update)
+    shapes = [(((2 * bucket_bytes + 300) // 2,), torch.bfloat16), ((96, 160), torch.float32),
+              ((128, 64), torch.float8_e4m3fn), ((1000,), torch.int8), ((5,), torch.float32)]
+    weights: Weights = []
+    for index, (shape, dtype) in enumerate(shapes):
+        tensor = _random(shape, dtype, base)
+        if update:
+            units = tensor.reshape(-1).view(torch.uint8).view(-1, tensor.element_size())
+            chosen = torch.rand(units.shape[0], generator=changes) < 0.01
+            units[chosen, 0] ^= 1 + update % 255  # its lowest byte: a change in every chosen element
+        weights.append((f"delta.{index}", tensor))
+    return weights
+
+
 CASES: dict[str, Callable[[int, int], Weights]] = {
     "dtypes": _dtypes,
     "zero_size": _zero_size,
@@ -117,6 +135,7 @@ CASES: dict[str, Callable[[int, int], Weights]] = {
     "long_names": _long_names,
     "mixed": _mixed,
     "partial": _partial,
+    "delta": _delta,
 }
 
 

@@ -97,9 +97,14 @@ def _worker_main(conn: multiprocessing.connection.Connection, backend: str, role
             }).encode())
 
 
-RECEIVE_MODES = ("iterate", "copy_into", "wrong_shape")
+RECEIVE_MODES = ("iterate", "copy_into", "wrong_shape", "in_place")
 """How a receiver consumes the stream: ``async for``; ``copy_into`` destinations (some non-contiguous, some names
-left to the fallback); or ``copy_into`` with one destination of the wrong shape (it must raise before writing)."""
+left to the fallback); ``copy_into`` with one destination of the wrong shape (it must raise before writing); or
+``in_place``: ``copy_into`` the same destinations every update of a case (one for every name, as a model's
+parameters are; what a delta update changes in place)."""
+
+_KEPT_DESTINATIONS: dict[str, dict[str, Any]] = {}
+"""``in_place`` destinations, per case, in this worker process."""
 
 
 async def _receive_and_check(engine: Any, case: str, update: int, bucket_bytes: int, mode: str,
@@ -126,6 +131,13 @@ async def _receive_and_check(engine: Any, case: str, update: int, bucket_bytes: 
     if mode == "iterate":
         async for name, tensor in stream:
             check(name, tensor)
+    elif mode == "in_place":
+        destinations = _KEPT_DESTINATIONS.setdefault(case, _destinations(expected, *where, every_name=True))
+        count = await stream.copy_into(destinations)
+        for name, destination in destinations.items():
+            check(name, destination.detach())
+        if count != len(seen):
+            problems.append(f"copy_into returned {count} for {len(seen)} tensors")
     else:
         destinations = _destinations(expected, *where)
         if mode == "wrong_shape":
@@ -144,17 +156,18 @@ async def _receive_and_check(engine: Any, case: str, update: int, bucket_bytes: 
     return {"problems": problems, "count": len(seen), "report": report.to_dict() if report is not None else None}
 
 
-def _destinations(expected: dict[str, Any], device: str, placement: str) -> dict[str, Any]:
+def _destinations(expected: dict[str, Any], device: str, placement: str, *, every_name: bool = False
+                  ) -> dict[str, Any]:
     """Zeroed destinations for most tensors: every 5th matrix a non-contiguous one (``copy_`` fills it), every 4th
     floating-point tensor a ``Parameter`` that requires grad (a model's own), and every 7th name left out (the
-    fallback gets its view). On ``device``, all of them, or (``placement="mixed"``) two in three, a pattern that
-    crosses the sources' alternation so that every pairing of host and device occurs."""
+    fallback gets its view) unless ``every_name``. On ``device``, all of them, or (``placement="mixed"``) two in
+    three, a pattern that crosses the sources' alternation so that every pairing of host and device occurs."""
     import torch
 
     destinations: dict[str, Any] = {}
     for index, (name, tensor) in enumerate(expected.items()):
         at = device if placement == "device" or index % 3 != 1 else "cpu"
-        if index % 7 == 3:
+        if index % 7 == 3 and not every_name:
             continue
         if index % 5 == 1 and tensor.dim() == 2:
             destinations[name] = torch.zeros(tuple(reversed(tensor.shape)), dtype=tensor.dtype, device=at).t()
@@ -211,6 +224,13 @@ class EngineHarness:
         self._context = multiprocessing.get_context("spawn")
         self._workers: list[tuple[str, multiprocessing.connection.Connection, Any]] = []
         self.epoch = ""
+
+    def alike(self, **options: Any) -> EngineHarness:
+        """A harness of its own (not started) for the same backend, workers and placement, with ``options`` added
+        to the engines' options."""
+        return EngineHarness(self.backend, receivers=self.receivers, bucket_bytes=self.bucket_bytes,
+                             options={**self.options, **options}, timeout=self.timeout, device=self.device,
+                             placement=self.placement, hosts=self.hosts)
 
     # -- processes -------------------------------------------------------------------------------------------------
 
@@ -295,18 +315,18 @@ class EngineHarness:
         self._all("init", [{"rank_args": args} for args in [*topology.actor, *topology.rollout]])
         return topology
 
-    def update(self, case: str, update: int = 0, *, mode: str = "iterate") -> list[dict[str, Any]]:
+    def update(self, case: str, update: int = 0, *, mode: str | Sequence[str] = "iterate") -> list[dict[str, Any]]:
         """One update of ``case``; returns each receiver's result. Raises ``WorkerFailed`` if any worker raised.
 
-        ``mode`` is how the receivers consume it (``RECEIVE_MODES``); with ``wrong_shape`` they must raise
-        ``DestinationError`` without writing, and the sender must still finish.
+        ``mode`` is how the receivers consume it (``RECEIVE_MODES``; or one mode per receiver); with
+        ``wrong_shape`` they must raise ``DestinationError`` without writing, and the sender must still finish.
         """
-        if mode not in RECEIVE_MODES:
-            raise ValueError(f"mode must be one of {RECEIVE_MODES}, got {mode!r}")
-        commands = [{"case": case, "update": update, "mode": mode}] * len(self._workers)
-        self._send(0, {"op": "send", **commands[0]})
-        for index in range(1, len(self._workers)):
-            self._send(index, {"op": "receive", **commands[index]})
+        modes = [mode] * self.receivers if isinstance(mode, str) else list(mode)
+        if len(modes) != self.receivers or any(each not in RECEIVE_MODES for each in modes):
+            raise ValueError(f"mode must be one of {RECEIVE_MODES}, or one of them per receiver, got {mode!r}")
+        self._send(0, {"op": "send", "case": case, "update": update})
+        for index, each in enumerate(modes, start=1):
+            self._send(index, {"op": "receive", "case": case, "update": update, "mode": each})
         deadline = time.monotonic() + self.timeout
         replies: list[Any] = []
         failure: BaseException | None = None
@@ -325,7 +345,7 @@ class EngineHarness:
             if result["problems"]:
                 raise ConformanceFailure(f"{self.backend}, case {case}, rollout rank {rank}: "
                                          + "; ".join(result["problems"][:10]))
-            if mode == "wrong_shape":
+            if modes[rank] == "wrong_shape":
                 continue
             if result["report"] is None or result["report"]["digest"] != sender["digest"]:
                 raise ConformanceFailure(f"{self.backend}, case {case}, rollout rank {rank}: digest differs")
