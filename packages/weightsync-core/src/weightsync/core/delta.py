@@ -410,11 +410,10 @@ class ReceiverDelta:
                                 peer="this receiver")
         self._views = False
         rows = array.array("Q")
+        # A destination on another device: a host copy of each piece's bytes (not its whole tensor) is changed,
+        # then copied back. One in a layout raw writes cannot fill: a host copy of all of it, the same way.
         windows: list[tuple[torch.Tensor, torch.Tensor]] = []
-        """(a piece's bytes in a destination on another device, their host copy): the copy is changed, then copied
-        back — the piece alone, not its whole tensor."""
         whole: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        """A destination in a layout raw writes cannot fill, and a host copy of all of it, changed and copied back."""
         held: list[Held] = []
         for meta in tensors_:
             destination = destinations.get(meta.name)
