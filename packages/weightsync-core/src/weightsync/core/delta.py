@@ -183,10 +183,7 @@ def apply(encoded: torch.Tensor, rows: array.array[int], *, summed: bool = False
         data = bytes(memoryview_of(encoded)) if encoded.numel() else b""
         _walk(data, rows, write=False)
         _walk(data, rows, write=True)
-        if not summed:
-            return 0
-        return bucket_sum(array.array("Q", [value for row in range(0, len(rows), 4)
-                                             for value in (rows[row], rows[row + 1], rows[row + 3])]))
+        return _applied_sum(rows) if summed else 0
     total = ctypes.c_uint64(0)
     if helper.weightsync_delta_apply(encoded.data_ptr(), encoded.numel(), rows.buffer_info()[0], count,
                                      ctypes.byref(total) if summed else None) != 0:
@@ -200,6 +197,12 @@ def bucket_sum(rows: array.array[int]) -> int:
     if helper is not None:
         return int(helper.weightsync_delta_sum(rows.buffer_info()[0], len(rows) // 3))
     return sum(_keyed_sum(rows[row], rows[row + 1], rows[row + 2]) for row in range(0, len(rows), 3)) & _MASK
+
+
+def _applied_sum(rows: array.array[int]) -> int:
+    """The keyed sum of the pieces :func:`apply` rows (``(address, nbytes, unit, key)``) point at."""
+    return bucket_sum(array.array("Q", [value for row in range(0, len(rows), 4)
+                                         for value in (rows[row], rows[row + 1], rows[row + 3])]))
 
 
 def _keyed_sum(address: int, nbytes: int, key: int) -> int:
@@ -447,8 +450,7 @@ class ReceiverDelta:
             tensors.copy_batch([value for row, meta in enumerate(tensors_)
                                 for value in (rows[4 * row], at + meta.bucket_offset, meta.nbytes)], 0, 0)
             if verified:
-                total = bucket_sum(array.array("Q", [value for row in range(0, len(rows), 4)
-                                                     for value in (rows[row], rows[row + 1], rows[row + 3])]))
+                total = _applied_sum(rows)
         with torch.no_grad():
             for window, host in windows:
                 window.copy_(host)

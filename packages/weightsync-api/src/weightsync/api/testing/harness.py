@@ -131,15 +131,13 @@ async def _receive_and_check(engine: Any, case: str, update: int, bucket_bytes: 
     if mode == "iterate":
         async for name, tensor in stream:
             check(name, tensor)
-    elif mode == "in_place":
-        destinations = _KEPT_DESTINATIONS.setdefault(case, _destinations(expected, *where, every_name=True))
-        count = await stream.copy_into(destinations)
-        for name, destination in destinations.items():
-            check(name, destination.detach())
-        if count != len(seen):
-            problems.append(f"copy_into returned {count} for {len(seen)} tensors")
     else:
-        destinations = _destinations(expected, *where)
+        if mode == "in_place":
+            if case not in _KEPT_DESTINATIONS:
+                _KEPT_DESTINATIONS[case] = _destinations(expected, *where, every_name=True)
+            destinations = _KEPT_DESTINATIONS[case]
+        else:
+            destinations = _destinations(expected, *where)
         if mode == "wrong_shape":
             return await _expect_destination_error(stream, expected, destinations)
         count = await stream.copy_into(destinations, fallback=check)
