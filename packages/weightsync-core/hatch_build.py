@@ -2,15 +2,15 @@
 
 The helper is an optimisation only. Where no C compiler is found, or it fails, the build goes on without it and
 ``weightsync.core.tensors`` copies with libc ``memmove`` (``weightsync doctor`` says which). The library uses no
-Python API, so no Python headers are needed, and one build serves every Python version of the platform.
+Python API, so no Python headers are needed, and one build serves every Python version of the platform. The compile
+itself is ``weightsync/core/_helper_build.py``, which ``tensors`` also calls when an editable checkout has lost its
+library.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import shlex
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,19 +40,19 @@ class StreamCopyHook(BuildHookInterface[BuilderConfig]):
 
 
 def _compile(source: Path, library: Path) -> bool:
-    if os.environ.get("WEIGHTSYNC_STREAM_COPY") == "0" or not sys.platform.startswith("linux"):
+    if os.environ.get("WEIGHTSYNC_STREAM_COPY") == "0":
         return False
-    compiler = shlex.split(os.environ.get("CC", "")) or [
-        found for found in (shutil.which(name) for name in ("cc", "gcc", "clang")) if found][:1]
-    if not compiler:
-        print("weightsync-core: no C compiler found; host copies will use memmove", file=sys.stderr)
-        return False
-    command = [*compiler, "-O2", "-shared", "-fPIC", "-o", str(library), str(source)]
-    try:
-        subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        print(f"weightsync-core: compiling {source.name} failed ({detail}); host copies will use memmove",
-              file=sys.stderr)
-        return False
-    return True
+    why = _helper_build(source.with_name("_helper_build.py")).compile_library(source, library)
+    if why:
+        print(f"weightsync-core: {why}; host copies will use memmove", file=sys.stderr)
+    return not why
+
+
+def _helper_build(path: Path) -> Any:
+    """``weightsync/core/_helper_build.py`` (standard library only), loaded by its path: neither weightsync nor
+    torch is installed in pip's build environment. ``tensors`` compiles with the same code at first use."""
+    spec = importlib.util.spec_from_file_location("_weightsync_helper_build", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -87,7 +87,8 @@ def test_overlapping_ranges_copy_like_memmove() -> None:
 @pytest.mark.skipif(not (sys.platform.startswith("linux") and platform.machine() == "x86_64" and shutil.which("cc")),
                     reason="the helper is built only on x86-64 Linux with a C compiler")
 def test_the_helper_was_built_and_is_used() -> None:
-    # The install compiled it (hatch_build.py) and the import picked it over memmove.
+    # The install compiled it (hatch_build.py), or the import did (_helper_build.cached_library), and the import
+    # picked it over memmove.
     assert STREAM_COPY in ("avx2 non-temporal stores", "sse2 non-temporal stores"), STREAM_COPY
     assert copy_stream is not ctypes.memmove
 
@@ -172,9 +173,10 @@ def test_a_batch_lands_exactly(compiled: bool, monkeypatch: pytest.MonkeyPatch) 
         assert not torch.equal(broken, expected)
 
 
-def test_a_helper_built_from_another_version_is_not_used(tmp_path: pathlib.Path) -> None:
+def test_a_helper_built_from_another_version_is_not_used(tmp_path: pathlib.Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     # A stale in-place build (its C source changed since) must not be called with today's signatures: a library
-    # whose ABI number differs is refused, and the copies fall back to memmove.
+    # whose ABI number differs is refused, and the loader builds one from today's source instead.
     compiler = shutil.which("cc")
     if compiler is None or platform.machine() != "x86_64":
         pytest.skip("needs a C compiler on x86-64 to build the stale helper")
@@ -184,11 +186,13 @@ def test_a_helper_built_from_another_version_is_not_used(tmp_path: pathlib.Path)
     (tmp_path / "stale.c").write_text(source.replace(current, "WEIGHTSYNC_STREAM_COPY_ABI 2"))
     subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(tmp_path / "stale.so"), str(tmp_path / "stale.c")],
                    check=True, timeout=120)
-    library, why = tensors._load_helper(tmp_path / "stale.so")
+    library, why = tensors._open_helper(tmp_path / "stale.so")
     assert library is None and "built from another version" in why
-    # Control: the same loader takes the helper installed with the package.
-    library, why = tensors._load_helper()
-    assert library is not None and why == ""
+    monkeypatch.setenv("WEIGHTSYNC_CACHE_DIR", str(tmp_path / "cache"))
+    library, path, why = tensors._load_helper(tmp_path / "stale.so")
+    assert library is not None and path is not None and path.parent == tmp_path / "cache" and why == ""
+    # Control: the stale library is what made it build; the same source with no library at all builds the same.
+    assert tensors._load_helper(tmp_path / "missing.so.1")[1] == path
 
 
 @pytest.mark.parametrize("compiled", [True, False])

@@ -39,6 +39,9 @@ def test_doctor_table() -> None:
     assert result.returncode == 0 and "shm" in result.stdout and "available" in result.stdout
     assert "host copies of large tensors: " in result.stdout
     assert "delta updates (SyncConfig.delta): compiled" in result.stdout
+    (library,) = [line.split(": ", 1)[1] for line in result.stdout.splitlines()
+                  if line.startswith("compiled helper (_stream_copy.c): ")]
+    assert os.path.isfile(library) and os.path.basename(library).startswith("_stream_copy"), library
     assert "backend='auto' (the default): auto picks shm when every worker shares the sender's host, " in result.stdout
 
 

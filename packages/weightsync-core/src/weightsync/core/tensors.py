@@ -12,10 +12,12 @@ from typing import cast
 import torch
 
 from weightsync.api.errors import UnsupportedDtypeError
+from weightsync.core._helper_build import cached_library
 
 __all__ = [
     "DTYPES", "dtype_name", "dtype_from_name", "as_byte_view", "contiguous_source", "memoryview_of", "memoryview_at",
-    "copy_bytes", "copy_small", "copy_stream", "copy_batch", "copy_columns", "STREAM_COPY", "COMPLEX_NAMES",
+    "copy_bytes", "copy_small", "copy_stream", "copy_batch", "copy_columns", "STREAM_COPY", "HELPER_PATH",
+    "COMPLEX_NAMES",
 ]
 
 _DTYPE_NAMES = [
@@ -101,17 +103,38 @@ _HELPER_ABI = 6
 """``WEIGHTSYNC_STREAM_COPY_ABI`` of the ``_stream_copy.c`` this module calls."""
 
 
-def _load_helper(path: Path = Path(__file__).with_name("_stream_copy.so.1")) -> tuple[ctypes.CDLL | None, str]:
-    """The compiled helper (``_stream_copy.c``, built with the package), or None and why not."""
+def _load_helper(
+    installed: Path = Path(__file__).with_name("_stream_copy.so.1"),
+    source: Path = Path(__file__).with_name("_stream_copy.c"),
+) -> tuple[ctypes.CDLL | None, Path | None, str]:
+    """The compiled helper and where it was loaded from, or None, None and why not.
+
+    The library installed beside this module (built with the package) if it is usable, else one built from
+    ``source`` at first use into a per-user cache (``_helper_build``: an editable checkout whose tree changed after
+    its environment was made has no library, or one built from another version of the source)."""
     if os.environ.get("WEIGHTSYNC_STREAM_COPY") == "0":
-        return None, "WEIGHTSYNC_STREAM_COPY=0"
+        return None, None, "WEIGHTSYNC_STREAM_COPY=0"
+    library, why = _open_helper(installed)
+    if library is not None:
+        return library, installed, ""
+    built, build_why = cached_library(source) if source.exists() else (None, f"no {source.name} to build it from")
+    if built is None:
+        return None, None, f"{why}; building it at first use: {build_why}"
+    library, built_why = _open_helper(built)
+    return (library, built, "") if library is not None else (None, None, f"{why}; {built}: {built_why}")
+
+
+def _open_helper(path: Path) -> tuple[ctypes.CDLL | None, str]:
+    """The helper library at ``path``, if it loads, is of this module's ABI and passes its self-test; else why not."""
+    if not path.exists():
+        return None, "no compiled _stream_copy helper"
     try:
         library = ctypes.CDLL(str(path))
-    except OSError:
-        return None, "no compiled _stream_copy helper"
+    except OSError as exc:
+        return None, f"the compiled _stream_copy helper does not load ({exc})"
     abi = getattr(library, "weightsync_stream_copy_abi", None)
     if abi is None or abi() != _HELPER_ABI:
-        return None, "a _stream_copy helper built from another version: reinstall weightsync-core"
+        return None, "a _stream_copy helper built from another version"
     library.weightsync_stream_copy.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
     library.weightsync_stream_copy.restype = None
     library.weightsync_copy_batch.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint64,
@@ -157,7 +180,8 @@ def _stream_copier() -> tuple[Callable[[int, int, int], object], str]:
     return cast(Callable[[int, int, int], object], _HELPER.weightsync_stream_copy), f"{kind} non-temporal stores"
 
 
-_HELPER, _HELPER_MISSING = _load_helper()
+_HELPER, HELPER_PATH, _HELPER_MISSING = _load_helper()
+"""The compiled helper, the library file it was loaded from (``weightsync doctor`` shows it), and why there is none."""
 copy_stream, STREAM_COPY = _stream_copier()
 """``copy_stream(destination, source, nbytes)``: ``copy_bytes`` for pieces the copying core will not read back soon
 (a bucket it packs, a model tensor it fills), with non-temporal stores: they skip reading each destination line

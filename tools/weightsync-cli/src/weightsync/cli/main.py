@@ -101,10 +101,11 @@ def _doctor(as_json: bool) -> int:
         print(f"{status.backend:<{width}}  {status.status:<14}  {detail}")
     from weightsync.core.auto import describe_rule  # imports torch: only for the table, after the backends
     from weightsync.core.delta import ENCODER
-    from weightsync.core.tensors import STREAM_COPY
+    from weightsync.core.tensors import HELPER_PATH, STREAM_COPY
 
     print(f"backend='auto' (the default): {describe_rule()}")
     print(f"host copies of large tensors: {STREAM_COPY}")
+    print(f"compiled helper (_stream_copy.c): {HELPER_PATH or 'none'}")
     print(f"delta updates (SyncConfig.delta): {ENCODER}")
     return 0
 
