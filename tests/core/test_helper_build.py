@@ -71,6 +71,14 @@ def test_without_a_compiler_the_reason_names_both_failures(tmp_path: pathlib.Pat
     assert [entry.name for entry in (tmp_path / "cache").iterdir()] == [next((tmp_path / "cache").glob("*.lock")).name]
 
 
+def test_an_unusable_cache_is_a_reason_not_an_import_error(tmp_path: pathlib.Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("WEIGHTSYNC_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+    library, path, why = tensors._load_helper(tmp_path / "missing.so.1")
+    assert library is None and path is None and "cannot build it in the cache: " in why, why
+
+
 BUILD = """
 import pathlib, sys
 from weightsync.core._helper_build import cached_library

@@ -76,14 +76,14 @@ def cached_library(source: Path) -> tuple[Path | None, str]:
     command = compiler()
     if command is None:
         return None, "no C compiler found (install gcc, or set CC)"
-    digest = hashlib.sha256(source.read_bytes())
-    digest.update("\0".join([*FLAGS, *command]).encode())
-    directory = cache_dir()
-    stem = f"{source.stem}-{digest.hexdigest()[:16]}"
-    library = directory / f"{stem}.so.1"
-    if library.exists():
-        return library, ""
-    try:
+    try:  # called at import: whatever goes wrong is a reason, never an exception
+        digest = hashlib.sha256(source.read_bytes())
+        digest.update("\0".join([*FLAGS, *command]).encode())
+        directory = cache_dir()
+        stem = f"{source.stem}-{digest.hexdigest()[:16]}"
+        library = directory / f"{stem}.so.1"
+        if library.exists():
+            return library, ""
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / f"{stem}.lock", "a+") as lock:  # closing the file releases the lock
             if not _acquire(lock.fileno()):
@@ -96,8 +96,8 @@ def cached_library(source: Path) -> tuple[Path | None, str]:
                 partial.unlink(missing_ok=True)
                 return None, why
             os.replace(partial, library)
-    except OSError as exc:
-        return None, f"cannot build it in {directory}: {exc}"
+    except (OSError, RuntimeError) as exc:  # RuntimeError: Path.home() without a home
+        return None, f"cannot build it in the cache: {exc}"
     return library, ""
 
 
