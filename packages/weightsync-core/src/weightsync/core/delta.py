@@ -149,16 +149,19 @@ def _encode(rows: array.array[int], out: int, capacity: int, *, open_last: bool
             int(last.value))
 
 
-def _varint(data: memoryview, at: int) -> tuple[int, int]:
-    """The varint at ``at`` of a well-formed encoding, and where it ends."""
+def _varint(data: memoryview | bytes, at: int) -> tuple[int, int]:
+    """The varint at ``at`` and where it ends; WireError if the data ends inside it or it is longer than 64 bits."""
     value = shift = 0
-    while True:
+    while shift < 64:
+        if at >= len(data):
+            raise WireError("malformed delta bucket: it ends inside a run")
         byte = data[at]
         value |= (byte & 0x7F) << shift
         at += 1
         if not byte & 0x80:
             return value, at
         shift += 7
+    raise WireError("malformed delta bucket: a varint longer than 64 bits")
 
 
 def _put_varint(value: int) -> bytes:
@@ -242,26 +245,14 @@ class ModelDigest:
 def _walk(data: bytes, rows: array.array[int], *, write: bool) -> None:
     """The helper's apply in Python (a receiver built without it): check, or write."""
     position = 0
-
-    def varint() -> int:
-        nonlocal position
-        value = shift = 0
-        while shift < 64:
-            if position >= len(data):
-                raise WireError("malformed delta bucket: it ends inside a run")
-            byte = data[position]
-            position += 1
-            value |= (byte & 0x7F) << shift
-            if not byte & 0x80:
-                return value
-            shift += 7
-        raise WireError("malformed delta bucket: a varint longer than 64 bits")
-
     for row in range(0, len(rows), 4):
         address, nbytes, unit = rows[row], rows[row + 1], rows[row + 2]
         units, at = nbytes // unit, 0
-        while (run := varint()) != 0:
-            gap = varint()
+        while True:
+            run, position = _varint(data, position)
+            if run == 0:
+                break
+            gap, position = _varint(data, position)
             if gap > units - at or run > units - at - gap or len(data) - position < run * unit:
                 raise WireError("malformed delta bucket: a run outside its tensor")
             at += gap
