@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 import ray
 
 from tests.conftest import RayNodes
+from tests.ray_cluster import Cluster, running_cluster
 from tests.workloads import (DeltaModelSource, DeviceDeltaSource, DeviceInPlaceSink, InPlaceSink, MixedDeltaSource,
                              RecordingSink)
 from weightsync.api.config import StepTimeouts, SyncConfig
 from weightsync.api.errors import DigestMismatchError, WeightsyncError
 from weightsync.api.types import UpdateReport
 from weightsync.core.manager import CheckpointEngineManager
-from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 
 BUCKET = 256 * 1024
 
@@ -30,45 +29,19 @@ def config(*, verify_every: int = 1) -> SyncConfig:
                       timeouts=StepTimeouts(transfer=30, setup=30))
 
 
-@dataclass
-class Cluster:
-    actor_wg: RayActorWorkerGroup
-    replicas: list[RayRolloutReplica]
-    nodes: RayNodes
-
-    def add(self, sink: type[RecordingSink] = InPlaceSink) -> RayRolloutReplica:
-        replica = RayRolloutReplica.create(replica=len(self.replicas), sink_factory=sink, node_id=self.nodes.head)
-        self.replicas.append(replica)
-        return replica
-
-    def version(self, version: int) -> str:
-        """Make ``version`` the actor's model; its digest, computed by the actor from its own tensors."""
-        return str(ray.get(self.actor_wg.call("set_version", version)[0]))
-
-    def held(self) -> list[str]:
-        return [str(ray.get(replica.call("digest")[0])) for replica in self.replicas]
-
-
 @pytest.fixture
 def cluster(request: pytest.FixtureRequest, ray_nodes: RayNodes) -> Iterator[Cluster]:
     """One actor rank (a :class:`DeltaModelSource`, or the source class a test passes as the parameter) and no
     replicas yet."""
-    source = getattr(request, "param", DeltaModelSource)
-    actor_wg = RayActorWorkerGroup.create(world_size=1, source_factory=source, node_id=ray_nodes.head)
-    made = Cluster(actor_wg, [], ray_nodes)
-    try:
+    with running_cluster(ray_nodes, getattr(request, "param", DeltaModelSource)) as made:
         yield made
-    finally:
-        for replica in made.replicas:
-            replica.shutdown()
-        actor_wg.shutdown()
 
 
 def update(manager: CheckpointEngineManager, cluster: Cluster, version: int) -> UpdateReport:
     expected = cluster.version(version)
     report = asyncio.run(manager.update_weights(version=version))
     assert report.ok, report.replicas
-    assert cluster.held() == [expected] * len(cluster.replicas), f"version {version}"
+    assert cluster.digests() == [expected] * len(cluster.replicas), f"version {version}"
     return report
 
 
@@ -115,12 +88,12 @@ def test_accelerator_weights_update_by_deltas(cluster: Cluster, backend: str) ->
 
 
 def test_a_replica_added_later_gets_a_full_update_and_deltas_after(cluster: Cluster) -> None:
-    cluster.add()
+    cluster.add(InPlaceSink)
     manager = CheckpointEngineManager(backend="shm", actor_wg=cluster.actor_wg, replicas=cluster.replicas,
                                       config=config())
     for version in range(1, 6):
         update(manager, cluster, version)
-    manager.add_replicas([cluster.add()])
+    manager.add_replicas([cluster.add(InPlaceSink)])
     joined = update(manager, cluster, 6)
     # One stream reaches both replicas: the newcomer needs every byte, so both get them.
     assert [outcome.full for outcome in joined.replicas] == [True, True]
@@ -131,8 +104,8 @@ def test_a_replica_added_later_gets_a_full_update_and_deltas_after(cluster: Clus
 
 
 def test_a_restarted_replica_is_repaired_by_a_full_update(cluster: Cluster) -> None:
-    cluster.add()
-    cluster.add()
+    cluster.add(InPlaceSink)
+    cluster.add(InPlaceSink)
     manager = CheckpointEngineManager(backend="tcp", actor_wg=cluster.actor_wg, replicas=cluster.replicas,
                                       config=config())
     update(manager, cluster, 1)
@@ -140,7 +113,7 @@ def test_a_restarted_replica_is_repaired_by_a_full_update(cluster: Cluster) -> N
     gone = cluster.replicas.pop(1)
     manager.remove_replicas([gone])
     gone.shutdown()
-    manager.add_replicas([cluster.add()])  # the same place in the fleet, a fresh process holding nothing
+    manager.add_replicas([cluster.add(InPlaceSink)])  # the same place in the fleet, a fresh process holding nothing
     report = update(manager, cluster, 3)
     assert [outcome.full for outcome in report.replicas] == [True, True]
     assert [outcome.full for outcome in update(manager, cluster, 4).replicas] == [False, False]
@@ -148,8 +121,8 @@ def test_a_restarted_replica_is_repaired_by_a_full_update(cluster: Cluster) -> N
 
 @pytest.mark.parametrize("verify_every", [1, 1000])
 def test_a_destination_changed_behind_the_engine_is_found_and_repaired(cluster: Cluster, verify_every: int) -> None:
-    cluster.add()
-    cluster.add()
+    cluster.add(InPlaceSink)
+    cluster.add(InPlaceSink)
     manager = CheckpointEngineManager(backend="shm", actor_wg=cluster.actor_wg, replicas=cluster.replicas,
                                       config=config(verify_every=verify_every))
     update(manager, cluster, 1)
@@ -160,7 +133,7 @@ def test_a_destination_changed_behind_the_engine_is_found_and_repaired(cluster: 
         # Negative control: without the check the changed element stays wrong, unnoticed.
         report = asyncio.run(manager.update_weights(version=3))
         assert report.ok
-        assert cluster.held() != [expected, expected]
+        assert cluster.digests() != [expected, expected]
         return
     with pytest.raises(DigestMismatchError, match="holds tensors whose digest"):
         asyncio.run(manager.update_weights(version=3))
@@ -172,7 +145,7 @@ def test_a_destination_changed_behind_the_engine_is_found_and_repaired(cluster: 
 
 
 def test_a_dense_step_goes_dense_bucket_by_bucket(cluster: Cluster) -> None:
-    cluster.add()
+    cluster.add(InPlaceSink)
     manager = CheckpointEngineManager(backend="shm", actor_wg=cluster.actor_wg, replicas=cluster.replicas,
                                       config=config())
     ray.get(cluster.actor_wg.call("set_dense", [3])[0])
@@ -188,7 +161,7 @@ def test_a_dense_step_goes_dense_bucket_by_bucket(cluster: Cluster) -> None:
 
 
 def test_a_failed_update_makes_the_next_one_full(cluster: Cluster) -> None:
-    cluster.add()
+    cluster.add(InPlaceSink)
     manager = CheckpointEngineManager(backend="shm", actor_wg=cluster.actor_wg, replicas=cluster.replicas,
                                       config=config())
     update(manager, cluster, 1)

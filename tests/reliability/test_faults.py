@@ -11,13 +11,13 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 import ray
 
 from tests.conftest import RayNodes
-from tests.workloads import ModelSource, RecordingSink, model_tensors, weights_digest
+from tests.ray_cluster import Cluster, running_cluster
+from tests.workloads import ModelSource, model_tensors, weights_digest
 from weightsync.api.config import StepTimeouts, SyncConfig
 from weightsync.api.errors import (
     DigestMismatchError,
@@ -27,7 +27,6 @@ from weightsync.api.errors import (
     WorkerError,
 )
 from weightsync.core.manager import CheckpointEngineManager
-from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 
 # The one-sided chain backends fail differently (a dead middle hop starves everything downstream of it), so the
 # kill, stall and corruption cases run for them too.
@@ -41,40 +40,10 @@ def config(**options: object) -> SyncConfig:
                       backend_options=dict(options))  # type: ignore[arg-type]
 
 
-@dataclass
-class Cluster:
-    actor_wg: RayActorWorkerGroup
-    replicas: list[RayRolloutReplica]
-    nodes: RayNodes
-
-    def pid(self, replica: int) -> int:
-        return int(ray.get(self.replicas[replica].call("pid")[0]))
-
-    def digests(self, replicas: list[int]) -> list[str]:
-        return [ray.get(self.replicas[r].call("digest")[0]) for r in replicas]
-
-    def hooks(self, replica: int) -> list[str]:
-        return list(ray.get(self.replicas[replica].call("hook_log")[0]))
-
-    def add_replica(self) -> RayRolloutReplica:
-        replica = RayRolloutReplica.create(replica=len(self.replicas), sink_factory=RecordingSink,
-                                           node_id=self.nodes.head)
-        self.replicas.append(replica)
-        return replica
-
-
 @pytest.fixture
 def cluster(ray_nodes: RayNodes) -> Iterator[Cluster]:
-    actor_wg = RayActorWorkerGroup.create(world_size=1, source_factory=ModelSource, node_id=ray_nodes.head)
-    replicas = [RayRolloutReplica.create(replica=i, sink_factory=RecordingSink, node_id=ray_nodes.head)
-                for i in range(2)]
-    made = Cluster(actor_wg, replicas, ray_nodes)
-    try:
+    with running_cluster(ray_nodes, ModelSource, replicas=2) as made:
         yield made
-    finally:
-        for replica in made.replicas:
-            replica.shutdown()
-        actor_wg.shutdown()
 
 
 async def _update_with_fault(manager: CheckpointEngineManager, fault: object, *, after: float) -> tuple[float, BaseException]:
@@ -180,7 +149,7 @@ def test_replicas_added_and_removed_between_updates(cluster: Cluster, backend: s
     manager = CheckpointEngineManager(backend=backend, actor_wg=cluster.actor_wg, replicas=cluster.replicas,
                                       config=config())
     asyncio.run(manager.update_weights())
-    newcomer = cluster.add_replica()
+    newcomer = cluster.add()
     manager.add_replicas([newcomer])
     expected = ray.get(cluster.actor_wg.call("set_version", 4))[0]
     report = asyncio.run(manager.update_weights())
