@@ -79,7 +79,7 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 # Sibling modules, by plain name: this script's folder is sys.path[0] here, and on the child's PYTHONPATH.
@@ -233,6 +233,16 @@ def _plugin_dir(workdir: str) -> str:
     return str(root)
 
 
+@dataclass
+class _Watch:
+    """What the parent knows of its child's progress: the check it is in (with that check's budget), and when the
+    current phase (starting up, a check, measuring between checks) runs out."""
+
+    phase_end: float
+    current: str | None = None
+    budget: float = 0.0
+
+
 class Runner:
     """Starts the child with the checks still to run, watches its reports, and kills it (its whole process group:
     harness workers included) when a check or the whole run is out of time."""
@@ -272,8 +282,7 @@ class Runner:
         if only is not None:
             argv = _without_only(argv) + ["--only", ",".join(only)]
         command = [sys.executable, str(pathlib.Path(__file__).resolve()), *argv, "--run-checks", str(progress)]
-        now = time.monotonic()
-        phase_end, current, current_budget = min(now + STARTUP_BUDGET_S, self.deadline), None, 0.0
+        watch = _Watch(phase_end=min(time.monotonic() + STARTUP_BUDGET_S, self.deadline))
         with open(log_path, "w") as log:
             child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=self.env, start_new_session=True)
@@ -285,54 +294,60 @@ class Runner:
                 lines = text[offset:].split("\n")
                 offset = len(text) - len(lines[-1])  # a line still being written waits for its newline
                 for line in lines[:-1]:
-                    if not line.strip():
-                        continue
-                    record = json.loads(line)
-                    if "start" in record:
-                        current, current_budget = record["start"], float(record["budget"])
-                        phase_end = min(time.monotonic() + current_budget, self.deadline)
-                        print(f"  ...      {current}", flush=True)
-                    elif "result" in record:
-                        result = Result(**record["result"])
-                        self._add(result)
-                        current, phase_end = None, min(time.monotonic() + MEASURE_BUDGET_S, self.deadline)
-                    elif "plan" in record:
-                        self.plan = self.plan or record["plan"]
-                        self.device, self.torch, self.describe = record["device"], record["torch"], record["describe"]
-                        if launch == 1:
-                            print(f"gpu-check on {self.describe}", flush=True)
-                        phase_end = min(time.monotonic() + MEASURE_BUDGET_S, self.deadline)
-                    elif "unavailable" in record:
-                        self.unavailable = record["unavailable"]
-                    elif "error" in record:
-                        self.error = record["error"]
+                    if line.strip():
+                        self._follow(json.loads(line), launch, watch)
                 if exited:
                     break
-                if time.monotonic() > phase_end:
+                if time.monotonic() > watch.phase_end:
                     self._kill(child)
-                    out_of_time = time.monotonic() > self.deadline
-                    what = (f"stopped: the whole run's budget of {self.args.budget:.0f} s ran out" if out_of_time
-                            else f"did not finish within its budget of {current_budget:.0f} s (killed)")
-                    if current is not None:
-                        self._add(Result(current, "failed", current_budget, note=what))
-                    elif self.plan is None:
-                        self.error = f"the check process did not start within {STARTUP_BUDGET_S:.0f} s"
-                    if out_of_time:
-                        self.stopped = f"not run: the whole run's budget of {self.args.budget:.0f} s ran out"
-                    return not out_of_time
+                    return self._overran(watch)
                 time.sleep(0.1)
         finally:
             if child.poll() is None:
                 self._kill(child)
-        if current is not None:  # the child died in a check: that check failed, the others go on in a new child
-            self._add(Result(current, "failed", note=f"the check process died (exit code {child.returncode}):\n"
-                                                    + _tail(log_path)))
+        if watch.current is not None:  # the child died in a check: that check failed, the others go on in a new child
+            self._add(Result(watch.current, "failed", note=f"the check process died (exit code {child.returncode}):\n"
+                                                          + _tail(log_path)))
             return True
         if self.plan is None and not (self.unavailable or self.error):
             self.error = f"the check process exited ({child.returncode}) before it ran a check:\n{_tail(log_path)}"
         elif child.returncode != 0:
             self.stopped = f"not run: the check process exited ({child.returncode}) between checks:\n{_tail(log_path)}"
         return False
+
+    def _follow(self, record: dict[str, Any], launch: int, watch: _Watch) -> None:
+        """One line of the child's progress file: a check started or ended, its plan, or why it cannot run."""
+        if "start" in record:
+            watch.current, watch.budget = record["start"], float(record["budget"])
+            watch.phase_end = min(time.monotonic() + watch.budget, self.deadline)
+            print(f"  ...      {watch.current}", flush=True)
+        elif "result" in record:
+            self._add(Result(**record["result"]))
+            watch.current, watch.phase_end = None, min(time.monotonic() + MEASURE_BUDGET_S, self.deadline)
+        elif "plan" in record:
+            self.plan = self.plan or record["plan"]
+            self.device, self.torch, self.describe = record["device"], record["torch"], record["describe"]
+            if launch == 1:
+                print(f"gpu-check on {self.describe}", flush=True)
+            watch.phase_end = min(time.monotonic() + MEASURE_BUDGET_S, self.deadline)
+        elif "unavailable" in record:
+            self.unavailable = record["unavailable"]
+        elif "error" in record:
+            self.error = record["error"]
+
+    def _overran(self, watch: _Watch) -> bool:
+        """The child (killed) ran past its phase: the check it was in failed; False when the whole run is out of
+        time."""
+        out_of_time = time.monotonic() > self.deadline
+        what = (f"stopped: the whole run's budget of {self.args.budget:.0f} s ran out" if out_of_time
+                else f"did not finish within its budget of {watch.budget:.0f} s (killed)")
+        if watch.current is not None:
+            self._add(Result(watch.current, "failed", watch.budget, note=what))
+        elif self.plan is None:
+            self.error = f"the check process did not start within {STARTUP_BUDGET_S:.0f} s"
+        if out_of_time:
+            self.stopped = f"not run: the whole run's budget of {self.args.budget:.0f} s ran out"
+        return not out_of_time
 
     def _add(self, result: Result) -> None:
         self.results.append(result)
