@@ -33,11 +33,15 @@ FLAGS = ("-O2", "-shared", "-fPIC")
 COMPILE_TIMEOUT_S = 120.0
 LOCK_TIMEOUT_S = 2 * COMPILE_TIMEOUT_S
 """A builder holds the lock for one compile at most (its timeout), and the kernel drops the lock if it dies."""
+NO_COMPILER = "no C compiler found (install gcc, or set CC)"
 
 
 def compiler() -> list[str] | None:
     """``$CC`` (split like a shell would), else the first of cc, gcc and clang on PATH; None if there is none."""
-    explicit = shlex.split(os.environ.get("CC", ""))
+    try:
+        explicit = shlex.split(os.environ.get("CC", ""))
+    except ValueError:  # unbalanced quotes: taken as one path, which then fails to run with a reason
+        explicit = [os.environ["CC"]]
     if explicit:
         return explicit
     found = [path for path in (shutil.which(name) for name in ("cc", "gcc", "clang")) if path]
@@ -50,7 +54,7 @@ def compile_library(source: Path, library: Path) -> str:
         return f"the helper is built on Linux only (this is {sys.platform})"
     command = compiler()
     if command is None:
-        return "no C compiler found (install gcc, or set CC)"
+        return NO_COMPILER
     try:
         subprocess.run([*command, *FLAGS, "-o", str(library), str(source)], check=True, capture_output=True,
                        text=True, timeout=COMPILE_TIMEOUT_S)
@@ -75,7 +79,7 @@ def cached_library(source: Path) -> tuple[Path | None, str]:
     or None and why not."""
     command = compiler()
     if command is None:
-        return None, "no C compiler found (install gcc, or set CC)"
+        return None, NO_COMPILER
     try:  # called at import: whatever goes wrong is a reason, never an exception
         digest = hashlib.sha256(source.read_bytes())
         digest.update("\0".join([*FLAGS, *command]).encode())
