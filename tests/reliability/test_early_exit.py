@@ -3,7 +3,8 @@
 The engine receives and drops the rest of the abandoned update in the background (the sender and the other
 receivers finish). A ``receive_weights`` called meanwhile — the next update's, as a worker that retries at once
 calls it — returns a stream that starts once that drain is done: it neither raises nor reads the old update's
-buckets. Only one such stream may wait; one that is still being consumed keeps refusing a second.
+buckets. Only one such stream may wait; one that is still being consumed keeps refusing a second. The drain does
+not depend on the consumer's event loop running again.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from tests.reliability.test_bad_inputs import Pair, pair  # noqa: F401  (the fixture)
-from weightsync.api.errors import ConcurrentUpdateError
+from weightsync.api.errors import ConcurrentUpdateError, DestinationError
 
 TENSORS = 24  # 64 KiB each, one per 64 KiB bucket: far more buckets than ring slots
 
@@ -100,3 +101,28 @@ def test_a_waiting_stream_closed_before_it_starts_gives_its_turn_back(pair: Pair
         assert failures == [] and names == [f"w{i}" for i in range(TENSORS)]
 
     asyncio.run(scenario())
+
+
+def test_a_consumer_whose_loop_stops_after_it_failed_holds_nothing_up(pair: Pair) -> None:  # noqa: F811
+    """A worker that drives its own event loop one call at a time (``run_until_complete``, as verl's workers do):
+    its ``copy_into`` raises on the first bucket, and the loop does not run again while the rest of the update
+    arrives. The engine's receive thread must acknowledge those buckets itself — in order, since the sender counts
+    each acknowledgement — or the sender waits for them until its deadline, and the next update on the same
+    connections finds them missing."""
+    gate = threading.Event()
+    first, first_failures = send_in_thread(pair, held(5, gate))
+    loop = asyncio.new_event_loop()
+    try:
+        async def fail() -> None:
+            stream = pair.receiver.receive_weights()
+            with pytest.raises(DestinationError):
+                await stream.copy_into({"w0": torch.zeros(3)})
+
+        loop.run_until_complete(fail())
+        gate.set()  # the last buckets are sent only now: they arrive while the loop stands still
+        first.join(30.0)
+        assert not first.is_alive() and first_failures == []  # the sender finished update 5 unhindered
+        assert pair.update(weights(6)) == (None, None)  # the same epoch: every acknowledgement came, in order
+        assert pair.delivered == [f"w{i}" for i in range(TENSORS)]
+    finally:
+        loop.close()

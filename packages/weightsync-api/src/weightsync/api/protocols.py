@@ -76,7 +76,8 @@ class ReceivedWeights(Protocol):
 
     A consumer that leaves before the end (a ``break``, an error of its own) calls ``aclose()`` — or iterates under
     ``contextlib.aclosing(stream)``, since a ``break`` alone does not tell an iterator it was left. The update is not
-    stalled: the engine receives and drops the rest in the background. A ``receive_weights()`` called meanwhile
+    stalled: the engine receives and drops the rest in the background, whether or not the consumer's event loop runs
+again (a worker may drive its own loop one call at a time). A ``receive_weights()`` called meanwhile
     returns a stream that starts once that is done; a second one, or one while a stream is still being consumed,
     raises ``ConcurrentUpdateError``. ``aclose()`` after the end, or twice, does nothing.
     """

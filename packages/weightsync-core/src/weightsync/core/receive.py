@@ -172,16 +172,19 @@ class ReceiveStream:
         fused: bool | None = None
 
         def deliver(item: Arrived | BaseException) -> None:
-            if isinstance(item, Arrived):
-                with self._in_transit_lock:
+            with self._in_transit_lock:
+                if self._finished:  # the consumer left (``_close``): acknowledged unread, here, in order
+                    if isinstance(item, Arrived):
+                        self._transport.release(item.token)
+                    return
+                if isinstance(item, Arrived):
                     self._in_transit.append(item)
             try:
                 loop.call_soon_threadsafe(self._deliver, queue, item)
-            except RuntimeError:  # the consumer's loop is gone: nobody will read it, nor the buckets still on
-                # their way to it (a closed loop never runs their callbacks): released here, in order
+            except RuntimeError:  # the consumer's loop is closed: it never runs the callbacks of the buckets
+                # still on their way to it, nor reads this one: released here, in order
                 with self._in_transit_lock:
-                    while self._in_transit:
-                        self._transport.release(self._in_transit.popleft().token)
+                    self._release_in_transit()
 
         try:
             while True:
@@ -222,19 +225,21 @@ class ReceiveStream:
             self._hold.release()
 
     def _deliver(self, queue: asyncio.Queue[Arrived | BaseException], item: Arrived | BaseException) -> None:
-        """On the consumer's loop. After the consumer left, buckets are acknowledged unread, so the sender (and
-        every other receiver) can finish the update instead of waiting for this one until the deadline."""
-        if isinstance(item, Arrived):
-            with self._in_transit_lock:  # releases stay in order with the receive thread's (see ``deliver``)
+        """On the consumer's loop: hand ``item`` to the consumer, unless it left (then ``_close`` or the receive
+        thread released it already)."""
+        with self._in_transit_lock:  # releases stay in order with the receive thread's (see ``deliver``)
+            if self._finished:
+                return
+            if isinstance(item, Arrived):
                 if not self._in_transit or self._in_transit[0] is not item:
-                    return  # released by the receive thread already
+                    return  # released by the receive thread already (the loop was closed)
                 self._in_transit.popleft()
-                if self._finished:
-                    self._transport.release(item.token)
-                    return
-        elif self._finished:
-            return
         queue.put_nowait(item)
+
+    def _release_in_transit(self) -> None:
+        """Release the buckets on their way to the consumer's loop (the caller holds ``_in_transit_lock``)."""
+        while self._in_transit:
+            self._transport.release(self._in_transit.popleft().token)
 
     async def aclose(self) -> None:
         """The consumer stops early (its sink failed): the rest of the update is received and dropped."""
@@ -263,16 +268,23 @@ class ReceiveStream:
             self._close()
 
     def _close(self) -> None:
-        if self._finished:
-            return
-        self._finished = True
-        self._hold.finished = True
-        current = self._reader.current
-        self._reader.current = None
-        if current is not None:
-            self._transport.release(current.token)
-        while self._queue is not None and not self._queue.empty():
-            item = self._queue.get_nowait()
-            if isinstance(item, Arrived):
-                self._transport.release(item.token)
+        """The consumer is done, at the end or early. Every bucket it holds or has not taken yet is acknowledged
+        now, oldest first, and the receive thread acknowledges the rest as it arrives: the sender (and every other
+        receiver) finishes the update instead of waiting for this one until the deadline, even if the consumer's
+        loop never runs again (a worker that drives its own loop one call at a time) or closes (``asyncio.run``)
+        before the callbacks of buckets already on their way have run."""
+        with self._in_transit_lock:
+            if self._finished:
+                return
+            self._finished = True
+            self._hold.finished = True
+            current = self._reader.current
+            self._reader.current = None
+            if current is not None:
+                self._transport.release(current.token)
+            while self._queue is not None and not self._queue.empty():  # taken from _in_transit before the rest
+                item = self._queue.get_nowait()
+                if isinstance(item, Arrived):
+                    self._transport.release(item.token)
+            self._release_in_transit()
         self._hold.release()
