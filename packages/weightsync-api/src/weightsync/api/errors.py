@@ -34,6 +34,8 @@ __all__ = [
     "EpochMismatchError",
     "TransferError",
     "DigestMismatchError",
+    "LoadVerificationError",
+    "ReplicaTornError",
     "StepTimeoutError",
     "HostUnreachableError",
     "WorkerError",
@@ -136,6 +138,24 @@ class TransferError(WeightsyncError, RuntimeError):
 
 class DigestMismatchError(WeightsyncError, RuntimeError):
     """What a receiver holds after an update is not what the sender sent (the end-to-end digests differ)."""
+
+
+class LoadVerificationError(WeightsyncError, RuntimeError):
+    """What an inference engine holds after an update is not what it was sent, though the transfer itself verified:
+    its own checksums disagree with other replicas', or its loader left parts of the model without weights.
+    ``replica`` names the replica and ``parameter`` the first parameter (or module) found wrong."""
+
+    replica: str
+    parameter: str
+
+
+class ReplicaTornError(WeightsyncError, RuntimeError):
+    """A request was aborted, or refused, because its replica's weights are torn: an update reached it part-way and
+    it stays paused until the next update repairs it. ``replica`` names it; ``reason`` is the failed update's
+    error."""
+
+    replica: str
+    reason: str
 
 
 class StepTimeoutError(WeightsyncError, TimeoutError):

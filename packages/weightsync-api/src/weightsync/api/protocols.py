@@ -56,6 +56,8 @@ __all__ = [
     "RolloutWorker",
     "RolloutReplica",
     "PausableReplica",
+    "LoadProvingReplica",
+    "TornAwareReplica",
     "WeightSource",
     "WeightSink",
 ]
@@ -319,6 +321,28 @@ class PausableReplica(Protocol):
     async def pause(self) -> None: ...
 
     async def resume(self) -> None: ...
+
+
+@runtime_checkable
+class LoadProvingReplica(Protocol):
+    """Optional, on a ``RolloutReplica`` whose inference engine can hash what it holds (vLLM's
+    ``compute_weight_checksums``): after an update the manager compares every committed replica's checksums, per
+    parameter, and a replica that disagrees with the majority is torn (``LoadVerificationError`` naming it and the
+    parameter). This proves the engine *loaded* what weightsync delivered, which the transfer digest cannot: the
+    digest covers the bytes up to the engine's loader, the checksums what the loader made of them."""
+
+    async def weight_checksums(self) -> Mapping[str, str]:
+        """Parameter name → a hash of that parameter's bytes as the engine holds it now."""
+        ...
+
+
+@runtime_checkable
+class TornAwareReplica(Protocol):
+    """Optional, on a ``RolloutReplica``: ``torn(reason)`` is called, instead of resuming, on a replica an update left
+    torn, so that it can end the requests it kept across the pause (they cannot continue on a half-loaded model)
+    with an error naming ``reason``. The replica stays paused."""
+
+    async def torn(self, reason: str) -> None: ...
 
 
 @runtime_checkable

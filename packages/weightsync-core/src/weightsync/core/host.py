@@ -118,16 +118,27 @@ class EngineHost:
     def engine(self) -> CheckpointEngine | None:
         return self._slot.engine
 
+    @property
+    def spec(self) -> dict[str, Any] | None:
+        """The ``engine_spec`` the current engine was built from (None before ``prepare``)."""
+        return self._slot.spec
+
     async def execute(self, method: str, /, **kwargs: Any) -> Any:
         """Run lifecycle step ``method`` (one of prepare, init_process_group, finalize, close) off the loop."""
-        if method not in _METHODS:
-            raise ConfigError(f"unknown checkpoint-engine method {method!r}; expected one of {', '.join(_METHODS)}")
         if method == "ping":
             # Answered on the worker's event loop, never queued behind a blocking step: the manager pings workers
             # that missed a deadline to tell a host that cannot be reached from one that is merely waiting.
             return ping_answer(node_id=self.node_id, host_ip=self.host_ip)
+        return await asyncio.to_thread(self.execute_sync, method, **kwargs)
+
+    def execute_sync(self, method: str, /, **kwargs: Any) -> Any:
+        """``execute`` for a caller that is not on an event loop and may block (a vLLM worker's RPC handler)."""
+        if method not in _METHODS:
+            raise ConfigError(f"unknown checkpoint-engine method {method!r}; expected one of {', '.join(_METHODS)}")
+        if method == "ping":
+            return ping_answer(node_id=self.node_id, host_ip=self.host_ip)
         handler: Callable[..., Any] = getattr(self, f"_{method}")
-        return await asyncio.to_thread(handler, **kwargs)
+        return handler(**kwargs)
 
     def _prepare(self, *, engine: Mapping[str, Any]) -> WorkerMetadata:
         return self._slot.ensure(engine).prepare()

@@ -23,15 +23,18 @@ from weightsync.api.errors import (
     ConfigError,
     DigestMismatchError,
     LifecycleError,
+    LoadVerificationError,
     StepTimeoutError,
     reject_renamed_keywords,
 )
 from weightsync.api.protocols import (
     ActorWorkerGroup,
     CheckpointEngine,
+    LoadProvingReplica,
     PausableReplica,
     RolloutReplica,
     RolloutWorker,
+    TornAwareReplica,
 )
 from weightsync.api.registry import load_engine_class
 from weightsync.api.topology import build_checked_topology, with_epoch
@@ -171,6 +174,7 @@ class CheckpointEngineManager:
         sender_reports: list[TransferReport] = []
         failure: BaseException | None = None
         outcomes_by_replica: list[ReplicaOutcome] = []
+        disowned: set[int] = set()  # replicas whose engine did not load what the transfer verified
         try:
             await _stage(stages, "pause", timeouts.pause, [
                 (f"replica{r}", _pause(replica)) for r, replica in enumerate(replicas)
@@ -196,6 +200,7 @@ class CheckpointEngineManager:
             if errors:
                 raise await self._explain(errors, timed_out, workers)
             self._check_digests(sender_reports, reports, workers)
+            await self._check_loads(stages, replicas, disowned)
             if not all(isinstance(report, TransferReport) and report.finalized for report in outcomes):
                 # A host that does not finalize within its transfer call (ours do: one round trip fewer).
                 await _stage(stages, "finalize", timeouts.finalize, self._all_workers("finalize", workers))
@@ -205,7 +210,7 @@ class CheckpointEngineManager:
             raise
         finally:
             outcomes_by_replica = self._outcomes(version, replicas, workers, reports, sender_reports,
-                                                 transfer_started, failure)
+                                                 transfer_started, failure, disowned)
             await self._resume(stages, replicas, outcomes_by_replica, failure)
         self._version = version
         total = sum(report.nbytes for report in sender_reports)
@@ -336,6 +341,7 @@ class CheckpointEngineManager:
     def _outcomes(
         self, version: int, replicas: list[RolloutReplica], workers: list[tuple[int, RolloutWorker]],
         reports: Sequence[Any], senders: list[TransferReport], transfer_started: bool, failure: BaseException | None,
+        disowned: set[int],
     ) -> list[ReplicaOutcome]:
         digests = {report.rank: report.digest for report in senders}
         outcomes = []
@@ -351,7 +357,7 @@ class CheckpointEngineManager:
             state: ReplicaState
             if not transfer_started or untouched:
                 state, held = previous.state, previous.version
-            elif verified:
+            elif verified and r not in disowned:
                 state, held = "committed", version
             else:
                 state, held = "torn", None
@@ -368,6 +374,7 @@ class CheckpointEngineManager:
         failure: BaseException | None,
     ) -> None:
         resumable = [i for i, outcome in enumerate(outcomes) if outcome.state != "torn"]
+        await self._tell_torn(replicas, outcomes)
         try:
             await _stage(stages, "resume", self.config.timeouts.resume, [
                 (f"replica{i}", _resume(replicas[i])) for i in resumable
@@ -380,6 +387,63 @@ class CheckpointEngineManager:
         for i, outcome in enumerate(outcomes):
             outcomes[i] = dataclasses.replace(outcome, replica=i, resumed=i in resumed)
             self._states[i] = outcomes[i]
+
+
+    async def _tell_torn(self, replicas: list[RolloutReplica], outcomes: list[ReplicaOutcome]) -> None:
+        """``torn(reason)`` on every torn replica that has it (it ends the requests it kept); best effort: the
+        replica stays paused whatever it answers."""
+        calls = [(f"replica{i}", replicas[i].torn(outcome.error or "the update did not complete"))
+                 for i, outcome in enumerate(outcomes)
+                 if outcome.state == "torn" and isinstance(replicas[i], TornAwareReplica)]
+        if calls:
+            await steps.gather("resume", self.config.timeouts.resume, calls, raise_first=False)
+
+    async def verify_loads(self) -> None:
+        """Compare what every replica's inference engine holds now (``LoadProvingReplica.weight_checksums``), as
+        each update does after its transfer; raise ``LoadVerificationError`` naming the first replica that
+        disagrees with the majority. Replicas without checksums are left out."""
+        await self._check_loads({}, list(self._replicas), set())
+
+    async def _check_loads(self, stages: dict[str, float], replicas: list[RolloutReplica],
+                           disowned: set[int]) -> None:
+        """The proof of load: every ``LoadProvingReplica``'s checksums, compared per parameter. A replica holding
+        another value than the majority of them is added to ``disowned`` (and torn); with no majority (two replicas
+        that disagree) every replica involved is, since none of them can be shown right."""
+        provers = [(i, replica) for i, replica in enumerate(replicas) if isinstance(replica, LoadProvingReplica)]
+        if len(provers) < 2:
+            return
+        held: list[Any] = await _stage(stages, "verify_load", self.config.timeouts.resume, [
+            (f"replica{i}", replica.weight_checksums()) for i, replica in provers
+        ])
+        wrong = _disagreeing([(i, dict(sums)) for (i, _), sums in zip(provers, held)])
+        if wrong:
+            disowned.update(wrong)
+            first = min(wrong)
+            parameter = wrong[first]
+            raise LoadVerificationError(
+                f"replica{first}'s engine holds another {parameter!r} than "
+                f"{'the other replicas' if len(wrong) < len(provers) else 'the replica(s) it was compared with'}"
+                f" after the update (replicas disagreeing: {sorted(wrong)})",
+                replica=f"replica{first}", parameter=parameter,
+            )
+
+
+def _disagreeing(held: list[tuple[int, dict[str, str]]]) -> dict[int, str]:
+    """Replica index → the first parameter where it differs from a strict majority of ``held`` (or where no strict
+    majority exists: then every replica holding that parameter is listed)."""
+    wrong: dict[int, str] = {}
+    names = sorted(set().union(*(sums.keys() for _, sums in held)))
+    for name in names:
+        values = [(i, sums.get(name)) for i, sums in held]
+        counts: dict[str | None, int] = {}
+        for _, value in values:
+            counts[value] = counts.get(value, 0) + 1
+        best, count = max(counts.items(), key=lambda item: item[1])
+        majority = best if count * 2 > len(values) else object()
+        for i, value in values:
+            if value != majority:
+                wrong.setdefault(i, name)
+    return wrong
 
 
 async def _stage(stages: dict[str, float], step: str, timeout: float,

@@ -1,0 +1,295 @@
+"""``WeightsyncTransferEngine``: vLLM's weight-transfer engine ``"weightsync"``, one in every vLLM worker process.
+
+vLLM builds it in each worker's ``load_model`` when the engine was started with
+``weight_transfer_config={"backend": "weightsync"}``. It holds a weightsync ``EngineHost`` (the rollout side of any
+weightsync backend) and loads what that host receives through vLLM's own checkpoint loader, in the layerwise reload
+lifecycle, so vLLM's fusion (q/k/v, gate/up), tensor-parallel slicing, quantisation and CPU repacking apply exactly
+as when vLLM reads a checkpoint.
+
+How weightsync's lifecycle maps onto vLLM's:
+
+- ``prepare``: ``WeightsyncWorkerExtension.weightsync_prepare`` (a worker method called by name through
+  ``collective_rpc``; vLLM's own API has no step that returns data), which builds the host's engine and returns its
+  metadata as plain data.
+- ``init_process_group``: vLLM's ``init_weight_transfer_engine(init_info)`` with :class:`WeightsyncInitInfo`
+  (the backend and configuration it was prepared with, its per-rank arguments from ``build_topology``, the epoch).
+- an update: vLLM's ``start_weight_update`` → ``update_weights({"version": v})`` → ``finish_weight_update``. The
+  stream is consumed in ``update_weights``; the layerwise reload is finalized in ``finish_weight_update``.
+
+Three things differ from vLLM's own checkpoint-format engines, each to keep a replica from serving wrong weights:
+
+1. **Reload starts at the first tensor, not in ``start_weight_update``.** ``initialize_layerwise_reload`` moves
+   every layer to the meta device; an update that then fails before any byte arrives would leave the model there.
+   Here the first tensor is awaited first, so an update that never delivered one leaves the model as it was (the
+   manager's *untouched*, resumed on its old weights).
+2. **vLLM gets tensors it may keep.** The layerwise loader holds what it is handed until its whole layer has
+   arrived (q, k and v for ``qkv_proj``); weightsync's stream gives views into its receive buffers, valid only until
+   the next tensor. Each tensor is copied before vLLM sees it.
+3. **A failed update is finalized here.** vLLM forgets the update when ``update_weights`` raises, so the engine
+   runs ``finalize_layerwise_reload`` itself: layers that received nothing get their previous tensors back, the
+   rest are what arrived (the manager marks the replica torn and keeps it paused). A full update that left a layer
+   with no weights at all (a tensor the sender never sent) raises ``LoadVerificationError`` naming it.
+
+Errors cross vLLM's RPC only as strings, so the outcome of the last call (its report, or its error as plain data)
+is kept and read back through ``weightsync_outcome``; the Ray replica rebuilds the typed error from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from weightsync.api import errors
+from weightsync.api.config import SyncConfig
+from weightsync.api.errors import ConfigError, LifecycleError, LoadVerificationError, WeightsyncError
+from weightsync.api.types import TransferReport, WorkerMetadata
+from weightsync.core.host import EngineHost, is_untouched, mark_untouched
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+__all__ = ["WeightsyncInitInfo", "WeightsyncTransferEngine", "WeightsyncUpdateInfo", "error_from_data",
+           "error_to_data", "report_from_data"]
+
+BACKEND = "weightsync"
+
+
+@dataclass
+class WeightsyncInitInfo(WeightTransferInitInfo):
+    """What ``init_weight_transfer_engine`` carries for a weightsync rollout worker (plain data throughout).
+
+    ``engine``: the spec it was prepared with (``weightsync.core.host.engine_spec``: backend name, ``SyncConfig``
+    as a dict, role, rank); ``rank_args``: this worker's entry of the topology; ``epoch``: the membership epoch's
+    token, which must be the one in ``rank_args``.
+    """
+
+    engine: dict[str, Any] = field(default_factory=dict)
+    rank_args: dict[str, Any] = field(default_factory=dict)
+    epoch: str = ""
+
+
+@dataclass
+class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
+    """One update: ``version`` labels it (the manager's counter). ``copy_views=False`` hands vLLM the stream's views
+    as they are, which is wrong (see the module's point 2); it exists for the test that shows it is."""
+
+    version: int = 0
+    copy_views: bool = True
+
+
+class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
+    """The rollout side of weightsync inside one vLLM worker (see the module docstring)."""
+
+    init_info_cls = WeightsyncInitInfo
+    update_info_cls = WeightsyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device,
+                 model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._host: EngineHost | None = None
+        self._reloading = False
+        self._updating = False
+        self._timeout = 600.0
+        self.outcome: dict[str, Any] = {}
+        """The last step's result as plain data: ``{"report": ...}`` or ``{"error": ...}`` (``weightsync_outcome``)."""
+
+    # -- weightsync's steps (called through WeightsyncWorkerExtension and vLLM's own methods) ----------------------
+
+    def prepare(self, *, engine: Mapping[str, Any], node_id: str, host_ip: str) -> WorkerMetadata:
+        if self._host is None or (self._host.node_id, self._host.host_ip) != (node_id, host_ip):
+            if self._host is not None:
+                self._host.execute_sync("close")
+            self._host = EngineHost(node_id=node_id, host_ip=host_ip, name=f"vllm worker on {node_id[:8]}")
+        return self._host.execute_sync("prepare", engine=engine)
+
+    def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
+        host = self._require_host("init_weight_transfer_engine")
+        if not init_info.epoch or init_info.rank_args.get("epoch") != init_info.epoch:
+            raise ConfigError(f"init_info's epoch {init_info.epoch!r} is not the one in its rank_args "
+                              f"({init_info.rank_args.get('epoch')!r})")
+        if host.spec != dict(init_info.engine):
+            raise LifecycleError("init_weight_transfer_engine for another engine than the one prepared; prepare again")
+        host.execute_sync("init_process_group", rank_args=init_info.rank_args)
+        self._timeout = SyncConfig.from_dict(init_info.engine["config"]).timeouts.transfer
+
+    def start_weight_update(self) -> None:
+        self._require_host("start_weight_update")
+        if self._updating:
+            raise LifecycleError("start_weight_update while an update is in progress")
+        self._updating = True  # the reload itself starts at the first tensor (module docstring, point 1)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # vLLM's default also synchronizes the accelerator; the loader's copies here are synchronous already.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
+        host = self._require_host("update_weights")
+        self.outcome = {}
+        if not self._updating:
+            raise LifecycleError("update_weights without start_weight_update")
+        try:
+            report = asyncio.run(host.receive(_Loader(self, copy_views=update_info.copy_views),
+                                              version=update_info.version))
+        except BaseException as exc:
+            self._updating = False
+            self._abandon_reload()
+            self.outcome = {"error": error_to_data(exc)}
+            raise
+        self.outcome = {"report": report.to_dict()}
+
+    def finish_weight_update(self) -> None:
+        self._updating = False
+        if self._reloading:
+            self._reloading = False
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+
+    def finalize(self) -> None:
+        if self._host is not None:
+            self._host.execute_sync("finalize")
+
+    def shutdown(self) -> None:
+        host, self._host = self._host, None
+        if host is not None:
+            host.execute_sync("close")
+
+    # -- loading ---------------------------------------------------------------------------------------------------
+
+    def _require_host(self, step: str) -> EngineHost:
+        if self._host is None:
+            raise LifecycleError(f"{step} before weightsync_prepare: the manager prepares every worker first")
+        return self._host
+
+    def begin_reload(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        self._reloading = True
+
+    def missing_layers(self) -> list[str]:
+        """Modules with parameters of their own that received nothing in this reload (every update reaches every
+        one: a delta update too gives vLLM whole tensors). Modules with buffers only (rotary caches) and attention
+        layers, which vLLM finalizes after the reload, are not counted."""
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        missing = []
+        for name, module in self.model.named_modules():
+            info = LAYERWISE_INFO.get(module)
+            if (info is not None and info.can_load() and info.load_numel == 0
+                    and any(True for _ in module.parameters(recurse=False))
+                    and not is_deferred_attention_layer(module)):
+                missing.append(name)
+        return missing
+
+    def _abandon_reload(self) -> None:
+        """After a failed update: finish the reload with what arrived; layers that got nothing are put back."""
+        if self._reloading:
+            with contextlib.suppress(Exception):  # the update's own error is the one to report
+                self.finish_weight_update()
+
+
+class _Loader:
+    """The ``WeightSink`` that feeds one update into vLLM's loader.
+
+    ``model.load_weights`` is synchronous and pulls from an iterator, while weightsync's stream is asynchronous: the
+    loader runs in a thread and takes each tensor from the stream on this event loop.
+    """
+
+    def __init__(self, engine: WeightsyncTransferEngine, *, copy_views: bool) -> None:
+        self._engine = engine
+        self._copy = copy_views
+
+    async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
+        loop = asyncio.get_running_loop()
+        timeout = self._engine._timeout + 30.0  # the stream's own waits have deadlines; this only bounds a bug
+
+        def pull() -> tuple[str, torch.Tensor] | None:
+            future = asyncio.run_coroutine_threadsafe(_next(weights), loop)
+            return future.result(timeout)
+
+        first = await _next(weights)  # nothing is touched until a tensor has arrived (module docstring, point 1)
+        if first is None:
+            return
+        self._engine.begin_reload()
+        await asyncio.to_thread(self._load, first, pull)
+
+    def _load(self, first: tuple[str, torch.Tensor], pull: Any) -> None:
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in itertools.chain([first], iter(pull, None)):
+                yield name, tensor.clone() if self._copy else tensor
+
+        model: Any = self._engine.model
+        with _mtp_check_disabled():
+            model.load_weights(weights=stream())
+        missing = self._engine.missing_layers()
+        if missing:
+            raise LoadVerificationError(
+                f"the update left {len(missing)} module(s) of vLLM's model without weights, first "
+                f"{missing[0]!r}: the sender's stream lacks their tensors", replica="", parameter=missing[0],
+            )
+
+
+def _mtp_check_disabled() -> contextlib.AbstractContextManager[Any]:
+    """vLLM's own engines disable its multi-token-prediction completeness check while loading an update."""
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    except ImportError:
+        return contextlib.nullcontext()
+    return disable_mtp_completeness_check()  # type: ignore[no-any-return]
+
+
+async def _next(weights: AsyncIterator[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:
+    try:
+        return await weights.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+# -- outcomes across vLLM's RPC (which carries exceptions as strings) ---------------------------------------------
+
+
+def error_to_data(exc: BaseException) -> dict[str, Any]:
+    """An error as plain data: its class name, message, details and whether it left the model untouched."""
+    details = dict(exc.details) if isinstance(exc, WeightsyncError) else {}
+    details.pop("untouched", None)
+    return {"type": type(exc).__name__, "message": exc.message if isinstance(exc, WeightsyncError) else str(exc),
+            "details": {k: v for k, v in details.items() if isinstance(v, (str, int, float, bool, list, tuple))},
+            "untouched": is_untouched(exc)}
+
+
+def error_from_data(data: Mapping[str, Any], *, where: str) -> BaseException:
+    """The typed weightsync error ``error_to_data`` described (a ``WorkerError`` for anything else)."""
+    cls = getattr(errors, str(data.get("type")), None)
+    message = str(data.get("message", ""))
+    error: BaseException
+    if isinstance(cls, type) and issubclass(cls, WeightsyncError):
+        error = cls(message, **dict(data.get("details") or {}))
+    else:
+        error = errors.WorkerError(f"{where}: {data.get('type')}: {message}", worker=where, step="transfer")
+    if data.get("untouched"):
+        mark_untouched(error)
+    return error
+
+
+def report_from_data(data: Mapping[str, Any]) -> TransferReport:
+    from weightsync.api.types import StageTiming
+
+    fields = dict(data)
+    fields["stages"] = tuple(StageTiming(**stage) for stage in fields.get("stages", ()))
+    return TransferReport(**fields)
+

@@ -1,0 +1,19 @@
+"""The ``vllm.general_plugins`` entry point: registers ``"weightsync"`` in vLLM's ``WeightTransferEngineFactory``.
+
+vLLM calls it in every one of its processes, possibly more than once, and the factory raises ``ValueError`` on a
+name registered twice: registration checks first. The class is registered by module path, so a process that never
+builds the engine never imports weightsync's engine module.
+"""
+
+from __future__ import annotations
+
+__all__ = ["register"]
+
+
+def register() -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from weightsync.vllm.engine import BACKEND
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, "weightsync.vllm.engine", "WeightsyncTransferEngine")

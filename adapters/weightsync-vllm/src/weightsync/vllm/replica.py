@@ -1,0 +1,335 @@
+"""``VllmRolloutReplica``: one vLLM ``AsyncLLM`` engine in a Ray actor, as a weightsync ``RolloutReplica``.
+
+The actor (:class:`VllmEngineActor`) owns the engine; vLLM runs its model in a worker process of its own, where
+:class:`~weightsync.vllm.engine.WeightsyncTransferEngine` receives. The driver-side handles forward the manager's
+calls to the actor, which turns them into vLLM calls:
+
+========================  ==========================================================================================
+manager                   vLLM
+========================  ==========================================================================================
+pause                     ``pause_generation(mode="keep", clear_cache=False)``: running requests and their KV cache
+                          stay; they continue after the resume
+``prepare``               ``collective_rpc("weightsync_prepare")`` (the worker extension; returns the metadata)
+``init_process_group``    ``init_weight_transfer_engine`` with ``WeightsyncInitInfo``
+update                    ``start_weight_update`` → ``update_weights({"version": v})`` → ``finish_weight_update``,
+                          then ``collective_rpc("weightsync_outcome")`` for the report (or the typed error)
+resume                    ``update_weight_version(str(v))`` for a committed update, then ``resume_generation()``
+``ping``                  answered by the actor itself: a ``collective_rpc`` would queue behind the transfer
+========================  ==========================================================================================
+
+A replica whose update failed after vLLM had started loading is torn: the manager keeps it paused, and the actor
+aborts the requests it kept, each ending with ``ReplicaTornError`` (never left waiting), and refuses new ones until
+an update repairs it. One worker per replica: tensor parallelism inside one vLLM engine (several workers behind one
+``collective_rpc``) is not supported yet, and ``create`` refuses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+
+from weightsync.api.errors import ConfigError, LifecycleError, ReplicaTornError
+from weightsync.api.types import TransferReport
+from weightsync.core.host import is_untouched, ping_answer
+from weightsync.vllm.engine import BACKEND, error_from_data, report_from_data
+
+__all__ = ["VllmEngineActor", "VllmRolloutReplica", "VllmRolloutWorker", "engine_args"]
+
+EXTENSION = "weightsync.vllm.extension.WeightsyncWorkerExtension"
+
+
+def engine_args(model: str, **overrides: Any) -> dict[str, Any]:
+    """``AsyncEngineArgs`` keywords for a small CPU replica of ``model`` (a checkpoint directory); ``overrides`` win.
+
+    Tokenizer off (requests are token ids), bf16, eager, a 64 MiB KV cache."""
+    args: dict[str, Any] = {
+        "model": model, "skip_tokenizer_init": True, "dtype": "bfloat16", "enforce_eager": True,
+        "kv_cache_memory_bytes": 64 << 20, "max_model_len": 512, "max_num_seqs": 16,
+        "distributed_executor_backend": "mp",
+    }
+    args.update(overrides)
+    return args
+
+
+class VllmEngineActor:
+    """Body of the Ray actor that owns one ``AsyncLLM`` engine.
+
+    ``weightsync=True`` starts it with weightsync as its weight-transfer engine; ``False`` gives a plain engine (a
+    reference that loads versions from checkpoints with :meth:`reload`). ``env`` is set before vLLM is imported
+    (e.g. ``VLLM_CPU_OMP_THREADS_BIND``).
+    """
+
+    def __init__(self, *, name: str, args: Mapping[str, Any], weightsync: bool = True,
+                 env: Mapping[str, str] | None = None) -> None:
+        os.environ.update(env or {})
+        self.name = name
+        self._args = dict(args)
+        self._weightsync = weightsync
+        self._llm: Any = None
+        self._spec: dict[str, Any] | None = None
+        self._verified: int | None = None  # the version the last update delivered and verified (set on resume)
+        self._torn: str | None = None
+        self._requests: set[str] = set()
+        self._copy_views = True
+        context = ray.get_runtime_context()
+        self._node_id = context.get_node_id()
+        self._host_ip = ray.util.get_node_ip_address()
+
+    async def start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = dict(self._args)
+        if self._weightsync:
+            args.update(weight_transfer_config={"backend": BACKEND}, worker_extension_cls=EXTENSION)
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+
+    def _engine(self) -> Any:
+        if self._llm is None:
+            raise LifecycleError(f"{self.name}: the vLLM engine is not started")
+        return self._llm
+
+    async def _rpc(self, method: str, **kwargs: Any) -> Any:
+        results = await self._engine().collective_rpc(method, kwargs=kwargs)
+        if len(results) != 1:
+            raise ConfigError(f"{self.name}: {len(results)} vLLM workers answered; one worker per replica for now")
+        return results[0]
+
+    # -- weightsync's calls ----------------------------------------------------------------------------------------
+
+    async def execute_checkpoint_engine(self, method: str, /, **kwargs: Any) -> Any:
+        if method == "ping":
+            return ping_answer(node_id=self._node_id, host_ip=self._host_ip)
+        if method == "prepare":
+            self._spec = dict(kwargs["engine"])
+            return await self._rpc("weightsync_prepare", engine=self._spec, node_id=self._node_id,
+                                   host_ip=self._host_ip)
+        if method == "init_process_group":
+            from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+            rank_args = dict(kwargs["rank_args"])
+            await self._engine().init_weight_transfer_engine(WeightTransferInitRequest(init_info={
+                "engine": self._spec, "rank_args": rank_args, "epoch": str(rank_args.get("epoch", "")),
+            }))
+            return None
+        if method in ("finalize", "close"):
+            return await self._rpc(f"weightsync_{method}")
+        raise ConfigError(f"unknown checkpoint-engine method {method!r}")
+
+    def set_copy_views(self, copy: bool) -> None:
+        """``False`` hands vLLM the stream's views instead of copies: wrong (``WeightsyncUpdateInfo``), for the test
+        that shows it."""
+        self._copy_views = bool(copy)
+
+    async def update_weights(self, *, version: int) -> TransferReport:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        llm = self._engine()
+        self._verified = None
+        try:
+            await llm.start_weight_update()
+            try:
+                await llm.update_weights(WeightTransferUpdateRequest(
+                    update_info={"version": version, "copy_views": self._copy_views}))
+            except Exception as exc:
+                outcome = await self._rpc("weightsync_outcome")
+                if "error" in outcome:
+                    raise error_from_data(outcome["error"], where=self.name) from None
+                raise LifecycleError(f"{self.name}: vLLM's update_weights failed: {exc}") from exc
+            await llm.finish_weight_update()
+            report = report_from_data((await self._rpc("weightsync_outcome"))["report"])
+        except BaseException as exc:
+            if not is_untouched(exc):
+                await self.tear(f"{type(exc).__name__}: {exc}")
+            raise
+        self._verified = version
+        return report
+
+    async def tear(self, reason: str) -> None:
+        """The model is half-loaded: end every kept request (each raises ``ReplicaTornError``), refuse new ones."""
+        self._torn = reason
+        if self._requests:
+            await self._engine().abort(list(self._requests))
+
+    async def pause(self) -> None:
+        await self._engine().pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        llm = self._engine()
+        if self._verified is not None:
+            await llm.update_weight_version(str(self._verified))
+            self._verified = None
+        self._torn = None
+        await llm.resume_generation()
+
+    # -- serving and inspection ------------------------------------------------------------------------------------
+
+    async def generate(self, prompt_token_ids: Sequence[int], *, max_tokens: int = 8, logprobs: int = 0,
+                       request_id: str | None = None) -> dict[str, Any]:
+        """Greedy generation; token ids, the top ``logprobs`` per step as ``[token, logprob]`` pairs (sorted by
+        token), and the weight versions that produced them as ``[version, start, end]`` spans."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self._torn is not None:
+            raise ReplicaTornError(f"{self.name} is torn: {self._torn}", replica=self.name, reason=self._torn)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs or None,
+                                detokenize=False, ignore_eos=True)
+        request = request_id or uuid.uuid4().hex
+        self._requests.add(request)
+        final: Any = None
+        try:
+            async for output in self._engine().generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
+                                                        params, request_id=request):
+                final = output
+        finally:
+            self._requests.discard(request)
+        completion = final.outputs[0] if final is not None else None
+        if self._torn is not None and (completion is None or completion.finish_reason == "abort"):
+            raise ReplicaTornError(f"{self.name} was torn while serving request {request}: {self._torn}",
+                                   replica=self.name, reason=self._torn)
+        if completion is None:
+            raise LifecycleError(f"{self.name}: request {request} produced no output")
+        return {
+            "token_ids": list(completion.token_ids),
+            "logprobs": [sorted([token, entry.logprob] for token, entry in step.items())
+                         for step in (completion.logprobs or [])],
+            "weight_versions": [[span.version, span.start, span.end]
+                                for span in (getattr(completion, "weight_versions", None) or [])],
+            "finish_reason": completion.finish_reason,
+        }
+
+    async def checksums(self) -> dict[str, str]:
+        """vLLM's SHA-256 of every parameter it holds (``AsyncLLM.compute_weight_checksums``), one worker's."""
+        merged: dict[str, str] = {}
+        for worker in await self._engine().compute_weight_checksums():
+            merged.update(worker)
+        return merged
+
+    async def parameters(self) -> dict[str, list[int]]:
+        return dict(await self._rpc("weightsync_parameters"))
+
+    async def reload(self, path: str) -> None:
+        """Load a checkpoint directory with vLLM's own ``reload_weights`` (a reference engine, or the disk route)."""
+        await self._rpc("reload_weights", weights_path=path, is_checkpoint_format=True)
+
+    async def weight_version(self) -> str:
+        return str(await self._engine().get_weight_version())
+
+    async def is_paused(self) -> bool:
+        return bool(await self._engine().is_paused())
+
+    async def stop(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        if self._weightsync and self._spec is not None:
+            try:
+                await asyncio.wait_for(llm.collective_rpc("weightsync_close"), 30)
+            except Exception:  # noqa: BLE001 - shutting down: the engine's own shutdown still runs
+                pass
+        llm.shutdown()
+
+
+class VllmRolloutWorker:
+    """``RolloutWorker`` over a :class:`VllmEngineActor` (the replica's one worker)."""
+
+    def __init__(self, handle: Any, *, name: str) -> None:
+        self.handle = handle
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def execute_checkpoint_engine(self, method: str, /, **kwargs: Any) -> Any:
+        return self.handle.execute_checkpoint_engine.remote(method, **kwargs)
+
+    def update_weights(self, *, version: int) -> Any:
+        return self.handle.update_weights.remote(version=version)
+
+
+class VllmRolloutReplica:
+    """``RolloutReplica`` (and ``PausableReplica``) for one vLLM engine in a Ray actor.
+
+    ``release_kv_cache``/``resume_kv_cache`` do nothing on purpose: the pause keeps requests and their KV cache.
+    ``weight_checksums`` is what the manager compares across replicas after an update (the proof of load).
+    """
+
+    def __init__(self, handle: Any, *, name: str) -> None:
+        self.handle = handle
+        self.name = name
+        self._workers = [VllmRolloutWorker(handle, name="worker0")]
+
+    @classmethod
+    async def create(cls, *, replica: int, args: Mapping[str, Any], weightsync: bool = True,
+                     env: Mapping[str, str] | None = None, node_id: str | None = None,
+                     ray_options: Mapping[str, Any] | None = None) -> VllmRolloutReplica:
+        """Start the actor and its engine (``args``: ``AsyncEngineArgs`` keywords, see :func:`engine_args`)."""
+        if int(args.get("tensor_parallel_size", 1)) != 1 or int(args.get("pipeline_parallel_size", 1)) != 1:
+            raise ConfigError("VllmRolloutReplica runs one vLLM worker per replica (tensor_parallel_size=1, "
+                              "pipeline_parallel_size=1) for now")
+        options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 64}
+        options.update(ray_options or {})
+        if node_id is not None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+        name = f"replica{replica}"
+        handle = ray.remote(VllmEngineActor).options(**options).remote(
+            name=name, args=args, weightsync=weightsync, env=env)
+        made = cls(handle, name=name)
+        try:
+            await handle.start.remote()
+        except BaseException:
+            ray.kill(handle)
+            raise
+        return made
+
+    @property
+    def workers(self) -> list[VllmRolloutWorker]:
+        return list(self._workers)
+
+    async def pause(self) -> None:
+        await self.handle.pause.remote()
+
+    async def resume(self) -> None:
+        await self.handle.resume.remote()
+
+    async def abort_all_requests(self) -> None:  # the pause keeps them: see the class docstring
+        await self.pause()
+
+    async def release_kv_cache(self) -> None:
+        return None
+
+    async def resume_kv_cache(self) -> None:
+        return None
+
+    async def resume_generation(self) -> None:
+        await self.resume()
+
+    async def weight_checksums(self) -> dict[str, str]:
+        return dict(await self.handle.checksums.remote())
+
+    async def torn(self, reason: str) -> None:
+        await self.handle.tear.remote(reason)
+
+    def generate(self, prompt_token_ids: Sequence[int], **kwargs: Any) -> Any:
+        """An ObjectRef of :meth:`VllmEngineActor.generate`'s result."""
+        return self.handle.generate.remote(list(prompt_token_ids), **kwargs)
+
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        """An ObjectRef of the actor's ``method`` (``reload``, ``parameters``, ``is_paused``, ...)."""
+        return getattr(self.handle, method).remote(*args, **kwargs)
+
+    async def stop(self) -> None:
+        """Close weightsync's engine and vLLM's, then end the actor."""
+        try:
+            await asyncio.wait_for(self.handle.stop.remote(), 60)
+        finally:
+            ray.kill(self.handle)

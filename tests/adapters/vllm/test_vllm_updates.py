@@ -1,0 +1,233 @@
+"""weightsync into real vLLM (the CPU build): two replicas receive every update through weightsync's engine inside
+vLLM's workers, and after each one hold exactly what a reference engine of the same build holds after loading that
+version from a checkpoint with vLLM's own ``reload_weights``. Checked from outside weightsync: vLLM's checksums of
+its parameters and greedy top-5 logprobs, prompt by prompt."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tests run in the vllm env: python3 -m hatch run vllm:test")
+
+import ray  # noqa: E402
+
+from tests.adapters.vllm.conftest import Serving  # noqa: E402
+from tests.adapters.vllm.workloads import PROMPTS  # noqa: E402
+from weightsync.api import SyncConfig  # noqa: E402
+from weightsync.api.errors import LoadVerificationError, ReplicaTornError  # noqa: E402
+from weightsync.core import CheckpointEngineManager  # noqa: E402
+from weightsync.vllm import VllmRolloutReplica  # noqa: E402
+
+
+
+def _generate(serving: Serving, replica: VllmRolloutReplica, *, max_tokens: int = 6) -> list[dict[str, Any]]:
+    """Each prompt on its own (a batch could change the arithmetic), greedy, top-5 logprobs."""
+    return [ray.get(replica.generate(prompt, max_tokens=max_tokens, logprobs=5)) for prompt in PROMPTS]
+
+
+def _version(serving: Serving, name: str, *, step: int | None = None, train: tuple[int, float] | None = (1, 1e-3)
+             ) -> str:
+    """Train the actor worker group (every rank) and write rank 0's model as checkpoint ``name``; its path."""
+    if train is not None:
+        ray.get(serving.actor_wg.call("train", *train))
+    return str(ray.get(serving.actor_wg.handles[0].call.remote("save", str(serving.checkpoints / name))))
+
+
+def _reference(serving: Serving, path: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    serving.run(serving.reference.call("reload", path))
+    return _generate(serving, serving.reference), serving.run(serving.reference.weight_checksums())
+
+
+def _assert_same_as_reference(serving: Serving, path: str) -> list[dict[str, Any]]:
+    outputs, checksums = _reference(serving, path)
+    for replica in serving.replicas:
+        mine = _generate(serving, replica)
+        assert [o["token_ids"] for o in mine] == [o["token_ids"] for o in outputs], replica.name
+        assert [o["logprobs"] for o in mine] == [o["logprobs"] for o in outputs], replica.name
+        assert serving.run(replica.weight_checksums()) == checksums, replica.name
+    return outputs
+
+
+def _manager(serving: Serving, **config: Any) -> CheckpointEngineManager:
+    return CheckpointEngineManager(backend=config.pop("backend", "shm"), actor_wg=serving.actor_wg,
+                                   replicas=serving.replicas, config=SyncConfig(bucket_bytes=256 << 10, **config))
+
+
+def test_vllm_sees_every_parameter_on_this_machine(serving: Serving) -> None:
+    """What vLLM reports after load: on this CPU its linear weights keep their shapes (no oneDNN repack), so its
+    checksums cover q/k/v/o/gate/up/down too; were they repacked (empty), only the logprobs would prove a load."""
+    shapes = ray.get(serving.replicas[0].call("parameters"))
+    assert shapes["model.layers.0.self_attn.qkv_proj.weight"] == [256, 128]
+    assert all(0 not in shape for shape in shapes.values()), shapes
+
+
+def test_full_updates_over_shm_match_the_reference(serving: Serving) -> None:
+    manager = _manager(serving)
+    previous = _generate(serving, serving.replicas[0])
+    for step in range(2):
+        path = _version(serving, f"full{step}")
+        report = serving.run(manager.update_weights())
+        assert [r.state for r in report.replicas] == ["committed", "committed"]
+        outputs = _assert_same_as_reference(serving, path)
+        # At lr 1e-3 consecutive versions differ in at least one greedy token: the comparison can tell them apart.
+        assert [o["token_ids"] for o in outputs] != [o["token_ids"] for o in previous]
+        previous = outputs
+        for replica in serving.replicas:
+            assert serving.run(replica.call("weight_version")) == str(report.version)
+
+
+def test_delta_updates_at_rl_learning_rate_match_the_reference(serving: Serving) -> None:
+    manager = _manager(serving, delta=True)
+    first = serving.run(manager.update_weights())  # a new manager's first update is full
+    assert [o.full for o in first.replicas] == [True, True]
+    for step in range(2):
+        path = _version(serving, f"delta{step}", train=(1, 1e-6))
+        report = serving.run(manager.update_weights())
+        assert [o.full for o in report.replicas] == [False, False]
+        assert report.changed_fraction < 0.1 and report.wire_bytes < report.nbytes / 4, report
+        _assert_same_as_reference(serving, path)
+
+
+def test_a_change_to_one_projection_still_loads_its_fused_layer_whole(serving: Serving) -> None:
+    """Only ``q_proj`` of layer 1 changes (a delta of that tensor alone on the wire); vLLM's ``qkv_proj`` is rebuilt
+    from q, k and v, so k and v must reach its loader too (a layer given part of its tensors is materialised from
+    uninitialised memory)."""
+    manager = _manager(serving, delta=True)
+    serving.run(manager.update_weights())
+    ray.get(serving.actor_wg.call("perturb", "model.layers.1.self_attn.q_proj.weight"))
+    path = _version(serving, "q_only", train=None)
+    report = serving.run(manager.update_weights())
+    assert [o.full for o in report.replicas] == [False, False]
+    assert report.wire_bytes < report.nbytes / 4, report
+    _assert_same_as_reference(serving, path)
+
+
+def test_a_fused_layer_whose_parts_span_buckets_is_loaded_from_copies(serving: Serving) -> None:
+    """Buckets of 40 KiB put q, k and v of a layer in different buckets, two slots per side: the slot q arrived in
+    is reused before v arrives. vLLM keeps q until v is there, so it must hold a copy; the negative control hands it
+    the views and the replicas no longer match the reference."""
+    manager = CheckpointEngineManager(backend="shm", actor_wg=serving.actor_wg, replicas=serving.replicas,
+                                      config=SyncConfig(bucket_bytes=40 << 10, slots=2))
+    path = _version(serving, "spanning")
+    serving.run(manager.update_weights())
+    _assert_same_as_reference(serving, path)
+    try:
+        for replica in serving.replicas:
+            ray.get(replica.call("set_copy_views", False))
+        path = _version(serving, "spanning_views")
+        try:
+            serving.run(manager.update_weights())
+        except LoadVerificationError:  # the replicas' overwritten bytes differ: the manager's checksums see it
+            assert [o.state for o in manager.status()] == ["torn", "torn"]
+        else:
+            with pytest.raises(AssertionError):
+                _assert_same_as_reference(serving, path)
+    finally:
+        for replica in serving.replicas:
+            ray.get(replica.call("set_copy_views", True))
+    serving.run(manager.update_weights())
+    _assert_same_as_reference(serving, path)
+
+
+def test_a_request_kept_across_the_pause_finishes_on_both_versions(serving: Serving) -> None:
+    manager = _manager(serving)
+    serving.run(manager.update_weights())
+    before = serving.run(serving.replicas[0].call("weight_version"))
+    _version(serving, "kept")
+    running = serving.replicas[0].generate(PROMPTS[0], max_tokens=480)
+
+    async def update_while_it_runs() -> Any:
+        await asyncio.sleep(0.5)
+        return await manager.update_weights()
+
+    report = serving.run(update_while_it_runs())
+    output = ray.get(running)
+    assert output["finish_reason"] == "length" and len(output["token_ids"]) == 480
+    versions = [span[0] for span in output["weight_versions"]]
+    assert versions == [before, str(report.version)], output["weight_versions"]
+
+
+def test_a_sender_that_omits_a_tensor_is_caught_by_the_proof_of_load(serving: Serving) -> None:
+    """Every rank leaves ``model.layers.0.mlp.down_proj.weight`` out, so sender and receivers agree on the digest;
+    vLLM's loader is left with a module that got nothing, which the engine names, and the replicas stay paused
+    until a complete update repairs them."""
+    manager = _manager(serving)
+    serving.run(manager.update_weights())
+    ray.get(serving.actor_wg.call("set_omit", ["model.layers.0.mlp.down_proj.weight"]))
+    try:
+        _version(serving, "omitted")
+        with pytest.raises(LoadVerificationError) as caught:
+            serving.run(manager.update_weights())
+        assert "model.layers.0.mlp.down_proj" in str(caught.value)
+        assert [o.state for o in manager.status()] == ["torn", "torn"]
+        assert all(serving.run(r.call("is_paused")) for r in serving.replicas)
+        with pytest.raises(ReplicaTornError):
+            ray.get(serving.replicas[0].generate(PROMPTS[0]))
+    finally:
+        ray.get(serving.actor_wg.call("set_omit", []))
+    path = _version(serving, "repaired", train=None)
+    report = serving.run(manager.update_weights())
+    assert [o.state for o in report.replicas] == ["committed", "committed"]
+    _assert_same_as_reference(serving, path)
+
+
+def test_an_update_that_fails_part_way_tears_and_the_next_repairs(serving: Serving) -> None:
+    manager = CheckpointEngineManager(backend="shm", actor_wg=serving.actor_wg, replicas=serving.replicas,
+                                      config=SyncConfig(bucket_bytes=40 << 10, slots=2))
+    serving.run(manager.update_weights())
+    kept = serving.replicas[1].generate(PROMPTS[1], max_tokens=480)
+    ray.get(serving.actor_wg.call("set_fail_after", 12))
+    try:
+        _version(serving, "failing")
+
+        async def fail_while_it_runs() -> None:
+            await asyncio.sleep(0.5)
+            await manager.update_weights()
+
+        with pytest.raises(Exception):
+            serving.run(fail_while_it_runs())
+        assert [o.state for o in manager.status()] == ["torn", "torn"]
+        assert all(serving.run(r.call("is_paused")) for r in serving.replicas)
+        with pytest.raises(ReplicaTornError):  # the kept request ends, typed, instead of waiting for a resume
+            ray.get(kept, timeout=60)
+    finally:
+        ray.get(serving.actor_wg.call("set_fail_after", None))
+    path = _version(serving, "after_failure", train=None)
+    report = serving.run(manager.update_weights())
+    assert [o.state for o in report.replicas] == ["committed", "committed"]
+    _assert_same_as_reference(serving, path)
+
+
+def test_an_update_that_fails_before_any_byte_resumes_on_the_old_weights(serving: Serving) -> None:
+    manager = _manager(serving)
+    old = _version(serving, "old")
+    serving.run(manager.update_weights())
+    ray.get(serving.actor_wg.call("set_fail_after", 0))
+    try:
+        _version(serving, "never_sent")
+        with pytest.raises(Exception):
+            serving.run(manager.update_weights())
+    finally:
+        ray.get(serving.actor_wg.call("set_fail_after", None))
+    assert [o.state for o in manager.status()] == ["committed", "committed"]
+    assert not any(serving.run(r.call("is_paused")) for r in serving.replicas)
+    _assert_same_as_reference(serving, old)
+
+
+def test_a_replica_left_on_the_previous_version_fails_the_comparison(serving: Serving) -> None:
+    manager = _manager(serving)
+    previous = _version(serving, "previous")
+    serving.run(manager.update_weights())
+    current = _version(serving, "current")
+    serving.run(manager.update_weights())
+    serving.run(serving.replicas[1].call("reload", previous))
+    with pytest.raises(LoadVerificationError) as caught:
+        serving.run(manager.verify_loads())
+    assert caught.value.details["replica"] in ("replica0", "replica1")
+    with pytest.raises(AssertionError):  # the outside check sees it too
+        _assert_same_as_reference(serving, current)
+    serving.run(manager.update_weights())
+    _assert_same_as_reference(serving, current)
