@@ -24,7 +24,8 @@ def build_model(seed: int = 0) -> torch.nn.Module:
 
     config = transformers.LlamaConfig(**{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")})
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).float()
+    model: torch.nn.Module = transformers.LlamaForCausalLM(config).float()
+    return model
 
 
 def write_checkpoint(directory: pathlib.Path, weights: dict[str, torch.Tensor]) -> pathlib.Path:

@@ -113,7 +113,8 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             if self._host is not None:
                 self._host.execute_sync("close")
             self._host = EngineHost(node_id=node_id, host_ip=host_ip, name=f"vllm worker on {node_id[:8]}")
-        return self._host.execute_sync("prepare", engine=engine)
+        metadata: WorkerMetadata = self._host.execute_sync("prepare", engine=engine)
+        return metadata
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         host = self._require_host("init_weight_transfer_engine")

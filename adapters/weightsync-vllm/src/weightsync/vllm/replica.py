@@ -190,9 +190,10 @@ class VllmEngineActor:
         finally:
             self._requests.discard(request)
         completion = final.outputs[0] if final is not None else None
-        if self._torn is not None and (completion is None or completion.finish_reason == "abort"):
-            raise ReplicaTornError(f"{self.name} was torn while serving request {request}: {self._torn}",
-                                   replica=self.name, reason=self._torn)
+        torn = self._torn_reason()  # it may have changed while the request ran
+        if torn is not None and (completion is None or completion.finish_reason == "abort"):
+            raise ReplicaTornError(f"{self.name} was torn while serving request {request}: {torn}",
+                                   replica=self.name, reason=torn)
         if completion is None:
             raise LifecycleError(f"{self.name}: request {request} produced no output")
         return {
@@ -203,6 +204,9 @@ class VllmEngineActor:
                                 for span in (getattr(completion, "weight_versions", None) or [])],
             "finish_reason": completion.finish_reason,
         }
+
+    def _torn_reason(self) -> str | None:
+        return self._torn
 
     async def checksums(self) -> dict[str, str]:
         """vLLM's SHA-256 of every parameter it holds (``AsyncLLM.compute_weight_checksums``), one worker's."""

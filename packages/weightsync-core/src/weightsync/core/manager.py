@@ -392,9 +392,11 @@ class CheckpointEngineManager:
     async def _tell_torn(self, replicas: list[RolloutReplica], outcomes: list[ReplicaOutcome]) -> None:
         """``torn(reason)`` on every torn replica that has it (it ends the requests it kept); best effort: the
         replica stays paused whatever it answers."""
-        calls = [(f"replica{i}", replicas[i].torn(outcome.error or "the update did not complete"))
-                 for i, outcome in enumerate(outcomes)
-                 if outcome.state == "torn" and isinstance(replicas[i], TornAwareReplica)]
+        calls: list[tuple[str, Awaitable[Any]]] = []
+        for i, outcome in enumerate(outcomes):
+            replica = replicas[i]
+            if outcome.state == "torn" and isinstance(replica, TornAwareReplica):
+                calls.append((f"replica{i}", replica.torn(outcome.error or "the update did not complete")))
         if calls:
             await steps.gather("resume", self.config.timeouts.resume, calls, raise_first=False)
 
