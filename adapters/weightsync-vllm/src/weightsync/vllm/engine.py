@@ -279,7 +279,10 @@ def error_from_data(data: Mapping[str, Any], *, where: str) -> BaseException:
     message = str(data.get("message", ""))
     error: BaseException
     if isinstance(cls, type) and issubclass(cls, WeightsyncError):
-        error = cls(message, **dict(data.get("details") or {}))
+        details = dict(data.get("details") or {})
+        if details.get("replica") == "":  # raised inside vLLM's worker, which does not know its replica's name
+            details["replica"] = where
+        error = cls(message, **details)
     else:
         error = errors.WorkerError(f"{where}: {data.get('type')}: {message}", worker=where, step="transfer")
     if data.get("untouched"):
