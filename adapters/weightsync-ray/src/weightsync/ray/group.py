@@ -14,7 +14,8 @@ from weightsync.api.protocols import WeightSink, WeightSource
 from weightsync.api.types import TransferReport
 from weightsync.core.host import EngineHost
 
-__all__ = ["ActorRankHost", "RolloutWorkerHost", "RayActorWorkerGroup", "RayRolloutWorker", "RayRolloutReplica"]
+__all__ = ["ActorRankHost", "RolloutWorkerHost", "RayActorWorkerGroup", "RayRolloutWorker", "RayRolloutReplica",
+           "actor_options"]
 
 SourceFactory = Callable[[int, int], WeightSource]
 """Builds rank ``rank``'s weight source inside its actor: ``factory(rank, world_size)``."""
@@ -90,7 +91,9 @@ class RolloutWorkerHost:
         return self.host.node_id
 
 
-def _actor_options(ray_options: Mapping[str, Any] | None, node_id: str | None) -> dict[str, Any]:
+def actor_options(ray_options: Mapping[str, Any] | None, node_id: str | None) -> dict[str, Any]:
+    """Ray options for a host actor: no CPUs reserved, many concurrent calls, pinned to ``node_id`` if given;
+    ``ray_options`` win."""
     options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 64}
     options.update(ray_options or {})
     if node_id is not None:
@@ -131,7 +134,7 @@ class RayActorWorkerGroup:
             raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
         remote = ray.remote(ActorRankHost)
         handles = [
-            remote.options(**_actor_options(ray_options, node_id)).remote(
+            remote.options(**actor_options(ray_options, node_id)).remote(
                 rank=rank, world_size=world_size, source_factory=source_factory
             )
             for rank in range(world_size)
@@ -213,7 +216,7 @@ class RayRolloutReplica:
         remote = ray.remote(RolloutWorkerHost)
         workers = [
             RayRolloutWorker(
-                remote.options(**_actor_options(ray_options, node)).remote(
+                remote.options(**actor_options(ray_options, node)).remote(
                     replica=replica, worker=worker, sink_factory=sink_factory
                 ),
                 name=f"worker{worker}",

@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from weightsync.vllm.replica import VllmEngineActor, VllmRolloutReplica, VllmRolloutWorker, engine_args
+    from weightsync.vllm.replica import VllmEngineActor, VllmRolloutReplica, engine_args
 
-__all__ = ["VllmEngineActor", "VllmRolloutReplica", "VllmRolloutWorker", "engine_args"]
+__all__ = ["VllmEngineActor", "VllmRolloutReplica", "engine_args"]
 
 
 def __getattr__(name: str) -> Any:

@@ -36,9 +36,10 @@ import ray
 from weightsync.api.errors import ConfigError, LifecycleError, ReplicaTornError
 from weightsync.api.types import TransferReport
 from weightsync.core.host import is_untouched, ping_answer
+from weightsync.ray.group import RayRolloutWorker, actor_options
 from weightsync.vllm.engine import BACKEND, error_from_data, report_from_data
 
-__all__ = ["VllmEngineActor", "VllmRolloutReplica", "VllmRolloutWorker", "engine_args"]
+__all__ = ["VllmEngineActor", "VllmRolloutReplica", "engine_args"]
 
 EXTENSION = "weightsync.vllm.extension.WeightsyncWorkerExtension"
 
@@ -240,24 +241,6 @@ class VllmEngineActor:
         llm.shutdown()
 
 
-class VllmRolloutWorker:
-    """``RolloutWorker`` over a :class:`VllmEngineActor` (the replica's one worker)."""
-
-    def __init__(self, handle: Any, *, name: str) -> None:
-        self.handle = handle
-        self._name = name
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    def execute_checkpoint_engine(self, method: str, /, **kwargs: Any) -> Any:
-        return self.handle.execute_checkpoint_engine.remote(method, **kwargs)
-
-    def update_weights(self, *, version: int) -> Any:
-        return self.handle.update_weights.remote(version=version)
-
-
 class VllmRolloutReplica:
     """``RolloutReplica`` (and ``PausableReplica``) for one vLLM engine in a Ray actor.
 
@@ -268,7 +251,8 @@ class VllmRolloutReplica:
     def __init__(self, handle: Any, *, name: str) -> None:
         self.handle = handle
         self.name = name
-        self._workers = [VllmRolloutWorker(handle, name="worker0")]
+        # The actor answers a RolloutWorker's execute_checkpoint_engine and update_weights itself.
+        self._workers = [RayRolloutWorker(handle, name="worker0")]
 
     @classmethod
     async def create(cls, *, replica: int, args: Mapping[str, Any], weightsync: bool = True,
@@ -278,14 +262,8 @@ class VllmRolloutReplica:
         if int(args.get("tensor_parallel_size", 1)) != 1 or int(args.get("pipeline_parallel_size", 1)) != 1:
             raise ConfigError("VllmRolloutReplica runs one vLLM worker per replica (tensor_parallel_size=1, "
                               "pipeline_parallel_size=1) for now")
-        options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 64}
-        options.update(ray_options or {})
-        if node_id is not None:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
         name = f"replica{replica}"
-        handle = ray.remote(VllmEngineActor).options(**options).remote(
+        handle = ray.remote(VllmEngineActor).options(**actor_options(ray_options, node_id)).remote(
             name=name, args=args, weightsync=weightsync, env=env)
         made = cls(handle, name=name)
         try:
@@ -296,7 +274,7 @@ class VllmRolloutReplica:
         return made
 
     @property
-    def workers(self) -> list[VllmRolloutWorker]:
+    def workers(self) -> list[RayRolloutWorker]:
         return list(self._workers)
 
     async def pause(self) -> None:
