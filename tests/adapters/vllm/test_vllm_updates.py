@@ -38,7 +38,7 @@ def _version(serving: Serving, name: str, *, step: int | None = None, train: tup
 
 def _reference(serving: Serving, path: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
     serving.run(serving.reference.call("reload", path))
-    return _generate(serving, serving.reference), serving.run(serving.reference.weight_checksums())
+    return _generate(serving, serving.reference), serving.run(serving.reference.vllm_checksums())
 
 
 def _assert_same_as_reference(serving: Serving, path: str) -> list[dict[str, Any]]:
@@ -47,7 +47,7 @@ def _assert_same_as_reference(serving: Serving, path: str) -> list[dict[str, Any
         mine = _generate(serving, replica)
         assert [o["token_ids"] for o in mine] == [o["token_ids"] for o in outputs], replica.name
         assert [o["logprobs"] for o in mine] == [o["logprobs"] for o in outputs], replica.name
-        assert serving.run(replica.weight_checksums()) == checksums, replica.name
+        assert serving.run(replica.vllm_checksums()) == checksums, replica.name
     return outputs
 
 
@@ -105,18 +105,22 @@ def test_a_change_to_one_projection_still_loads_its_fused_layer_whole(serving: S
     _assert_same_as_reference(serving, path)
 
 
-def test_a_fused_layer_whose_parts_span_buckets_is_loaded_from_copies(serving: Serving) -> None:
+@pytest.mark.parametrize("copy", ["held", "all"])
+def test_a_fused_layer_whose_parts_span_buckets_is_loaded_from_copies(serving: Serving, copy: str) -> None:
     """Buckets of 40 KiB put q, k and v of a layer in different buckets, two slots per side: the slot q arrived in
-    is reused before v arrives. vLLM keeps q until v is there, so it must hold a copy; the negative control hands it
-    the views and the replicas no longer match the reference."""
+    is reused before v arrives. vLLM keeps q until v is there, so it must hold a copy (of what it holds, "held",
+    the default; or of everything, "all"); the negative control hands it the views and the replicas no longer match
+    the reference."""
     manager = CheckpointEngineManager(backend="shm", actor_wg=serving.actor_wg, replicas=serving.replicas,
                                       config=SyncConfig(bucket_bytes=40 << 10, slots=2))
-    path = _version(serving, "spanning")
-    serving.run(manager.update_weights())
-    _assert_same_as_reference(serving, path)
     try:
         for replica in serving.replicas:
-            ray.get(replica.call("set_copy_views", False))
+            ray.get(replica.call("set_copy", copy))
+        path = _version(serving, "spanning")
+        serving.run(manager.update_weights())
+        _assert_same_as_reference(serving, path)
+        for replica in serving.replicas:
+            ray.get(replica.call("set_copy", "none"))
         path = _version(serving, "spanning_views")
         try:
             serving.run(manager.update_weights())
@@ -127,7 +131,7 @@ def test_a_fused_layer_whose_parts_span_buckets_is_loaded_from_copies(serving: S
                 _assert_same_as_reference(serving, path)
     finally:
         for replica in serving.replicas:
-            ray.get(replica.call("set_copy_views", True))
+            ray.get(replica.call("set_copy", "held"))
     serving.run(manager.update_weights())
     _assert_same_as_reference(serving, path)
 

@@ -22,9 +22,13 @@ Three things differ from vLLM's own checkpoint-format engines, each to keep a re
    every layer to the meta device; an update that then fails before any byte arrives would leave the model there.
    Here the first tensor is awaited first, so an update that never delivered one leaves the model as it was (the
    manager's *untouched*, resumed on its old weights).
-2. **vLLM gets tensors it may keep.** The layerwise loader holds what it is handed until its whole layer has
-   arrived (q, k and v for ``qkv_proj``); weightsync's stream gives views into its receive buffers, valid only until
-   the next tensor. Each tensor is copied before vLLM sees it.
+2. **vLLM never keeps a view past its life.** The layerwise loader holds what it is handed until its whole layer
+   has arrived (q, k and v for ``qkv_proj``); weightsync's stream gives views into its receive buffers, valid only
+   until the next tensor. vLLM is handed the view, and when its loader asks for the next tensor, whatever the
+   layerwise reload still holds of that view (``LAYERWISE_INFO[layer].loaded_weights``) is replaced by a copy:
+   only the parts of a fused layer that wait for the rest are copied (about a third of a Llama's bytes), not every
+   tensor — a fresh CPU allocation costs about five times a copy into memory already mapped. A model whose own
+   ``load_weights`` keeps tensors elsewhere needs ``copy="all"`` (every tensor copied before vLLM sees it).
 3. **A failed update is finalized here.** vLLM forgets the update when ``update_weights`` raises, so the engine
    runs ``finalize_layerwise_reload`` itself: layers that received nothing get their previous tensors back, the
    rest are what arrived (the manager marks the replica torn and keeps it paused). A full update that left a layer
@@ -39,9 +43,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Iterator, Mapping
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -60,10 +65,48 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
-__all__ = ["WeightsyncInitInfo", "WeightsyncTransferEngine", "WeightsyncUpdateInfo", "error_from_data",
+__all__ = ["LoadClock", "parameter_checksums", "WeightsyncInitInfo", "WeightsyncTransferEngine", "WeightsyncUpdateInfo", "error_from_data",
            "error_to_data", "report_from_data"]
 
 BACKEND = "weightsync"
+COPY_MODES = ("held", "all", "none")
+_T = TypeVar("_T")
+
+
+def parameter_checksums(model: torch.nn.Module) -> dict[str, str]:
+    """XXH3-128 of the bytes of every parameter ``model`` holds, by name: weightsync's proof of load. The same
+    parameters as vLLM's ``compute_weight_checksums`` (SHA-256), an order of magnitude faster."""
+    import xxhash
+
+    from weightsync.core.tensors import as_byte_view, memoryview_of
+
+    return {name: xxhash.xxh3_128_hexdigest(memoryview_of(as_byte_view(parameter.detach().contiguous())))
+            for name, parameter in model.named_parameters()}
+
+
+class LoadClock:
+    """vLLM's own time in one load: from the start of the reload to its end, less the time its loader spent waiting
+    for the next tensor (weightsync receiving and copying it, or vLLM's checkpoint iterator reading it from disk)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.waited = 0.0
+
+    def iterate(self, items: Iterable[_T]) -> Iterator[_T]:
+        """``items``, counting the time each ``next`` takes as waiting."""
+        iterator = iter(items)
+        while True:
+            began = time.perf_counter()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                self.waited += time.perf_counter() - began
+            yield item
+
+    def load_seconds(self) -> float:
+        return time.perf_counter() - self.started - self.waited
 
 
 @dataclass
@@ -82,11 +125,16 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
-    """One update: ``version`` labels it (the manager's counter). ``copy_views=False`` hands vLLM the stream's views
-    as they are, which is wrong (see the module's point 2); it exists for the test that shows it is."""
+    """One update: ``version`` labels it (the manager's counter). ``copy``: ``"held"`` copies what vLLM's layerwise
+    reload keeps of a view past its life (the module's point 2), ``"all"`` copies every tensor first, ``"none"``
+    hands vLLM the stream's views as they are, which is wrong: it exists for the test that shows it is."""
 
     version: int = 0
-    copy_views: bool = True
+    copy: str = "held"
+
+    def __post_init__(self) -> None:
+        if self.copy not in COPY_MODES:
+            raise ConfigError(f"WeightsyncUpdateInfo.copy must be one of {COPY_MODES}, not {self.copy!r}")
 
 
 class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
@@ -103,6 +151,10 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         self._reloading = False
         self._updating = False
         self._timeout = 600.0
+        self.clock: LoadClock | None = None
+        self.kept: dict[tuple[str, str], torch.Tensor] = {}
+        """CPU buffers the copies of held views go into, reused from update to update (``_copy_held``)."""
+        """Times the reload in progress (from its first tensor to its finalize): ``outcome["load_seconds"]``."""
         self.outcome: dict[str, Any] = {}
         """The last step's result as plain data: ``{"report": ...}`` or ``{"error": ...}`` (``weightsync_outcome``)."""
 
@@ -142,7 +194,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         if not self._updating:
             raise LifecycleError("update_weights without start_weight_update")
         try:
-            report = asyncio.run(host.receive(_Loader(self, copy_views=update_info.copy_views),
+            report = asyncio.run(host.receive(_Loader(self, copy=update_info.copy),
                                               version=update_info.version))
         except BaseException as exc:
             self._updating = False
@@ -158,6 +210,11 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             finalize_layerwise_reload(self.model, self.model_config)
+            if self.clock is not None:
+                self.outcome["load_seconds"] = self.clock.load_seconds()
+            # The proof of load, taken here rather than in a call of its own: the replica is paused until the
+            # manager has compared it (``VllmEngineActor.load_checksums``).
+            self.outcome["load_checksums"] = parameter_checksums(self.model)
 
     def finalize(self) -> None:
         if self._host is not None:
@@ -178,6 +235,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
     def begin_reload(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self.clock = LoadClock()
         initialize_layerwise_reload(self.model)
         self._reloading = True
 
@@ -211,9 +269,9 @@ class _Loader:
     loader runs in a thread and takes each tensor from the stream on this event loop.
     """
 
-    def __init__(self, engine: WeightsyncTransferEngine, *, copy_views: bool) -> None:
+    def __init__(self, engine: WeightsyncTransferEngine, *, copy: str) -> None:
         self._engine = engine
-        self._copy = copy_views
+        self._copy = copy
 
     async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
         loop = asyncio.get_running_loop()
@@ -232,17 +290,46 @@ class _Loader:
     def _load(self, first: tuple[str, torch.Tensor], pull: Any) -> None:
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in itertools.chain([first], iter(pull, None)):
-                yield name, tensor.clone() if self._copy else tensor
+                yield name, tensor.clone() if self._copy == "all" else tensor
+                if self._copy == "held":  # vLLM asks for the next tensor: the view is about to go
+                    _copy_held(name, tensor, self._engine.kept)
 
         model: Any = self._engine.model
+        clock = self._engine.clock
         with _mtp_check_disabled():
-            model.load_weights(weights=stream())
+            model.load_weights(weights=clock.iterate(stream()) if clock is not None else stream())
         missing = self._engine.missing_layers()
         if missing:
             raise LoadVerificationError(
                 f"the update left {len(missing)} module(s) of vLLM's model without weights, first "
                 f"{missing[0]!r}: the sender's stream lacks their tensors", replica="", parameter=missing[0],
             )
+
+
+def _copy_held(name: str, view: torch.Tensor, kept: dict[tuple[str, str], torch.Tensor]) -> None:
+    """Replace every tensor vLLM's layerwise reload still holds that shares ``view``'s memory (tensor ``name`` of
+    the stream) with a copy of it.
+
+    On the CPU the copy goes into a buffer ``kept`` from the last update where it fits: a fresh allocation there
+    costs page faults, about four times the copy (CUDA's caching allocator reuses its blocks the same way). Safe
+    because every layer's held tensors are consumed by the end of the update that handed them over."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    storage = view.untyped_storage().data_ptr()
+    for info in list(LAYERWISE_INFO.values()):
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if not isinstance(value, torch.Tensor) or value.untyped_storage().data_ptr() != storage:
+                    continue
+                buffer = kept.get((name, key))
+                if (value.device.type != "cpu" or buffer is None or buffer.shape != value.shape
+                        or buffer.dtype != value.dtype):
+                    buffer = value.clone()
+                    if value.device.type == "cpu":
+                        kept[(name, key)] = buffer
+                else:
+                    buffer.copy_(value)
+                bound.arguments[key] = buffer
 
 
 def _mtp_check_disabled() -> contextlib.AbstractContextManager[Any]:

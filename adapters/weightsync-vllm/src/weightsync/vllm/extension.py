@@ -3,11 +3,14 @@
 vLLM mixes the class named by ``worker_extension_cls`` into its worker class, so these run in each worker process,
 next to the model and the ``WeightsyncTransferEngine`` vLLM built there. They carry what vLLM's weight-transfer API
 has no step for: ``prepare`` (which returns data) and reading back the outcome of the last update as plain data.
+Engines without weightsync get it too, for :meth:`WeightsyncWorkerExtension.weightsync_reload` (vLLM's own
+``reload_weights``, timed).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from weightsync.api.errors import ConfigError
@@ -43,7 +46,34 @@ class WeightsyncWorkerExtension:
         outcome: dict[str, Any] = self._weightsync().outcome
         return outcome
 
+    def weightsync_checksums(self) -> dict[str, str]:
+        """``weightsync.vllm.engine.parameter_checksums`` of the model vLLM holds now (the proof of load)."""
+        from weightsync.vllm.engine import parameter_checksums
+
+        return parameter_checksums(getattr(self, "model_runner").get_model())
+
     def weightsync_parameters(self) -> dict[str, list[int]]:
         """The shape of every parameter vLLM holds now (a repacked CPU linear layer shows an empty weight)."""
         model = getattr(self, "model_runner").get_model()
         return {name: list(param.shape) for name, param in model.named_parameters()}
+
+    def weightsync_reload(self, weights_path: str) -> dict[str, float]:
+        """vLLM's ``reload_weights(weights_path=..., is_checkpoint_format=True)``, timed: ``seconds`` in all,
+        ``read_seconds`` in vLLM's checkpoint iterator (reading the files), ``load_seconds`` the rest (vLLM's own
+        load: the same measure as an update's ``load_seconds``)."""
+        from weightsync.vllm.engine import LoadClock
+
+        model = getattr(self, "model_runner").get_model()
+        clock = LoadClock()
+        original = model.load_weights
+
+        def load_weights(weights: Iterable[Any], *args: Any, **kwargs: Any) -> Any:
+            return original(clock.iterate(weights), *args, **kwargs)
+
+        model.load_weights = load_weights  # observed only: vLLM's loader still reads and loads everything
+        try:
+            getattr(self, "reload_weights")(weights_path=weights_path, is_checkpoint_format=True)
+        finally:
+            del model.load_weights
+        seconds = time.perf_counter() - clock.started
+        return {"seconds": seconds, "read_seconds": clock.waited, "load_seconds": seconds - clock.waited}

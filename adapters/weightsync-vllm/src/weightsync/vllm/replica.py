@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -76,7 +77,10 @@ class VllmEngineActor:
         self._verified: int | None = None  # the version the last update delivered and verified (set on resume)
         self._torn: str | None = None
         self._requests: set[str] = set()
-        self._copy_views = True
+        self._copy = "held"
+        self._paused_at: float | None = None
+        self._timings: dict[str, float] = {}
+        self._load_sums: dict[str, str] | None = None  # the proof of load the last update took, until it is read
         context = ray.get_runtime_context()
         self._node_id = context.get_node_id()
         self._host_ip = ray.util.get_node_ip_address()
@@ -85,9 +89,9 @@ class VllmEngineActor:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = dict(self._args)
+        args = dict(self._args, worker_extension_cls=EXTENSION)
         if self._weightsync:
-            args.update(weight_transfer_config={"backend": BACKEND}, worker_extension_cls=EXTENSION)
+            args.update(weight_transfer_config={"backend": BACKEND})
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
     def _engine(self) -> Any:
@@ -122,28 +126,37 @@ class VllmEngineActor:
             return await self._rpc(f"weightsync_{method}")
         raise ConfigError(f"unknown checkpoint-engine method {method!r}")
 
-    def set_copy_views(self, copy: bool) -> None:
-        """``False`` hands vLLM the stream's views instead of copies: wrong (``WeightsyncUpdateInfo``), for the test
-        that shows it."""
-        self._copy_views = bool(copy)
+    def set_copy(self, mode: str) -> None:
+        """How tensors are handed to vLLM's loader from the next update on (``WeightsyncUpdateInfo.copy``: "held",
+        the default; "all"; "none", wrong, for the test that shows it is)."""
+        from weightsync.vllm.engine import COPY_MODES
+
+        if mode not in COPY_MODES:
+            raise ConfigError(f"copy must be one of {COPY_MODES}, not {mode!r}")
+        self._copy = mode
 
     async def update_weights(self, *, version: int) -> TransferReport:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         llm = self._engine()
         self._verified = None
+        self._timings = {}
+        self._load_sums = None
         try:
             await llm.start_weight_update()
             try:
                 await llm.update_weights(WeightTransferUpdateRequest(
-                    update_info={"version": version, "copy_views": self._copy_views}))
+                    update_info={"version": version, "copy": self._copy}))
             except Exception as exc:
                 outcome = await self._rpc("weightsync_outcome")
                 if "error" in outcome:
                     raise error_from_data(outcome["error"], where=self.name) from None
                 raise LifecycleError(f"{self.name}: vLLM's update_weights failed: {exc}") from exc
             await llm.finish_weight_update()
-            report = report_from_data((await self._rpc("weightsync_outcome"))["report"])
+            outcome = await self._rpc("weightsync_outcome")
+            report = report_from_data(outcome["report"])
+            self._timings["load_seconds"] = float(outcome.get("load_seconds", 0.0))
+            self._load_sums = outcome.get("load_checksums")
         except BaseException as exc:
             if not is_untouched(exc):
                 await self.tear(f"{type(exc).__name__}: {exc}")
@@ -154,10 +167,12 @@ class VllmEngineActor:
     async def tear(self, reason: str) -> None:
         """The model is half-loaded: end every kept request (each raises ``ReplicaTornError``), refuse new ones."""
         self._torn = reason
+        self._load_sums = None
         if self._requests:
             await self._engine().abort(list(self._requests))
 
     async def pause(self) -> None:
+        self._paused_at = time.perf_counter()
         await self._engine().pause_generation(mode="keep", clear_cache=False)
 
     async def resume(self) -> None:
@@ -167,6 +182,15 @@ class VllmEngineActor:
             self._verified = None
         self._torn = None
         await llm.resume_generation()
+        if self._paused_at is not None:
+            self._timings["pause_seconds"] = time.perf_counter() - self._paused_at
+            self._paused_at = None
+
+    def timings(self) -> dict[str, float]:
+        """Measured here and in vLLM's worker for the last update or reload: ``pause_seconds`` (from the pause to
+        the end of the resume), ``load_seconds`` (vLLM's own load, see ``LoadClock``), and for a reload
+        ``read_seconds`` (reading the checkpoint)."""
+        return dict(self._timings)
 
     # -- serving and inspection ------------------------------------------------------------------------------------
 
@@ -216,12 +240,25 @@ class VllmEngineActor:
             merged.update(worker)
         return merged
 
+    async def load_checksums(self) -> dict[str, str]:
+        """weightsync's proof of load: XXH3-128 of every parameter vLLM holds (``parameter_checksums``). Right after
+        an update, the sums vLLM's worker took as the load finished (nothing ran on the model since: it is
+        paused); asked again, or after anything else, taken anew."""
+        sums, self._load_sums = self._load_sums, None
+        if sums is None:
+            sums = await self._rpc("weightsync_checksums")
+        return dict(sums)
+
     async def parameters(self) -> dict[str, list[int]]:
         return dict(await self._rpc("weightsync_parameters"))
 
-    async def reload(self, path: str) -> None:
-        """Load a checkpoint directory with vLLM's own ``reload_weights`` (a reference engine, or the disk route)."""
-        await self._rpc("reload_weights", weights_path=path, is_checkpoint_format=True)
+    async def reload(self, path: str) -> dict[str, float]:
+        """Load a checkpoint directory with vLLM's own ``reload_weights`` (a reference engine, or the disk route);
+        its timings (``WeightsyncWorkerExtension.weightsync_reload``)."""
+        self._load_sums = None
+        timings: dict[str, float] = dict(await self._rpc("weightsync_reload", weights_path=path))
+        self._timings = {"read_seconds": timings["read_seconds"], "load_seconds": timings["load_seconds"]}
+        return timings
 
     async def weight_version(self) -> str:
         return str(await self._engine().get_weight_version())
@@ -245,7 +282,10 @@ class VllmRolloutReplica:
     """``RolloutReplica`` (and ``PausableReplica``) for one vLLM engine in a Ray actor.
 
     ``release_kv_cache``/``resume_kv_cache`` do nothing on purpose: the pause keeps requests and their KV cache.
-    ``weight_checksums`` is what the manager compares across replicas after an update (the proof of load).
+    ``weight_checksums`` is what the manager compares across replicas after an update (the proof of load): a fast
+    hash (XXH3-128) of every parameter vLLM holds, computed in vLLM's worker while the replica is paused;
+    ``vllm_checksums`` is vLLM's own ``compute_weight_checksums`` (SHA-256), which the tests compare with a
+    reference engine's.
     """
 
     def __init__(self, handle: Any, *, name: str) -> None:
@@ -296,6 +336,12 @@ class VllmRolloutReplica:
         await self.resume()
 
     async def weight_checksums(self) -> dict[str, str]:
+        """What the manager compares across replicas after an update: a fast hash of every parameter vLLM holds
+        (``VllmEngineActor.load_checksums``); vLLM's own SHA-256 checksums are :meth:`vllm_checksums`."""
+        return dict(await self.handle.load_checksums.remote())
+
+    async def vllm_checksums(self) -> dict[str, str]:
+        """vLLM's ``compute_weight_checksums`` (SHA-256 of every parameter)."""
         return dict(await self.handle.checksums.remote())
 
     async def torn(self, reason: str) -> None:
