@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -100,3 +101,26 @@ def test_bench_reports_every_backend(tmp_path: pathlib.Path) -> None:
     assert [row["backend"] for row in data["results"]] == ["shm", "gloo", "naive", "bucketed"]
     assert all(row["gbps_p50"] > 0 and len(data["scenario"]["seconds"][row["backend"]]) == 2
                for row in data["results"])
+
+
+def test_rollout_vllm_says_what_it_needs_where_vllm_is_missing() -> None:
+    """This env has no vLLM: the command says so and how to get it, exit code 2, no traceback (the vllm env runs
+    both for real: tests/adapters/vllm/test_vllm_cli.py)."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    for command in (["demo"], ["bench"]):
+        result = weightsync(*command, "--rollout", "vllm")
+        assert result.returncode == 2, result.stderr
+        assert "--rollout vllm needs vllm" in result.stderr and "hatch run vllm:" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args", [["--hosts", "2"], ["--delta"], ["--mix", "rl"], ["--backends", "tcp"]])
+def test_bench_rollout_vllm_refuses_what_it_does_not_take(args: list[str]) -> None:
+    result = weightsync("bench", "--rollout", "vllm", *args)
+    assert result.returncode == 2 and "--rollout vllm runs on this host" in result.stderr, result.stderr
+
+
+def test_bench_disk_dir_needs_rollout_vllm() -> None:
+    result = weightsync("bench", "--disk-dir", "/var/tmp")
+    assert result.returncode == 2 and "--disk-dir needs --rollout vllm" in result.stderr, result.stderr

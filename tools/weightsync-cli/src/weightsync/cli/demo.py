@@ -34,7 +34,7 @@ from weightsync.cli.progress import Progress
 from weightsync.core.digest import UpdateDigest
 from weightsync.core.tensors import as_byte_view, memoryview_of
 
-__all__ = ["DemoOptions", "DemoTrainer", "DemoRolloutModel", "run_demo"]
+__all__ = ["DemoOptions", "DemoTrainer", "DemoRolloutModel", "free_port", "run_demo"]
 
 PROMPT = [[(7 * i + 3 * j) % 251 + 1 for j in range(24)] for i in range(2)]
 TRAIN_LR = 1e-3
@@ -148,7 +148,8 @@ class DemoOptions:
     then says how many bytes crossed per receiver."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (for a process group's rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -188,7 +189,7 @@ async def run_demo(options: DemoOptions) -> int:
             for index in range(options.replicas)
         ]
         address = await actor_wg.call("address")[0]
-        await asyncio.gather(*actor_wg.call("join", f"tcp://{address}:{_free_port()}"))
+        await asyncio.gather(*actor_wg.call("join", f"tcp://{address}:{free_port()}"))
         manager = CheckpointEngineManager(
             backend=options.backend, actor_wg=actor_wg, replicas=replicas,
             config=SyncConfig(bucket_bytes=options.bucket_mb * MiB, delta=options.delta),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -34,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--delta", action="store_true",
                       help="delta updates (SyncConfig.delta) of bf16 rollout weights trained at an RL learning rate "
                            "(1e-6): after the first update, only the bytes that changed cross")
+    demo.add_argument("--rollout", choices=["model", "vllm"], default="model",
+                      help="what the replicas are: a small PyTorch model of ours (default), or real vLLM engines "
+                           "(needs vLLM: python3 -m hatch run vllm:demo), each step checked against a vLLM engine "
+                           "that loads that version from a checkpoint")
 
     bench = commands.add_parser("bench", help="throughput of each backend between processes on this machine, or across "
                                                     "an emulated testbed of hosts (--hosts)")
@@ -74,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --hosts: round-trip delay between hosts in ms (default 0; needs sch_netem)")
     bench.add_argument("--cleanup", action="store_true",
                        help="only remove what killed --hosts runs left behind (namespaces, folders), then exit")
+    bench.add_argument("--rollout", choices=["model", "vllm"], default="model",
+                       help="vllm: weightsync (shm) against the disk route (safetensors + vLLM's reload_weights) "
+                            "into --receivers real vLLM engines on this host (needs vLLM: python3 -m hatch run "
+                            "vllm:bench); --model-mb defaults to 256, --bucket-mb to 16")
+    bench.add_argument("--disk-dir", default=None,
+                       help="with --rollout vllm: where the disk route writes (default /var/tmp; not a tmpfs)")
 
     doctor = commands.add_parser("doctor", help="list every known backend and whether it can run here")
     doctor.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
@@ -110,11 +121,49 @@ def _doctor(as_json: bool) -> int:
     return 0
 
 
+def _usage_error(command: str, message: str) -> int:
+    print(f"weightsync {command}: {message}", file=sys.stderr)
+    return 2
+
+
+def _run_vllm(command: str, options: object) -> int:
+    """``weightsync.cli.vllm.<command>.run_vllm_<command>(options)``, or why it cannot run here. Imported by name:
+    those modules import vLLM (mypy checks them in the vllm env, mypy-vllm.ini)."""
+    from weightsync.cli.vllm import require_vllm
+
+    missing = require_vllm()
+    if missing:
+        return _usage_error(command, missing)
+    code: int = asyncio.run(getattr(importlib.import_module(f"weightsync.cli.vllm.{command}"), f"run_vllm_{command}")(
+        options))
+    return code
+
+
+def _vllm_bench(args: argparse.Namespace) -> int:
+    if args.hosts or args.delta or args.mix != "realistic" or args.lr is not None or args.backends \
+            or args.plot_path or args.trace_path or args.ray_backend or args.verify_every != 1:
+        return _usage_error("bench", "--rollout vllm runs on this host, full updates of its own Llama over shm "
+                            "against the disk route; it takes --model-mb, --receivers, --bucket-mb, --repeat, --json "
+                            "and --disk-dir only")
+    if args.receivers < 1 or args.repeat < 1 or (args.model_mb is not None and args.model_mb <= 0) \
+            or (args.bucket_mb is not None and args.bucket_mb < 1):
+        return _usage_error("bench", "--receivers, --repeat, --model-mb and --bucket-mb must be positive")
+    from weightsync.cli.vllm import VllmBenchOptions
+
+    return _run_vllm("bench", VllmBenchOptions(
+        model_mb=args.model_mb or 256.0, replicas=args.receivers, repeat=args.repeat, bucket_mb=args.bucket_mb or 16,
+        json_path=args.json_path, **({"disk_dir": args.disk_dir} if args.disk_dir else {})))
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.cleanup:
         from weightsync.cli.bench.hosts import run_cleanup
 
         return run_cleanup()
+    if args.rollout == "vllm":
+        return _vllm_bench(args)
+    if args.disk_dir is not None:
+        return _usage_error("bench", "--disk-dir needs --rollout vllm")
     from weightsync.cli.bench import BenchOptions, run_bench
 
     error = _bench_error(args)
@@ -178,4 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         backend=args.backend, steps=args.steps, replicas=args.replicas, model_mb=args.model_mb,
         bucket_mb=args.bucket_mb, address=args.address, delta=args.delta,
     )
+    if args.rollout == "vllm":
+        if args.steps < 1 or args.replicas < 1 or args.model_mb <= 0 or args.bucket_mb < 1:
+            return _usage_error("demo", "--steps, --replicas, --model-mb and --bucket-mb must be positive")
+        return _run_vllm("demo", options)
     return asyncio.run(run_demo(options))

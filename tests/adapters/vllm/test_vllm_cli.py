@@ -1,0 +1,46 @@
+"""``weightsync demo --rollout vllm`` and ``weightsync bench --rollout vllm`` as a user runs them (separate
+processes, their own Ray cluster and vLLM engines), on the tests' small Llama."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tests run in the vllm env: python3 -m hatch run vllm:test")
+
+from tests.tools.cli.test_cli import weightsync  # noqa: E402
+
+
+def test_demo_every_step_matches_the_reference_engine() -> None:
+    result = weightsync("demo", "--rollout", "vllm", "--steps", "2", "--model-mb", "1")
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2, result.stdout
+    for line in lines:
+        assert "vLLM checksums = reference: 2/2" in line and "greedy tokens = reference: 2/2" in line, line
+    assert "2/2 steps: every replica holds what vLLM loads from that version's checkpoint" in result.stdout
+
+
+def test_bench_compares_shm_with_the_disk_route(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "bench.json"
+    result = weightsync("bench", "--rollout", "vllm", "--model-mb", "1", "--repeat", "2", "--json", str(out),
+                        "--disk-dir", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["rollout"] == "vllm" and report["routes_agree"] is True
+    shm, disk = report["rows"]
+    assert shm["backend"] == "shm" and disk["backend"] == "disk"
+    for row in (shm, disk):
+        assert row["samples"] == 2 * 2  # rounds x replicas
+        assert 0 < row["load_ms_p50"] <= row["pause_ms_p50"] <= row["end_to_end_ms_p50"], row
+        assert row["transfer_ms_p50"] > 0
+    assert disk["write_ms_p50"] > 0 and disk["transfer_ms_p50"] >= disk["write_ms_p50"]
+    assert "shm is" in result.stdout and "x faster end to end than disk" in result.stdout
+    assert not list(tmp_path.glob("weightsync-bench-vllm-*"))  # the disk route's checkpoints are gone
+
+
+def test_bench_refuses_a_memory_filesystem_for_the_disk_route() -> None:
+    result = weightsync("bench", "--rollout", "vllm", "--disk-dir", "/dev/shm", timeout=120)
+    assert result.returncode == 2 and "memory, not a disk" in result.stderr, result.stderr

