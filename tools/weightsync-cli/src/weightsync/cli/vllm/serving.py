@@ -18,7 +18,7 @@ from weightsync.cli.vllm.workload import LlamaTrainer
 __all__ = ["Serving", "serving"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Serving:
     actor_wg: Any
     """A ``RayActorWorkerGroup`` of two :class:`LlamaTrainer` ranks, joined (gradients all-reduced over gloo)."""
