@@ -232,12 +232,14 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             raise LifecycleError(f"{step} before weightsync_prepare: the manager prepares every worker first")
         return self._host
 
-    def begin_reload(self) -> None:
+    def begin_reload(self) -> LoadClock:
+        """Start vLLM's layerwise reload; the clock that times it."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self.clock = LoadClock()
         initialize_layerwise_reload(self.model)
         self._reloading = True
+        return self.clock
 
     def missing_layers(self) -> list[str]:
         """Modules with parameters of their own that received nothing in this reload (every update reaches every
@@ -284,10 +286,10 @@ class _Loader:
         first = await _next(weights)  # nothing is touched until a tensor has arrived (module docstring, point 1)
         if first is None:
             return
-        self._engine.begin_reload()
-        await asyncio.to_thread(self._load, first, pull)
+        clock = self._engine.begin_reload()
+        await asyncio.to_thread(self._load, first, pull, clock)
 
-    def _load(self, first: tuple[str, torch.Tensor], pull: Any) -> None:
+    def _load(self, first: tuple[str, torch.Tensor], pull: Any, clock: LoadClock) -> None:
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in itertools.chain([first], iter(pull, None)):
                 yield name, tensor.clone() if self._copy == "all" else tensor
@@ -295,9 +297,8 @@ class _Loader:
                     _copy_held(name, tensor, self._engine.kept)
 
         model: Any = self._engine.model
-        clock = self._engine.clock
         with _mtp_check_disabled():
-            model.load_weights(weights=clock.iterate(stream()) if clock is not None else stream())
+            model.load_weights(weights=clock.iterate(stream()))
         missing = self._engine.missing_layers()
         if missing:
             raise LoadVerificationError(

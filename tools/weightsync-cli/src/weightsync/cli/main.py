@@ -145,9 +145,9 @@ def _vllm_bench(args: argparse.Namespace) -> int:
         return _usage_error("bench", "--rollout vllm runs on this host, full updates of its own Llama over shm "
                             "against the disk route; it takes --model-mb, --receivers, --bucket-mb, --repeat, --json "
                             "and --disk-dir only")
-    if args.receivers < 1 or args.repeat < 1 or (args.model_mb is not None and args.model_mb <= 0) \
-            or (args.bucket_mb is not None and args.bucket_mb < 1):
-        return _usage_error("bench", "--receivers, --repeat, --model-mb and --bucket-mb must be positive")
+    error = _bench_error(args)  # what is left to check: the sizes, and --link-gbps/--rtt-ms without --hosts
+    if error:
+        return _usage_error("bench", error)
     from weightsync.cli.vllm import VllmBenchOptions
 
     return _run_vllm("bench", VllmBenchOptions(
