@@ -8,6 +8,7 @@ from weightsync.api import errors
 from weightsync.api.config import BUCKET_ALIGNMENT, MiB, StepTimeouts, SyncConfig
 from weightsync.api.protocols import (
     ActorWorkerGroup,
+    BatchedWeights,
     CheckpointEngine,
     ReceivedWeights,
     copy_stream_into,
@@ -55,6 +56,7 @@ __all__ = [
     "ActorWorkerGroup",
     "CheckpointEngine",
     "ReceivedWeights",
+    "BatchedWeights",
     "copy_stream_into",
     "load_into",
     "RolloutReplica",

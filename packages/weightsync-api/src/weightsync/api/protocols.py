@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckpointEngine",
     "ReceivedWeights",
+    "BatchedWeights",
     "check_destination",
     "copy_stream_into",
     "load_into",
@@ -110,6 +111,25 @@ again (a worker may drive its own loop one call at a time). A ``receive_weights(
     async def aclose(self) -> None:
         """Leave the stream before its end (see above); the views it gave are no longer valid."""
         ...
+
+
+@runtime_checkable
+class BatchedWeights(Protocol):
+    """An optional capability of a ``ReceivedWeights``: the tensors of one receive buffer at a time.
+
+    ``next_batch()`` returns, at once, the tensors the stream would yield one by one before it moves on to its next
+    receive buffer (a bucket), as views valid until the next ``next_batch()`` or ``__anext__`` call, or until the
+    consumer leaves; ``None`` at the end, where the digest has been checked and ``report`` is set as with ``async
+    for``. A batch may hold less than a whole bucket (an engine that gathers a tensor split across buckets in a
+    buffer it reuses ends a batch with it), never nothing before the end. Errors are those of ``__anext__``. The
+    two may be mixed: a batch holds what is left of the current buffer.
+
+    For a consumer that keeps tensors a while: an inference engine's loader holds the parts of a fused layer (q and
+    k until v arrives) and can copy only what it still holds when it asks for the next batch, rather than every
+    tensor, and crosses from the stream's event loop to its own thread once per buffer rather than per tensor.
+    """
+
+    async def next_batch(self) -> list[tuple[str, torch.Tensor]] | None: ...
 
 
 async def load_into(

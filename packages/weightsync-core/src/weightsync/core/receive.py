@@ -80,18 +80,33 @@ class ReceiveStream:
         return self._queue
 
     async def __anext__(self) -> tuple[str, torch.Tensor]:
-        if self._finished:
+        views = await self._views(whole_bucket=False)
+        if not views:
             raise StopAsyncIteration
+        return views[0]
+
+    async def next_batch(self) -> list[tuple[str, torch.Tensor]] | None:
+        """What is left of the current bucket, or the next bucket's tensors (``BatchedWeights``)."""
+        return await self._views(whole_bucket=True) or None
+
+    async def _views(self, *, whole_bucket: bool) -> list[tuple[str, torch.Tensor]]:
+        """The next view, or every view left in the bucket — up to a tensor gathered from several buckets, which
+        ends a batch (the next split tensor is gathered in the same scratch buffer); [] at the end of the update."""
+        if self._finished:
+            return []
         self._destinations = None
+        views: list[tuple[str, torch.Tensor]] = []
         try:
             while True:
                 if self._reader.pending and self._patch():
                     ready = self._reader.next_view()
                     if ready is not None:
-                        return ready
+                        views.append(ready)
+                        if not whole_bucket or self._reader.gathered:  # the next piece may overwrite it
+                            return views
                     continue
-                if not await self._advance():
-                    raise StopAsyncIteration
+                if views or not await self._advance():
+                    return views
         except BaseException:
             self._close()
             raise

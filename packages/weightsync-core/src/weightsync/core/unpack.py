@@ -127,6 +127,9 @@ class BucketReader:
         self.tensors = 0
         """Tensors completed in this update."""
         self._scratch: torch.Tensor | None = None
+        self.gathered = False
+        """Whether the last view ``next_view`` gave lives in the scratch buffer, which the next split tensor
+        overwrites (it is valid only until the reader takes the next piece)."""
 
     def begin(self, arrived: Arrived) -> None:
         self.current, self.position, self.hashed = arrived, 0, 0
@@ -281,6 +284,7 @@ class BucketReader:
     def _tensor(self, meta: TensorMeta, payload: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         dtype = dtype_from_name(meta.dtype)
         piece = payload[meta.bucket_offset: meta.bucket_offset + meta.nbytes]
+        self.gathered = not meta.is_whole
         if meta.is_whole:
             self.tensors += 1
             return meta.name, _typed_view(piece, dtype, meta.shape)
