@@ -15,6 +15,8 @@ How weightsync's lifecycle maps onto vLLM's:
   (the backend and configuration it was prepared with, its per-rank arguments from ``build_topology``, the epoch).
 - an update: vLLM's ``start_weight_update`` → ``update_weights({"version": v})`` → ``finish_weight_update``. The
   stream is consumed in ``update_weights``; the layerwise reload is finalized in ``finish_weight_update``.
+  ``VllmRolloutReplica`` runs the three worker steps in one RPC (``WeightsyncWorkerExtension.weightsync_update``);
+  driving them one by one through ``AsyncLLM`` works the same.
 
 Three things differ from vLLM's own checkpoint-format engines, each to keep a replica from serving wrong weights:
 
@@ -23,12 +25,15 @@ Three things differ from vLLM's own checkpoint-format engines, each to keep a re
    Here the first tensor is awaited first, so an update that never delivered one leaves the model as it was (the
    manager's *untouched*, resumed on its old weights).
 2. **vLLM never keeps a view past its life.** The layerwise loader holds what it is handed until its whole layer
-   has arrived (q, k and v for ``qkv_proj``); weightsync's stream gives views into its receive buffers, valid only
-   until the next tensor. vLLM is handed the view, and when its loader asks for the next tensor, whatever the
-   layerwise reload still holds of that view (``LAYERWISE_INFO[layer].loaded_weights``) is replaced by a copy:
-   only the parts of a fused layer that wait for the rest are copied (about a third of a Llama's bytes), not every
-   tensor — a fresh CPU allocation costs about five times a copy into memory already mapped. A model whose own
-   ``load_weights`` keeps tensors elsewhere needs ``copy="all"`` (every tensor copied before vLLM sees it).
+   has arrived (q, k and v for ``qkv_proj``); weightsync's stream gives views into its receive buffers. The
+   loader takes them a bucket at a time (``BatchedWeights.next_batch``: views valid until the next batch) and hands
+   vLLM the views; when vLLM asks for the tensor after the batch, whatever the layerwise reload still holds of the
+   batch's views (``LAYERWISE_INFO[layer].loaded_weights``) is replaced by a copy. Only the parts of a fused layer
+   whose rest is in a later bucket are copied (a few MB of 259 at 16 MiB buckets), not every tensor — a fresh CPU
+   allocation costs about five times a copy into memory already mapped, so the copies go into buffers kept from
+   the last update. A stream without batches gives one tensor at a time (then the held parts of every fused layer
+   are copied). A model whose own ``load_weights`` keeps tensors elsewhere needs ``copy="all"`` (every tensor
+   copied before vLLM sees it).
 3. **A failed update is finalized here.** vLLM forgets the update when ``update_weights`` raises, so the engine
    runs ``finalize_layerwise_reload`` itself: layers that received nothing get their previous tensors back, the
    rest are what arrived (the manager marks the replica torn and keeps it paused). A full update that left a layer
@@ -44,7 +49,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -58,6 +63,7 @@ from vllm.distributed.weight_transfer.base import (
 from weightsync.api import errors
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import ConfigError, LifecycleError, LoadVerificationError, WeightsyncError
+from weightsync.api.protocols import BatchedWeights
 from weightsync.api.types import TransferReport, WorkerMetadata
 from weightsync.core.host import EngineHost, is_untouched, mark_untouched
 
@@ -152,9 +158,9 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         self._updating = False
         self._timeout = 600.0
         self.clock: LoadClock | None = None
-        self.kept: dict[tuple[str, str], torch.Tensor] = {}
-        """CPU buffers the copies of held views go into, reused from update to update (``_copy_held``)."""
         """Times the reload in progress (from its first tensor to its finalize): ``outcome["load_seconds"]``."""
+        self.kept: dict[tuple[int, int, str], torch.Tensor] = {}
+        """CPU buffers the copies of held views go into, reused from update to update (``_copy_held``)."""
         self.outcome: dict[str, Any] = {}
         """The last step's result as plain data: ``{"report": ...}`` or ``{"error": ...}`` (``weightsync_outcome``)."""
 
@@ -278,23 +284,24 @@ class _Loader:
     async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
         loop = asyncio.get_running_loop()
         timeout = self._engine._timeout + 30.0  # the stream's own waits have deadlines; this only bounds a bug
+        next_batch = _batches(weights)
 
-        def pull() -> tuple[str, torch.Tensor] | None:
-            future = asyncio.run_coroutine_threadsafe(_next(weights), loop)
-            return future.result(timeout)
+        def pull() -> list[tuple[str, torch.Tensor]] | None:
+            return asyncio.run_coroutine_threadsafe(next_batch(), loop).result(timeout)
 
-        first = await _next(weights)  # nothing is touched until a tensor has arrived (module docstring, point 1)
+        first = await next_batch()  # nothing is touched until a tensor has arrived (module docstring, point 1)
         if first is None:
             return
         clock = self._engine.begin_reload()
         await asyncio.to_thread(self._load, first, pull, clock)
 
-    def _load(self, first: tuple[str, torch.Tensor], pull: Any, clock: LoadClock) -> None:
+    def _load(self, first: list[tuple[str, torch.Tensor]], pull: Any, clock: LoadClock) -> None:
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in itertools.chain([first], iter(pull, None)):
-                yield name, tensor.clone() if self._copy == "all" else tensor
-                if self._copy == "held":  # vLLM asks for the next tensor: the view is about to go
-                    _copy_held(name, tensor, self._engine.kept)
+            for batch in itertools.chain([first], iter(pull, None)):
+                for name, tensor in batch:
+                    yield name, tensor.clone() if self._copy == "all" else tensor
+                if self._copy == "held":  # vLLM asks for the tensor after this batch: its views are about to go
+                    _copy_held(batch, self._engine.kept)
 
         model: Any = self._engine.model
         with _mtp_check_disabled():
@@ -307,27 +314,29 @@ class _Loader:
             )
 
 
-def _copy_held(name: str, view: torch.Tensor, kept: dict[tuple[str, str], torch.Tensor]) -> None:
-    """Replace every tensor vLLM's layerwise reload still holds that shares ``view``'s memory (tensor ``name`` of
-    the stream) with a copy of it.
+def _copy_held(batch: list[tuple[str, torch.Tensor]], kept: dict[tuple[int, int, str], torch.Tensor]) -> None:
+    """Replace every tensor vLLM's layerwise reload still holds that shares memory with a view of ``batch`` with a
+    copy of it.
 
-    On the CPU the copy goes into a buffer ``kept`` from the last update where it fits: a fresh allocation there
-    costs page faults, about four times the copy (CUDA's caching allocator reuses its blocks the same way). Safe
-    because every layer's held tensors are consumed by the end of the update that handed them over."""
+    On the CPU the copy goes into a buffer ``kept`` from the last update for the same place (the layer, the
+    position among the tensors it holds, the argument) where it fits: a fresh allocation there costs page faults,
+    about four times the copy (CUDA's caching allocator reuses its blocks the same way). Safe because every
+    layer's held tensors are consumed by the end of the update that handed them over."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-    storage = view.untyped_storage().data_ptr()
-    for info in list(LAYERWISE_INFO.values()):
-        for _, bound in info.loaded_weights:
+    storages = {view.untyped_storage().data_ptr() for _, view in batch}
+    for module, info in list(LAYERWISE_INFO.items()):
+        for position, (_, bound) in enumerate(info.loaded_weights):
             for key, value in bound.arguments.items():
-                if not isinstance(value, torch.Tensor) or value.untyped_storage().data_ptr() != storage:
+                if not isinstance(value, torch.Tensor) or value.untyped_storage().data_ptr() not in storages:
                     continue
-                buffer = kept.get((name, key))
+                place = (id(module), position, key)
+                buffer = kept.get(place)
                 if (value.device.type != "cpu" or buffer is None or buffer.shape != value.shape
                         or buffer.dtype != value.dtype):
                     buffer = value.clone()
                     if value.device.type == "cpu":
-                        kept[(name, key)] = buffer
+                        kept[place] = buffer
                 else:
                     buffer.copy_(value)
                 bound.arguments[key] = buffer
@@ -342,11 +351,19 @@ def _mtp_check_disabled() -> contextlib.AbstractContextManager[Any]:
     return disable_mtp_completeness_check()  # type: ignore[no-any-return]
 
 
-async def _next(weights: AsyncIterator[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:
-    try:
-        return await weights.__anext__()
-    except StopAsyncIteration:
-        return None
+def _batches(weights: AsyncIterator[tuple[str, torch.Tensor]]
+             ) -> Callable[[], Coroutine[Any, Any, list[tuple[str, torch.Tensor]] | None]]:
+    """The stream's ``next_batch`` (``BatchedWeights``), or batches of one tensor from a stream without it."""
+    if isinstance(weights, BatchedWeights):
+        return weights.next_batch
+
+    async def one() -> list[tuple[str, torch.Tensor]] | None:
+        try:
+            return [await weights.__anext__()]
+        except StopAsyncIteration:
+            return None
+
+    return one
 
 
 # -- outcomes across vLLM's RPC (which carries exceptions as strings) ---------------------------------------------

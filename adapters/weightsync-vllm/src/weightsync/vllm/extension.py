@@ -41,6 +41,25 @@ class WeightsyncWorkerExtension:
     def weightsync_close(self) -> None:
         self._weightsync().shutdown()
 
+    def weightsync_update(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        """One update in one RPC: vLLM's own worker steps ``start_weight_update`` → ``update_weights(update_info)``
+        → ``finish_weight_update``, which call the weight-transfer engine's, then the outcome
+        (:meth:`weightsync_outcome`; an error of the update is in it rather than raised, as plain data). Three
+        round trips through vLLM's engine core fewer than calling the steps one by one."""
+        engine = self._weightsync()
+        worker: Any = self
+        worker.start_weight_update()
+        try:
+            worker.update_weights(update_info)
+        except Exception as exc:  # noqa: BLE001 - it goes back as data, typed (the engine recorded its own errors)
+            from weightsync.vllm.engine import error_to_data
+
+            if "error" not in engine.outcome:
+                engine.outcome = {"error": error_to_data(exc)}
+            return self.weightsync_outcome()
+        worker.finish_weight_update()
+        return self.weightsync_outcome()
+
     def weightsync_outcome(self) -> dict[str, Any]:
         """The last update's outcome: ``{"report": TransferReport as a dict}`` or ``{"error": ...}``."""
         outcome: dict[str, Any] = self._weightsync().outcome

@@ -7,12 +7,14 @@ calls to the actor, which turns them into vLLM calls:
 ========================  ==========================================================================================
 manager                   vLLM
 ========================  ==========================================================================================
-pause                     ``pause_generation(mode="keep", clear_cache=False)``: running requests and their KV cache
-                          stay; they continue after the resume
+pause                     ``pause_generation(mode="keep", clear_cache=False)`` less its closing sleep
+                          (:func:`pause_keeping`): running requests and their KV cache stay; they continue after the
+                          resume
 ``prepare``               ``collective_rpc("weightsync_prepare")`` (the worker extension; returns the metadata)
 ``init_process_group``    ``init_weight_transfer_engine`` with ``WeightsyncInitInfo``
-update                    ``start_weight_update`` → ``update_weights({"version": v})`` → ``finish_weight_update``,
-                          then ``collective_rpc("weightsync_outcome")`` for the report (or the typed error)
+update                    ``collective_rpc("weightsync_update")``: vLLM's worker steps ``start_weight_update`` →
+                          ``update_weights({"version": v})`` → ``finish_weight_update`` in one call, which returns
+                          the report and the proof of load (or the typed error) as plain data
 resume                    ``update_weight_version(str(v))`` for a committed update, then ``resume_generation()``
 ``ping``                  answered by the actor itself: a ``collective_rpc`` would queue behind the transfer
 ========================  ==========================================================================================
@@ -56,6 +58,23 @@ def engine_args(model: str, **overrides: Any) -> dict[str, Any]:
     }
     args.update(overrides)
     return args
+
+
+async def pause_keeping(llm: Any) -> None:
+    """``llm.pause_generation(mode="keep", clear_cache=False)`` without the 20 ms it then sleeps.
+
+    ``AsyncLLM.pause_generation`` asks the engine core to pause its scheduler and then sleeps 20 ms so that the final
+    outputs of requests the pause ends reach their callers before it returns — vLLM's comment calls it ordering,
+    not correctness. A pause that keeps every request ends none, and the sleep would be a fifth of an update's
+    fixed cost here, so the scheduler is paused directly (the engine core client's ``pause_scheduler_async``, what
+    ``pause_generation`` awaits; with ``clear_cache=False`` it does nothing else). A vLLM without that call gets
+    ``pause_generation``."""
+    core = getattr(llm, "engine_core", None)
+    pause_scheduler = getattr(core, "pause_scheduler_async", None)
+    if pause_scheduler is None:
+        await llm.pause_generation(mode="keep", clear_cache=False)
+    else:
+        await pause_scheduler(mode="keep", clear_cache=False)
 
 
 class VllmEngineActor:
@@ -136,24 +155,16 @@ class VllmEngineActor:
         self._copy = mode
 
     async def update_weights(self, *, version: int) -> TransferReport:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        llm = self._engine()
         self._verified = None
         self._timings = {}
         self._load_sums = None
         try:
-            await llm.start_weight_update()
             try:
-                await llm.update_weights(WeightTransferUpdateRequest(
-                    update_info={"version": version, "copy": self._copy}))
-            except Exception as exc:
-                outcome = await self._rpc("weightsync_outcome")
-                if "error" in outcome:
-                    raise error_from_data(outcome["error"], where=self.name) from None
-                raise LifecycleError(f"{self.name}: vLLM's update_weights failed: {exc}") from exc
-            await llm.finish_weight_update()
-            outcome = await self._rpc("weightsync_outcome")
+                outcome = await self._rpc("weightsync_update", update_info={"version": version, "copy": self._copy})
+            except Exception as exc:  # raised by vLLM itself (its RPC carries only the message)
+                raise LifecycleError(f"{self.name}: vLLM's weight update failed: {exc}") from exc
+            if "error" in outcome:
+                raise error_from_data(outcome["error"], where=self.name)
             report = report_from_data(outcome["report"])
             self._timings["load_seconds"] = float(outcome.get("load_seconds", 0.0))
             self._load_sums = outcome.get("load_checksums")
@@ -173,7 +184,7 @@ class VllmEngineActor:
 
     async def pause(self) -> None:
         self._paused_at = time.perf_counter()
-        await self._engine().pause_generation(mode="keep", clear_cache=False)
+        await pause_keeping(self._engine())
 
     async def resume(self) -> None:
         llm = self._engine()
