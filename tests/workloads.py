@@ -86,6 +86,14 @@ class ModelSource(_Inspectable):
         return counting_groups()
 
 
+class RedrawnSource(ModelSource):
+    """:class:`ModelSource` whose every tensor's size is a multiple of the bucket alignment (no bucket has padding
+    a delta encoding could leave out); every version redraws every byte."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size, tensors=6, numel=49_152)
+
+
 class RecordingSink(_Inspectable):
     """A rollout worker's model: keeps a copy of every tensor and records the pause/resume hooks it sees."""
 
@@ -364,6 +372,88 @@ class InPlaceSink(RecordingSink):
     def scribble(self) -> None:
         tensor = self.weights["model.layers.1.weight"]
         as_byte_view(tensor).view(torch.int32)[5] += 1
+
+
+ADDED = "model.added.weight"
+
+
+def growing_model(version: int) -> list[tuple[str, torch.Tensor]]:
+    """:func:`delta_model`, and from version 2 on one tensor more (``ADDED``), a few of its elements changed each
+    version."""
+    weights = delta_model(version)
+    if version >= 2:
+        added = torch.arange(3000, dtype=torch.float32) + version * (torch.arange(3000) % 97 == version % 97)
+        weights.append((ADDED, added))
+    return weights
+
+
+class GrowingDeltaSource(DeltaModelSource):
+    """An actor rank whose model gains a tensor between versions 1 and 2 (:func:`growing_model`)."""
+
+    def set_version(self, version: int) -> str:
+        self.version = version
+        return weights_digest(growing_model(version))
+
+    def named_weights(self) -> Iterator[Any]:
+        yield from growing_model(self.version)
+
+
+class FallbackSink(RecordingSink):
+    """Loads in place (``copy_into``) into tensors of its own, but has none for the names in ``without`` (one of
+    them split across buckets) nor for any name it does not know: its fallback keeps a copy of each of those
+    (``kept``), and records the names it was given, update by update."""
+
+    without = frozenset({"model.layers.0.weight", "model.layers.4.weight"})
+
+    def __init__(self, replica: int, worker: int) -> None:
+        super().__init__(replica, worker)
+        self.params = {name: torch.zeros_like(tensor) for name, tensor in delta_model(0) if name not in self.without}
+        self.kept: dict[str, torch.Tensor] = {}
+        self.fallback_names: list[list[str]] = []
+
+    async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
+        names: list[str] = []
+        self.fallback_names.append(names)
+
+        def keep(name: str, tensor: torch.Tensor) -> None:
+            names.append(name)
+            self.kept[name] = tensor.clone()
+
+        await weights.copy_into(self.params, fallback=keep)  # type: ignore[attr-defined]
+        self.version = version
+
+    def digest(self) -> str:
+        return weights_digest([*self.params.items(), *self.kept.items()])
+
+    def fallback_log(self) -> list[list[str]]:
+        return self.fallback_names
+
+
+class AddedByFallbackSink(FallbackSink):
+    """:class:`FallbackSink` with a tensor for every name of :func:`delta_model`: only a tensor added later reaches
+    its fallback."""
+
+    without = frozenset()
+
+
+class OnDemandSink(FallbackSink):
+    """Starts with no tensors; its fallback creates each destination on demand, in the mapping it passes to
+    ``copy_into`` (so the next update finds it there)."""
+
+    def __init__(self, replica: int, worker: int) -> None:
+        super().__init__(replica, worker)
+        self.params = {}
+
+    async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
+        names: list[str] = []
+        self.fallback_names.append(names)
+
+        def create(name: str, tensor: torch.Tensor) -> None:
+            names.append(name)
+            self.params[name] = tensor.clone()
+
+        await weights.copy_into(self.params, fallback=create)  # type: ignore[attr-defined]
+        self.version = version
 
 
 class DeviceDeltaSource(DeltaModelSource):

@@ -15,7 +15,7 @@ import ray
 from tests.conftest import RayNodes
 from tests.ray_cluster import Cluster, running_cluster
 from tests.workloads import (DeltaModelSource, DeviceDeltaSource, DeviceInPlaceSink, InPlaceSink, MixedDeltaSource,
-                             RecordingSink)
+                             OnDemandSink, RecordingSink, RedrawnSource)
 from weightsync.api.config import StepTimeouts, SyncConfig
 from weightsync.api.errors import DigestMismatchError, WeightsyncError
 from weightsync.api.types import UpdateReport
@@ -53,11 +53,11 @@ def test_twenty_delta_updates_are_bit_exact(cluster: Cluster, backend: str) -> N
     manager = CheckpointEngineManager(backend=backend, actor_wg=cluster.actor_wg, replicas=cluster.replicas,
                                       config=config())
     first = update(manager, cluster, 1)
-    assert [outcome.full for outcome in first.replicas] == [True, True]
+    assert [outcome.received for outcome in first.replicas] == ["full", "full"]
     assert first.wire_bytes >= first.nbytes and first.changed_fraction == 1.0
     for version in range(2, 21):
         report = update(manager, cluster, version)
-        assert [outcome.full for outcome in report.replicas] == [False, False], version
+        assert [outcome.received for outcome in report.replicas] == ["changes", "changes"], version
         # About 2 % of the elements differ between consecutive versions (a different 1 % each).
         assert 0.005 < report.changed_fraction < 0.05, report.changed_fraction
         assert report.wire_bytes < 0.15 * report.nbytes, (report.wire_bytes, report.nbytes)
@@ -75,11 +75,11 @@ def test_accelerator_weights_update_by_deltas(cluster: Cluster, backend: str) ->
     manager = CheckpointEngineManager(backend=backend, actor_wg=cluster.actor_wg, replicas=cluster.replicas,
                                       config=config())
     first = update(manager, cluster, 1)
-    assert [outcome.full for outcome in first.replicas] == [True, True]
+    assert [outcome.received for outcome in first.replicas] == ["full", "full"]
     for version in range(2, 7):
         ray.get(on_device.call("read_back")[0])
         report = update(manager, cluster, version)
-        assert [outcome.full for outcome in report.replicas] == [False, False], version
+        assert [outcome.received for outcome in report.replicas] == ["changes", "changes"], version
         assert 0.005 < report.changed_fraction < 0.05, report.changed_fraction
         assert report.wire_bytes < 0.15 * report.nbytes, (report.wire_bytes, report.nbytes)
         # Each piece is read back once to be changed and summed on the host, not its whole tensor for every bucket
@@ -96,10 +96,10 @@ def test_a_replica_added_later_gets_a_full_update_and_deltas_after(cluster: Clus
     manager.add_replicas([cluster.add(InPlaceSink)])
     joined = update(manager, cluster, 6)
     # One stream reaches both replicas: the newcomer needs every byte, so both get them.
-    assert [outcome.full for outcome in joined.replicas] == [True, True]
+    assert [outcome.received for outcome in joined.replicas] == ["full", "full"]
     assert joined.wire_bytes >= joined.nbytes
     after = update(manager, cluster, 7)
-    assert [outcome.full for outcome in after.replicas] == [False, False]
+    assert [outcome.received for outcome in after.replicas] == ["changes", "changes"]
     assert after.wire_bytes < 0.15 * after.nbytes
 
 
@@ -115,8 +115,8 @@ def test_a_restarted_replica_is_repaired_by_a_full_update(cluster: Cluster) -> N
     gone.shutdown()
     manager.add_replicas([cluster.add(InPlaceSink)])  # the same place in the fleet, a fresh process holding nothing
     report = update(manager, cluster, 3)
-    assert [outcome.full for outcome in report.replicas] == [True, True]
-    assert [outcome.full for outcome in update(manager, cluster, 4).replicas] == [False, False]
+    assert [outcome.received for outcome in report.replicas] == ["full", "full"]
+    assert [outcome.received for outcome in update(manager, cluster, 4).replicas] == ["changes", "changes"]
 
 
 @pytest.mark.parametrize("verify_every", [1, 1000])
@@ -140,8 +140,8 @@ def test_a_destination_changed_behind_the_engine_is_found_and_repaired(cluster: 
     states = manager.status()
     assert [state.state for state in states] == ["committed", "torn"]
     repaired = update(manager, cluster, 4)
-    assert [outcome.full for outcome in repaired.replicas] == [True, True]
-    assert [outcome.full for outcome in update(manager, cluster, 5).replicas] == [False, False]
+    assert [outcome.received for outcome in repaired.replicas] == ["full", "full"]
+    assert [outcome.received for outcome in update(manager, cluster, 5).replicas] == ["changes", "changes"]
 
 
 def test_a_dense_step_goes_dense_bucket_by_bucket(cluster: Cluster) -> None:
@@ -151,13 +151,26 @@ def test_a_dense_step_goes_dense_bucket_by_bucket(cluster: Cluster) -> None:
     ray.get(cluster.actor_wg.call("set_dense", [3])[0])
     update(manager, cluster, 1)
     update(manager, cluster, 2)
-    dense = update(manager, cluster, 3)  # every element changed: every bucket is sent whole
-    assert [outcome.full for outcome in dense.replicas] == [False]
+    dense = update(manager, cluster, 3)  # every element changed: every bucket but the last is sent whole
+    # (the last holds six pieces at 256-byte alignment: its changes, padding left out, are the smaller encoding)
+    assert [outcome.received for outcome in dense.replicas] == ["changes"]
     assert dense.changed_fraction > 0.95
     assert dense.nbytes <= dense.wire_bytes < 1.05 * dense.nbytes
     update(manager, cluster, 4)  # (back from every element changed: dense again)
     sparse = update(manager, cluster, 5)
     assert sparse.wire_bytes < 0.15 * sparse.nbytes
+
+
+@pytest.mark.parametrize("cluster", [RedrawnSource], indirect=True)
+def test_an_update_whose_every_bucket_went_dense_was_received_full(cluster: Cluster) -> None:
+    cluster.add(OnDemandSink)  # in place, into the destinations its fallback created in the first update
+    cluster.add(RecordingSink)
+    manager = CheckpointEngineManager(backend="shm", actor_wg=cluster.actor_wg, replicas=cluster.replicas,
+                                      config=config())
+    update(manager, cluster, 1)
+    redrawn = update(manager, cluster, 2)  # a delta update against version 1 in which no bucket is smaller as changes
+    assert [outcome.received for outcome in redrawn.replicas] == ["full", "full"]
+    assert redrawn.wire_bytes >= redrawn.nbytes
 
 
 def test_a_failed_update_makes_the_next_one_full(cluster: Cluster) -> None:
@@ -171,4 +184,4 @@ def test_a_failed_update_makes_the_next_one_full(cluster: Cluster) -> None:
         asyncio.run(manager.update_weights(version=3))
     ray.get(cluster.actor_wg.call("set_mode", "normal")[0])
     report = update(manager, cluster, 4)
-    assert [outcome.full for outcome in report.replicas] == [True]
+    assert [outcome.received for outcome in report.replicas] == ["full"]

@@ -96,11 +96,11 @@ def test_full_updates_over_shm_match_the_reference(serving: Serving) -> None:
 def test_delta_updates_at_rl_learning_rate_match_the_reference(serving: Serving) -> None:
     manager = _manager(serving, delta=True)
     first = serving.run(manager.update_weights())  # a new manager's first update is full
-    assert [o.full for o in first.replicas] == [True, True]
+    assert [o.received for o in first.replicas] == ["full", "full"]
     for step in range(2):
         path = _version(serving, f"delta{step}", train=(1, 1e-6))
         report = serving.run(manager.update_weights())
-        assert [o.full for o in report.replicas] == [False, False]
+        assert [o.received for o in report.replicas] == ["changes", "changes"]
         assert report.changed_fraction < 0.1 and report.wire_bytes < report.nbytes / 4, report
         _assert_same_as_reference(serving, path)
 
@@ -114,7 +114,7 @@ def test_a_change_to_one_projection_still_loads_its_fused_layer_whole(serving: S
     ray.get(serving.actor_wg.call("perturb", "model.layers.1.self_attn.q_proj.weight"))
     path = _version(serving, "q_only", train=None)
     report = serving.run(manager.update_weights())
-    assert [o.full for o in report.replicas] == [False, False]
+    assert [o.received for o in report.replicas] == ["changes", "changes"]
     assert report.wire_bytes < report.nbytes / 4, report
     _assert_same_as_reference(serving, path)
 

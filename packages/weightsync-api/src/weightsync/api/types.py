@@ -26,6 +26,7 @@ __all__ = [
     "Topology",
     "TransferReport",
     "StageTiming",
+    "Received",
     "ReplicaState",
     "ReplicaOutcome",
     "UpdateReport",
@@ -137,10 +138,15 @@ class TransferReport:
     none), counted when the sender keeps that version (``SyncConfig.delta``); 0 otherwise."""
     base: int = -1
     """The version this update's deltas applied to; -1 for a full update."""
+    delta_buckets: int = 0
+    """A receiver's: buckets that arrived as changes against ``base`` (the others arrived dense, every byte)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+
+Received: TypeAlias = Literal["full", "changes"]
+"""What an update sent a replica (``ReplicaOutcome.received``)."""
 
 ReplicaState: TypeAlias = Literal["committed", "torn", "untouched"]
 """``committed``: every worker holds the new version, digests verified. ``torn``: the update reached some of its
@@ -156,8 +162,9 @@ class ReplicaOutcome:
     """The version the replica holds now (None when torn or never updated)."""
     resumed: bool
     error: str | None = None
-    full: bool = True
-    """The update sent this replica every byte (False: only what changed since the version it held)."""
+    received: Received = "full"
+    """``full``: the update sent this replica every byte (a full update, or a delta update whose every bucket went
+    dense); ``changes``: some of its buckets arrived as only what changed since the version the replica held."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -38,7 +38,7 @@ from weightsync.api.errors import DestinationError, DigestMismatchError, Transfe
 from weightsync.core import codec, tensors
 from weightsync.core.codec import TensorMeta
 from weightsync.core.tensors import DTYPES, memoryview_at, memoryview_of
-from weightsync.core.unpack import Arrived, check_destination, destination_fits
+from weightsync.core.unpack import Arrived, Fallback, check_destination, destination_fits, typed_view
 
 __all__ = ["BaseCopies", "BucketCopy", "ENCODER", "ModelDigest", "ReceiverDelta", "apply", "bucket_sum", "encode",
            "piece_key", "unit_of"]
@@ -336,7 +336,9 @@ class ReceiverDelta:
 
     A delta bucket is applied in place: into the kept copy when the receiver keeps one (its consumer iterated views
     last time; the bucket is then read from the copy as a dense one), else straight into the ``copy_into``
-    destinations. A receiver that does not hold the update's base refuses it before writing anything.
+    destinations. A tensor with no destination there goes to the consumer's fallback as in a full update: the
+    receiver keeps a host copy of each such tensor (``placed``), brings it up to the new version and hands the
+    fallback the whole tensor. A receiver that does not hold the update's base refuses it before writing anything.
     """
 
     def __init__(self, *, verify_every: int) -> None:
@@ -345,6 +347,10 @@ class ReceiverDelta:
         """(version, model digest) of what this receiver holds; None while an update is under way or after one
         failed."""
         self.kept = BaseCopies()
+        self.placed: dict[str, torch.Tensor] = {}
+        """Host copies (bytes) of the tensors a ``copy_into`` consumer's fallback took, as of this update (during
+        one) or the held version: what changes to them apply to."""
+        self._placed_base: dict[str, torch.Tensor] = {}
         self.delta_updates = 0
         self._base: tuple[int, str] | None = None
         self._kept_base: int | None = None
@@ -357,6 +363,7 @@ class ReceiverDelta:
         """A new update starts: until it completes, this receiver holds no version it can vouch for."""
         self._base, self.held = self.held, None
         self._kept_base, self.kept.version = self.kept.version, None
+        self._placed_base, self.placed = self.placed, {}
         self._model = None
         self._views = True
 
@@ -379,11 +386,13 @@ class ReceiverDelta:
             raise TransferError(f"{peer} sent changes against version {header.base}, but this receiver holds {held}: "
                                 "it needs a full update", peer=peer)
 
-    def take(self, arrived: Arrived, destinations: Mapping[str, torch.Tensor] | None) -> bool:
+    def take(self, arrived: Arrived, destinations: Mapping[str, torch.Tensor] | None,
+             fallback: Fallback | None = None) -> bool:
         """A bucket of a delta update, before the consumer reads it. True: the consumer reads it as a dense bucket
         (a delta applied to the kept copy is read from there); False: it went straight into ``destinations`` and
-        is done. Every bucket of the update goes one way: a tensor split across buckets may arrive partly dense,
-        partly as changes, and each piece must land in place."""
+        is done (a tensor with no destination handed to ``fallback`` whole). Every bucket of the update goes one
+        way: a tensor split across buckets may arrive partly dense, partly as changes, and each piece must land in
+        place."""
         header, payload = arrived.header, arrived.payload[: arrived.header.nbytes]
         kept_valid = self._kept_base is not None and self._kept_base == header.base
         if header.dense < 0 and (destinations is None or kept_valid):
@@ -409,11 +418,19 @@ class ReceiverDelta:
         windows: list[tuple[torch.Tensor, torch.Tensor]] = []
         whole: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         held: list[Held] = []
+        placed: list[tuple[TensorMeta, torch.Tensor]] = []
         for meta in tensors_:
             destination = destinations.get(meta.name)
             if destination is None:
-                raise DestinationError(f"no destination for received tensor {meta.name!r}: a delta update changes "
-                                       "the tensor in place", name=meta.name)
+                if fallback is None:
+                    raise DestinationError(f"no destination for received tensor {meta.name!r} (and no fallback)",
+                                           name=meta.name)
+                copy = self._placed(meta, fresh=header.dense < 0)
+                rows.extend((copy.data_ptr() + meta.offset, meta.nbytes, unit_of(meta),
+                             piece_key(header.index, meta.bucket_offset)))
+                held.append((meta, copy, meta.offset))
+                placed.append((meta, copy))
+                continue
             check_destination(meta, destination)
             dtype = DTYPES[meta.dtype]
             if destination_fits(destination, dtype, meta.shape):
@@ -451,7 +468,25 @@ class ReceiverDelta:
             self._model.add(arrived.table, _layout(header), total)
         elif whole:
             self._fold(header, arrived.table, held)
+        for meta, copy in placed:
+            if meta.offset + meta.nbytes == meta.total_nbytes and fallback is not None:  # its last piece: whole now
+                fallback(meta.name, typed_view(copy, DTYPES[meta.dtype], meta.shape))
         return False
+
+    def _placed(self, meta: TensorMeta, *, fresh: bool) -> torch.Tensor:
+        """The host copy a piece of a tensor without a destination is written to: this update's, the base's (to
+        apply changes to), or, for a piece sent dense (``fresh``), a new one."""
+        copy = self.placed.get(meta.name)
+        if copy is None:
+            copy = self._placed_base.pop(meta.name, None)
+            if copy is None or copy.numel() != meta.total_nbytes:
+                if not fresh:
+                    raise TransferError(f"changes to {meta.name!r} arrived, but this receiver kept no copy of it to "
+                                        "apply them to (its fallback took it): it needs a full update",
+                                        peer="this receiver")
+                copy = torch.empty(meta.total_nbytes, dtype=torch.uint8)
+            self.placed[meta.name] = copy
+        return copy
 
     def read(self, arrived: Arrived, destinations: Mapping[str, torch.Tensor] | None) -> None:
         """A bucket was read as a dense one: by views (its bytes are kept, for the next delta) or into
@@ -469,9 +504,11 @@ class ReceiverDelta:
         held: list[Held] = []
         for meta in header.tensors:
             destination = destinations.get(meta.name)
-            if destination is None:  # the consumer's fallback took it: nothing this receiver can hash
-                self._model = None
-                return
+            if destination is None:  # the consumer's fallback took it: kept, for the next delta update
+                destination = self._placed(meta, fresh=True)
+                with torch.no_grad():
+                    destination[meta.offset:meta.offset + meta.nbytes].copy_(
+                        arrived.payload[meta.bucket_offset:meta.bucket_offset + meta.nbytes])
             held.append((meta, destination, meta.offset))
         self._fold(header, arrived.table, held)
 
@@ -490,6 +527,7 @@ class ReceiverDelta:
                         "destination changed outside the engine, or the base was not what it claimed",
                         receiver=receiver, expected=header.model, actual=actual)
         self.held = (header.version, header.model)
+        self._placed_base = {}  # tensors the fallback no longer takes
         if self._views:
             self.kept.version, self.kept.model = header.version, header.model
             self.kept.truncate(header.index)

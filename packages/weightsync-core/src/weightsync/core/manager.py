@@ -364,9 +364,9 @@ class CheckpointEngineManager:
             error = None
             if state == "torn" and failure is not None:
                 error = f"{type(failure).__name__}: {failure}"
-            full = not all(isinstance(report, TransferReport) and report.base >= 0 for report in mine) or not mine
+            changes = any(isinstance(report, TransferReport) and report.delta_buckets > 0 for report in mine)
             outcomes.append(ReplicaOutcome(replica=r, state=state, version=held, resumed=False, error=error,
-                                           full=full))
+                                           received="changes" if changes else "full"))
         return outcomes
 
     async def _resume(

@@ -12,7 +12,7 @@ import collections
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -24,7 +24,7 @@ from weightsync.core.handover import Hold
 from weightsync.core.settings import EngineSettings
 from weightsync.core.trace import Tracer
 from weightsync.core.transport import ReceivedBucket, ReceiverTransport
-from weightsync.core.unpack import Arrived, BucketReader, BulkPlans
+from weightsync.core.unpack import Arrived, BucketReader, BulkPlans, Fallback
 
 __all__ = ["ReceiveStream", "ReceiveContext"]
 
@@ -55,11 +55,12 @@ class ReceiveStream:
         self._queue: asyncio.Queue[Arrived | BaseException] | None = None
         self._started = time.perf_counter()
         self._receive_seconds = 0.0
-        self._nbytes = self._buckets = self._wire = 0
+        self._nbytes = self._buckets = self._wire = self._delta_buckets = 0
         self._finished = False
         self._unpack_started = 0.0
         self._destinations: Mapping[str, torch.Tensor] | None = None
         """Where the consumer reads the current bucket to: its ``copy_into`` destinations, or None for views."""
+        self._fallback: Fallback | None = None
         self._patched: Arrived | None = None
         self._applied: Arrived | None = None
         self._in_transit: collections.deque[Arrived] = collections.deque()
@@ -94,7 +95,7 @@ class ReceiveStream:
         ends a batch (the next split tensor is gathered in the same scratch buffer); [] at the end of the update."""
         if self._finished:
             return []
-        self._destinations = None
+        self._destinations = self._fallback = None
         views: list[tuple[str, torch.Tensor]] = []
         try:
             while True:
@@ -113,14 +114,14 @@ class ReceiveStream:
 
     async def copy_into(
         self, destinations: Mapping[str, torch.Tensor], *,
-        fallback: Callable[[str, torch.Tensor], object] | None = None,
+        fallback: Fallback | None = None,
     ) -> int:
         """The rest of the stream, copied straight from the receive buffers into ``destinations`` (see the Protocol
         and :mod:`weightsync.core.unpack`)."""
         if self._finished:
             return 0
         count = 0
-        self._destinations = destinations
+        self._destinations, self._fallback = destinations, fallback
         try:
             while True:
                 if self._reader.pending:
@@ -154,7 +155,7 @@ class ReceiveStream:
             current.payload = current.payload[:nbytes].clone()
             self._transport.release(current.token)
             current.token = 0
-        if self._context.delta.take(current, self._destinations):
+        if self._context.delta.take(current, self._destinations, self._fallback):
             return True
         self._applied = current
         return False
@@ -228,6 +229,7 @@ class ReceiveStream:
                 self._receive_seconds += time.perf_counter() - started
                 self._nbytes += sum(meta.nbytes for meta in header.tensors)
                 self._wire += header.nbytes
+                self._delta_buckets += header.dense >= 0
                 self._buckets += 1
                 deliver(Arrived(header, payload, received.token, table, fused))
         except BaseException as exc:
@@ -277,7 +279,7 @@ class ReceiveStream:
                 tensors=self._reader.tensors, buckets=self._buckets, seconds=time.perf_counter() - self._started,
                 digest=digest, sender=header.sender,
                 stages=(StageTiming(stage="receive", seconds=self._receive_seconds),),
-                wire_bytes=self._wire, base=header.base,
+                wire_bytes=self._wire, base=header.base, delta_buckets=self._delta_buckets,
             )
         finally:
             self._close()

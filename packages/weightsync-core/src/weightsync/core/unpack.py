@@ -27,7 +27,8 @@ from weightsync.core.digest import UpdateDigest
 from weightsync.core.planner import PIECE_BYTES
 from weightsync.core.tensors import COMPLEX_NAMES, DTYPES, copy_batch, copy_columns, copy_stream, dtype_from_name
 
-__all__ = ["Arrived", "BucketReader", "BulkPlans", "destination_fits", "check_destination"]
+__all__ = ["Arrived", "BucketReader", "BulkPlans", "Fallback", "destination_fits", "check_destination",
+           "typed_view"]
 
 Fallback = Callable[[str, torch.Tensor], object]
 
@@ -287,7 +288,7 @@ class BucketReader:
         self.gathered = not meta.is_whole
         if meta.is_whole:
             self.tensors += 1
-            return meta.name, _typed_view(piece, dtype, meta.shape)
+            return meta.name, typed_view(piece, dtype, meta.shape)
         # A range of a tensor split across buckets: gather it in a scratch buffer reused across tensors.
         if self._scratch is None or self._scratch.numel() < meta.total_nbytes:
             self._scratch = torch.empty(meta.total_nbytes, dtype=torch.uint8, device=payload.device)
@@ -295,10 +296,11 @@ class BucketReader:
         if meta.offset + meta.nbytes < meta.total_nbytes:
             return None
         self.tensors += 1
-        return meta.name, _typed_view(self._scratch[: meta.total_nbytes], dtype, meta.shape)
+        return meta.name, typed_view(self._scratch[: meta.total_nbytes], dtype, meta.shape)
 
 
-def _typed_view(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def typed_view(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor's bytes ``data`` (uint8) as the tensor."""
     if data.numel() == 0:
         return torch.empty(shape, dtype=dtype, device=data.device)
     return data.view(dtype).reshape(shape)

@@ -216,7 +216,7 @@ async def run_demo(options: DemoOptions) -> int:
             progress.show(step, f"step {step}: {'bit-exact' if exact else 'MISMATCH'}")
             sent = ""
             if options.delta:
-                full = sum(outcome.full for outcome in report.replicas)
+                full = sum(outcome.received == "full" for outcome in report.replicas)
                 sent = (f"  sent {report.wire_bytes / 1e6:.1f} MB ({report.changed_fraction:.1%} changed; "
                         f"{full}/{len(report.replicas)} replicas full)")
             print(
