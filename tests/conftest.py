@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +16,18 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Ray workers and spawned harness processes import tests.workloads by name.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+# Ray keeps its state in a folder of this test run, not in the machine's default (/tmp/ray): a test cluster writes
+# ``ray_current_cluster`` there (``ray.cluster_utils.Cluster`` does, and removes it only on a clean shutdown), and a
+# bare ``ray.init()`` anywhere else on the machine would then try to join this run's cluster. Every Ray process the
+# tests start inherits it.
+RAY_TMPDIR = tempfile.mkdtemp(prefix="ws-ray-")
+os.environ["RAY_TMPDIR"] = RAY_TMPDIR
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(RAY_TMPDIR, ignore_errors=True)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
