@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from weightsync.core.digest import UpdateDigest
-from weightsync.core.tensors import as_byte_view
+from weightsync.core.wire.digest import UpdateDigest
+from weightsync.core.wire.tensors import as_byte_view
 
 
 def model_tensors(version: int, *, tensors: int = 12, numel: int = 50_000) -> list[tuple[str, torch.Tensor]]:

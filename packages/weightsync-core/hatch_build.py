@@ -1,9 +1,9 @@
-"""Build hook: compile ``weightsync/core/_stream_copy.c`` into a plain shared library (loaded with ctypes).
+"""Build hook: compile ``weightsync/core/native/_stream_copy.c`` into a plain shared library (loaded with ctypes).
 
 The helper is an optimisation only. Where no C compiler is found, or it fails, the build goes on without it and
-``weightsync.core.tensors`` copies with libc ``memmove`` (``weightsync doctor`` says which). The library uses no
+``weightsync.core.native`` copies with libc ``memmove`` (``weightsync doctor`` says which). The library uses no
 Python API, so no Python headers are needed, and one build serves every Python version of the platform. The compile
-itself is ``weightsync/core/_helper_build.py``, which ``tensors`` also calls when an editable checkout has lost its
+itself is ``weightsync/core/native/build.py``, which ``native`` also calls when an editable checkout has lost its
 library.
 """
 
@@ -19,7 +19,7 @@ from hatchling.builders.config import BuilderConfig
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 from packaging.tags import sys_tags
 
-SOURCE = Path("src/weightsync/core/_stream_copy.c")
+SOURCE = Path("src/weightsync/core/native/_stream_copy.c")
 # Not ``*.so``: that suffix makes the file look like an extension module to anything that walks the package
 # (pkgutil.walk_packages, documentation tools), which would then fail to import it.
 LIBRARY = SOURCE.with_name("_stream_copy.so.1")
@@ -36,21 +36,21 @@ class StreamCopyHook(BuildHookInterface[BuilderConfig]):
             build_data["pure_python"] = False
             # No Python API in the library: any Python 3 of this platform can load it.
             build_data["tag"] = f"py3-none-{next(sys_tags()).platform}"
-            build_data["force_include"][str(root / LIBRARY)] = str(Path("weightsync/core") / LIBRARY.name)
+            build_data["force_include"][str(root / LIBRARY)] = str(Path("weightsync/core/native") / LIBRARY.name)
 
 
 def _compile(source: Path, library: Path) -> bool:
     if os.environ.get("WEIGHTSYNC_STREAM_COPY") == "0":
         return False
-    why = _helper_build(source.with_name("_helper_build.py")).compile_library(source, library)
+    why = _helper_build(source.with_name("build.py")).compile_library(source, library)
     if why:
         print(f"weightsync-core: {why}; host copies will use memmove", file=sys.stderr)
     return not why
 
 
 def _helper_build(path: Path) -> Any:
-    """``weightsync/core/_helper_build.py`` (standard library only), loaded by its path: neither weightsync nor
-    torch is installed in pip's build environment. ``tensors`` compiles with the same code at first use."""
+    """``weightsync/core/native/build.py`` (standard library only), loaded by its path: neither weightsync nor
+    torch is installed in pip's build environment. ``native`` compiles with the same code at first use."""
     spec = importlib.util.spec_from_file_location("_weightsync_helper_build", path)
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)

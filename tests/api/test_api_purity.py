@@ -21,4 +21,4 @@ def test_importing_the_api_imports_no_torch_ray_or_verl() -> None:
 
 def test_the_probe_can_see_a_heavy_import() -> None:
     # Negative control: the same probe notices torch when something does import it.
-    assert _heavy_modules_after("import weightsync.api\nimport weightsync.core") == ["torch"]
+    assert _heavy_modules_after("import weightsync.api\nimport weightsync.core.wire.tensors") == ["torch"]

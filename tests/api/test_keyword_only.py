@@ -64,11 +64,11 @@ def _sites() -> dict[str, inspect._ParameterKind]:
 def test_every_definition_takes_actor_wg_keyword_only() -> None:
     sites = _sites()
     expected = {
-        "weightsync.core.manager.CheckpointEngineManager.__init__(actor_wg)",
-        "weightsync.core.engine.BucketCheckpointEngine.build_topology(actor_wg_world_size)",
+        "weightsync.core.control.manager.CheckpointEngineManager.__init__(actor_wg)",
+        "weightsync.core.control.engine.BucketCheckpointEngine.build_topology(actor_wg_world_size)",
         # A backend's topology lives on its transport (the engine class delegates to it).
-        "weightsync.core.transport.Transport.build_topology(actor_wg_world_size)",
-        "weightsync.core.collective.CollectiveTransport.build_topology(actor_wg_world_size)",
+        "weightsync.core.transports.transport.Transport.build_topology(actor_wg_world_size)",
+        "weightsync.core.transports.collective.CollectiveTransport.build_topology(actor_wg_world_size)",
         "weightsync.shm.engine.ShmTransport.build_topology(actor_wg_world_size)",
         "weightsync.api.protocols.CheckpointEngine.build_topology(actor_wg_world_size)",
         "weightsync.api.topology.build_checked_topology(actor_wg_world_size)",

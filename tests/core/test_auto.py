@@ -1,4 +1,4 @@
-"""``backend="auto"``'s rule (``weightsync.core.auto.choose``), over what is installed; the manager's use of it on
+"""``backend="auto"``'s rule (``weightsync.core.control.auto.choose``), over what is installed; the manager's use of it on
 one host and across hosts is tested with Ray (tests/adapters/ray/test_manager_ray.py, test_across_hosts.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from weightsync.api.errors import BackendUnavailableError
-from weightsync.core.auto import choose, describe_rule, has_rdma
+from weightsync.core.control.auto import choose, describe_rule, has_rdma
 
 
 def installed(*names: str) -> Callable[[], list[str]]:

@@ -30,7 +30,7 @@ def build_wheel(tmp_path: pathlib.Path, env: dict[str, str]) -> pathlib.Path:
 def test_with_a_compiler_the_wheel_carries_the_helper(tmp_path: pathlib.Path) -> None:
     wheel = build_wheel(tmp_path, dict(os.environ))
     names = zipfile.ZipFile(wheel).namelist()
-    assert "weightsync/core/_stream_copy.so.1" in names
+    assert "weightsync/core/native/_stream_copy.so.1" in names
     assert wheel.name.endswith(".whl") and "-py3-none-linux_" in wheel.name  # any Python 3, this platform only
 
 
@@ -38,5 +38,5 @@ def test_without_a_compiler_the_wheel_is_pure_python(tmp_path: pathlib.Path) -> 
     env = {**os.environ, "CC": str(tmp_path / "no-such-compiler")}
     wheel = build_wheel(tmp_path, env)
     names = zipfile.ZipFile(wheel).namelist()
-    assert "weightsync/core/_stream_copy.so.1" not in names and "weightsync/core/tensors.py" in names
+    assert "weightsync/core/native/_stream_copy.so.1" not in names and "weightsync/core/native/__init__.py" in names
     assert wheel.name.endswith("-py3-none-any.whl")

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from weightsync.api.errors import EpochMismatchError, WireError
-from weightsync.core.codec import TensorMeta
-from weightsync.core import codec
+from weightsync.core.wire import codec
+from weightsync.core.wire.codec import TensorMeta
 
 
 def header(**changes: object) -> codec.BucketHeader:

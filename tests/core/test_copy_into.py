@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-import weightsync.core.unpack as unpack_module
-from weightsync.core.tensors import copy_columns
+from weightsync.core.native import copy_columns
+import weightsync.core.pipeline.unpack as unpack_module
 
 from tests.reliability.test_bad_inputs import Pair, pair  # noqa: F401  (the fixture)
 

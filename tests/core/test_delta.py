@@ -9,13 +9,13 @@ import concurrent.futures
 import pytest
 import torch
 
-import weightsync.core.tensors as tensors
 from weightsync.api.errors import WireError
-from weightsync.core import delta
-from weightsync.core.codec import TensorMeta
-from weightsync.core.tensors import as_byte_view, dtype_name
+from weightsync.core import native
+from weightsync.core.delta import encoding as delta
+from weightsync.core.wire.codec import TensorMeta
+from weightsync.core.wire.tensors import as_byte_view, dtype_name
 
-pytestmark = pytest.mark.skipif(tensors._HELPER is None, reason="the compiled helper is not built here")
+pytestmark = pytest.mark.skipif(native.HELPER is None, reason="the compiled helper is not built here")
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float64, torch.int16]
 
@@ -157,7 +157,7 @@ def test_keyed_sums_follow_their_definition(monkeypatch: pytest.MonkeyPatch, pyt
     metas = pieces(weights)
     expected = reference_sum(3, [meta for meta in metas if meta.name != "big"], weights)
     if python:
-        monkeypatch.setattr(tensors, "_HELPER", None)
+        monkeypatch.setattr(native, "HELPER", None)
     assert held_sum(3, [meta for meta in metas if meta.name != "big"], weights) == expected
     big = [meta for meta in metas if meta.name == "big"]
     assert held_sum(3, big, weights) == reference_sum(3, big, weights)
@@ -215,7 +215,7 @@ def test_a_malformed_encoding_writes_nothing(monkeypatch: pytest.MonkeyPatch, py
     old = {"a": torch.randn(100), "b": torch.randn(50)}
     new, metas, encoded = encoded_change(old, 0.2, seed=5)
     if python:
-        monkeypatch.setattr(tensors, "_HELPER", None)
+        monkeypatch.setattr(native, "HELPER", None)
     # Negative control first: the intact encoding applies (through the same path).
     held = {name: tensor.clone() for name, tensor in old.items()}
     delta.apply(encoded, rows_into(metas, held))
@@ -244,7 +244,7 @@ def test_the_python_apply_writes_what_the_helper_writes(monkeypatch: pytest.Monk
     assert encoded is not None
     by_helper = {name: tensor.clone() for name, tensor in old.items()}
     delta.apply(encoded, rows_into(metas, by_helper))
-    monkeypatch.setattr(tensors, "_HELPER", None)
+    monkeypatch.setattr(native, "HELPER", None)
     by_python = {name: tensor.clone() for name, tensor in old.items()}
     delta.apply(encoded, rows_into(metas, by_python))
     for name in old:

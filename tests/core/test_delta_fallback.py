@@ -20,7 +20,7 @@ from tests.workloads import (ADDED, AddedByFallbackSink, DeltaModelSource, Fallb
                              OnDemandSink, delta_model)
 from weightsync.api.config import StepTimeouts, SyncConfig
 from weightsync.api.types import UpdateReport
-from weightsync.core.manager import CheckpointEngineManager
+from weightsync.core.control.manager import CheckpointEngineManager
 
 DELTA_UPDATES = 10
 

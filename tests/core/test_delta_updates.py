@@ -19,7 +19,7 @@ from tests.workloads import (DeltaModelSource, DeviceDeltaSource, DeviceInPlaceS
 from weightsync.api.config import StepTimeouts, SyncConfig
 from weightsync.api.errors import DigestMismatchError, WeightsyncError
 from weightsync.api.types import UpdateReport
-from weightsync.core.manager import CheckpointEngineManager
+from weightsync.core.control.manager import CheckpointEngineManager
 
 BUCKET = 256 * 1024
 

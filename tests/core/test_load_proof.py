@@ -11,21 +11,21 @@ import pytest
 from weightsync.api.errors import LoadVerificationError
 from weightsync.api.protocols import LoadProvingReplica
 from weightsync.core import CheckpointEngineManager
-from weightsync.core.manager import _disagreeing
+from weightsync.core.control.round import disagreeing
 
 
 def test_a_replica_that_differs_from_the_majority_is_named_with_its_first_parameter() -> None:
     same = {"a": "1", "b": "2", "c": "3"}
-    assert _disagreeing([(0, same), (1, dict(same)), (2, {**same, "c": "x", "b": "y"})]) == {2: "b"}
-    assert _disagreeing([(0, same), (1, dict(same)), (2, dict(same))]) == {}  # control: nothing to report
+    assert disagreeing([(0, same), (1, dict(same)), (2, {**same, "c": "x", "b": "y"})]) == {2: "b"}
+    assert disagreeing([(0, same), (1, dict(same)), (2, dict(same))]) == {}  # control: nothing to report
 
 
 def test_without_a_majority_every_replica_involved_is_named() -> None:
-    assert _disagreeing([(0, {"a": "1"}), (1, {"a": "2"})]) == {0: "a", 1: "a"}
+    assert disagreeing([(0, {"a": "1"}), (1, {"a": "2"})]) == {0: "a", 1: "a"}
 
 
 def test_a_parameter_one_replica_lacks_counts_as_different() -> None:
-    assert _disagreeing([(0, {"a": "1", "b": "2"}), (1, {"a": "1", "b": "2"}), (4, {"a": "1"})]) == {4: "b"}
+    assert disagreeing([(0, {"a": "1", "b": "2"}), (1, {"a": "1", "b": "2"}), (4, {"a": "1"})]) == {4: "b"}
 
 
 class _Group:

@@ -5,7 +5,8 @@ import torch
 
 from weightsync.api.config import BUCKET_ALIGNMENT
 from weightsync.api.errors import DuplicateTensorError, UnsupportedDeviceError, UnsupportedDtypeError, WeightStreamError
-from weightsync.core.planner import PIECE_BYTES, plan_buckets
+from weightsync.core.pipeline.planner import plan_buckets
+from weightsync.core.wire.layout import PIECE_BYTES
 
 CPU = frozenset({"cpu"})
 

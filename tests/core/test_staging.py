@@ -22,7 +22,7 @@ from weightsync.api.errors import ConfigError
 from weightsync.api.registry import load_engine_class, register_backend
 from weightsync.api.testing import case_tensors, place, raw_bytes
 from weightsync.api.types import WorkerContext, WorldMetadata
-from weightsync.core import staging
+from weightsync.core.pipeline import staging
 from weightsync.emuaccel import synchronizations
 
 BUCKET = 1 << 16
@@ -107,7 +107,7 @@ def test_a_missing_staging_wait_is_caught_by_the_bytes(device: str, monkeypatch:
 
 def test_the_planner_never_lists_a_device_address_for_a_host_copy(device: str) -> None:
     """Small pieces are batched by host address; an accelerator tensor's address must never be among them."""
-    from weightsync.core.planner import plan_buckets
+    from weightsync.core.pipeline.planner import plan_buckets
 
     weights = place(case_tensors("many_small", 1, BUCKET), device, "mixed")
     device_addresses = {tensor.data_ptr() for _, tensor in weights if tensor.device.type == device}

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from weightsync.api.errors import ConfigError, HostUnreachableError, StepTimeoutError
-from weightsync.core import steps
+from weightsync.core.control import steps
 
 WHERE = {"actor rank 0": "h1 (198.18.0.2)", "replica0/worker0": "h2 (198.18.0.3)",
          "replica0/worker1": "h2 (198.18.0.3)", "replica1/worker0": "h3 (198.18.0.4)"}

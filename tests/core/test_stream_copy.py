@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-import weightsync.core.send as send_module
 from weightsync.api.errors import DigestMismatchError
-from weightsync.core._helper_build import compile_library
-from weightsync.core.planner import PIECE_BYTES
-import weightsync.core.tensors as tensors
-from weightsync.core.tensors import STREAM_COPY, _copies_exactly, copy_batch, copy_columns, copy_stream
+from weightsync.core import native
+from weightsync.core.native import STREAM_COPY, _copies_exactly, copy_batch, copy_columns, copy_stream
+from weightsync.core.native.build import compile_library
+from weightsync.core.wire.layout import PIECE_BYTES
+import weightsync.core.wire.layout as layout_module
 
 from tests.reliability.test_bad_inputs import Pair, connected_pair
 
@@ -88,14 +88,14 @@ def test_overlapping_ranges_copy_like_memmove() -> None:
 @pytest.mark.skipif(not (sys.platform.startswith("linux") and platform.machine() == "x86_64" and shutil.which("cc")),
                     reason="the helper is built only on x86-64 Linux with a C compiler")
 def test_the_helper_was_built_and_is_used() -> None:
-    # The install compiled it (hatch_build.py), or the import did (_helper_build.cached_library), and the import
+    # The install compiled it (hatch_build.py), or the import did (native.build.cached_library), and the import
     # picked it over memmove.
     assert STREAM_COPY in ("avx2 non-temporal stores", "sse2 non-temporal stores"), STREAM_COPY
     assert copy_stream is not ctypes.memmove
 
 
 def test_the_environment_can_turn_it_off() -> None:
-    code = ("from weightsync.core.tensors import STREAM_COPY, copy_stream, copy_bytes; "
+    code = ("from weightsync.core.native import STREAM_COPY, copy_stream, copy_bytes; "
             "print(STREAM_COPY, copy_stream is copy_bytes)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "WEIGHTSYNC_STREAM_COPY": "0"}, check=True)
@@ -138,7 +138,7 @@ def test_a_wrong_pack_copy_is_caught_by_the_receivers_digest(pair: Pair, monkeyp
             byte = ctypes.c_uint8.from_address(destination + 7)
             byte.value ^= 0x10
 
-    monkeypatch.setattr(send_module, "copy_stream", flips_a_byte)
+    monkeypatch.setattr(layout_module, "copy_stream", flips_a_byte)
     error, _ = send_large(pair, sent)
     assert isinstance(error, DigestMismatchError), error
     assert flipped
@@ -147,7 +147,7 @@ def test_a_wrong_pack_copy_is_caught_by_the_receivers_digest(pair: Pair, monkeyp
 @pytest.mark.parametrize("compiled", [True, False])
 def test_a_batch_lands_exactly(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if not compiled:  # the pure-Python fallback, one copy per triple
-        monkeypatch.setattr(tensors, "_HELPER", None)
+        monkeypatch.setattr(native, "HELPER", None)
     source = torch.arange(50_000, dtype=torch.int32).view(torch.uint8)
     # (destination offset, source offset, nbytes): odd sizes and offsets, one empty, out of order.
     entries = [100, 7, 4096, 0, 9000, 33, 20_000, 123, 5000, 5000, 0, 0]
@@ -180,24 +180,24 @@ def test_a_helper_built_from_another_version_is_not_used(tmp_path: pathlib.Path,
     # whose ABI number differs is refused, and the loader builds one from today's source instead.
     if shutil.which("cc") is None or platform.machine() != "x86_64":
         pytest.skip("needs a C compiler on x86-64 to build the stale helper")
-    source = pathlib.Path(tensors.__file__).with_name("_stream_copy.c").read_text()
-    current = f"WEIGHTSYNC_STREAM_COPY_ABI {tensors._HELPER_ABI}"
+    source = pathlib.Path(native.__file__).with_name("_stream_copy.c").read_text()
+    current = f"WEIGHTSYNC_STREAM_COPY_ABI {native._ABI}"
     assert current in source
     (tmp_path / "stale.c").write_text(source.replace(current, "WEIGHTSYNC_STREAM_COPY_ABI 2"))
     assert compile_library(tmp_path / "stale.c", tmp_path / "stale.so") == ""
-    library, why = tensors._open_helper(tmp_path / "stale.so")
+    library, why = native._open_helper(tmp_path / "stale.so")
     assert library is None and "built from another version" in why
     monkeypatch.setenv("WEIGHTSYNC_CACHE_DIR", str(tmp_path / "cache"))
-    library, path, why = tensors._load_helper(tmp_path / "stale.so")
+    library, path, why = native._load_helper(tmp_path / "stale.so")
     assert library is not None and path is not None and path.parent == tmp_path / "cache" and why == ""
     # The library built from today's source is kept: a later load takes the same file.
-    assert tensors._load_helper(tmp_path / "missing.so.1")[1] == path
+    assert native._load_helper(tmp_path / "missing.so.1")[1] == path
 
 
 @pytest.mark.parametrize("compiled", [True, False])
 def test_columns_land_exactly(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if not compiled:
-        monkeypatch.setattr(tensors, "_HELPER", None)
+        monkeypatch.setattr(native, "HELPER", None)
     source = torch.arange(50_000, dtype=torch.int32).view(torch.uint8)
     destination = torch.full((30_000,), 0xEE, dtype=torch.uint8)
     # (destination offset, source offset, nbytes), the first and last outside start:stop.

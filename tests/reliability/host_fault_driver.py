@@ -24,7 +24,7 @@ from tests.tools.testbed.driving import DriverChannel
 from tests.workloads import ModelSource, RecordingSink
 from weightsync.api.config import StepTimeouts, SyncConfig
 from weightsync.api.errors import WeightsyncError
-from weightsync.core.manager import CheckpointEngineManager
+from weightsync.core.control.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 
 TRANSFER_TIMEOUT = 6.0

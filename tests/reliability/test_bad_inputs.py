@@ -28,7 +28,7 @@ from weightsync.api.errors import (
     WeightStreamError,
 )
 from weightsync.api.types import WorkerContext, WorldMetadata
-from weightsync.core.engine import BucketCheckpointEngine, default_node_id
+from weightsync.core.control.engine import BucketCheckpointEngine, default_node_id
 from weightsync.shm.engine import ShmCheckpointEngine
 
 BUCKET = 64 * 1024
@@ -202,7 +202,7 @@ def test_two_concurrent_updates_on_one_engine(pair: Pair) -> None:
 
 
 def test_version_going_backwards_on_the_manager() -> None:
-    from weightsync.core.manager import CheckpointEngineManager
+    from weightsync.core.control.manager import CheckpointEngineManager
 
     class OneRank:
         world_size = 1

@@ -26,7 +26,7 @@ from weightsync.api.errors import (
     WeightsyncError,
     WorkerError,
 )
-from weightsync.core.manager import CheckpointEngineManager
+from weightsync.core.control.manager import CheckpointEngineManager
 
 # The one-sided chain backends fail differently (a dead middle hop starves everything downstream of it), so the
 # kill, stall and corruption cases run for them too.

@@ -19,7 +19,7 @@ from tests.conftest import RayNodes
 from tests.workloads import ModelSource, RecordingSink
 from weightsync.api.config import StepTimeouts, SyncConfig
 from weightsync.api.errors import WeightsyncError
-from weightsync.core.manager import CheckpointEngineManager
+from weightsync.core.control.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 
 UPDATES = int(os.environ.get("WEIGHTSYNC_SOAK_UPDATES", "40"))

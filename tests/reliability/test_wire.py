@@ -17,8 +17,8 @@ import torch
 
 from tests.reliability.test_bad_inputs import Pair, good
 from weightsync.api.types import WorkerContext
-from weightsync.core import codec
-from weightsync.core.engine import default_node_id
+from weightsync.core.control.engine import default_node_id
+from weightsync.core.wire import codec
 from weightsync.gloo.collective import GlooCheckpointEngine
 from weightsync.shm.engine import ShmCheckpointEngine
 

@@ -12,7 +12,7 @@ from typing_extensions import assert_type
 
 from weightsync.api.topology import build_checked_topology, with_epoch
 from weightsync.api.types import Topology, WorldMetadata
-from weightsync.core.manager import CheckpointEngineManager
+from weightsync.core.control.manager import CheckpointEngineManager
 from weightsync.gloo.collective import GlooCheckpointEngine
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 from weightsync.shm.engine import ShmCheckpointEngine

@@ -29,8 +29,8 @@ Checks, in this order, each in a bounded time (``--check-budget``; all of them t
 3. ``legs``     — the pipeline's legs: pack (D2D from scattered parameters into a bucket, on a copy stream), H2D and
    D2H between pinned host memory and a bucket, D2H into pageable memory; each as GB/s and as a fraction of (2).
 4. ``staging``  — weightsync's own staging path between device tensors and a host bucket: D2H through
-   ``weightsync.core.staging.SendStaging.stage`` (what a sender does for a host transport) and H2D through the
-   receiver's unpack (``weightsync.core.unpack.BucketReader.copy_out`` into device destinations), each in GB/s and
+   ``weightsync.core.pipeline.staging.SendStaging.stage`` (what a sender does for a host transport) and H2D through the
+   receiver's unpack (``weightsync.core.pipeline.unpack.BucketReader.copy_out`` into device destinations), each in GB/s and
    as a ratio to a raw pinned ``non_blocking`` copy of the same bytes; the bytes are compared both ways.
 5. ``overlap``  — an H2D and a D2H bucket copy one after the other on one stream, then at once on a copy stream and
    a second ("communication") stream; ratio near 0.5 means they overlap.
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
               "to install it", file=sys.stderr)
         return EXIT_NO_WHEELS
     if args.dry_run:
-        for module in ("torch", "weightsync.api.testing", "weightsync.core.staging", "weightsync.core.unpack"):
+        for module in ("torch", "weightsync.api.testing", "weightsync.core.pipeline.staging", "weightsync.core.pipeline.unpack"):
             try:
                 importlib.import_module(module)
             except ImportError as exc:

@@ -140,11 +140,12 @@ def check_staging(ctx: Context) -> Result:
     torch = ctx.torch
     from weightsync.api.config import BUCKET_ALIGNMENT
     from weightsync.api.testing import raw_bytes
-    from weightsync.core.codec import WIRE_VERSION, BucketHeader
-    from weightsync.core.digest import UpdateDigest
-    from weightsync.core.planner import plan_buckets
-    from weightsync.core.staging import SendStaging
-    from weightsync.core.unpack import Arrived, BucketReader, BulkPlans
+    from weightsync.core.pipeline.planner import plan_buckets
+    from weightsync.core.pipeline.staging import SendStaging
+    from weightsync.core.pipeline.unpack import BucketReader, BulkPlans
+    from weightsync.core.transports.transport import Arrived
+    from weightsync.core.wire.codec import WIRE_VERSION, BucketHeader
+    from weightsync.core.wire.digest import UpdateDigest
 
     nbytes, repeats = ctx.args.bucket_mib << 20, ctx.args.repeats
     params = _params(ctx, nbytes)

@@ -19,7 +19,7 @@ import ray
 from tests.tools.testbed.driving import DriverChannel
 from tests.workloads import ModelSource, RecordingSink
 from weightsync.api.config import MiB, StepTimeouts, SyncConfig
-from weightsync.core.manager import CheckpointEngineManager
+from weightsync.core.control.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 
 NUMEL = 500_000  # 12 fp32 tensors: 24 MB a model, far above Ray's own traffic on the links

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from weightsync.cli.testbed import LinkCounters, Testbed, TestbedRay
-from weightsync.core.auto import choose
+from weightsync.core.control.auto import choose
 
 from tests.tools.testbed.driving import steer
 from tests.tools.testbed.support import start_or_skip

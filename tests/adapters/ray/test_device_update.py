@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 from weightsync.api.config import SyncConfig
-from weightsync.core.manager import CheckpointEngineManager
+from weightsync.core.control.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 
 from tests.conftest import RayNodes

@@ -22,8 +22,8 @@ from weightsync.api.errors import (
     WeightStreamError,
 )
 from weightsync.api.types import Topology, WorldMetadata
-from weightsync.core import steps as steps_module
-from weightsync.core.manager import CheckpointEngineManager
+from weightsync.core.control import steps as steps_module
+from weightsync.core.control.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 from weightsync.shm.engine import ShmCheckpointEngine
 

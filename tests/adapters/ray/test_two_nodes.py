@@ -12,7 +12,7 @@ from tests.conftest import RayNodes
 from tests.workloads import ModelSource, RecordingSink, model_tensors, weights_digest
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import TopologyError
-from weightsync.core.manager import CheckpointEngineManager
+from weightsync.core.control.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 
 

@@ -1,5 +1,5 @@
 """``weightsync.auto`` in verl: the adapter's default backend. verl's workers build no engine for it; weightsync's
-drop-in manager asks every worker where it runs, picks the backend ``weightsync.core.auto`` would for those nodes,
+drop-in manager asks every worker where it runs, picks the backend ``weightsync.core.control.auto`` would for those nodes,
 and has each worker build that engine at prepare."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ pytest.importorskip("verl")
 from verl.checkpoint_engine import CheckpointEngineManager as VerlManager  # noqa: E402
 from verl.checkpoint_engine.base import CheckpointEngineRegistry  # noqa: E402
 from weightsync.api.errors import ConfigError  # noqa: E402
-from weightsync.core.auto import choose  # noqa: E402
-from weightsync.core.settings import default_node_id  # noqa: E402
+from weightsync.core.control.auto import choose  # noqa: E402
+from weightsync.core.transports.settings import default_node_id  # noqa: E402
 from weightsync.verl import CheckpointEngineManager  # noqa: E402
 from weightsync.verl.config import read_checkpoint_config  # noqa: E402
 

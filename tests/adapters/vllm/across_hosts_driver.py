@@ -20,7 +20,7 @@ from tests.tools.testbed.driving import DriverChannel
 from weightsync.api.config import StepTimeouts, SyncConfig
 from weightsync.cli.vllm.serving import bind_env
 from weightsync.cli.vllm.workload import LlamaTrainer
-from weightsync.core.manager import CheckpointEngineManager
+from weightsync.core.control.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup
 from weightsync.vllm import VllmRolloutReplica, engine_args
 

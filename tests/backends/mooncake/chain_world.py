@@ -19,7 +19,7 @@ import ray
 from tests.workloads import ModelSource, RecordingSink, model_tensors, weights_digest
 from weightsync.api.config import SyncConfig
 from weightsync.api.types import JsonValue, UpdateReport
-from weightsync.core.manager import CheckpointEngineManager
+from weightsync.core.control.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 
 BUCKET = 256 * 1024

@@ -11,11 +11,11 @@ import pytest
 from tests.backends.twolevel import HOSTS, LEADER_OF, check_in_place
 
 from weightsync.api.errors import TopologyError
+from weightsync.api.testing import EngineHarness
 from weightsync.api.types import WorkerMetadata, WorldMetadata
 from weightsync.core.backend import BucketCheckpointEngine
-from weightsync.api.testing import EngineHarness
-from weightsync.core.chain import chain_positions
-from weightsync.core.chaintopology import plan_positions
+from weightsync.core.transports.chain import chain_positions
+from weightsync.core.transports.chaintopology import plan_positions
 from weightsync.mooncake.engine import MooncakeCheckpointEngine
 from weightsync.nixl.engine import NixlCheckpointEngine
 

@@ -22,9 +22,10 @@ from weightsync.api.errors import BackendUnavailableError, ConfigError, RenamedK
 from weightsync.api.registry import get_backend_spec, load_engine_class, register_backend
 from weightsync.api.testing import EngineConformance, case_tensors, place, raw_bytes
 from weightsync.api.types import Topology, TransferReport, WorkerContext, WorldMetadata
-from weightsync.core import device as device_module
-from weightsync.core import devicecollective, staging
 from weightsync.core.backend import BucketCheckpointEngine, node_local_plan
+from weightsync.core.pipeline import staging
+from weightsync.core.transports import device as device_module
+from weightsync.core.transports import devicecollective
 
 NO_CUDA = not torch.cuda.is_available()
 

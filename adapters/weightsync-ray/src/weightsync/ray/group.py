@@ -12,7 +12,7 @@ import ray
 from weightsync.api.errors import ConfigError
 from weightsync.api.protocols import WeightSink, WeightSource
 from weightsync.api.types import TransferReport
-from weightsync.core.host import EngineHost
+from weightsync.core.control.host import EngineHost
 
 __all__ = ["ActorRankHost", "RolloutWorkerHost", "RayActorWorkerGroup", "RayRolloutWorker", "RayRolloutReplica",
            "actor_options"]

@@ -39,9 +39,9 @@ from weightsync.api.protocols import CheckpointEngine
 from weightsync.api.registry import installed_backends, load_engine_class
 from weightsync.api.topology import build_checked_topology, with_epoch
 from weightsync.api.types import RankArgs, Role, StageTiming, TransferReport, WorkerMetadata, WorldMetadata
-from weightsync.core.auto import AUTO
-from weightsync.core.engine import default_node_id
-from weightsync.core.host import EngineSlot, build_engine, engine_spec, ping_answer
+from weightsync.core.control.auto import AUTO
+from weightsync.core.control.engine import default_node_id
+from weightsync.core.control.host import EngineSlot, build_engine, engine_spec, ping_answer
 
 __all__ = [
     "REGISTRY_PREFIX",

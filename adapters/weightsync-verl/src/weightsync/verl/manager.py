@@ -24,8 +24,8 @@ from typing import Any, ClassVar, Literal, TypeVar
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import ConfigError, reject_renamed_keywords
 from weightsync.api.types import UpdateReport
-from weightsync.core.manager import CheckpointEngineManager as _CoreManager
-from weightsync.core.steps import gather
+from weightsync.core.control.manager import CheckpointEngineManager as _CoreManager
+from weightsync.core.control.steps import gather
 from weightsync.verl.config import read_checkpoint_config
 from weightsync.verl.engine import REGISTRY_PREFIX, sync_config_from_engine_kwargs
 from weightsync.verl.groups import VerlActorWorkerGroup, VerlRolloutReplica

@@ -65,7 +65,7 @@ from weightsync.api.config import SyncConfig
 from weightsync.api.errors import ConfigError, LifecycleError, LoadVerificationError, WeightsyncError
 from weightsync.api.protocols import BatchedWeights
 from weightsync.api.types import TransferReport, WorkerMetadata
-from weightsync.core.host import EngineHost, is_untouched, mark_untouched
+from weightsync.core.control.host import EngineHost, is_untouched, mark_untouched
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -84,7 +84,7 @@ def parameter_checksums(model: torch.nn.Module) -> dict[str, str]:
     parameters as vLLM's ``compute_weight_checksums`` (SHA-256), an order of magnitude faster."""
     import xxhash
 
-    from weightsync.core.tensors import as_byte_view, memoryview_of
+    from weightsync.core.wire.tensors import as_byte_view, memoryview_of
 
     return {name: xxhash.xxh3_128_hexdigest(memoryview_of(as_byte_view(parameter.detach().contiguous())))
             for name, parameter in model.named_parameters()}
@@ -119,7 +119,7 @@ class LoadClock:
 class WeightsyncInitInfo(WeightTransferInitInfo):
     """What ``init_weight_transfer_engine`` carries for a weightsync rollout worker (plain data throughout).
 
-    ``engine``: the spec it was prepared with (``weightsync.core.host.engine_spec``: backend name, ``SyncConfig``
+    ``engine``: the spec it was prepared with (``weightsync.core.control.host.engine_spec``: backend name, ``SyncConfig``
     as a dict, role, rank); ``rank_args``: this worker's entry of the topology; ``epoch``: the membership epoch's
     token, which must be the one in ``rank_args``.
     """

@@ -38,7 +38,7 @@ import ray
 
 from weightsync.api.errors import ConfigError, LifecycleError, ReplicaTornError
 from weightsync.api.types import TransferReport
-from weightsync.core.host import is_untouched, ping_answer
+from weightsync.core.control.host import is_untouched, ping_answer
 from weightsync.ray.group import RayRolloutWorker, actor_options
 from weightsync.vllm.engine import BACKEND, error_from_data, report_from_data
 

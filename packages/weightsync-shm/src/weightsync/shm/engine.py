@@ -1,7 +1,7 @@
 """The ``shm`` engine: a ring of shared-memory buckets on one host.
 
 The ring's buckets are core's ``SharedSegment``s (``/dev/shm`` files only their creator unlinks; see
-``weightsync.core.sharedmem``), which the chain's two-level layout shares within a host too.
+``weightsync.core.transports.sharedmem``), which the chain's two-level layout shares within a host too.
 
 Control: the sender listens on an abstract Unix socket; each receiver connects, presents the epoch token, and gets
 the segment names. Per bucket the sender writes a frame ``slot, nbytes, header`` to every receiver; a receiver

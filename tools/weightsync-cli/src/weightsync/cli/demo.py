@@ -29,10 +29,11 @@ import torch.nn.functional as F
 from weightsync.api.config import MiB, SyncConfig
 from weightsync.api.errors import WeightsyncError
 from weightsync.api.protocols import load_into
+from weightsync.api.types import UpdateReport
 from weightsync.cli.model import LlamaConfig, TinyLlama, config_for_megabytes
 from weightsync.cli.progress import Progress
-from weightsync.core.digest import UpdateDigest
-from weightsync.core.tensors import as_byte_view, memoryview_of
+from weightsync.core.wire.digest import UpdateDigest
+from weightsync.core.wire.tensors import as_byte_view, memoryview_of
 
 __all__ = ["DemoOptions", "DemoTrainer", "DemoRolloutModel", "free_port", "run_demo"]
 
@@ -155,10 +156,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def step_line(report: UpdateReport, step: str, *, exact: bool, delta: bool) -> str:
+    """What the demo prints for one step's update."""
+    sent = ""
+    if delta:
+        full = sum(outcome.received == "full" for outcome in report.replicas)
+        sent = (f"  sent {report.wire_bytes / 1e6:.1f} MB ({report.changed_fraction:.1%} changed; "
+                f"{full}/{len(report.replicas)} replicas full)")
+    return (f"step {step}  version {report.version}  {report.nbytes / 1e6:.1f} MB{sent}  "
+            f"{report.transfer_seconds:.3f} s  {report.gbps_per_receiver:.2f} GB/s per receiver  "
+            f"digest {'ok' if report.ok else 'MISMATCH'}  logits {'bit-exact' if exact else 'DIFFER'}")
+
+
 async def run_demo(options: DemoOptions) -> int:
     import ray
 
-    from weightsync.core.manager import CheckpointEngineManager
+    from weightsync.core.control.manager import CheckpointEngineManager
     from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 
     if options.steps < 1 or options.replicas < 1 or options.model_mb <= 0 or options.bucket_mb < 1:
@@ -214,17 +227,7 @@ async def run_demo(options: DemoOptions) -> int:
             exact = all(logits == expected for logits in got)
             exact_steps += exact
             progress.show(step, f"step {step}: {'bit-exact' if exact else 'MISMATCH'}")
-            sent = ""
-            if options.delta:
-                full = sum(outcome.received == "full" for outcome in report.replicas)
-                sent = (f"  sent {report.wire_bytes / 1e6:.1f} MB ({report.changed_fraction:.1%} changed; "
-                        f"{full}/{len(report.replicas)} replicas full)")
-            print(
-                f"step {step}/{options.steps}  version {report.version}  {report.nbytes / 1e6:.1f} MB{sent}  "
-                f"{report.transfer_seconds:.3f} s  {report.gbps_per_receiver:.2f} GB/s per receiver  "
-                f"digest {'ok' if report.ok else 'MISMATCH'}  logits {'bit-exact' if exact else 'DIFFER'}",
-                flush=True,
-            )
+            print(step_line(report, f"{step}/{options.steps}", exact=exact, delta=options.delta), flush=True)
     except WeightsyncError as exc:
         print(f"error: {type(exc).__name__}: {exc}", flush=True)
     finally:

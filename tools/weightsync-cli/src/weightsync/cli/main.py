@@ -110,9 +110,9 @@ def _doctor(as_json: bool) -> int:
         if status.status == "not installed":
             detail = status.install
         print(f"{status.backend:<{width}}  {status.status:<14}  {detail}")
-    from weightsync.core.auto import describe_rule  # imports torch: only for the table, after the backends
-    from weightsync.core.delta import ENCODER
-    from weightsync.core.tensors import HELPER_PATH, STREAM_COPY
+    from weightsync.core.control.auto import describe_rule  # imports torch: only for the table, after the backends
+    from weightsync.core.delta.encoding import ENCODER
+    from weightsync.core.native import HELPER_PATH, STREAM_COPY
 
     print(f"backend='auto' (the default): {describe_rule()}")
     print(f"host copies of large tensors: {STREAM_COPY}")

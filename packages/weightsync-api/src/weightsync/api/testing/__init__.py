@@ -147,7 +147,7 @@ class EngineConformance:
         changing its own tensors in place, the others iterating views (the engine then keeps a copy to rebuild them
         from). An engine that cannot send deltas refuses the option with a ``ConfigError`` (skipped here)."""
         try:
-            from weightsync.core.delta import ENCODER
+            from weightsync.core.delta.encoding import ENCODER
         except ImportError:
             ENCODER = "compiled"  # an engine of another project: its own encoder
         if ENCODER != "compiled":

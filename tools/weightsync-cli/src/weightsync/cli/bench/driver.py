@@ -39,7 +39,7 @@ from weightsync.cli.bench.scenario import BASELINES, DELTA, BenchOptions, Case, 
 from weightsync.cli.bench.sweep import measure_sweep, plot, sweep_bytes, sweep_cases, sweep_steps
 from weightsync.cli.progress import Progress
 from weightsync.cli.testbed import TestbedUnavailable
-from weightsync.core.auto import AUTO
+from weightsync.core.control.auto import AUTO
 
 __all__ = ["BenchOptions", "BenchResult", "model_layout", "run_bench"]
 

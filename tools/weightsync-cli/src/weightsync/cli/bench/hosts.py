@@ -27,8 +27,8 @@ from weightsync.api.registry import get_backend_spec
 from weightsync.cli.bench.measure import LocalPlacement, Placement, Spawned
 from weightsync.cli.bench.scenario import BenchOptions
 from weightsync.cli.bench.worker import Duplex
-from weightsync.core.auto import AUTO
 from weightsync.cli.testbed import CleanupError, LinkCounters, Testbed, TestbedError, TestbedUnavailable, cleanup
+from weightsync.core.control.auto import AUTO
 
 __all__ = ["WORKER_ARGV", "HostPlacement", "cross_host_split", "placement", "run_cleanup"]
 

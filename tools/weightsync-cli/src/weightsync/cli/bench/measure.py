@@ -25,8 +25,8 @@ from weightsync.cli.bench.scenario import BASELINES, Case
 from weightsync.cli.bench.worker import Channel, c10d, serve
 from weightsync.cli.progress import Progress
 from weightsync.cli.testbed import LinkCounters
-from weightsync.core.auto import AUTO, choose, has_rdma
-from weightsync.core.engine import default_node_id
+from weightsync.core.control.auto import AUTO, choose, has_rdma
+from weightsync.core.control.engine import default_node_id
 
 __all__ = ["COPY_TRIES", "RAW_TRIES", "BenchResult", "LocalPlacement", "Placement", "Spawned", "Yardsticks", "cores",
            "measure_case"]

@@ -172,7 +172,7 @@ def measure_ray_end_to_end(*, backend: str, workers: int = 2, replicas: int = 2,
 async def _measure(*, backend: str, world_size: int, replicas: int, repeat: int, warmup: int, bucket_bytes: int,
                    step: Callable[[str], None]) -> RayEndToEnd:
     import ray
-    from weightsync.core.manager import CheckpointEngineManager
+    from weightsync.core.control.manager import CheckpointEngineManager
     from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 
     layout = E2E_LAYOUT

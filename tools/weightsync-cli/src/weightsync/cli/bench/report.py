@@ -11,7 +11,7 @@ from weightsync.api.config import MiB
 from weightsync.cli.bench.measure import BenchResult, Yardsticks, cores
 from weightsync.cli.bench.ray_e2e import E2E_TARGET, RayEndToEnd
 from weightsync.cli.bench.scenario import BenchOptions, Case
-from weightsync.core.tensors import STREAM_COPY
+from weightsync.core.native import STREAM_COPY
 
 __all__ = ["RayOutcome", "Summary", "chrome_trace", "print_report", "write_json"]
 

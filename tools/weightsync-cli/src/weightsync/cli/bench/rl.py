@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from weightsync.cli.model import TinyLlama, config_for_megabytes
-from weightsync.core.tensors import as_byte_view, memoryview_of
+from weightsync.core.wire.tensors import as_byte_view, memoryview_of
 
 __all__ = ["DEFAULT_LR", "RLVersions", "changed_bytes", "load_version", "make_versions", "version_path"]
 

@@ -30,8 +30,8 @@ from weightsync.api.registry import load_engine_class
 from weightsync.api.types import WorkerContext
 from weightsync.cli.bench.rl import load_version
 from weightsync.cli.testbed import ENV_ADDR, ENV_NODE_ID
-from weightsync.core.planner import PIECE_BYTES
-from weightsync.core.tensors import copy_stream
+from weightsync.core.native import copy_stream
+from weightsync.core.wire.layout import PIECE_BYTES
 
 __all__ = ["Channel", "Duplex", "Layout", "bucket_plan", "c10d", "serve", "serve_stdio", "worker_identity"]
 
@@ -307,7 +307,7 @@ class _Worker:
         started = time.perf_counter()
         if method == "engine":
             # What the engines do with large tensors: ``copy_stream`` in the pieces the digest follows (see
-            # weightsync.core.engine).
+            # weightsync.core.control.engine).
             to, frm, nbytes = destination.data_ptr(), source.data_ptr(), source.numel()
             for _ in range(times):
                 for offset in range(0, nbytes, PIECE_BYTES):

@@ -127,7 +127,7 @@ def _row(route: str, samples: list[dict[str, float]]) -> dict[str, Any]:
 
 async def run_vllm_bench(options: VllmBenchOptions) -> int:
     from weightsync.api.config import MiB, SyncConfig
-    from weightsync.core.manager import CheckpointEngineManager
+    from weightsync.core.control.manager import CheckpointEngineManager
 
     kind = filesystem_of(options.disk_dir)
     if kind in MEMORY_FILESYSTEMS:

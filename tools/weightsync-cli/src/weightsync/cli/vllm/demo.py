@@ -51,7 +51,7 @@ async def _step(world: Serving, manager: Any, *, step: int, lr: float, delta: bo
 async def run_vllm_demo(options: DemoOptions) -> int:
     from weightsync.api.config import MiB, SyncConfig
     from weightsync.api.errors import WeightsyncError
-    from weightsync.core.manager import CheckpointEngineManager
+    from weightsync.core.control.manager import CheckpointEngineManager
 
     started = time.perf_counter()
     config = llama_config(options.model_mb)

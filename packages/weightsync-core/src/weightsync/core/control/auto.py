@@ -1,0 +1,102 @@
+"""``backend="auto"``: the manager picks the backend from where the workers are, at every (re)build of the topology.
+
+- Every rollout worker on the sender's host (same ``node_id`` as actor rank 0): ``shm``, one copy in shared memory.
+- Workers on other hosts: the fastest network transport installed here, a chain backend in the two-level layout
+  (one reader per host over the network, the host's other workers reading its ring in place; see
+  :mod:`weightsync.core.transports.chaintopology`), else gloo's broadcast. Which is fastest depends on the NICs: where every
+  worker's host has an RDMA device, ``RDMA_ORDER`` (nixl, whose UCX then bypasses the kernel, first); elsewhere
+  ``TCP_ORDER`` (the plain-socket ``tcp`` chain first: UCX would fall back to TCP too, for more CPU per byte).
+
+Where the workers are comes from a ``ping`` of each (its ``node_id``, and whether its host has an RDMA device), so
+the choice needs no engine. It is made again whenever the topology is rebuilt (membership changed, or the last
+update failed): replicas added on another host turn ``shm`` into the two-level chain. ``backend_options`` go to
+whichever backend is chosen.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from weightsync.api.errors import BackendUnavailableError
+from weightsync.api.registry import KNOWN_BACKENDS, available_backends
+from weightsync.api.types import JsonValue
+
+__all__ = [
+    "AUTO", "RDMA_ORDER", "TCP_ORDER", "AutoChoice", "choose", "describe_rule", "has_rdma",
+    "network_order",
+]
+
+AUTO = "auto"
+
+TCP_ORDER = ("tcp", "nixl", "mooncake", "gloo")
+"""Fastest first over TCP, as ``weightsync bench --hosts`` measured them on the testbed (docs/performance.md: at
+H = 4, tcp 0.76 of the link, nixl 0.59, gloo's rank-order broadcast 0.19)."""
+RDMA_ORDER = ("nixl", "mooncake", "tcp", "gloo")
+"""Fastest first where every host has an RDMA device: the one-sided libraries move bytes without the kernel (not
+measured here: no machine of ours has an RDMA device)."""
+
+_TWO_LEVEL = frozenset({"nixl", "mooncake", "tcp"})
+_RDMA_CLASS = "/sys/class/infiniband"
+
+
+def has_rdma(root: str = _RDMA_CLASS) -> bool:
+    """Whether this host has an RDMA device (InfiniBand, RoCE or iWARP: the kernel lists each under ``root``)."""
+    try:
+        return any(True for _ in os.scandir(root))
+    except OSError:
+        return False
+
+
+def network_order(*, rdma: bool) -> tuple[str, ...]:
+    return RDMA_ORDER if rdma else TCP_ORDER
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """The backend ``auto`` picked, the options it adds, and why."""
+
+    backend: str
+    options: dict[str, JsonValue] = field(default_factory=dict)
+    reason: str = ""
+
+    @property
+    def name(self) -> str:
+        """What reports show: the backend, and its layout when not the default (``"nixl (two-level)"``)."""
+        return f"{self.backend} (two-level)" if self.options.get("layout") == "two_level" else self.backend
+
+
+def choose(*, sender_node: str, rollout_nodes: Sequence[str], rdma: bool = False,
+           available: Callable[[], Sequence[str]] = available_backends) -> AutoChoice:
+    """The choice for a sender on ``sender_node`` and rollout workers on ``rollout_nodes``; ``rdma``: every
+    worker's host has an RDMA device."""
+    usable = set(available())
+    hosts = len({sender_node, *rollout_nodes})
+    if hosts == 1 and "shm" in usable:
+        return AutoChoice("shm", reason="every worker shares the sender's host")
+    for name in network_order(rdma=rdma):
+        if name in usable:
+            options: dict[str, JsonValue] = {"layout": "two_level"} if name in _TWO_LEVEL else {}
+            where = f"workers on {hosts} hosts" if hosts > 1 else "shm is not available"
+            nics = "with RDMA devices" if rdma else "without RDMA devices on every host"
+            return AutoChoice(name, options, reason=f"{where}: the fastest network transport installed {nics}")
+    wanted = ", ".join(f"{name} (pip install {KNOWN_BACKENDS[name]})" for name in network_order(rdma=rdma)
+                       if name in KNOWN_BACKENDS)
+    raise BackendUnavailableError(
+        f"backend='auto' found workers on {hosts} hosts and no backend here that crosses hosts; install one of: "
+        f"{wanted}", backend=AUTO, reason=f"no backend that crosses hosts; install one of: {wanted}")
+
+
+def describe_rule(available: Callable[[], Sequence[str]] = available_backends, *, rdma: bool | None = None) -> str:
+    """One line for ``weightsync doctor``: what ``auto`` would pick here, on one host and across hosts (between
+    hosts like this one: ``rdma`` defaults to whether this host has an RDMA device)."""
+    usable = set(available())
+    rdma = has_rdma() if rdma is None else rdma
+    order = network_order(rdma=rdma)
+    one_host = "shm" if "shm" in usable else next((name for name in order if name in usable), None)
+    across = next((AutoChoice(name, {"layout": "two_level"} if name in _TWO_LEVEL else {}).name
+                   for name in order if name in usable), None)
+    nics = "with" if rdma else "without"
+    return (f"auto picks {one_host or 'nothing (no backend available)'} when every worker shares the sender's "
+            f"host, {across or 'nothing (no network backend available)'} across hosts {nics} RDMA devices")

@@ -1,0 +1,249 @@
+"""``BucketCheckpointEngine``: the ``CheckpointEngine`` lifecycle over a backend's :class:`Transport`, written once.
+
+A backend does not subclass the engine: it supplies a ``Transport`` (its buffers, connections and topology) and
+gets its engine class from :func:`engine_class`. The engine owns the lifecycle (``prepare`` → ``build_topology``
+→ ``init_process_group`` → ``send_weights`` / ``receive_weights`` → ``finalize`` / ``close``), the epoch, and who
+holds it (:mod:`weightsync.core.pipeline.handover`); the sender's pipeline is :mod:`weightsync.core.pipeline.send`, the receiver's
+:mod:`weightsync.core.pipeline.receive`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import time
+from collections.abc import Iterable
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from weightsync.api.errors import ConfigError, LifecycleError, TopologyError, reject_renamed_keywords
+from weightsync.api.protocols import ReceivedWeights
+from weightsync.api.topology import check_sizes, with_epoch
+from weightsync.api.types import RankArgs, Topology, TransferReport, WorkerMetadata, WorldMetadata
+from weightsync.core.pipeline.handover import Handover
+from weightsync.core.pipeline.receive import ReceiveContext, ReceiveStream
+from weightsync.core.pipeline.send import SendPipeline, drain
+from weightsync.core.pipeline.trace import Tracer
+from weightsync.core.pipeline.unpack import BucketReader
+from weightsync.core.transports.device import accepted_devices
+from weightsync.core.transports.settings import EngineBase, default_node_id
+from weightsync.core.transports.transport import ReceiverTransport, SenderTransport, Transport
+
+__all__ = ["BucketCheckpointEngine", "engine_class", "RankRole", "guard_build_topology", "default_node_id"]
+
+RankRole = Literal["sender", "receiver", "idle"]
+_ROLES: dict[str, RankRole] = {"sender": "sender", "receiver": "receiver", "idle": "idle"}
+
+
+class BucketCheckpointEngine(EngineBase):
+    """The engine of every bucket backend; implements the ``CheckpointEngine`` Protocol over ``transport_class``.
+
+    Built by :func:`engine_class`; options are those of :class:`~weightsync.core.transports.settings.EngineSettings` plus the
+    transport's own.
+    """
+
+    name: ClassVar[str] = "bucket"
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
+    transport_class: ClassVar[type[Transport]]
+
+    def __init__(self, *, bucket_bytes: int, **options: Any) -> None:
+        if not hasattr(type(self), "transport_class"):
+            raise TypeError(f"{type(self).__name__} has no transport: build engine classes with "
+                            "engine_class(SomeTransport)")
+        super().__init__(bucket_bytes=bucket_bytes, **options)
+        self.transport = self.transport_class(self.settings)
+        if self.settings.delta and self.transport.buffers == "device":
+            raise ConfigError(f"{self.name}: delta updates are compared and encoded in host memory, and this engine's "
+                              "buckets live on the device: use SyncConfig(delta=False) with it, or a backend with "
+                              "host buckets (shm, gloo, tcp, nixl, mooncake without a device ring)")
+        self._policy = self.transport.policy()
+        self._tracer = Tracer(f"{self.settings.context.role} {self.settings.context.rank}")
+        self._handover = Handover(self.name, self.settings.timeout)
+        self._epoch: str | None = None
+        self._role: RankRole | None = None
+        self._sender_rank = 0
+        self._sender: SenderTransport | None = None
+        self._receiver: ReceiverTransport | None = None
+        pack_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-pack")
+        transfer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-xfer")
+        # Delta updates only (its thread starts at the first use): the sender hashes its kept buckets there, off the
+        # pack thread.
+        digest_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-digest")
+        self._pools = (pack_pool, transfer_pool, digest_pool)
+        # Any engine takes tensors on the host or on this process's accelerator (core stages between them and the
+        # transport's buffers); ``devices`` says where the transport's own buffers may live.
+        self._accepted = self.devices | accepted_devices()
+        self._send = SendPipeline(self.settings, self._accepted, self._policy, self._tracer, pack_pool,
+                                  transfer_pool, digest_pool)
+        self._receive = ReceiveContext(self.settings, tracer=self._tracer, pool=transfer_pool)
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+
+    def prepare(self) -> WorkerMetadata:
+        self._check_open()
+        metadata = self.settings.metadata()
+        metadata.update(self.transport.prepare())
+        return metadata
+
+    @classmethod
+    def build_topology(
+        cls, *, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata
+    ) -> Topology:
+        return cls.transport_class.build_topology(
+            actor_wg_world_size=actor_wg_world_size, rollout_world_size=rollout_world_size, metadata=metadata)
+
+    def init_process_group(self, *, rank_args: RankArgs) -> None:
+        self._check_open()
+        role = _ROLES.get(str(rank_args.get("role")))
+        epoch = rank_args.get("epoch")
+        if role is None or not isinstance(epoch, str) or not epoch:
+            raise TopologyError(f"{self.name}: rank_args need role sender/receiver/idle and an epoch, got {rank_args}")
+        self._abandon_in_flight()
+        self._disconnect()
+        sender = rank_args.get("sender", 0)
+        self._sender_rank = sender if isinstance(sender, int) else 0
+        base = rank_args.get("delta_base")  # the manager's: the version every receiver holds (delta updates)
+        self._send.delta.allowed_base = base if isinstance(base, int) and not isinstance(base, bool) else None
+        if role == "sender":
+            self._sender = self.transport.connect_sender(rank_args)
+        elif role == "receiver":
+            self._receiver = self.transport.connect_receiver(rank_args)
+        self._role = role
+        self._epoch = epoch
+
+    def _abandon_in_flight(self) -> None:
+        """A new epoch supersedes an update still in flight here (its manager gave up on it: timeout, cancellation,
+        a dead peer). Closing the transports makes its blocked transport calls fail now instead of at their
+        deadline; a call already blocked in a collective ends at its own deadline, one ``timeout`` at most."""
+        if self._handover.in_flight:
+            self._disconnect()
+            self._handover.wait_idle(self.settings.timeout + 5.0)
+
+    def finalize(self) -> None:
+        """Nothing of the pipeline outlives an update except buffers and connections, which are kept."""
+        self._check_open()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._disconnect()
+        self.transport.release()
+        for pool in self._pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _disconnect(self) -> None:
+        sender, receiver = self._sender, self._receiver
+        self._sender = self._receiver = None
+        self._epoch = None
+        self._role = None
+        if sender is not None:
+            sender.close()
+        if receiver is not None:
+            receiver.close()
+
+    def _require(self, role: RankRole, what: str) -> None:
+        self._check_open()
+        if self._epoch is None:
+            raise LifecycleError(f"{what} before init_process_group on this {self.name} engine")
+        if role == "receiver" and self._role != "receiver":
+            raise LifecycleError(f"{what} on a rank whose role in this topology is {self._role}")
+
+    def enable_tracing(self) -> list[dict[str, Any]]:
+        """Record Chrome-trace spans of every bucket's stages (see :class:`weightsync.core.pipeline.trace.Tracer`)."""
+        return self._tracer.enable()
+
+    @property
+    def trace_events(self) -> list[dict[str, Any]] | None:
+        return self._tracer.events
+
+    @trace_events.setter
+    def trace_events(self, events: list[dict[str, Any]] | None) -> None:
+        self._tracer.events = events
+
+    @property
+    def epoch(self) -> str | None:
+        return self._epoch
+
+    @property
+    def role(self) -> RankRole | None:
+        return self._role
+
+    # -- the update ------------------------------------------------------------------------------------------------
+
+    async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int = 0) -> TransferReport:
+        self._require("sender", "send_weights")
+        self._handover.acquire_for_send()
+        started = time.perf_counter()
+        try:
+            if self._role != "sender" or self._sender is None:
+                return await drain(weights, devices=self._accepted, rank=self.settings.context.rank, version=version,
+                                   started=started)
+            self._policy.begin_send()
+            try:
+                return await self._send.send(self._sender, weights, epoch=self._epoch or "", version=version,
+                                             started=started)
+            finally:
+                self._policy.end_send()
+        finally:
+            self._handover.release_send()
+
+    def receive_weights(self) -> ReceivedWeights:
+        self._require("receiver", "receive_weights")
+        if self._receiver is None or self._epoch is None:
+            raise LifecycleError(f"{self.name}: receive_weights on a rank that is not connected as a receiver")
+        hold = self._handover.hold_for_stream()
+        reader = BucketReader(self._policy.new_digest(), self._receive.plans)
+        return ReceiveStream(self._receive, self._receiver, hold, epoch=self._epoch,
+                             peer=self.transport.peer_name(self._sender_rank), reader=reader)
+
+
+def engine_class(transport: type[Transport], *, name: str | None = None) -> type[BucketCheckpointEngine]:
+    """The engine class of a backend: :class:`BucketCheckpointEngine` built with ``transport``.
+
+    The class carries the transport's name, devices, options and default slots, and is named after it
+    (``ShmTransport`` → ``ShmCheckpointEngine``), in the transport's module, so the registry can name it.
+    """
+    class_name = transport.__name__.removesuffix("Transport") + "CheckpointEngine"
+    namespace = {
+        "name": name or transport.name, "devices": transport.devices, "option_names": transport.option_names,
+        "default_slots": transport.default_slots, "transport_class": transport, "__module__": transport.__module__,
+        "__qualname__": class_name, "__doc__": transport.__doc__,
+    }
+    return type(class_name, (BucketCheckpointEngine,), namespace)
+
+
+def guard_build_topology(function: Any) -> Any:
+    """Give a ``build_topology`` the runtime guard against the old calling conventions, the size check, and the
+    epoch stamp.
+
+    mypy already rejects ``trainer_world_size=`` and positional calls; untyped callers get a ``TypeError`` that
+    names the new keyword and ``weightsync migrate`` instead of Python's generic message. The wrapper keeps the
+    original signature (``functools.wraps``), so introspection still sees keyword-only parameters.
+    """
+    @functools.wraps(function)
+    def build_topology(cls: type, *args: Any, **kwargs: Any) -> Any:
+        reject_renamed_keywords(f"{cls.__name__}.build_topology", kwargs)
+        if args:
+            raise TypeError(
+                f"{cls.__name__}.build_topology takes keyword arguments only: "
+                "build_topology(actor_wg_world_size=..., rollout_world_size=..., metadata=...)"
+            )
+        metadata = kwargs.get("metadata")
+        actor, rollout = kwargs.get("actor_wg_world_size"), kwargs.get("rollout_world_size")
+        if isinstance(metadata, WorldMetadata) and actor is not None and rollout is not None:
+            try:
+                check_sizes(actor_wg_world_size=actor, rollout_world_size=rollout, metadata=metadata)
+            except TopologyError as exc:
+                raise TopologyError(f"{cls.__name__}.build_topology: {exc}") from None
+        topology = function(cls, **kwargs)
+        return with_epoch(topology) if isinstance(topology, Topology) else topology
+
+    build_topology._weightsync_guarded = True  # type: ignore[attr-defined]
+    return build_topology
+
+
+# Every engine class gets the guard through the base's build_topology (the class is passed in, so errors name it).
+setattr(BucketCheckpointEngine, "build_topology",
+        classmethod(guard_build_topology(vars(BucketCheckpointEngine)["build_topology"].__func__)))

@@ -1,0 +1,271 @@
+"""``EngineHost``: what an adapter's worker process keeps — one engine, built from plain data sent by the driver.
+
+Adapters (Ray actors, verl workers) forward ``execute_checkpoint_engine(method, **kwargs)`` and ``update_weights``
+here. The host builds the engine named in ``prepare``'s ``engine`` argument, reuses it while the same backend and
+configuration are asked for, and runs the engine's blocking steps in a thread so the worker's event loop stays free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import os
+import socket
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from weightsync.api.config import SyncConfig
+from weightsync.api.errors import ConfigError, LifecycleError, WeightsyncError, WeightStreamError
+from weightsync.api.protocols import BatchedWeights, CheckpointEngine, ReceivedWeights, WeightSink
+from weightsync.api.registry import load_engine_class
+from weightsync.api.types import RankArgs, Role, TransferReport, WorkerContext, WorkerMetadata
+from weightsync.core.control.auto import has_rdma
+from weightsync.core.control.steps import unwrap
+
+__all__ = ["EngineHost", "EngineSlot", "build_engine", "engine_spec", "is_untouched", "mark_untouched", "ping_answer"]
+
+_METHODS = ("prepare", "init_process_group", "finalize", "close", "ping")
+# What build_engine requires of an engine class: the CheckpointEngine Protocol's methods, build_topology class-level.
+_ENGINE_METHODS = ("prepare", "init_process_group", "send_weights", "receive_weights", "finalize", "close")
+
+
+def ping_answer(*, node_id: str, host_ip: str) -> dict[str, Any]:
+    """What a worker answers ``execute_checkpoint_engine("ping")`` with: where it runs. The manager's ``auto`` picks
+    a backend from the node ids and RDMA devices; after a timeout, hosts none of whose workers answer are reported
+    unreachable."""
+    return {"hostname": socket.gethostname(), "host_ip": host_ip, "node_id": node_id, "pid": os.getpid(),
+            "rdma": has_rdma()}
+
+
+def engine_spec(*, backend: str, config: SyncConfig, role: Role, rank: int) -> dict[str, Any]:
+    """The plain-data ``engine`` argument of ``prepare`` for one worker."""
+    return {"backend": backend, "config": config.to_dict(), "role": role, "rank": rank}
+
+
+def build_engine(spec: Mapping[str, Any], *, node_id: str, host_ip: str) -> CheckpointEngine:
+    """The engine an ``engine_spec`` describes, for a worker on ``node_id`` reachable at ``host_ip``.
+
+    Any class that satisfies the ``CheckpointEngine`` Protocol will do (checked structurally, not by base class).
+    """
+    try:
+        backend = str(spec["backend"])
+        config = SyncConfig.from_dict(spec["config"])
+        role: Role = "actor" if spec["role"] == "actor" else "rollout"
+        rank = int(spec["rank"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"malformed engine spec {dict(spec)!r}: {exc!r}") from None
+    engine_class = load_engine_class(backend)
+    missing = _missing_members(engine_class)
+    if missing:
+        raise ConfigError(f"backend {backend!r} is not a CheckpointEngine: it lacks {', '.join(missing)}")
+    context = WorkerContext(role=role, rank=rank, node_id=node_id, host_ip=host_ip)
+    backend_options: dict[str, Any] = dict(config.backend_options)
+    if config.delta:  # only then: an engine of another project need not know the keywords
+        backend_options.update(delta=True, verify_every=config.verify_every)
+    return engine_class(
+        bucket_bytes=config.bucket_bytes, context=context, slots=config.slots, timeout=config.timeouts.transfer,
+        verify_digest=config.verify_digest, **backend_options,
+    )
+
+
+def _missing_members(engine_class: object) -> list[str]:
+    """The ``CheckpointEngine`` members ``engine_class`` lacks (``build_topology`` must be a class-level method)."""
+    if not isinstance(engine_class, type):
+        return ["a class"]
+    missing = [name for name in _ENGINE_METHODS if not callable(getattr(engine_class, name, None))]
+    if not isinstance(inspect.getattr_static(engine_class, "build_topology", None), (classmethod, staticmethod)):
+        missing.append("a class-level build_topology")
+    return missing
+
+
+class EngineSlot:
+    """Holds one engine and the spec it was built from; asking again for the same spec reuses it."""
+
+    def __init__(self, build: Callable[[dict[str, Any]], CheckpointEngine]) -> None:
+        self._build = build
+        self.engine: CheckpointEngine | None = None
+        self.spec: dict[str, Any] | None = None
+
+    def ensure(self, spec: Mapping[str, Any]) -> CheckpointEngine:
+        """The engine for ``spec``: the current one when its spec is equal, else a new one (the old one closed)."""
+        wanted = dict(spec)
+        if self.engine is None or wanted != self.spec:
+            self.drop()
+            self.engine = self._build(wanted)
+            self.spec = wanted
+        return self.engine
+
+    def drop(self) -> None:
+        """Close the current engine, if any; the next ``ensure`` builds a new one."""
+        engine, self.engine, self.spec = self.engine, None, None
+        if engine is not None:
+            engine.close()
+
+
+class EngineHost:
+    """One worker's engine. ``node_id``/``host_ip`` describe where this process runs (supplied by the adapter)."""
+
+    def __init__(self, *, node_id: str, host_ip: str = "127.0.0.1", name: str = "") -> None:
+        self.node_id = node_id
+        self.host_ip = host_ip
+        self.name = name
+        self._slot = EngineSlot(self._build)
+
+    @property
+    def engine(self) -> CheckpointEngine | None:
+        return self._slot.engine
+
+    @property
+    def spec(self) -> dict[str, Any] | None:
+        """The ``engine_spec`` the current engine was built from (None before ``prepare``)."""
+        return self._slot.spec
+
+    async def execute(self, method: str, /, **kwargs: Any) -> Any:
+        """Run lifecycle step ``method`` (one of prepare, init_process_group, finalize, close) off the loop."""
+        if method == "ping":
+            # Answered on the worker's event loop, never queued behind a blocking step: the manager pings workers
+            # that missed a deadline to tell a host that cannot be reached from one that is merely waiting.
+            return ping_answer(node_id=self.node_id, host_ip=self.host_ip)
+        return await asyncio.to_thread(self.execute_sync, method, **kwargs)
+
+    def execute_sync(self, method: str, /, **kwargs: Any) -> Any:
+        """``execute`` for a caller that is not on an event loop and may block (a vLLM worker's RPC handler)."""
+        if method not in _METHODS:
+            raise ConfigError(f"unknown checkpoint-engine method {method!r}; expected one of {', '.join(_METHODS)}")
+        if method == "ping":
+            return ping_answer(node_id=self.node_id, host_ip=self.host_ip)
+        handler: Callable[..., Any] = getattr(self, f"_{method}")
+        return handler(**kwargs)
+
+    def _prepare(self, *, engine: Mapping[str, Any]) -> WorkerMetadata:
+        return self._slot.ensure(engine).prepare()
+
+    def _build(self, spec: Mapping[str, Any]) -> CheckpointEngine:
+        return build_engine(spec, node_id=self.node_id, host_ip=self.host_ip)
+
+    def _init_process_group(self, *, rank_args: RankArgs) -> None:
+        self._engine().init_process_group(rank_args=rank_args)
+
+    def _finalize(self) -> None:
+        if self.engine is not None:
+            self.engine.finalize()
+
+    def _close(self) -> None:
+        self._slot.drop()
+
+    def _engine(self) -> CheckpointEngine:
+        if self.engine is None:
+            raise LifecycleError(f"{self.name or 'worker'}: no engine yet (prepare was not called)")
+        return self.engine
+
+    async def send(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int) -> TransferReport:
+        report = await self._engine().send_weights(weights, version=version)
+        return self._finalized(report)
+
+    def _finalized(self, report: TransferReport) -> TransferReport:
+        """Finalize right after a successful transfer, in the same call: one round trip fewer for the manager."""
+        self._finalize()
+        return dataclasses.replace(report, finalized=True)
+
+    async def receive(self, sink: WeightSink, *, version: int) -> TransferReport:
+        stream = _CountingStream(self._engine().receive_weights())
+        try:
+            await sink.load_weights(stream, version=version)
+            leftover = 0
+            async for _ in stream:  # a sink that stopped early: drain, so the sender is not left waiting
+                leftover += 1
+            report = stream.report
+            if report is None:
+                raise LifecycleError(f"{self.name or 'worker'}: the weights stream ended without a report")
+            if leftover:
+                raise WeightStreamError(f"{self.name or 'worker'}: the sink left {leftover} tensors unconsumed")
+        except BaseException as exc:
+            await stream.aclose()  # let the sender and the other receivers finish without this one
+            if not stream.delivered:
+                # Nothing reached the model: it still holds what it held. The manager reads this mark.
+                mark_untouched(exc)
+            raise
+        return self._finalized(report)
+
+
+def mark_untouched(error: BaseException) -> None:
+    """Record on ``error`` (surviving pickling through Ray) that the failed update wrote nothing to the model."""
+    if isinstance(error, WeightsyncError):
+        error.details["untouched"] = True
+    error.untouched = True  # type: ignore[attr-defined]
+
+
+def is_untouched(error: BaseException) -> bool:
+    """Whether ``error`` (or the worker's error inside Ray's wrapper) carries ``mark_untouched``'s mark."""
+    return bool(getattr(error, "untouched", False) or getattr(unwrap(error), "untouched", False))
+
+
+class _CountingStream:
+    """Passes a ``ReceivedWeights`` through, counting the tensors handed to the sink."""
+
+    def __init__(self, inner: ReceivedWeights) -> None:
+        self._inner = inner
+        self.delivered = 0
+
+    @property
+    def report(self) -> TransferReport | None:
+        return self._inner.report
+
+    async def aclose(self) -> None:
+        close = getattr(self._inner, "aclose", None)
+        if close is not None:
+            await close()
+
+    def __aiter__(self) -> _CountingStream:
+        return self
+
+    async def __anext__(self) -> tuple[str, torch.Tensor]:
+        item = await self._inner.__anext__()
+        self.delivered += 1
+        return item
+
+    async def next_batch(self) -> list[tuple[str, torch.Tensor]] | None:
+        """``BatchedWeights``: the engine's batch, or one tensor from a stream that has no batches."""
+        if isinstance(self._inner, BatchedWeights):
+            batch = await self._inner.next_batch()
+        else:
+            try:
+                batch = [await self._inner.__anext__()]
+            except StopAsyncIteration:
+                batch = None
+        self.delivered += len(batch or ())
+        return batch
+
+    async def copy_into(
+        self, destinations: Mapping[str, torch.Tensor], *,
+        fallback: Callable[[str, torch.Tensor], object] | None = None,
+    ) -> int:
+        """Counted from outside the engine: a destination looked up, or a fallback called, is about to be written."""
+
+        def counted(name: str, tensor: torch.Tensor) -> object:
+            self.delivered += 1
+            return fallback(name, tensor) if fallback is not None else None
+
+        return await self._inner.copy_into(_Lookups(self, destinations), fallback=counted if fallback else None)
+
+
+class _Lookups(Mapping[str, "torch.Tensor"]):
+    """The sink's destinations, counting every lookup that finds one (that tensor is about to be written)."""
+
+    def __init__(self, stream: _CountingStream, inner: Mapping[str, torch.Tensor]) -> None:
+        self._stream = stream
+        self._inner = inner
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._inner[name]
+        self._stream.delivered += 1
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._inner)
+
+    def __len__(self) -> int:
+        return len(self._inner)

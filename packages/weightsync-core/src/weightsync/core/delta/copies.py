@@ -1,0 +1,75 @@
+"""Versions kept on the host for delta updates, bucket by bucket in the bucket's own layout (padding zero): the
+sender's base, and a receiver's copy for a consumer that iterates views."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from weightsync.core.delta.encoding import held_sum
+from weightsync.core.wire.codec import TensorMeta
+
+__all__ = ["BaseCopies", "BucketCopy"]
+
+
+@dataclass(slots=True)
+class BucketCopy:
+    """One bucket of a kept version: its table and its bytes in the bucket's layout (padding zero)."""
+
+    table: bytes
+    data: torch.Tensor
+    total: int | None = None
+    """Its keyed sum, when known (a sender keeps it up to date across deltas)."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def sum(self, index: int, metas: Sequence[TensorMeta]) -> int:
+        """Its keyed sum (it is bucket ``index``, whose pieces are ``metas``), computed and remembered."""
+        self.total = held_sum(index, [(meta, self.data, meta.bucket_offset) for meta in metas])
+        return self.total
+
+
+@dataclass
+class BaseCopies:
+    """A version kept on the host, bucket by bucket: the sender's base, or a receiver's copy for a consumer that
+    iterates views (it gets whole tensors from a delta only through this copy). ``version`` is None while the copy
+    is being changed or after an update that did not complete: it then holds no version anyone can rely on."""
+
+    version: int | None = None
+    model: str = ""
+    """The model digest of ``version``."""
+    buckets: list[BucketCopy] = field(default_factory=list)
+
+    def match(self, index: int, table: bytes, nbytes: int) -> BucketCopy | None:
+        """The kept bucket ``index`` when it has this table and size (so its pieces line up), else None."""
+        if index < len(self.buckets):
+            kept = self.buckets[index]
+            if kept.table == table and kept.nbytes == nbytes:
+                return kept
+        return None
+
+    def replace(self, index: int, table: bytes, nbytes: int) -> BucketCopy:
+        """A copy for bucket ``index`` to be rewritten whole: the kept one when it lines up, else a fresh zeroed one
+        (the layout changed, or the copy is new). Its sum is unknown until it is computed again."""
+        kept = self.match(index, table, nbytes)
+        if kept is not None:
+            kept.total = None
+        else:
+            kept = BucketCopy(table, torch.zeros(nbytes, dtype=torch.uint8))
+            if index < len(self.buckets):
+                self.buckets[index] = kept
+            else:
+                self.buckets.append(kept)
+        return kept
+
+    def truncate(self, count: int) -> None:
+        """Drop the buckets past ``count`` (the model got smaller)."""
+        del self.buckets[count:]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(kept.nbytes for kept in self.buckets)

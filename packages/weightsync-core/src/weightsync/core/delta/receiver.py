@@ -1,0 +1,256 @@
+"""A receiver's side of delta updates: the version it holds, refusing changes against any other, applying each
+delta bucket in place, and verifying what it holds afterwards (the format: :mod:`weightsync.core.delta.encoding`)."""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from weightsync.api.errors import DestinationError, DigestMismatchError, TransferError
+from weightsync.core import native
+from weightsync.core.delta.copies import BaseCopies
+from weightsync.core.delta.encoding import Held, ModelDigest, applied_sum, apply, held_sum, piece_key, unit_of
+from weightsync.core.transports.transport import Arrived
+from weightsync.core.wire import codec, tensors
+from weightsync.core.wire.codec import TensorMeta
+from weightsync.core.wire.destinations import Fallback, check_destination, destination_fits, typed_view
+from weightsync.core.wire.tensors import DTYPES
+
+__all__ = ["ReceiverDelta"]
+
+
+class ReceiverDelta:
+    """A receiver's side of delta updates, across updates: the version it holds (and its model digest), what it
+    keeps for a consumer that iterates views, and, during an update, where every received piece now lives.
+
+    A delta bucket is applied in place: into the kept copy when the receiver keeps one (its consumer iterated views
+    last time; the bucket is then read from the copy as a dense one), else straight into the ``copy_into``
+    destinations. A tensor with no destination there goes to the consumer's fallback as in a full update: the
+    receiver keeps a host copy of each such tensor (``placed``), brings it up to the new version and hands the
+    fallback the whole tensor. A receiver that does not hold the update's base refuses it before writing anything.
+    """
+
+    def __init__(self, *, verify_every: int) -> None:
+        self.verify_every = verify_every
+        self.held: tuple[int, str] | None = None
+        """(version, model digest) of what this receiver holds; None while an update is under way or after one
+        failed."""
+        self.kept = BaseCopies()
+        self.placed: dict[str, torch.Tensor] = {}
+        """Host copies (bytes) of the tensors a ``copy_into`` consumer's fallback took, as of this update (during
+        one) or the held version: what changes to them apply to."""
+        self._placed_base: dict[str, torch.Tensor] = {}
+        self.delta_updates = 0
+        self._base: tuple[int, str] | None = None
+        self._kept_base: int | None = None
+        self._model: ModelDigest | None = None
+        """This update's model digest, folded bucket by bucket as each is final here; None when this update is not
+        verified (a full update, not due, or a bucket this receiver cannot sum)."""
+        self._views = True
+
+    def begin(self) -> None:
+        """A new update starts: until it completes, this receiver holds no version it can vouch for."""
+        self._base, self.held = self.held, None
+        self._kept_base, self.kept.version = self.kept.version, None
+        self._placed_base, self.placed = self.placed, {}
+        self._model = None
+        self._views = True
+
+    def _verifies(self, header: codec.BucketHeader) -> bool:
+        """Whether this update's model digest is being folded (decided at its first bucket: delta updates, every
+        ``verify_every``-th of them)."""
+        if header.index == 0:
+            due = header.base >= 0 and (self.delta_updates + 1) % self.verify_every == 0
+            self._model = ModelDigest() if due else None
+        return self._model is not None
+
+    def _fold(self, header: codec.BucketHeader, table: bytes, pieces: Sequence[Held]) -> None:
+        if self._verifies(header) and self._model is not None:
+            self._model.add(table, _layout(header), held_sum(header.index, pieces))
+
+    def check_base(self, header: codec.BucketHeader, peer: str) -> None:
+        """Refuse a delta update against a base this receiver does not hold (before anything is written)."""
+        if header.base >= 0 and self._base != (header.base, header.base_model):
+            held = f"version {self._base[0]}" if self._base is not None else "no version it can vouch for"
+            raise TransferError(f"{peer} sent changes against version {header.base}, but this receiver holds {held}: "
+                                "it needs a full update", peer=peer)
+
+    def take(self, arrived: Arrived, destinations: Mapping[str, torch.Tensor] | None,
+             fallback: Fallback | None = None) -> bool:
+        """A bucket of a delta update, before the consumer reads it. True: the consumer reads it as a dense bucket
+        (a delta applied to the kept copy is read from there); False: it went straight into ``destinations`` and
+        is done (a tensor with no destination handed to ``fallback`` whole). Every bucket of the update goes one
+        way: a tensor split across buckets may arrive partly dense, partly as changes, and each piece must land in
+        place."""
+        header, payload = arrived.header, arrived.payload[: arrived.header.nbytes]
+        kept_valid = self._kept_base is not None and self._kept_base == header.base
+        if header.dense < 0 and (destinations is None or kept_valid):
+            return True
+        if not payload.is_cpu:
+            payload = payload.cpu()
+        kept = self.kept.match(header.index, arrived.table, header.dense) if kept_valid else None
+        if kept is not None:
+            at = kept.data.data_ptr()
+            apply(payload, array.array("Q", [value for meta in header.tensors for value in (
+                at + meta.bucket_offset, meta.nbytes, unit_of(meta), piece_key(header.index, meta.bucket_offset))]))
+            arrived.payload = kept.data  # read from the kept copy as a dense bucket (``read`` folds it)
+            return True
+        if destinations is None:
+            raise TransferError("a delta update reached a consumer that iterates views, and this receiver kept no "
+                                "copy of the previous version to rebuild whole tensors from: it needs a full update",
+                                peer="this receiver")
+        self._views = False
+        places = _Places(header)
+        for meta in header.tensors:
+            destination = destinations.get(meta.name)
+            if destination is not None:
+                places.into(meta, destination)
+            elif fallback is None:
+                raise DestinationError(f"no destination for received tensor {meta.name!r} (and no fallback)",
+                                       name=meta.name)
+            else:
+                places.kept(meta, self._placed(meta, fresh=header.dense < 0))
+        # Verified here, from the bytes just written (a piece changed in a host copy is summed there: the copy goes
+        # back unchanged), unless a whole tensor was copied: then from what the destinations hold, below.
+        verified = not places.whole and self._verifies(header)
+        total = places.write(payload, summed=verified)
+        if verified and self._model is not None:
+            self._model.add(arrived.table, _layout(header), total)
+        elif places.whole:
+            self._fold(header, arrived.table, places.held)
+        if fallback is not None:
+            places.hand_over(fallback)
+        return False
+
+    def _placed(self, meta: TensorMeta, *, fresh: bool) -> torch.Tensor:
+        """The host copy a piece of a tensor without a destination is written to: this update's, the base's (to
+        apply changes to), or, for a piece sent dense (``fresh``), a new one."""
+        copy = self.placed.get(meta.name)
+        if copy is None:
+            copy = self._placed_base.pop(meta.name, None)
+            if copy is None or copy.numel() != meta.total_nbytes:
+                if not fresh:
+                    raise TransferError(f"changes to {meta.name!r} arrived, but this receiver kept no copy of it to "
+                                        "apply them to (its fallback took it): it needs a full update",
+                                        peer="this receiver")
+                copy = torch.empty(meta.total_nbytes, dtype=torch.uint8)
+            self.placed[meta.name] = copy
+        return copy
+
+    def read(self, arrived: Arrived, destinations: Mapping[str, torch.Tensor] | None) -> None:
+        """A bucket was read as a dense one: by views (its bytes are kept, for the next delta) or into
+        ``destinations`` (recorded, for verifying what this receiver holds)."""
+        header = arrived.header
+        if destinations is None:
+            kept = self.kept.replace(header.index, arrived.table, _layout(header))
+            if arrived.payload.data_ptr() != kept.data.data_ptr():  # not read from the kept copy: keep it now
+                for meta in header.tensors:
+                    piece = arrived.payload[meta.bucket_offset:meta.bucket_offset + meta.nbytes]
+                    kept.data[meta.bucket_offset:meta.bucket_offset + meta.nbytes].copy_(piece)
+            self._fold(header, arrived.table, [(meta, kept.data, meta.bucket_offset) for meta in header.tensors])
+            return
+        self._views = False
+        held: list[Held] = []
+        for meta in header.tensors:
+            destination = destinations.get(meta.name)
+            if destination is None:  # the consumer's fallback took it: kept, for the next delta update
+                destination = self._placed(meta, fresh=True)
+                with torch.no_grad():
+                    destination[meta.offset:meta.offset + meta.nbytes].copy_(
+                        arrived.payload[meta.bucket_offset:meta.bucket_offset + meta.nbytes])
+            held.append((meta, destination, meta.offset))
+        self._fold(header, arrived.table, held)
+
+    def complete(self, header: codec.BucketHeader, *, receiver: int, peer: str) -> None:
+        """The update's final header: verify what this receiver holds when due, then hold the new version."""
+        if not header.model:
+            return
+        if header.base >= 0:
+            self.delta_updates += 1
+            if self._model is not None:
+                actual = self._model.hexdigest()
+                if actual != header.model:
+                    raise DigestMismatchError(
+                        f"rollout rank {receiver} holds tensors whose digest {actual[:16]} differs from version "
+                        f"{header.version}'s {header.model[:16]} from {peer} after applying its changes: a "
+                        "destination changed outside the engine, or the base was not what it claimed",
+                        receiver=receiver, expected=header.model, actual=actual)
+        self.held = (header.version, header.model)
+        self._placed_base = {}  # tensors the fallback no longer takes
+        if self._views:
+            self.kept.version, self.kept.model = header.version, header.model
+            self.kept.truncate(header.index)
+
+
+def _layout(header: codec.BucketHeader) -> int:
+    """The size of the dense bucket a header's table describes."""
+    return header.dense if header.dense >= 0 else header.nbytes
+
+
+class _Places:
+    """Where each piece of one delta bucket is written, for a ``copy_into`` consumer: straight into a destination
+    that raw writes can fill; a host copy of the piece's bytes for a destination on another device, or of the whole
+    tensor for one in a layout raw writes cannot fill (changed, then copied back); the receiver's own host copy of
+    a tensor only the consumer's fallback takes."""
+
+    def __init__(self, header: codec.BucketHeader) -> None:
+        self.header = header
+        self.rows = array.array("Q")
+        """``apply``'s rows, in the bucket's order."""
+        self.held: list[Held] = []
+        self.windows: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.whole: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.placed: list[tuple[TensorMeta, torch.Tensor]] = []
+
+    def _row(self, meta: TensorMeta, address: int) -> None:
+        self.rows.extend((address, meta.nbytes, unit_of(meta), piece_key(self.header.index, meta.bucket_offset)))
+
+    def into(self, meta: TensorMeta, destination: torch.Tensor) -> None:
+        check_destination(meta, destination)
+        dtype = DTYPES[meta.dtype]
+        if destination_fits(destination, dtype, meta.shape):
+            address = destination.data_ptr() + meta.offset
+        elif destination_fits(destination, dtype, meta.shape, anywhere=True):
+            window = tensors.as_byte_view(destination)[meta.offset:meta.offset + meta.nbytes]
+            # A dense bucket overwrites the piece: nothing to read back first.
+            host = window.cpu() if self.header.dense >= 0 else torch.empty(meta.nbytes, dtype=torch.uint8)
+            self.windows.append((window, host))
+            address = host.data_ptr()
+        else:
+            if meta.name not in self.whole:
+                self.whole[meta.name] = (destination, tensors.as_byte_view(destination).cpu().clone())
+            address = self.whole[meta.name][1].data_ptr() + meta.offset
+        self._row(meta, address)
+        self.held.append((meta, destination, meta.offset))
+
+    def kept(self, meta: TensorMeta, copy: torch.Tensor) -> None:
+        self._row(meta, copy.data_ptr() + meta.offset)
+        self.held.append((meta, copy, meta.offset))
+        self.placed.append((meta, copy))
+
+    def write(self, payload: torch.Tensor, *, summed: bool) -> int:
+        """Write the bucket (changes, or dense bytes) to every place, then copy the host copies back; with
+        ``summed``, the keyed sum of what was written (else 0)."""
+        total = 0
+        if self.header.dense >= 0:  # with ``summed``, each stretch summed right after its changes, in one pass
+            total = apply(payload, self.rows, summed=summed)
+        else:  # a bucket sent dense: each piece copied to its place
+            at, rows = payload.data_ptr(), self.rows
+            native.copy_batch([value for row, meta in enumerate(self.header.tensors)
+                               for value in (rows[4 * row], at + meta.bucket_offset, meta.nbytes)], 0, 0)
+            if summed:
+                total = applied_sum(rows)
+        with torch.no_grad():
+            for window, host in self.windows:
+                window.copy_(host)
+            for destination, host in self.whole.values():
+                destination.copy_(host.view(destination.dtype).reshape(destination.shape))
+        return total
+
+    def hand_over(self, fallback: Fallback) -> None:
+        """Each tensor the fallback takes whose last piece this bucket held, whole now."""
+        for meta, copy in self.placed:
+            if meta.offset + meta.nbytes == meta.total_nbytes:
+                fallback(meta.name, typed_view(copy, DTYPES[meta.dtype], meta.shape))

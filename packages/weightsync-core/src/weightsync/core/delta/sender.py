@@ -1,0 +1,126 @@
+"""A sender's side of delta updates: the version it keeps on the host (the base of the next update), and per update
+the compare-and-encode of each bucket against it, the kept copy brought up to the new version, and the model digest
+folded from the kept buckets' keyed sums (the format: :mod:`weightsync.core.delta.encoding`)."""
+
+from __future__ import annotations
+
+import array
+import concurrent.futures
+from dataclasses import dataclass, field
+
+import torch
+
+from weightsync.core.delta import encoding
+from weightsync.core.delta.copies import BaseCopies, BucketCopy
+from weightsync.core.native import copy_batch
+from weightsync.core.wire.digest import UpdateDigest
+from weightsync.core.wire.layout import PlannedBucket, pack_hashing
+
+__all__ = ["DeltaUpdate", "SenderDelta"]
+
+
+@dataclass
+class SenderDelta:
+    """What a sender keeps across updates (``SyncConfig.delta``)."""
+
+    kept: BaseCopies = field(default_factory=BaseCopies)
+    """The last version this sender sent, on the host, bucket by bucket."""
+    allowed_base: int | None = None
+    """The version every receiver holds, as the manager said at ``init_process_group`` (advanced by every update
+    this epoch completes); None: send the next update full."""
+
+    def begin(self) -> DeltaUpdate:
+        """An update starts: against the kept version when every receiver holds it, else full (the kept copy is
+        rewritten). Until it completes the kept copy holds no whole version."""
+        kept = self.kept
+        usable = kept.version is not None and kept.version == self.allowed_base
+        update = DeltaUpdate(kept, kept.version if usable and kept.version is not None else -1,
+                             kept.model if usable else "")
+        kept.version = None
+        return update
+
+    def completed(self, update: DeltaUpdate, version: int, model: str) -> None:
+        """Every receiver acknowledged every bucket of ``update``: the kept copy is ``version`` now."""
+        update.kept.version, update.kept.model = version, model
+        self.allowed_base = version
+
+
+@dataclass
+class DeltaUpdate:
+    """One update of a sender that keeps its last version: against which base it encodes, and what it counted."""
+
+    kept: BaseCopies
+    base: int
+    """The base version of this update's deltas, -1 for a full update (the kept copy is then rewritten)."""
+    base_model: str
+    changed: int = 0
+    folding: list[tuple[bytes, int, concurrent.futures.Future[int]]] = field(default_factory=list)
+    """Each bucket's table, size and keyed sum, in order: known for a bucket sent as changes (its kept sum updated
+    by what changed), else being summed from the kept copy on the digest thread."""
+
+    def pack(self, buffer: torch.Tensor, bucket: PlannedBucket, table: bytes, digest: UpdateDigest, *, index: int,
+             pool: concurrent.futures.ThreadPoolExecutor) -> tuple[int, int]:
+        """Bucket ``index`` into the host ``buffer``: its changes against the kept bucket when that lines up and
+        they are smaller than the bucket, else the bucket dense; either way the kept bucket becomes this version's
+        and is folded into the model digest (on ``pool``, which also compares half of a large bucket). Returns the
+        bytes to publish and the header's ``dense`` (the dense size for changes, -1 for a dense bucket)."""
+        base, dense = buffer.data_ptr(), -1
+        kept = self.kept.match(index, table, bucket.nbytes) if self.base >= 0 and bucket.nbytes else None
+        length: int | None = None
+        if kept is not None:
+            rows = array.array("Q")
+            kept_at = kept.data.data_ptr()
+            for meta, source, start in bucket.items:
+                rows.extend((source.data_ptr() + start, kept_at + meta.bucket_offset, meta.nbytes,
+                             encoding.unit_of(meta), encoding.piece_key(index, meta.bucket_offset)))
+            length, changed, sum_change = encoding.encode(rows, base, bucket.nbytes - 1, pool)
+            self.changed += changed
+            if kept.total is not None:
+                kept.total = (kept.total + sum_change) & ((1 << 64) - 1)
+        if kept is not None and length is not None:
+            dense = bucket.nbytes
+            digest.update_bucket(table, buffer[:length])
+        else:
+            length = bucket.nbytes
+            digest.begin_bucket(table, bucket.nbytes)
+            pack_hashing(base, bucket, digest)
+            if kept is None:  # the kept bucket is rewritten from the packed one (its padding stays zero)
+                kept = self.kept.replace(index, table, bucket.nbytes)
+                copy_batch([item for meta, _, _ in bucket.items for item in (meta.bucket_offset, meta.bucket_offset,
+                                                                             meta.nbytes)],
+                           kept.data.data_ptr(), base)
+                self.changed += bucket.payload_bytes
+        self._fold(pool, index, bucket, table, kept)
+        return length, dense
+
+    def _fold(self, pool: concurrent.futures.ThreadPoolExecutor, index: int, bucket: PlannedBucket, table: bytes,
+              kept: BucketCopy) -> None:
+        """Fold ``kept`` (final for this version) into the model digest: its sum now when known, else on ``pool``
+        while the next bucket is packed."""
+        future: concurrent.futures.Future[int]
+        if kept.total is not None:
+            future = concurrent.futures.Future()
+            future.set_result(kept.total)
+        else:
+            future = pool.submit(kept.sum, index, [meta for meta, _, _ in bucket.items])
+        self.folding.append((table, kept.nbytes, future))
+
+    def model_digest(self, buckets: int) -> str:
+        """Once every one of the update's ``buckets`` is folded: the model digest (the kept copy loses any bucket
+        past them: the model got smaller)."""
+        model = encoding.ModelDigest()
+        for table, nbytes, future in self.folding:
+            model.add(table, nbytes, future.result())
+        self.folding = []
+        self.kept.truncate(buckets)
+        return model.hexdigest()
+
+    def settle_quietly(self) -> None:
+        """After a failed update: the sums under way finish before anything changes the kept copy (no kept bucket
+        may change or go while one reads it); their errors do not matter, the update failed already."""
+        folding, self.folding = self.folding, []
+        for _, _, future in folding:
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001 - the model digest of a failed update is discarded
+                pass

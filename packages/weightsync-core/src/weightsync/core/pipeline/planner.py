@@ -1,0 +1,165 @@
+"""Bucket planning: the one packing loop.
+
+A stream of ``(name, tensor)`` pairs becomes a sequence of buckets of at most ``bucket_bytes`` bytes. Each tensor
+starts at a multiple of ``BUCKET_ALIGNMENT`` (so a receiver can view it in its dtype in place). A tensor that fits
+an empty bucket is never split: if it does not fit the current bucket's remaining space, the bucket is closed and the
+tensor opens the next one. A tensor larger than a bucket fills the current bucket's remaining space and then whole
+buckets; its pieces are ``TensorMeta`` ranges of one name, reassembled by the receiver. Any dtype moves as bytes.
+
+The planner also validates the stream, before a byte of it is packed: pairs, names (non-empty, UTF-8, at most
+``MAX_NAME_BYTES``), tensors, dtypes, devices, duplicates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable, Iterator
+
+import torch
+
+from weightsync.api.config import BUCKET_ALIGNMENT
+from weightsync.api.errors import (
+    DuplicateTensorError,
+    UnsupportedDeviceError,
+    UnsupportedDtypeError,
+    WeightStreamError,
+    WeightsyncError,
+)
+from weightsync.core.wire.codec import MAX_NAME_BYTES, TensorMeta
+from weightsync.core.wire.layout import PIECE_BYTES, PlannedBucket
+from weightsync.core.wire.tensors import DTYPE_NAMES, COMPLEX_NAMES, contiguous_source, dtype_name
+
+__all__ = ["plan_buckets", "validate_pair", "PIPELINE_TENSORS"]
+
+PIPELINE_TENSORS = 1024
+"""A bucket is closed once it lists this many tensors, even with room left: a stream of many small tensors then
+still moves as several buckets, so packing, transfer and unpacking overlap instead of running one after another
+(far below the wire's ``MAX_TENSORS_PER_BUCKET``; docs/performance.md has the measured alternatives)."""
+
+
+def validate_pair(item: object, *, devices: frozenset[str], seen: set[str]) -> tuple[str, torch.Tensor]:
+    """Check one stream item; return it as ``(name, tensor)`` or raise a ``WeightStreamError`` subclass.
+
+    Runs once per tensor, so the common case (an ASCII name, a dense tensor) takes only cheap checks.
+    """
+    if not isinstance(item, tuple) or len(item) != 2:
+        raise WeightStreamError(f"the weights stream must yield (name, tensor) pairs, got {type(item).__name__}")
+    name, tensor = item
+    if not isinstance(name, str) or not name:
+        raise WeightStreamError(f"tensor names must be non-empty strings, got {name!r}")
+    if not (name.isascii() and len(name) <= MAX_NAME_BYTES):
+        try:
+            encoded = name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise WeightStreamError(f"tensor name {name!r} is not valid UTF-8") from None
+        if len(encoded) > MAX_NAME_BYTES:
+            raise WeightStreamError(
+                f"tensor name {name[:48]!r}... is {len(encoded)} bytes long (limit {MAX_NAME_BYTES})"
+            )
+    if not isinstance(tensor, torch.Tensor):
+        raise WeightStreamError(f"the weights stream yielded a {type(tensor).__name__} for {name!r}, not a tensor")
+    if tensor.layout != torch.strided:
+        raise UnsupportedDtypeError(f"tensor {name!r} has layout {tensor.layout}; only dense tensors move")
+    dtype_name(tensor.dtype)  # raises UnsupportedDtypeError
+    if not (tensor.is_cpu and "cpu" in devices) and tensor.device.type not in devices:
+        raise UnsupportedDeviceError(
+            f"tensor {name!r} is on {tensor.device}, but weightsync moves tensors on the host or this process's "
+            f"accelerator, here: {', '.join(sorted(devices))}"
+        )
+    if name in seen:
+        raise DuplicateTensorError(f"tensor {name!r} appears twice in one update", name=name)
+    seen.add(name)
+    return name, tensor
+
+
+def plan_buckets(
+    weights: Iterable[object], *, bucket_bytes: int, devices: frozenset[str]
+) -> Iterator[PlannedBucket]:
+    """Yield the buckets for ``weights`` lazily; the stream's own exceptions become ``WeightStreamError``.
+
+    Runs once per tensor, so the common item (a tuple of a new ASCII name and a dense tensor on a device this backend
+    serves, whole in the open bucket) takes one chain of cheap checks and one append, with the bucket's fields in
+    locals; anything else goes through ``validate_pair`` (the precise error) and :func:`_place`.
+    """
+    seen: set[str] = set()
+    bucket = PlannedBucket()
+    items, copies, large = bucket.items, bucket.copies, bucket.large
+    used = payload = completed = count = 0
+    align, host_ok, strided, iterator = BUCKET_ALIGNMENT - 1, "cpu" in devices, torch.strided, iter(weights)
+    mask = ~align
+    while True:
+        try:  # the caller's own failures (a gather that raised half-way), typed
+            item = next(iterator)
+        except StopIteration:
+            break
+        except WeightsyncError:
+            raise
+        except Exception as exc:
+            raise WeightStreamError(f"the weights stream raised {type(exc).__name__}: {exc}") from exc
+        if (type(item) is tuple and len(item) == 2 and type(name := item[0]) is str and name.isascii()
+                and 0 < len(name) <= MAX_NAME_BYTES and name not in seen
+                and isinstance(tensor := item[1], torch.Tensor) and tensor.layout is strided
+                and (host_ok and tensor.is_cpu or tensor.device.type in devices)):
+            seen.add(name)
+        else:
+            name, tensor = validate_pair(item, devices=devices, seen=seen)
+        dtype = DTYPE_NAMES.get(tensor.dtype) or dtype_name(tensor.dtype)
+        # (Only a complex tensor can carry the conjugate bit; any can carry the negative one.)
+        if tensor.is_contiguous() and not tensor.is_neg() and (dtype not in COMPLEX_NAMES or not tensor.is_conj()):
+            source = tensor
+        else:
+            source = contiguous_source(tensor)
+        total = source.nbytes
+        start = (used + align) & mask
+        if total <= bucket_bytes - start and count < PIPELINE_TENSORS:  # the common case: whole, here
+            item = (TensorMeta(name, dtype, tensor.shape, 0, total, total, start), source, 0)
+            items.append(item)
+            if total <= PIECE_BYTES and source.is_cpu:
+                copies += (start, source.data_ptr(), total)
+            else:
+                large.append(item)
+                if not source.is_cpu:
+                    bucket.on_device = True
+            used = start + total
+            payload += total
+            completed += 1
+            count += 1
+            continue
+        bucket.nbytes, bucket.payload_bytes, bucket.completed = used, payload, completed
+        bucket = yield from _place(bucket, name, dtype, tensor.shape, source, bucket_bytes)
+        items, copies, large = bucket.items, bucket.copies, bucket.large
+        used, payload, completed, count = bucket.nbytes, bucket.payload_bytes, bucket.completed, len(items)
+    if count:
+        bucket.nbytes, bucket.payload_bytes, bucket.completed = used, payload, completed
+        yield bucket
+
+
+def _place(bucket: PlannedBucket, name: str, dtype: str, shape: torch.Size, source: torch.Tensor,
+           bucket_bytes: int) -> Generator[PlannedBucket, None, PlannedBucket]:
+    """Place a tensor that does not fit the open bucket whole: close the bucket rather than split a tensor that fits
+    a fresh one (or when it is full), else split it across buckets. Yields the buckets it fills; returns the open
+    one, its fields up to date."""
+    align, total, offset = BUCKET_ALIGNMENT - 1, source.nbytes, 0
+    while True:
+        start = (bucket.nbytes + align) & ~align
+        room, remaining, count = bucket_bytes - start, total - offset, len(bucket.items)
+        if count and (remaining > room and (remaining <= bucket_bytes and offset == 0 or room <= 0)
+                      or count >= PIPELINE_TENSORS):
+            yield bucket
+            bucket = PlannedBucket()
+            continue
+        take = remaining if remaining <= room else room
+        item = (TensorMeta(name, dtype, shape, offset, take, total, start), source, offset)
+        bucket.items.append(item)
+        if take <= PIECE_BYTES and source.is_cpu:
+            bucket.copies += (start, source.data_ptr() + offset, take)
+        else:
+            bucket.large.append(item)
+            bucket.on_device = bucket.on_device or not source.is_cpu
+        bucket.nbytes = start + take
+        bucket.payload_bytes += take
+        offset += take
+        if offset >= total:
+            bucket.completed += 1
+            return bucket
+        yield bucket
+        bucket = PlannedBucket()

@@ -1,0 +1,309 @@
+"""The receiver's half of the pipeline: a receive thread pulls buckets off the transport, checks their headers and
+queues them; the consumer reads each bucket (:mod:`weightsync.core.pipeline.unpack`) and releases it once past it.
+
+A host bucket is hashed by the consumer's side right behind its reads, piece by piece, while the bytes are still in
+the core's cache; a device bucket is hashed whole by the receive thread (its digest stages it to the host).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import threading
+import time
+from collections.abc import Mapping
+
+import torch
+
+from weightsync.api.errors import DigestMismatchError, TransferError, WireError
+from weightsync.api.types import StageTiming, TransferReport
+from weightsync.core.delta.receiver import ReceiverDelta
+from weightsync.core.pipeline.handover import Hold
+from weightsync.core.pipeline.trace import Tracer
+from weightsync.core.pipeline.unpack import BucketReader, BulkPlans
+from weightsync.core.transports.settings import EngineSettings
+from weightsync.core.transports.transport import Arrived
+from weightsync.core.transports.transport import ReceivedBucket, ReceiverTransport
+from weightsync.core.wire import codec
+from weightsync.core.wire.destinations import Fallback
+
+__all__ = ["ReceiveStream", "ReceiveContext"]
+
+
+class ReceiveContext:
+    """What every stream of one engine shares: settings, the epoch, caches of tables seen before, threads."""
+
+    def __init__(self, settings: EngineSettings, *, tracer: Tracer, pool: concurrent.futures.ThreadPoolExecutor
+                 ) -> None:
+        self.settings = settings
+        self.tracer = tracer
+        self.pool = pool
+        self.tables = codec.TableCache()
+        """Bucket tables received and validated before: a model's next update repeats them."""
+        self.plans = BulkPlans()
+        self.delta = ReceiverDelta(verify_every=settings.verify_every) if settings.delta else None
+        """With ``settings.delta``: what this receiver holds across updates (``weightsync.core.delta.receiver``)."""
+
+
+class ReceiveStream:
+    """The ``ReceivedWeights`` of one update (see the Protocol for the view-validity contract)."""
+
+    def __init__(self, context: ReceiveContext, transport: ReceiverTransport, hold: Hold, *, epoch: str,
+                 peer: str, reader: BucketReader) -> None:
+        self.report: TransferReport | None = None
+        self._context, self._transport, self._hold, self._reader = context, transport, hold, reader
+        self._epoch, self._peer = epoch, peer
+        self._queue: asyncio.Queue[Arrived | BaseException] | None = None
+        self._started = time.perf_counter()
+        self._receive_seconds = 0.0
+        self._nbytes = self._buckets = self._wire = self._delta_buckets = 0
+        self._finished = False
+        self._unpack_started = 0.0
+        self._destinations: Mapping[str, torch.Tensor] | None = None
+        """Where the consumer reads the current bucket to: its ``copy_into`` destinations, or None for views."""
+        self._fallback: Fallback | None = None
+        self._patched: Arrived | None = None
+        self._applied: Arrived | None = None
+        self._in_transit: collections.deque[Arrived] = collections.deque()
+        """Buckets handed to the consumer's loop and not yet taken there (``_deliver``), oldest first."""
+        self._in_transit_lock = threading.Lock()
+
+    def __aiter__(self) -> ReceiveStream:
+        return self
+
+    async def _start(self) -> asyncio.Queue[Arrived | BaseException]:
+        if self._queue is None:
+            await self._hold.start()
+            if self._context.delta is not None:
+                self._context.delta.begin()
+            loop = asyncio.get_running_loop()
+            self._queue = asyncio.Queue()
+            loop.run_in_executor(self._context.pool, self._receive_loop, loop, self._queue)
+        return self._queue
+
+    async def __anext__(self) -> tuple[str, torch.Tensor]:
+        views = await self._views(whole_bucket=False)
+        if not views:
+            raise StopAsyncIteration
+        return views[0]
+
+    async def next_batch(self) -> list[tuple[str, torch.Tensor]] | None:
+        """What is left of the current bucket, or the next bucket's tensors (``BatchedWeights``)."""
+        return await self._views(whole_bucket=True) or None
+
+    async def _views(self, *, whole_bucket: bool) -> list[tuple[str, torch.Tensor]]:
+        """The next view, or every view left in the bucket — up to a tensor gathered from several buckets, which
+        ends a batch (the next split tensor is gathered in the same scratch buffer); [] at the end of the update."""
+        if self._finished:
+            return []
+        self._destinations = self._fallback = None
+        views: list[tuple[str, torch.Tensor]] = []
+        try:
+            while True:
+                if self._reader.pending and self._patch():
+                    ready = self._reader.next_view()
+                    if ready is not None:
+                        views.append(ready)
+                        if not whole_bucket or self._reader.gathered:  # the next piece may overwrite it
+                            return views
+                    continue
+                if views or not await self._advance():
+                    return views
+        except BaseException:
+            self._close()
+            raise
+
+    async def copy_into(
+        self, destinations: Mapping[str, torch.Tensor], *,
+        fallback: Fallback | None = None,
+    ) -> int:
+        """The rest of the stream, copied straight from the receive buffers into ``destinations`` (see the Protocol
+        and :mod:`weightsync.core.pipeline.unpack`)."""
+        if self._finished:
+            return 0
+        count = 0
+        self._destinations, self._fallback = destinations, fallback
+        try:
+            while True:
+                if self._reader.pending:
+                    if self._patch():
+                        count += self._reader.copy_out(destinations, fallback)
+                    else:
+                        count += self._reader.skip_applied()
+                    continue
+                if not await self._advance():
+                    return count
+        except BaseException:
+            self._close()
+            raise
+
+    def _patch(self) -> bool:
+        """Hand a bucket of a delta update to the delta receiver (once); False when that wrote it to the
+        destinations whole."""
+        current = self._reader.current
+        if current is None or current.header.base < 0 or current is self._patched:
+            return current is not self._applied
+        self._patched = current
+        if self._context.delta is None:
+            raise TransferError(f"{self._peer} sent a delta update to a receiver without SyncConfig.delta",
+                                peer=self._peer)
+        nbytes = current.header.nbytes
+        if current.header.dense >= 0 and current.token > 0 and current.payload.is_cpu and (
+                nbytes <= self._transport.capacity // 4):
+            # A small encoding leaves its receive buffer before it is applied: the buffer goes back to the sender at
+            # once, which keeps one more bucket in flight while the changes are written (a delta update is short of
+            # buckets in flight, not of bytes).
+            current.payload = current.payload[:nbytes].clone()
+            self._transport.release(current.token)
+            current.token = 0
+        if self._context.delta.take(current, self._destinations, self._fallback):
+            return True
+        self._applied = current
+        return False
+
+    async def _advance(self) -> bool:
+        """Finish the current bucket and make the next one current; False at the end of the update."""
+        done = self._reader.finish()
+        if done is not None:
+            if self._context.delta is not None and done is not self._applied:
+                self._context.delta.read(done, self._destinations)
+            self._transport.release(done.token)
+            self._context.tracer.span("unpack", done.header.index, self._unpack_started, time.perf_counter())
+        arrived = await (await self._start()).get()
+        if isinstance(arrived, BaseException):
+            raise arrived
+        header = arrived.header
+        if header.abort:
+            raise TransferError(f"{self._peer} aborted the update: {header.abort}", peer=self._peer)
+        if header.final:
+            self._complete(header)
+            return False
+        self._reader.begin(arrived)
+        self._unpack_started = time.perf_counter()
+        return True
+
+    def _receive_loop(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Arrived | BaseException]) -> None:
+        context, digest = self._context, self._reader.digest
+        deadline = time.monotonic() + context.settings.timeout
+        expected = 0
+        fused: bool | None = None
+
+        def deliver(item: Arrived | BaseException) -> None:
+            with self._in_transit_lock:
+                if self._finished:  # the consumer left (``_close``): acknowledged unread, here, in order
+                    if isinstance(item, Arrived):
+                        self._transport.release(item.token)
+                    return
+                if isinstance(item, Arrived):
+                    self._in_transit.append(item)
+            try:
+                loop.call_soon_threadsafe(self._deliver, queue, item)
+            except RuntimeError:  # the consumer's loop is closed: it never runs the callbacks of the buckets
+                # still on their way to it, nor reads this one: released here, in order
+                with self._in_transit_lock:
+                    self._release_in_transit()
+
+        try:
+            while True:
+                started = time.perf_counter()
+                received: ReceivedBucket = self._transport.receive(deadline)
+                header, table = codec.decode_bucket(received.header, epoch=self._epoch,
+                                                    capacity=self._transport.capacity, cache=context.tables)
+                if header.final or header.abort:
+                    deliver(Arrived(header, received.payload, received.token))
+                    return
+                if header.index != expected:
+                    raise WireError(f"bucket {header.index} arrived where bucket {expected} was expected")
+                if expected == 0 and header.base >= 0 and context.delta is not None:
+                    context.delta.check_base(header, self._peer)
+                expected += 1
+                payload = received.payload[: header.nbytes]
+                after_receive = getattr(context.settings.hook, "after_receive", None)
+                if after_receive is not None:
+                    after_receive(header.index, payload)
+                if fused is None:  # one way for the whole update: the digest folds buckets in order
+                    # (a delta update's buckets are hashed here: small, and read by the patch, not the consumer)
+                    fused = digest.fusable and payload.device.type == "cpu" and header.base < 0
+                if not fused:
+                    digest.update_bucket(table, payload)
+                context.tracer.span("receive", header.index, started, time.perf_counter())
+                self._receive_seconds += time.perf_counter() - started
+                self._nbytes += sum(meta.nbytes for meta in header.tensors)
+                self._wire += header.nbytes
+                self._delta_buckets += header.dense >= 0
+                self._buckets += 1
+                deliver(Arrived(header, payload, received.token, table, fused))
+        except BaseException as exc:
+            # This update is lost on this rank. Closing the transport now tells the peers (an upstream waiting for
+            # our acknowledgement, a downstream waiting for our announcement) at once instead of at their deadline;
+            # the next update joins a new epoch with new connections anyway.
+            self._transport.close()
+            deliver(exc)
+        finally:
+            self._hold.release()
+
+    def _deliver(self, queue: asyncio.Queue[Arrived | BaseException], item: Arrived | BaseException) -> None:
+        """On the consumer's loop: hand ``item`` to the consumer, unless it left (then ``_close`` or the receive
+        thread released it already)."""
+        with self._in_transit_lock:  # releases stay in order with the receive thread's (see ``deliver``)
+            if self._finished:
+                return
+            if isinstance(item, Arrived):
+                if not self._in_transit or self._in_transit[0] is not item:
+                    return  # released by the receive thread already (the loop was closed)
+                self._in_transit.popleft()
+        queue.put_nowait(item)
+
+    def _release_in_transit(self) -> None:
+        """Release the buckets on their way to the consumer's loop (the caller holds ``_in_transit_lock``)."""
+        while self._in_transit:
+            self._transport.release(self._in_transit.popleft().token)
+
+    async def aclose(self) -> None:
+        """The consumer stops early (its sink failed): the rest of the update is received and dropped."""
+        self._close()
+
+    def _complete(self, header: codec.BucketHeader) -> None:
+        digest = self._reader.digest.hexdigest()
+        settings = self._context.settings
+        try:
+            if settings.verify_digest and header.digest != digest:
+                raise DigestMismatchError(
+                    f"rollout rank {settings.context.rank} received bytes whose digest {digest[:16]} differs from "
+                    f"{self._peer}'s {header.digest[:16]}: the update was corrupted in transit",
+                    receiver=settings.context.rank, expected=header.digest, actual=digest,
+                )
+            if self._context.delta is not None:
+                self._context.delta.complete(header, receiver=settings.context.rank, peer=self._peer)
+            self.report = TransferReport(
+                role="rollout", rank=settings.context.rank, version=header.version, nbytes=self._nbytes,
+                tensors=self._reader.tensors, buckets=self._buckets, seconds=time.perf_counter() - self._started,
+                digest=digest, sender=header.sender,
+                stages=(StageTiming(stage="receive", seconds=self._receive_seconds),),
+                wire_bytes=self._wire, base=header.base, delta_buckets=self._delta_buckets,
+            )
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """The consumer is done, at the end or early. Every bucket it holds or has not taken yet is acknowledged
+        now, oldest first, and the receive thread acknowledges the rest as it arrives: the sender (and every other
+        receiver) finishes the update instead of waiting for this one until the deadline, even if the consumer's
+        loop never runs again (a worker that drives its own loop one call at a time) or closes (``asyncio.run``)
+        before the callbacks of buckets already on their way have run."""
+        with self._in_transit_lock:
+            if self._finished:
+                return
+            self._finished = True
+            self._hold.finished = True
+            current = self._reader.current
+            self._reader.current = None
+            if current is not None:
+                self._transport.release(current.token)
+            while self._queue is not None and not self._queue.empty():  # taken from _in_transit before the rest
+                item = self._queue.get_nowait()
+                if isinstance(item, Arrived):
+                    self._transport.release(item.token)
+            self._release_in_transit()
+        self._hold.release()

@@ -1,0 +1,268 @@
+"""The sender's half of the pipeline: plan → pack → publish, double-buffered, and the abort that tells receivers.
+
+The weights stream is planned into buckets on the event loop's thread (cheap bookkeeping); packing bucket k+1 into
+slot (k+1) % slots runs on a packing thread while bucket k is published on a transfer thread. Planning and packing
+take turns rather than overlap: both are Python for small tensors, and two threads contending for the GIL around
+every copy cost more than they save.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from weightsync.api.errors import WeightStreamError
+from weightsync.api.types import StageTiming, TransferReport
+from weightsync.core import native
+from weightsync.core.delta.sender import DeltaUpdate, SenderDelta
+from weightsync.core.native import copy_stream
+from weightsync.core.pipeline.planner import plan_buckets, validate_pair
+from weightsync.core.pipeline.staging import SendStaging, Upload
+from weightsync.core.pipeline.trace import Tracer
+from weightsync.core.transports.device import AcceleratorPolicy
+from weightsync.core.transports.settings import EngineSettings
+from weightsync.core.transports.transport import NO_SLOT, DevicePolicy, SenderTransport
+from weightsync.core.wire import codec
+from weightsync.core.wire.digest import UpdateDigest
+from weightsync.core.wire.layout import PlannedBucket, pack_hashing, piece_bytes
+
+__all__ = ["SendPipeline", "drain"]
+
+
+async def drain(weights: Iterable[object], *, devices: frozenset[str], rank: int, version: int,
+                started: float) -> TransferReport:
+    """A non-sending actor rank still consumes its stream (gathering may be collective), validating it."""
+    seen: set[str] = set()
+    count = 0
+    for count, item in enumerate(weights, start=1):
+        validate_pair(item, devices=devices, seen=seen)
+        if count % 64 == 0:
+            await asyncio.sleep(0)
+    return TransferReport(role="actor", rank=rank, version=version, nbytes=0, tensors=count, buckets=0,
+                          seconds=time.perf_counter() - started, digest="")
+
+
+@dataclass
+class Sending:
+    """What a sender knows about one update, and what it counted so far."""
+
+    transport: SenderTransport
+    epoch: str
+    version: int
+    sender: int
+    digest: UpdateDigest
+    deadline: float
+    delta: DeltaUpdate | None
+    """This update's delta bookkeeping, or None when the sender keeps no version."""
+    buckets: int = 0
+    nbytes: int = 0
+    tensors: int = 0
+    wire: int = 0
+    pack_seconds: float = 0.0
+    publish_seconds: float = 0.0
+
+    def header(self, *, index: int, slot: int, nbytes: int, table: bytes, dense: int = -1) -> bytes:
+        """Bucket ``index``'s header (a delta update's names its base)."""
+        base, base_model = (self.delta.base, self.delta.base_model) if self.delta is not None else (-1, "")
+        return codec.encode_bucket(epoch=self.epoch, version=self.version, sender=self.sender, index=index,
+                                   slot=slot, nbytes=nbytes, table=table, base=base, base_model=base_model,
+                                   dense=dense)
+
+    def marker(self, **fields: Any) -> bytes:
+        """A header without payload after the buckets sent so far: the final one, or an abort."""
+        return codec.encode(codec.BucketHeader(wire=codec.WIRE_VERSION, epoch=self.epoch, version=self.version,
+                                               sender=self.sender, index=self.buckets, slot=NO_SLOT, nbytes=0,
+                                               tensors=[], **fields))
+
+    def report(self, started: float) -> TransferReport:
+        delta = self.delta
+        return TransferReport(
+            role="actor", rank=self.sender, version=self.version, nbytes=self.nbytes, tensors=self.tensors,
+            buckets=self.buckets, seconds=time.perf_counter() - started, digest=self.digest.hexdigest(),
+            sender=self.sender, stages=(StageTiming(stage="pack", seconds=self.pack_seconds),
+                                        StageTiming(stage="publish", seconds=self.publish_seconds)),
+            wire_bytes=self.wire, changed_bytes=delta.changed if delta is not None else 0,
+            base=delta.base if delta is not None else -1,
+        )
+
+
+@dataclass
+class SendPipeline:
+    """One sender's pipeline over the transport of the current epoch. Its threads are the engine's to shut down."""
+
+    settings: EngineSettings
+    devices: frozenset[str]
+    policy: DevicePolicy
+    tracer: Tracer
+    pack_pool: concurrent.futures.ThreadPoolExecutor
+    transfer_pool: concurrent.futures.ThreadPoolExecutor
+    digest_pool: concurrent.futures.ThreadPoolExecutor
+    """Delta updates: compares half of each large bucket beside the pack thread, and sums a kept bucket rewritten
+    whole while the pack thread packs the next one."""
+    staging: SendStaging | None = None
+    """Made at the first bucket with accelerator pieces bound for a host transport, then kept with the engine."""
+    uploads: Upload | None = None
+    """Made at the first bucket with host pieces bound for a device transport, then kept with the engine."""
+    delta: SenderDelta = field(default_factory=SenderDelta)
+    """With ``settings.delta``: the last version this sender sent, kept on the host (the base of the next update)."""
+
+    def delta_update(self, transport: SenderTransport, digest: UpdateDigest) -> DeltaUpdate | None:
+        """This update's delta bookkeeping, or None when the sender keeps no version (``delta`` off, no compiled
+        encoder, or a test hook that rewrites packed buckets; engines with buckets on a device refuse ``delta``)."""
+        if (not self.settings.delta or native.HELPER is None or not transport.buffer(0).is_cpu
+                or not digest.fusable or getattr(self.settings.hook, "after_pack", None) is not None):
+            return None
+        return self.delta.begin()
+
+    async def send(self, transport: SenderTransport, weights: Iterable[object], *, epoch: str, version: int,
+                   started: float) -> TransferReport:
+        digest = self.policy.new_digest()
+        sending = Sending(transport, epoch, version, self.settings.context.rank, digest,
+                          time.monotonic() + self.settings.timeout, self.delta_update(transport, digest))
+        in_flight: dict[int, asyncio.Future[float]] = {}
+        try:
+            await self._buckets(sending, weights, in_flight)
+            model = await self._final(sending, in_flight)
+        except BaseException as exc:
+            await self.abort(sending, in_flight, reason=exc)
+            if sending.delta is not None:
+                await asyncio.get_running_loop().run_in_executor(None, sending.delta.settle_quietly)
+            raise
+        if sending.delta is not None:  # every receiver acknowledged every bucket
+            self.delta.completed(sending.delta, version, model)
+        return sending.report(started)
+
+    async def _buckets(self, sending: Sending, weights: Iterable[object],
+                       in_flight: dict[int, asyncio.Future[float]]) -> None:
+        """Plan, pack and publish every bucket of the update (at most one in flight per slot)."""
+        loop, transport = asyncio.get_running_loop(), sending.transport
+        planned = time.perf_counter()
+        staging_begun = False
+        for bucket in plan_buckets(weights, bucket_bytes=self.settings.bucket_bytes, devices=self.devices):
+            index = sending.buckets
+            self.tracer.span("plan", index, planned, time.perf_counter())
+            if bucket.on_device and not staging_begun and transport.buffer(0).is_cpu:
+                self.begin_staging(bucket)
+                staging_begun = True
+            slot = index % transport.slots
+            previous = in_flight.pop(slot, None)
+            if previous is not None:
+                await previous
+            header, length, seconds = await loop.run_in_executor(self.pack_pool, self.pack, sending, slot, bucket)
+            sending.pack_seconds += seconds
+            in_flight[slot] = loop.run_in_executor(
+                self.transfer_pool, self.publish, transport, index, slot, length, header, sending.deadline)
+            sending.buckets, sending.wire = index + 1, sending.wire + length
+            sending.nbytes, sending.tensors = sending.nbytes + bucket.payload_bytes, sending.tensors + bucket.completed
+            planned = time.perf_counter()
+        if sending.tensors == 0:
+            raise WeightStreamError("the weights stream was empty: an update must carry at least one tensor")
+
+    async def _final(self, sending: Sending, in_flight: dict[int, asyncio.Future[float]]) -> str:
+        """Once every bucket is out: the final header (the digest, and a delta update's model digest, returned)."""
+        for future in list(in_flight.values()):
+            sending.publish_seconds += await future
+        in_flight.clear()
+        delta = sending.delta
+        model = delta.model_digest(sending.buckets) if delta is not None else ""
+        final = sending.marker(final=True, digest=sending.digest.hexdigest(),
+                               base=delta.base if delta is not None else -1, model=model)
+        sending.publish_seconds += await asyncio.get_running_loop().run_in_executor(
+            self.transfer_pool, _timed, sending.transport.publish, NO_SLOT, 0, final, sending.deadline)
+        return model
+
+    def begin_staging(self, bucket: PlannedBucket) -> None:
+        """On the planning thread (whose current stream produced the weights), at an update's first device bucket."""
+        device = next(source.device for _, source, _ in bucket.items if not source.is_cpu)
+        if self.staging is None:
+            self.staging = SendStaging(device, bucket_bytes=self.settings.bucket_bytes)
+        self.staging.begin()
+
+    def publish(self, transport: SenderTransport, index: int, slot: int, nbytes: int, header: bytes,
+                deadline: float) -> float:
+        started = time.perf_counter()
+        transport.publish(slot, nbytes, header, deadline)
+        ended = time.perf_counter()
+        self.tracer.span("transfer", index, started, ended)
+        return ended - started
+
+    def pack(self, sending: Sending, slot: int, bucket: PlannedBucket) -> tuple[bytes, int, float]:
+        """Copy the update's next bucket into ``slot`` (or, in a delta update, what changed in it) and fold it into
+        the digest; returns the bucket's header, the bytes to publish and the seconds it took."""
+        transport, digest, index = sending.transport, sending.digest, sending.buckets
+        with self.policy.packing(transport, slot, bucket):
+            transport.wait_slot(slot, sending.deadline)
+            started = time.perf_counter()
+            buffer = transport.buffer(slot)
+            if bucket.on_device and buffer.is_cpu and self.staging is not None:
+                bucket = self.staging.stage(bucket, sending.deadline)
+            table = codec.encode_tensors([item[0] for item in bucket.items])
+            after_pack = getattr(self.settings.hook, "after_pack", None)
+            length, dense = bucket.nbytes, -1
+            if sending.delta is not None:
+                length, dense = sending.delta.pack(buffer, bucket, table, digest, index=index, pool=self.digest_pool)
+            elif after_pack is None and digest.fusable and buffer.is_cpu and not bucket.on_device:
+                digest.begin_bucket(table, bucket.nbytes)
+                pack_hashing(buffer.data_ptr(), bucket, digest)
+            elif after_pack is None and not buffer.is_cpu and isinstance(self.policy, AcceleratorPolicy) and (
+                    not bucket.on_device or any(source.is_cpu for _, source, _ in bucket.items)):
+                self.upload(self.policy, buffer, bucket, table, digest, sending.deadline)
+            else:
+                for item in bucket.items:
+                    meta = item[0]
+                    if meta.nbytes:
+                        buffer[meta.bucket_offset:meta.bucket_offset + meta.nbytes].copy_(piece_bytes(item))
+                payload = buffer[: bucket.nbytes]
+                if after_pack is not None:
+                    after_pack(index, payload)  # a test hook: the bytes are hashed after it, as they stand
+                digest.update_bucket(table, payload)
+            header = sending.header(index=index, slot=slot, nbytes=length, table=table, dense=dense)
+        self.tracer.span("pack", index, started, time.perf_counter())
+        return header, length, time.perf_counter() - started
+
+    def upload(self, policy: AcceleratorPolicy, buffer: torch.Tensor, bucket: PlannedBucket, table: bytes,
+               digest: UpdateDigest, deadline: float) -> None:
+        """Host pieces into a device bucket through a pinned host bucket (:class:`~weightsync.core.pipeline.staging.Upload`):
+        a bucket wholly from the host is hashed from the pinned bytes as they are copied, a mixed one afterwards."""
+        if self.uploads is None:
+            self.uploads = Upload(policy.ops, bucket_bytes=self.settings.bucket_bytes)
+        host = self.uploads.take(deadline)
+        inner = getattr(digest, "inner", None)
+        if not bucket.on_device and isinstance(inner, UpdateDigest) and inner.fusable:
+            inner.begin_bucket(table, bucket.nbytes)
+            pack_hashing(host.data_ptr(), bucket, inner)
+            self.uploads.send(buffer, bucket, policy.copy_stream)
+            return
+        base = host.data_ptr()
+        for meta, source, start in bucket.items:
+            if meta.nbytes and source.is_cpu:
+                copy_stream(base + meta.bucket_offset, source.data_ptr() + start, meta.nbytes)
+        self.uploads.send(buffer, bucket, policy.copy_stream)
+        digest.update_bucket(table, buffer[: bucket.nbytes])
+
+    async def abort(self, sending: Sending, in_flight: dict[int, asyncio.Future[float]], *,
+                    reason: BaseException) -> None:
+        """Tell receivers the update is off, so they fail now instead of at their deadline. Best effort."""
+        message = f"{type(reason).__name__}: {reason}"[:500] or "aborted"
+        loop = asyncio.get_running_loop()
+        # Queued behind in-flight publishes on the same thread, so receivers see it after what was already sent.
+        future = loop.run_in_executor(
+            self.transfer_pool, _timed, sending.transport.publish, NO_SLOT, 0, sending.marker(abort=message),
+            time.monotonic() + min(self.settings.timeout, 10.0))
+        pending = [*in_flight.values(), future]
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.gather(*pending, return_exceptions=True)), 15.0)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            pass
+
+
+def _timed(function: Any, *args: Any) -> float:
+    started = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - started

@@ -1,0 +1,264 @@
+"""The receiver's last stage: from a received bucket to tensors — views for ``async for``, or copies into the
+model's own memory (``copy_into``), hashing each piece right behind its copy while it is still in cache.
+
+Three ways to copy a bucket, chosen per bucket by :meth:`BucketReader.copy_out`:
+
+* **bulk** — a bucket of small pieces whose destinations all fit (:func:`destination_fits`): checked in one pass,
+  then copied column-wise, one C call and one hash per ``PIECE_BYTES``;
+* **batched** — per tensor: small pieces batched into one C call per ``PIECE_BYTES``, large ones streamed;
+* **viewed** — the reference path: a typed view of the piece, ``Tensor.copy_`` into the destination. It takes any
+  destination the others cannot fill (another device, non-contiguous, lazily negated or conjugated), device
+  buckets, and every bucket when ``reference=True``.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Mapping
+
+import torch
+
+from weightsync.api.errors import DestinationError
+from weightsync.core.native import copy_batch, copy_columns, copy_stream
+from weightsync.core.transports.transport import Arrived
+from weightsync.core.wire.codec import TensorMeta
+from weightsync.core.wire.destinations import Fallback, check_destination, destination_fits, typed_view
+from weightsync.core.wire.digest import UpdateDigest
+from weightsync.core.wire.layout import PIECE_BYTES
+from weightsync.core.wire.tensors import COMPLEX_NAMES, DTYPES, dtype_from_name
+
+__all__ = ["BucketReader", "BulkPlans"]
+
+class BulkPlan:
+    """A bucket of small pieces of real dtypes (the many-small-tensors case) in columns, for the bulk copy."""
+
+    __slots__ = ("names", "dtypes", "shapes", "sources", "sizes", "offsets", "chunks", "completed")
+
+    def __init__(self, tensors: list[TensorMeta]) -> None:
+        self.names = [meta.name for meta in tensors]
+        self.dtypes = [DTYPES[meta.dtype] for meta in tensors]
+        self.shapes = [meta.shape for meta in tensors]
+        self.sources = array.array("Q", [meta.bucket_offset for meta in tensors])
+        self.sizes = array.array("Q", [meta.nbytes for meta in tensors])
+        self.offsets = [(index, meta.offset) for index, meta in enumerate(tensors) if meta.offset] or None
+        self.completed = sum(meta.offset + meta.nbytes == meta.total_nbytes for meta in tensors)
+        # Where to hash: as the batched copy does, every time PIECE_BYTES or more were copied since the last hash.
+        self.chunks: list[tuple[int, int, int]] = []
+        start = hashed = 0
+        for index, meta in enumerate(tensors):
+            end = meta.bucket_offset + meta.nbytes
+            if end - hashed >= PIECE_BYTES or index == len(tensors) - 1:
+                self.chunks.append((start, index + 1, end))
+                start, hashed = index + 1, end
+
+    @classmethod
+    def of(cls, tensors: list[TensorMeta]) -> BulkPlan | None:
+        if not tensors or any(meta.nbytes > PIECE_BYTES or meta.dtype in COMPLEX_NAMES for meta in tensors):
+            return None
+        return cls(tensors)
+
+
+class BulkPlans:
+    """Bulk plans of the bucket tables seen before, keyed by the table's bytes (a model's next update repeats them);
+    bounded by their entries, cleared when full."""
+
+    def __init__(self, limit: int = 1 << 18) -> None:
+        self._plans: dict[bytes, BulkPlan | None] = {}
+        self._entries = 0
+        self._limit = limit
+
+    def get(self, table: bytes, tensors: list[TensorMeta]) -> BulkPlan | None:
+        try:
+            return self._plans[table]
+        except KeyError:
+            pass
+        plan = BulkPlan.of(tensors)
+        if self._entries + len(tensors) > self._limit:
+            self._plans.clear()
+            self._entries = 0
+        self._plans[table] = plan
+        self._entries += len(tensors)
+        return plan
+
+
+class BucketReader:
+    """Reads the current bucket of one update: where the consumer is in it, and how far it was hashed."""
+
+    def __init__(self, digest: UpdateDigest, plans: BulkPlans) -> None:
+        self.digest = digest
+        self.plans = plans
+        self.current: Arrived | None = None
+        self.position = 0
+        self.hashed = 0
+        self.tensors = 0
+        """Tensors completed in this update."""
+        self._scratch: torch.Tensor | None = None
+        self.gathered = False
+        """Whether the last view ``next_view`` gave lives in the scratch buffer, which the next split tensor
+        overwrites (it is valid only until the reader takes the next piece)."""
+
+    def begin(self, arrived: Arrived) -> None:
+        self.current, self.position, self.hashed = arrived, 0, 0
+        if arrived.fused:
+            self.digest.begin_bucket(arrived.table, arrived.header.nbytes)
+
+    def finish(self) -> Arrived | None:
+        """Hash what is left of the current bucket; returns it (for its release), or None."""
+        current, self.current = self.current, None
+        if current is not None and current.fused:
+            self._hash_to(current, current.header.nbytes)
+        return current
+
+    @property
+    def pending(self) -> bool:
+        current = self.current
+        return current is not None and self.position < len(current.header.tensors)
+
+    def next_view(self) -> tuple[str, torch.Tensor] | None:
+        """The next piece of the current bucket as a view; None when it is only part of a split tensor."""
+        current = self._current()
+        meta = current.header.tensors[self.position]
+        self.position += 1
+        if current.fused and meta.bucket_offset - self.hashed >= PIECE_BYTES:
+            # The consumer is done with every earlier piece: hash them while they are in cache.
+            self._hash_to(current, meta.bucket_offset)
+        return self._tensor(meta, current.payload)
+
+    def copy_out(self, destinations: Mapping[str, torch.Tensor], fallback: Fallback | None, *,
+                 reference: bool = False) -> int:
+        """Copy the current bucket's remaining pieces into ``destinations``; the number of tensors completed."""
+        current = self._current()
+        tensors = current.header.tensors
+        if reference or not current.fused:  # a device payload: every tensor goes through its view
+            count = 0
+            while self.position < len(tensors):
+                meta = tensors[self.position]
+                self.position += 1
+                count += self._copy_viewed(current, meta, destinations.get(meta.name), fallback)
+            return count
+        if self.position == 0:
+            plan = self.plans.get(current.table, tensors)
+            if plan is not None:
+                completed = self._copy_bulk(plan, current.payload.data_ptr(), list(map(destinations.get, plan.names)))
+                if completed is not None:
+                    return completed
+        return self._copy_batched(current, destinations, fallback)
+
+    def skip_applied(self) -> int:
+        """The rest of the current bucket was written elsewhere (a delta applied in place): the tensors it
+        completes."""
+        current = self._current()
+        rest = current.header.tensors[self.position:]
+        completed = sum(meta.offset + meta.nbytes == meta.total_nbytes for meta in rest)
+        self.position = len(current.header.tensors)
+        self.tensors += completed
+        return completed
+
+    def _current(self) -> Arrived:
+        if self.current is None:
+            raise RuntimeError("no bucket is current (callers check ``pending`` first)")
+        return self.current
+
+    def _copy_batched(self, current: Arrived, destinations: Mapping[str, torch.Tensor],
+                      fallback: Fallback | None) -> int:
+        """Per tensor, for the common destination (one that fits): small pieces batched into one ``copy_batch``
+        call every ``PIECE_BYTES`` bytes and then hashed, large ones streamed. Copies land in stream order (a batch
+        is flushed before any other copy), should two names share a destination."""
+        tensors, base, get = current.header.tensors, current.payload.data_ptr(), destinations.get
+        hashed, position = self.hashed, self.position
+        batch: list[int] = []  # (destination address, bucket offset, nbytes) triples not copied yet
+        count = copied = 0  # tensors completed; those of them completed here (``_copy_viewed`` counts its own)
+        while position < len(tensors):
+            meta = tensors[position]
+            position += 1
+            destination = get(meta.name)
+            if not destination_fits(destination, DTYPES[meta.dtype], meta.shape):
+                if batch:
+                    copy_batch(batch, 0, base, stream=True)
+                    batch.clear()
+                self.position, self.hashed = position, hashed
+                count += self._copy_viewed(current, meta, destination, fallback)
+                hashed = self.hashed
+                continue
+            address, nbytes, at = destination.data_ptr() + meta.offset, meta.nbytes, meta.bucket_offset
+            if nbytes <= PIECE_BYTES:  # most tensors: batched, the hash catches up every PIECE_BYTES bytes
+                batch += (address, at, nbytes)
+                if at + nbytes - hashed >= PIECE_BYTES:
+                    copy_batch(batch, 0, base, stream=True)
+                    batch.clear()
+                    self.digest.update_at(base + hashed, at + nbytes - hashed)
+                    hashed = at + nbytes
+            else:
+                if batch:
+                    copy_batch(batch, 0, base, stream=True)
+                    batch.clear()
+                for done in range(0, nbytes, PIECE_BYTES):  # streamed: the model's memory is not read back here
+                    copy_stream(address + done, base + at + done, min(PIECE_BYTES, nbytes - done))
+                    end = at + min(done + PIECE_BYTES, nbytes)
+                    self.digest.update_at(base + hashed, end - hashed)
+                    hashed = end
+            copied += meta.offset + nbytes == meta.total_nbytes
+        if batch:
+            copy_batch(batch, 0, base, stream=True)
+        self.position, self.hashed = position, hashed  # (after an error the stream is closed: no write-back)
+        self.tensors += copied
+        return count + copied
+
+    def _copy_bulk(self, plan: BulkPlan, base: int, found: list[torch.Tensor | None]) -> int | None:
+        """A whole bucket of small pieces: the tensors completed, or None when any destination does not fit (then
+        nothing was copied and the batched copy takes the bucket)."""
+        if not all(map(destination_fits, found, plan.dtypes, plan.shapes)):
+            return None
+        addresses = array.array("Q", [destination.data_ptr() for destination in found])  # type: ignore[union-attr]
+        if plan.offsets is not None:  # the tail of a tensor split across buckets lands at its offset
+            for index, offset in plan.offsets:
+                addresses[index] += offset
+        hashed = 0
+        for start, stop, end in plan.chunks:
+            copy_columns(addresses, plan.sources, plan.sizes, start, stop, base)
+            self.digest.update_at(base + hashed, end - hashed)
+            hashed = end
+        self.position, self.hashed = len(found), hashed
+        self.tensors += plan.completed
+        return plan.completed
+
+    def _copy_viewed(self, current: Arrived, meta: TensorMeta, destination: torch.Tensor | None,
+                     fallback: Fallback | None) -> int:
+        """One piece through its view: into a destination with ``copy_``, or to the fallback."""
+        if destination is None and fallback is None:
+            raise DestinationError(f"no destination for received tensor {meta.name!r} (and no fallback)",
+                                   name=meta.name)
+        if destination is not None:
+            check_destination(meta, destination)
+        if current.fused and meta.bucket_offset - self.hashed >= PIECE_BYTES:
+            self._hash_to(current, meta.bucket_offset)
+        ready = self._tensor(meta, current.payload)
+        if ready is None:
+            return 0
+        if destination is not None:
+            with torch.no_grad():  # a model's parameters are valid destinations
+                destination.copy_(ready[1])
+        elif fallback is not None:
+            fallback(*ready)
+        return 1
+
+    def _hash_to(self, current: Arrived, end: int) -> None:
+        if end > self.hashed:
+            self.digest.update_at(current.payload.data_ptr() + self.hashed, end - self.hashed)
+            self.hashed = end
+
+    def _tensor(self, meta: TensorMeta, payload: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        dtype = dtype_from_name(meta.dtype)
+        piece = payload[meta.bucket_offset: meta.bucket_offset + meta.nbytes]
+        self.gathered = not meta.is_whole
+        if meta.is_whole:
+            self.tensors += 1
+            return meta.name, typed_view(piece, dtype, meta.shape)
+        # A range of a tensor split across buckets: gather it in a scratch buffer reused across tensors.
+        if self._scratch is None or self._scratch.numel() < meta.total_nbytes:
+            self._scratch = torch.empty(meta.total_nbytes, dtype=torch.uint8, device=payload.device)
+        self._scratch[meta.offset: meta.offset + meta.nbytes].copy_(piece)
+        if meta.offset + meta.nbytes < meta.total_nbytes:
+            return None
+        self.tensors += 1
+        return meta.name, typed_view(self._scratch[: meta.total_nbytes], dtype, meta.shape)

@@ -1,0 +1,147 @@
+"""What every engine is built with: its settings, parsed and validated once, and the metadata every worker shares.
+
+The engine (``weightsync.core.control.engine``) and engines that implement the ``CheckpointEngine`` Protocol themselves
+(kimi) both start here, so option checking and the common metadata are written once.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from weightsync.api.config import SyncConfig
+from weightsync.api.errors import ConfigError, LifecycleError, reject_renamed_keywords
+from weightsync.api.types import WorkerContext, WorkerMetadata
+from weightsync.core.transports.transport import TransportHook
+
+__all__ = ["EngineSettings", "EngineBase", "default_node_id", "load_transport_hook"]
+
+
+@functools.cache
+def default_node_id() -> str:
+    """Identity of this host: hostname plus kernel boot id (two containers on one host differ by hostname)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def load_transport_hook(spec: str | None) -> TransportHook | None:
+    if spec is None:
+        return None
+    module_name, _, attribute = spec.partition(":")
+    try:
+        hook: TransportHook = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"transport_hook {spec!r} cannot be loaded: {exc}") from None
+    return hook
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """One engine's settings. Build with :meth:`parse`, which raises ``ConfigError`` for anything invalid.
+
+    Options common to every backend: ``context`` (``WorkerContext``, from the host), ``slots`` (buckets per side),
+    ``timeout`` (seconds any single blocking wait may take), ``verify_digest``, ``delta`` and ``verify_every``
+    (``SyncConfig``'s), ``transport_hook`` (tests only).
+    A backend's own options arrive in ``options``, checked against the names it declares.
+    """
+
+    name: str
+    bucket_bytes: int
+    slots: int
+    timeout: float
+    verify_digest: bool
+    context: WorkerContext
+    delta: bool = False
+    verify_every: int = 1
+    options: dict[str, Any] = field(default_factory=dict)
+    hook: TransportHook | None = None
+
+    @classmethod
+    def parse(
+        cls, name: str, *, option_names: frozenset[str], default_slots: int, bucket_bytes: int,
+        context: WorkerContext | None = None, slots: int | None = None, timeout: float = 600.0,
+        verify_digest: bool = True, transport_hook: str | None = None, delta: bool = False, verify_every: int = 1,
+        **options: Any,
+    ) -> EngineSettings:
+        unknown = sorted(set(options) - option_names)
+        if unknown:
+            accepted = ", ".join(sorted(option_names)) or "none"
+            raise ConfigError(f"{name} engine got unknown options {unknown}; its own options: {accepted}")
+        # validates these, raising ConfigError
+        SyncConfig(bucket_bytes=bucket_bytes, slots=slots, delta=delta, verify_every=verify_every)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        return cls(
+            name=name, bucket_bytes=bucket_bytes, slots=slots if slots is not None else default_slots,
+            timeout=float(timeout), verify_digest=verify_digest,
+            context=context or WorkerContext(role="actor", rank=0, node_id=default_node_id()),
+            options=options, hook=load_transport_hook(transport_hook), delta=delta, verify_every=verify_every,
+        )
+
+    def metadata(self) -> WorkerMetadata:
+        """What every worker of every backend advertises in ``prepare()``; a backend adds its own keys."""
+        return {
+            "backend": self.name,
+            "role": self.context.role,
+            "rank": self.context.rank,
+            "node_id": self.context.node_id,
+            "host_ip": self.context.host_ip,
+            "hostname": socket.gethostname(),  # for people: errors name a worker's host by it
+            "pid": os.getpid(),
+            "bucket_bytes": self.bucket_bytes,
+            "slots": self.slots,
+        }
+
+    @property
+    def self_name(self) -> str:
+        return f"{self.context.role} rank {self.context.rank}"
+
+
+class EngineBase:
+    """What every engine shares before its lifecycle: settings parsed once from the constructor's keywords, read
+    back as attributes, and the closed flag. Engines of bucket backends and engines that implement the
+    ``CheckpointEngine`` Protocol themselves (kimi) both start here."""
+
+    name: ClassVar[str]
+    option_names: ClassVar[frozenset[str]] = frozenset()
+    default_slots: ClassVar[int] = 2
+    supports_delta: ClassVar[bool] = True
+    """Whether ``delta=True`` is accepted (bucket engines: yes; an engine without buckets to encode: no)."""
+
+    def __init__(self, *, bucket_bytes: int, context: WorkerContext | None = None, slots: int | None = None,
+                 timeout: float = 600.0, verify_digest: bool = True, transport_hook: str | None = None,
+                 delta: bool = False, verify_every: int = 1, **options: Any) -> None:
+        reject_renamed_keywords(type(self).__name__, options)
+        self.settings = EngineSettings.parse(
+            self.name, option_names=self.option_names, default_slots=self.default_slots, bucket_bytes=bucket_bytes,
+            context=context, slots=slots, timeout=timeout, verify_digest=verify_digest,
+            transport_hook=transport_hook, delta=delta, verify_every=verify_every, **options)
+        self._closed = False
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.settings.bucket_bytes
+
+    @property
+    def slots(self) -> int:
+        return self.settings.slots
+
+    @property
+    def timeout(self) -> float:
+        return self.settings.timeout
+
+    @property
+    def context(self) -> WorkerContext:
+        return self.settings.context
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LifecycleError(f"{self.name} engine is closed")

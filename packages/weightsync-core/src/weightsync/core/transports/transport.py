@@ -1,0 +1,196 @@
+"""The small interface a backend implements: how one filled bucket gets from the sender to its receivers.
+
+Everything else — planning, packing, double buffering, headers, digests, reassembly, timing — is the pipeline's
+(:mod:`weightsync.core.pipeline.send`, :mod:`weightsync.core.pipeline.receive`), written once. A backend supplies a
+:class:`Transport`: the engine builds one per worker with its settings, asks it for metadata (``prepare``), for the
+topology (``build_topology``, on the driver) and, per membership epoch, for a :class:`SenderTransport` or a
+:class:`ReceiverTransport`, which move opaque header bytes plus ``nbytes`` of payload from a slot of the sender's
+ring to every receiver of the epoch, in order.
+
+A transport declares where its buffers live (``buffers``: ``"host"`` or ``"device"``), and may supply a
+:class:`DevicePolicy` that orders the pipeline's copies on device streams. Transports compose: a relay is a
+``ReceiverTransport`` of one transport whose received payloads a ``SenderTransport`` of another publishes.
+
+Threading: the pipeline calls ``SenderTransport.publish`` from one transfer thread, in bucket order, and
+``wait_slot`` from its packing thread; ``ReceiverTransport.receive`` from one receive thread and ``release`` from
+the consumer's thread. Every blocking call takes an absolute ``deadline`` (``time.monotonic()`` seconds) and raises
+``TransferError`` naming the peer when it passes; none spins a core while waiting.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+
+import torch
+
+from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
+from weightsync.core.wire import codec
+from weightsync.core.wire.digest import UpdateDigest
+
+if TYPE_CHECKING:
+    from weightsync.core.transports.settings import EngineSettings
+    from weightsync.core.wire.layout import PlannedBucket
+
+__all__ = [
+    "SenderTransport", "ReceiverTransport", "ReceivedBucket", "Arrived", "TransportHook", "NO_SLOT", "Transport",
+    "DevicePolicy", "BufferPlace",
+]
+
+BufferPlace = Literal["host", "device"]
+
+NO_SLOT = -1
+"""Slot of a message without payload (the final and abort markers)."""
+
+
+class SenderTransport(Protocol):
+    slots: int
+    capacity: int
+    """Bytes of each slot's buffer (the engine's ``bucket_bytes``)."""
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        """The flat uint8 buffer of ``slot``, where the pipeline packs a bucket."""
+        ...
+
+    def wait_slot(self, slot: int, deadline: float) -> None:
+        """Block until every receiver is done with what ``slot`` last carried (so it may be overwritten)."""
+        ...
+
+    def publish(self, slot: int, nbytes: int, header: bytes, deadline: float) -> None:
+        """Hand the first ``nbytes`` of ``slot`` and ``header`` to every receiver; ``slot`` may be ``NO_SLOT``.
+
+        Returns once the transport no longer reads the slot's buffer or once receivers will ask for it via
+        ``wait_slot`` (a one-sided transport), whichever the backend implements.
+        """
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class ReceivedBucket:
+    header: bytes
+    payload: torch.Tensor
+    """Flat uint8 view of the bucket's bytes; valid until ``release(token)``."""
+    token: int
+
+
+class Arrived:
+    """A received bucket, its header decoded, on its way to the consumer (``token`` as in ``ReceivedBucket``)."""
+
+    __slots__ = ("header", "payload", "token", "table", "fused")
+
+    def __init__(self, header: codec.BucketHeader, payload: torch.Tensor, token: int, table: bytes = b"",
+                 fused: bool = False) -> None:
+        self.header = header
+        self.payload = payload
+        self.token = token
+        self.table = table
+        self.fused = fused
+        """The consumer hashes this bucket as it reads it (a host payload); else the receive thread hashed it."""
+
+
+class ReceiverTransport(Protocol):
+    capacity: int
+
+    def receive(self, deadline: float) -> ReceivedBucket:
+        """Block until the next message arrives; return its header bytes and payload view."""
+        ...
+
+    def release(self, token: int) -> None:
+        """The consumer is done with a received bucket: its buffer may be reused."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class TransportHook(Protocol):
+    """Test hook (engine option ``transport_hook="module:attribute"``) to corrupt buckets deliberately.
+
+    ``after_pack`` runs on the sender after a bucket is packed and before it is hashed (a fault the digest cannot
+    see: only a byte-level comparison catches it). ``after_receive`` runs on a receiver after the bucket arrived
+    and before it is hashed (corruption in transit: the digest catches it). Either may mutate ``payload``.
+    """
+
+    def after_pack(self, index: int, payload: torch.Tensor) -> None: ...
+
+    def after_receive(self, index: int, payload: torch.Tensor) -> None: ...
+
+
+class DevicePolicy:
+    """How the pipeline orders its copies around a transport's buffers. This one, for host buffers, adds nothing.
+
+    A device transport returns its own (see :mod:`weightsync.core.transports.device`): packing then runs on a copy stream that
+    waits for the stream that produced the weights, and a bucket's digest stages device bytes to the host.
+    """
+
+    def begin_send(self) -> None:
+        """On the caller's thread as ``send_weights`` starts (a device policy notes the producer's stream)."""
+
+    def end_send(self) -> None:
+        """As ``send_weights`` ends, however it ends."""
+
+    @contextlib.contextmanager
+    def packing(self, transport: SenderTransport, slot: int, bucket: PlannedBucket) -> Iterator[None]:
+        """Around the packing of ``bucket`` into ``slot`` (on the pack thread)."""
+        yield
+
+    def new_digest(self) -> UpdateDigest:
+        """The digest one update's buckets are folded into, on either side."""
+        return UpdateDigest()
+
+
+HOST_POLICY = DevicePolicy()
+
+
+class Transport(abc.ABC):
+    """A backend's part of an engine: its buffers and connections, its topology, and where its buffers live.
+
+    The engine builds one per worker (``Transport(settings)``) and calls, in the lifecycle's order: ``prepare``
+    (allocate or reuse buffers and endpoints; return the metadata peers need), ``build_topology`` (class-level, on
+    the driver), ``connect_sender`` / ``connect_receiver`` once per membership epoch (``rank_args["epoch"]`` is its
+    token: every connection must present it), and ``release`` when the engine closes.
+    """
+
+    name: ClassVar[str]
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
+    """Device types of the tensors this transport's engine accepts."""
+    option_names: ClassVar[frozenset[str]] = frozenset()
+    """The backend's own engine options (read from ``settings.options``)."""
+    default_slots: ClassVar[int] = 2
+    """Buckets per side when ``slots`` is not given."""
+    buffers: BufferPlace = "host"
+    """Where this transport's ring lives; a device ring comes with a device policy."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+
+    def prepare(self) -> WorkerMetadata:
+        """Allocate/reuse what peers must know about and return it (merged into the worker's metadata)."""
+        return {}
+
+    @classmethod
+    @abc.abstractmethod
+    def build_topology(
+        cls, *, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata
+    ) -> Topology:
+        """Who sends to whom, from every worker's metadata (see the ``CheckpointEngine`` Protocol)."""
+
+    @abc.abstractmethod
+    def connect_sender(self, rank_args: RankArgs) -> SenderTransport: ...
+
+    @abc.abstractmethod
+    def connect_receiver(self, rank_args: RankArgs) -> ReceiverTransport: ...
+
+    def release(self) -> None:
+        """Free what ``prepare`` allocated (segments, registrations, listening endpoints). Idempotent."""
+
+    def policy(self) -> DevicePolicy:
+        return HOST_POLICY
+
+    def peer_name(self, sender: int) -> str:
+        """How a receiver names the peer it receives from, in errors."""
+        return f"actor rank {sender}"

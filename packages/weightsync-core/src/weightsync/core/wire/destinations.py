@@ -1,0 +1,41 @@
+"""Where a received tensor goes: the checks a destination passes before a byte is written to it, and a tensor's
+bytes seen as the tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeGuard
+
+import torch
+
+from weightsync.api.protocols import check_destination as check_tensor_destination
+from weightsync.core.wire.codec import TensorMeta
+from weightsync.core.wire.tensors import DTYPES
+
+__all__ = ["Fallback", "check_destination", "destination_fits", "typed_view"]
+
+Fallback = Callable[[str, torch.Tensor], object]
+"""``copy_into``'s ``fallback(name, tensor)``: where a tensor without a destination goes."""
+
+
+def destination_fits(destination: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...], *,
+                     anywhere: bool = False) -> TypeGuard[torch.Tensor]:
+    """Whether raw copies can fill ``destination``: ``dtype`` and ``shape``, contiguous, on the host (or, with
+    ``anywhere``, on any device), its memory holding the values it shows (not a lazily negated view — even a real
+    tensor can be one, a complex tensor's conjugate's ``imag`` — nor a lazily conjugated complex tensor). False for
+    no destination."""
+    return (destination is not None and destination.dtype is dtype and destination.shape == shape
+            and (anywhere or destination.is_cpu) and destination.is_contiguous() and not destination.is_neg()
+            and not (dtype.is_complex and destination.is_conj()))
+
+
+def check_destination(meta: TensorMeta, destination: torch.Tensor) -> None:
+    """``DestinationError`` before anything is written when ``destination`` cannot hold the received tensor."""
+    check_tensor_destination(meta.name, DTYPES[meta.dtype], meta.shape, destination)
+
+
+def typed_view(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor's bytes ``data`` (uint8) as the tensor."""
+    if data.numel() == 0:
+        return torch.empty(shape, dtype=dtype, device=data.device)
+    return data.view(dtype).reshape(shape)

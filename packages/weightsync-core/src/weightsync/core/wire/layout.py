@@ -1,0 +1,74 @@
+"""A bucket's layout as the sender plans it: its pieces, where each lies in the payload, and how it is copied
+(:func:`pack_hashing`: host pieces into a host bucket, hashed in order).
+
+The planner (:mod:`weightsync.core.pipeline.planner`) fills these; the pipeline and the transports pack by them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from weightsync.core.native import copy_batch, copy_stream
+from weightsync.core.wire.codec import TensorMeta
+from weightsync.core.wire.digest import UpdateDigest
+from weightsync.core.wire.tensors import as_byte_view
+
+__all__ = ["PackItem", "PlannedBucket", "pack_hashing", "piece_bytes", "PIECE_BYTES"]
+
+PIECE_BYTES = 256 * 1024
+"""Bytes copied between two digest updates: small enough that the hash reads them back from the core's own cache.
+A piece of at most this size is copied in a batch with its neighbours (``PlannedBucket.copies``), a larger one
+streamed in pieces of this size (``PlannedBucket.large``)."""
+
+PackItem = tuple[TensorMeta, torch.Tensor, int]
+"""One piece of a bucket: ``(meta, source, start)``. ``source`` is the caller's tensor, or a contiguous copy of it
+(its storage from ``data_ptr()`` holds the row-major bytes); ``start`` is the piece's byte offset in those bytes
+(``meta.offset``). A plain tuple: the planner builds one per tensor, and a named tuple costs several times more."""
+
+
+def piece_bytes(item: PackItem) -> torch.Tensor:
+    """The piece as a flat uint8 tensor (for ``Tensor.copy_`` where raw addresses do not apply)."""
+    meta, source, start = item
+    return as_byte_view(source)[start:start + meta.nbytes]
+
+
+@dataclass(slots=True)
+class PlannedBucket:
+    items: list[PackItem] = field(default_factory=list)
+    nbytes: int = 0
+    """Bytes of the bucket's payload (the last piece's end, alignment padding included)."""
+    payload_bytes: int = 0
+    """Bytes of tensor data in it (padding excluded)."""
+    completed: int = 0
+    """Tensors whose last piece is in this bucket."""
+    copies: list[int] = field(default_factory=list)
+    """The host pieces of at most ``PIECE_BYTES``, flat ``(bucket offset, source address, nbytes)`` triples for one
+    ``copy_batch`` (host addresses only: an accelerator tensor's address is never used as a host pointer)."""
+    large: list[PackItem] = field(default_factory=list)
+    """The other pieces (larger ones, and every piece of an accelerator tensor), in bucket order."""
+    on_device: bool = False
+    """Whether any piece's source lives on the accelerator (the bucket is staged before a host transport packs it,
+    :mod:`weightsync.core.pipeline.staging`)."""
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def pack_hashing(base: int, bucket: PlannedBucket, digest: UpdateDigest) -> None:
+    """Copy host sources into the host bucket at ``base``, hashing the bucket in order (padding included)."""
+    copy_batch(bucket.copies, base, 0)  # every small piece in one call
+    hashed = 0
+    for meta, source, start in bucket.large:
+        nbytes, at = meta.nbytes, meta.bucket_offset
+        digest.update_at(base + hashed, at - hashed)  # the small pieces and padding before this one
+        address = source.data_ptr() + start
+        for done in range(0, nbytes, PIECE_BYTES):
+            size = min(PIECE_BYTES, nbytes - done)
+            # Streamed into the bucket, so the bucket's copy is not in cache: the source's, just read, is, and holds
+            # the same bytes (a receiver hashing the bucket checks this copy too).
+            copy_stream(base + at + done, address + done, size)
+            digest.update_at(address + done, size)
+        hashed = at + nbytes
+    digest.update_at(base + hashed, bucket.nbytes - hashed)
