@@ -83,4 +83,22 @@ def test_the_check_sees_an_engine_that_overrides_the_pipeline() -> None:
 def test_device_backends_depend_on_api_and_core_only(backend: str) -> None:
     project = tomllib.loads((ROOT / f"packages/weightsync-{backend}/pyproject.toml").read_text())["project"]
     ours = {dependency for dependency in project["dependencies"] if dependency.startswith("weightsync-")}
-    assert ours == {"weightsync-api", "weightsync-core"}
+    assert ours == {"weightsync-api~=0.1.0", "weightsync-core~=0.1.0"}  # siblings by compatible version
+
+
+def test_siblings_require_compatible_versions_of_each_other() -> None:
+    projects = {path.parent: tomllib.loads(path.read_text())["project"]
+                for folder in ("packages", "adapters", "tools") for path in (ROOT / folder).glob("*/pyproject.toml")}
+    versions = {project["name"]: project["version"] for project in projects.values()}
+    requirements = [(project["name"], requirement) for project in projects.values()
+                    for requirement in [*project.get("dependencies", []),
+                                        *(item for extra in project.get("optional-dependencies", {}).values()
+                                          for item in extra)]
+                    if requirement.startswith("weightsync")]
+    assert len(requirements) > 30
+    for name, requirement in requirements:
+        sibling, _, version = requirement.partition("~=")
+        sibling = sibling.split("[")[0]
+        if sibling == name:  # an extra made of the distribution's own extras (weightsync[all])
+            continue
+        assert sibling in versions and version == versions[sibling], (name, requirement)

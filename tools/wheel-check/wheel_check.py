@@ -1,0 +1,127 @@
+"""Releasable: every distribution of the repository builds a wheel, and ``weightsync[shm]`` and the CLI installed
+from those wheels alone (not editable, nothing of the checkout on the path) into a fresh virtual environment run an
+shm update between two processes there.
+
+    python3 tools/wheel-check/wheel_check.py [--keep DIR]
+
+Needs hatch (``python3 -m pip install hatch``) and the package indexes for the third-party dependencies (torch is
+pinned to the development build). Prints one line per step; exits non-zero, saying why, at the first failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import tomllib
+import zipfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TORCH = "torch==2.13.0"
+"""The development environments' torch (a CPU build on these machines' disk); a library only declares a range."""
+
+UPDATE = """
+import pathlib, sys
+import weightsync.core, weightsync.shm
+from weightsync.api.testing import EngineHarness
+
+for module in (weightsync.core, weightsync.shm):
+    assert pathlib.Path(module.__file__).is_relative_to(sys.prefix), (module.__name__, module.__file__, sys.prefix)
+harness = EngineHarness("shm", receivers=1, bucket_bytes=1 << 20, timeout=120)
+harness.start()
+try:
+    harness.setup()
+    for update in range(2):
+        for mode in ("iterate", "copy_into"):
+            sender, receiver = harness.update("dtypes", update, mode=mode)
+            assert receiver["report"]["digest"] == sender["digest"], (sender, receiver)
+    print("shm updates between", len(harness.pids), "processes: digests equal,", sender["digest"][:16])
+finally:
+    harness.close()
+"""
+
+
+def distributions() -> list[pathlib.Path]:
+    """Every distribution's folder (one with a ``pyproject.toml``), in a stable order."""
+    return sorted(path.parent for folder in ("packages", "adapters", "tools") for path in
+                  (ROOT / folder).glob("*/pyproject.toml"))
+
+
+def run(argv: list[str], *, cwd: pathlib.Path | None = None, env: dict[str, str] | None = None) -> str:
+    print("+", " ".join(arg if len(arg) < 120 else arg.split()[0] + " ..." for arg in argv), flush=True)
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"wheel-check: {argv[0]} failed ({done.returncode}):\n{done.stdout[-4000:]}"
+                         f"\n{done.stderr[-4000:]}")
+    return done.stdout
+
+
+def build(wheels: pathlib.Path) -> dict[str, pathlib.Path]:
+    """One wheel per distribution, by distribution name."""
+    built: dict[str, pathlib.Path] = {}
+    for folder in distributions():
+        name = tomllib.loads((folder / "pyproject.toml").read_text())["project"]["name"]
+        before = set(wheels.glob("*.whl"))
+        run([sys.executable, "-m", "hatch", "build", "-t", "wheel", str(wheels)], cwd=folder)
+        new = set(wheels.glob("*.whl")) - before
+        if len(new) != 1:
+            raise SystemExit(f"wheel-check: {name} built {len(new)} wheels, not one")
+        built[name] = new.pop()
+    meta = zipfile.ZipFile(built["weightsync"]).namelist()
+    if any(not entry.startswith("weightsync-") for entry in meta):  # only its .dist-info
+        raise SystemExit(f"wheel-check: the weightsync wheel holds files of its own: {meta}")
+    print(f"built {len(built)} wheels: {', '.join(sorted(built))}", flush=True)
+    return built
+
+
+def install(wheels: pathlib.Path, venv: pathlib.Path) -> pathlib.Path:
+    """A fresh venv with ``weightsync[shm]`` and the CLI from ``wheels``; its python."""
+    run([sys.executable, "-m", "venv", str(venv)])
+    python = venv / "bin" / "python"
+    # Ours from the wheels alone, first (an index can never stand in for one of them), then their dependencies.
+    ours = ["weightsync[shm]==0.1.0", "weightsync-cli==0.1.0", "weightsync-api[testing]==0.1.0"]  # (the kit)
+    run([str(python), "-m", "pip", "install", "--no-index", "--find-links", str(wheels), "--no-deps",
+         *(str(path) for path in wheels.glob("*.whl") if _needed(path.name))])
+    run([str(python), "-m", "pip", "install", "--find-links", str(wheels), *ours, TORCH])
+    listed = run([str(python), "-m", "pip", "list", "--format=freeze"])
+    editable = run([str(python), "-m", "pip", "list", "--editable", "--format=freeze"]).split()
+    if editable:
+        raise SystemExit(f"wheel-check: editable installs in the fresh venv: {editable}")
+    print("installed:", " ".join(line for line in listed.split() if line.startswith("weightsync")), flush=True)
+    return python
+
+
+def _needed(wheel: str) -> bool:
+    """The wheels ``weightsync[shm]`` and the CLI pull (the CLI's own dependencies included)."""
+    return wheel.split("-")[0] in {"weightsync", "weightsync_api", "weightsync_core", "weightsync_shm",
+                                   "weightsync_cli", "weightsync_gloo", "weightsync_tcp", "weightsync_ray",
+                                   "weightsync_migrate"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keep", type=pathlib.Path, help="build and install here, and leave it (default: a "
+                        "temporary folder, removed at the end)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="ws-wheels-") as scratch:
+        work = args.keep or pathlib.Path(scratch)
+        wheels = work / "wheels"
+        wheels.mkdir(parents=True, exist_ok=True)
+        build(wheels)
+        python = install(wheels, work / "venv")
+        clean = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        doctor = run([str(work / "venv" / "bin" / "weightsync"), "doctor"], cwd=work, env=clean).splitlines()
+        shm = [line for line in doctor if line.split()[:2] == ["shm", "available"]]
+        if not shm:
+            raise SystemExit(f"wheel-check: weightsync doctor in the fresh venv does not list shm as available: {doctor}")
+        print("weightsync doctor:", " ".join(shm[0].split()))
+        print(run([str(python), "-c", UPDATE], cwd=work, env=clean).strip())
+    print("wheel-check: every distribution builds a wheel; weightsync[shm] and the CLI from them run an update")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
