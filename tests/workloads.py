@@ -412,15 +412,13 @@ class FallbackSink(RecordingSink):
         self.fallback_names: list[list[str]] = []
 
     async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
-        names: list[str] = []
-        self.fallback_names.append(names)
-
-        def keep(name: str, tensor: torch.Tensor) -> None:
-            names.append(name)
-            self.kept[name] = tensor.clone()
-
-        await weights.copy_into(self.params, fallback=keep)  # type: ignore[attr-defined]
+        self.fallback_names.append([])
+        await weights.copy_into(self.params, fallback=self.fallback)  # type: ignore[attr-defined]
         self.version = version
+
+    def fallback(self, name: str, tensor: torch.Tensor) -> None:
+        self.fallback_names[-1].append(name)
+        self.kept[name] = tensor.clone()
 
     def digest(self) -> str:
         return weights_digest([*self.params.items(), *self.kept.items()])
@@ -444,16 +442,9 @@ class OnDemandSink(FallbackSink):
         super().__init__(replica, worker)
         self.params = {}
 
-    async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
-        names: list[str] = []
-        self.fallback_names.append(names)
-
-        def create(name: str, tensor: torch.Tensor) -> None:
-            names.append(name)
-            self.params[name] = tensor.clone()
-
-        await weights.copy_into(self.params, fallback=create)  # type: ignore[attr-defined]
-        self.version = version
+    def fallback(self, name: str, tensor: torch.Tensor) -> None:
+        self.fallback_names[-1].append(name)
+        self.params[name] = tensor.clone()
 
 
 class DeviceDeltaSource(DeltaModelSource):
