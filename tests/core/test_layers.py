@@ -174,3 +174,24 @@ def test_the_top_level_imports_nothing_until_a_name_is_used() -> None:
     # Control: the probe sees modules as soon as a name is used.
     used = loaded_after("import weightsync.core\nweightsync.core.CheckpointEngineManager")
     assert "'weightsync.core.control.manager'" in used and used.endswith("True")
+
+
+def too_long(path: pathlib.Path, *, module_lines: int, function_lines: int) -> list[str]:
+    """A module over ``module_lines`` lines, and every function over ``function_lines`` (decorators excluded)."""
+    source = path.read_text()
+    found = [f"{path.name}: {source.count(chr(10))} lines"] if source.count("\n") > module_lines else []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None:
+            length = node.end_lineno - node.lineno + 1
+            if length > function_lines:
+                found.append(f"{path}:{node.lineno} {node.name}: {length} lines")
+    return found
+
+
+def test_no_module_or_function_over_the_house_limits() -> None:
+    # 450 lines a module, 60 a function; 80 a function of the tools.
+    bad = [line for path in sources() for line in too_long(
+        path, module_lines=450, function_lines=80 if "tools" in path.relative_to(ROOT).parts[:1] else 60)]
+    assert bad == []
+    # Control: the same check with tighter limits finds plenty.
+    assert too_long(CORE / "control" / "manager.py", module_lines=100, function_lines=20)
