@@ -49,7 +49,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -63,7 +63,7 @@ from vllm.distributed.weight_transfer.base import (
 from weightsync.api import errors
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import ConfigError, LifecycleError, LoadVerificationError, WeightsyncError
-from weightsync.api.protocols import BatchedWeights
+from weightsync.api.protocols import next_batch
 from weightsync.api.types import TransferReport, WorkerMetadata
 from weightsync.core.control.host import EngineHost, is_untouched, mark_untouched
 
@@ -284,12 +284,10 @@ class _Loader:
     async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
         loop = asyncio.get_running_loop()
         timeout = self._engine._timeout + 30.0  # the stream's own waits have deadlines; this only bounds a bug
-        next_batch = _batches(weights)
-
         def pull() -> list[tuple[str, torch.Tensor]] | None:
-            return asyncio.run_coroutine_threadsafe(next_batch(), loop).result(timeout)
+            return asyncio.run_coroutine_threadsafe(next_batch(weights), loop).result(timeout)
 
-        first = await next_batch()  # nothing is touched until a tensor has arrived (module docstring, point 1)
+        first = await next_batch(weights)  # nothing is touched until a tensor has arrived (module docstring, point 1)
         if first is None:
             return
         clock = self._engine.begin_reload()
@@ -349,21 +347,6 @@ def _mtp_check_disabled() -> contextlib.AbstractContextManager[Any]:
     except ImportError:
         return contextlib.nullcontext()
     return disable_mtp_completeness_check()  # type: ignore[no-any-return]
-
-
-def _batches(weights: AsyncIterator[tuple[str, torch.Tensor]]
-             ) -> Callable[[], Coroutine[Any, Any, list[tuple[str, torch.Tensor]] | None]]:
-    """The stream's ``next_batch`` (``BatchedWeights``), or batches of one tensor from a stream without it."""
-    if isinstance(weights, BatchedWeights):
-        return weights.next_batch
-
-    async def one() -> list[tuple[str, torch.Tensor]] | None:
-        try:
-            return [await weights.__anext__()]
-        except StopAsyncIteration:
-            return None
-
-    return one
 
 
 # -- outcomes across vLLM's RPC (which carries exceptions as strings) ---------------------------------------------

@@ -50,6 +50,7 @@ __all__ = [
     "CheckpointEngine",
     "ReceivedWeights",
     "BatchedWeights",
+    "next_batch",
     "check_destination",
     "copy_stream_into",
     "load_into",
@@ -130,6 +131,17 @@ class BatchedWeights(Protocol):
     """
 
     async def next_batch(self) -> list[tuple[str, torch.Tensor]] | None: ...
+
+
+async def next_batch(weights: AsyncIterator[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]] | None:
+    """The next batch of ``weights``: its own ``next_batch()`` (``BatchedWeights``), or one tensor from a stream
+    without batches; None at the end."""
+    if isinstance(weights, BatchedWeights):
+        return await weights.next_batch()
+    try:
+        return [await weights.__anext__()]
+    except StopAsyncIteration:
+        return None
 
 
 async def load_into(

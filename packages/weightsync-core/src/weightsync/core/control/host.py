@@ -19,7 +19,7 @@ import torch
 
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import ConfigError, LifecycleError, WeightsyncError, WeightStreamError
-from weightsync.api.protocols import BatchedWeights, CheckpointEngine, ReceivedWeights, WeightSink
+from weightsync.api.protocols import CheckpointEngine, ReceivedWeights, WeightSink, next_batch
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import RankArgs, Role, TransferReport, WorkerContext, WorkerMetadata
 from weightsync.core.control.auto import has_rdma
@@ -229,13 +229,7 @@ class _CountingStream:
 
     async def next_batch(self) -> list[tuple[str, torch.Tensor]] | None:
         """``BatchedWeights``: the engine's batch, or one tensor from a stream that has no batches."""
-        if isinstance(self._inner, BatchedWeights):
-            batch = await self._inner.next_batch()
-        else:
-            try:
-                batch = [await self._inner.__anext__()]
-            except StopAsyncIteration:
-                batch = None
+        batch = await next_batch(self._inner)
         self.delivered += len(batch or ())
         return batch
 
