@@ -22,12 +22,18 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 # ``ray_current_cluster`` there (``ray.cluster_utils.Cluster`` does, and removes it only on a clean shutdown), and a
 # bare ``ray.init()`` anywhere else on the machine would then try to join this run's cluster. Every Ray process the
 # tests start inherits it.
-RAY_TMPDIR = tempfile.mkdtemp(prefix="ws-ray-")
+# Made once per test run: this module is imported again as ``tests.conftest`` by tests that name its fixtures'
+# types, and a process the tests start inherits the folder (only the process that made it removes it).
+_MADE_HERE = "WEIGHTSYNC_TESTS_RAY_TMPDIR" not in os.environ
+if _MADE_HERE:
+    os.environ["WEIGHTSYNC_TESTS_RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ws-ray-")
+RAY_TMPDIR = os.environ["WEIGHTSYNC_TESTS_RAY_TMPDIR"]
 os.environ["RAY_TMPDIR"] = RAY_TMPDIR
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    shutil.rmtree(RAY_TMPDIR, ignore_errors=True)
+    if _MADE_HERE:
+        shutil.rmtree(RAY_TMPDIR, ignore_errors=True)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
