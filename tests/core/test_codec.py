@@ -43,7 +43,7 @@ def test_invalid_headers_are_rejected(message: bytes, error: type[Exception], ma
 def test_encode_bucket_writes_the_bytes_of_the_full_header() -> None:
     full = header(index=3, slot=1)
     table = codec.encode_tensors(full.tensors)
-    assert codec.encode_bucket(epoch="e1", version=1, sender=0, index=3, slot=1, nbytes=24, table=table) \
+    assert codec.UpdateHeaders(epoch="e1", version=1, sender=0).bucket(index=3, slot=1, nbytes=24, table=table) \
         == codec.encode(full)
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import array
 import concurrent.futures
-import ctypes
 from collections.abc import Sequence
 
 import torch
@@ -45,7 +44,7 @@ _UNITS = {name: min(dtype.itemsize, 8) for name, dtype in DTYPES.items()}
 
 
 def _encoder() -> str:
-    if native.HELPER is None:
+    if not native.compiled():
         return f"unavailable ({native.HELPER_MISSING}): delta updates send every bucket dense"
     return "compiled"
 
@@ -84,13 +83,13 @@ def encode(rows: array.array[int], out: int, capacity: int,
     thread compares the first, and the two encodings are joined. Needs the compiled helper (``ENCODER``)."""
     total = sum(rows[row + 2] for row in range(0, len(rows), 5))
     if beside is None or total < SPLIT_BYTES:
-        length, changed, sum_change, _ = _encode(rows, out, capacity, open_last=False)
+        length, changed, sum_change, _ = native.delta_encode(rows, out, capacity, open_last=False)
         return length, changed, sum_change
     first, second, split = _halves(rows, total)
     share = capacity * sum(first[row + 2] for row in range(0, len(first), 5)) // total
-    later = beside.submit(_encode, second, out + share, capacity - share, open_last=False)
+    later = beside.submit(native.delta_encode, second, out + share, capacity - share, open_last=False)
     try:
-        length, changed, sum_change, last = _encode(first, out, share, open_last=split is not None)
+        length, changed, sum_change, last = native.delta_encode(first, out, share, open_last=split is not None)
     finally:
         second_length, second_changed, second_change, _ = later.result()
     changed, sum_change = changed + second_changed, (sum_change + second_change) & _MASK
@@ -110,9 +109,9 @@ def encode(rows: array.array[int], out: int, capacity: int,
     joined = length + len(joint) + second_length - skip
     if joined > capacity:
         return None, changed, sum_change
-    ctypes.memmove(out + length + len(joint), out + share + skip, second_length - skip)
+    native.copy_bytes(out + length + len(joint), out + share + skip, second_length - skip)
     if joint:
-        ctypes.memmove(out + length, joint, len(joint))
+        native.copy_bytes(out + length, joint, len(joint))
     return joined, changed, sum_change
 
 
@@ -132,19 +131,6 @@ def _halves(rows: array.array[int], total: int) -> tuple[array.array[int], array
             return first, rest + rows[row + 5:], (at, unit)
         before += nbytes
     return rows, array.array("Q"), None
-
-
-def _encode(rows: array.array[int], out: int, capacity: int, *, open_last: bool
-            ) -> tuple[int | None, int, int, int]:
-    helper = native.HELPER
-    if helper is None:
-        raise RuntimeError("delta encoding needs the compiled _stream_copy helper")
-    changed, sum_change, last = ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_uint64(0)
-    length = helper.weightsync_delta_encode(rows.buffer_info()[0], len(rows) // 5, out, capacity,
-                                            ctypes.byref(changed), ctypes.byref(sum_change), int(open_last),
-                                            ctypes.byref(last))
-    return ((None if length == _MASK else int(length)), int(changed.value), int(sum_change.value),
-            int(last.value))
 
 
 def _varint(data: memoryview | bytes, at: int) -> tuple[int, int]:
@@ -178,25 +164,21 @@ def apply(encoded: torch.Tensor, rows: array.array[int], *, summed: bool = False
     """Apply the encoding ``encoded`` (a host uint8 tensor) to the pieces ``rows`` (flat ``(destination address,
     nbytes, unit, key)`` rows, in the encoding's order); ``WireError``, with nothing written, when it is malformed.
     With ``summed``, returns the pieces' keyed sum once written (the helper computes it in the same pass), else 0."""
-    helper = native.HELPER
-    count = len(rows) // 4
-    if helper is None:
+    if not native.compiled():
         data = bytes(memoryview_of(encoded)) if encoded.numel() else b""
         _walk(data, rows, write=False)
         _walk(data, rows, write=True)
         return applied_sum(rows) if summed else 0
-    total = ctypes.c_uint64(0)
-    if helper.weightsync_delta_apply(encoded.data_ptr(), encoded.numel(), rows.buffer_info()[0], count,
-                                     ctypes.byref(total) if summed else None) != 0:
+    total = native.delta_apply(encoded.data_ptr(), encoded.numel(), rows, summed=summed)
+    if total is None:
         raise WireError(_MALFORMED)
-    return int(total.value)
+    return total
 
 
 def bucket_sum(rows: array.array[int]) -> int:
     """The keyed sum of the host pieces ``rows`` (flat ``(address, nbytes, key)`` rows)."""
-    helper = native.HELPER
-    if helper is not None:
-        return int(helper.weightsync_delta_sum(rows.buffer_info()[0], len(rows) // 3))
+    if native.compiled():
+        return native.delta_sum(rows)
     return sum(_keyed_sum(rows[row], rows[row + 1], rows[row + 2]) for row in range(0, len(rows), 3)) & _MASK
 
 
@@ -255,7 +237,7 @@ def _walk(data: bytes, rows: array.array[int], *, write: bool) -> None:
                 raise WireError("malformed delta bucket: a run outside its tensor")
             at += gap
             if write:
-                ctypes.memmove(address + at * unit, data[position:position + run * unit], run * unit)
+                native.copy_bytes(address + at * unit, data[position:position + run * unit], run * unit)
             position += run * unit
             at += run
     if position != len(data):

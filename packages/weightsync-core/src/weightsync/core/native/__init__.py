@@ -1,8 +1,11 @@
 """The compiled helper (``_stream_copy.c``, loaded with ctypes) and the host copies built on it.
 
-The one module that loads the helper: every other module calls it through the functions here (``HELPER`` is the
-library itself, for the delta encoding's calls, or None). Where the helper is missing, every copy falls back to libc
-``memmove`` and ``HELPER_MISSING`` says why (``weightsync doctor`` shows it).
+The one module that loads the helper: every other module calls it through the functions here — the copies, and the
+delta encoding's three passes (``delta_encode``, ``delta_apply``, ``delta_sum``) — and asks ``compiled()`` whether
+it is there. ``HELPER`` is the ctypes library itself, or None; the functions read it at each call, so a test that
+sets it to None gets the fallbacks. Where the helper is missing, every copy falls back to libc ``memmove``, the
+delta passes are unavailable (a delta update then sends every bucket dense), and ``HELPER_MISSING`` says why
+(``weightsync doctor`` shows it).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from weightsync.core.native.build import cached_library
 
 __all__ = [
     "copy_bytes", "copy_small", "copy_stream", "copy_batch", "copy_columns", "STREAM_COPY", "HELPER", "HELPER_PATH",
-    "HELPER_MISSING",
+    "HELPER_MISSING", "compiled", "delta_encode", "delta_apply", "delta_sum",
 ]
 
 
@@ -167,3 +170,48 @@ def copy_columns(destinations: array.array[int], sources: array.array[int], size
         return
     for index in range(start, stop):
         copy_small(destinations[index], source_base + sources[index], sizes[index])
+
+
+def compiled() -> bool:
+    """Whether the compiled helper is loaded (the delta passes below need it)."""
+    return HELPER is not None
+
+
+def _library() -> ctypes.CDLL:
+    if HELPER is None:
+        raise RuntimeError(f"delta encoding needs the compiled _stream_copy helper ({HELPER_MISSING or 'turned off'})")
+    return HELPER
+
+
+def delta_encode(rows: array.array[int], out: int, capacity: int, *, open_last: bool
+                 ) -> tuple[int | None, int, int, int]:
+    """Compare and encode the pieces ``rows`` (flat ``(source address, base address, nbytes, unit, key)`` rows) into
+    host memory at ``out``, bringing each base up to its source (the helper's ``weightsync_delta_encode``). Returns
+    the encoding's length (None when it would not fit in ``capacity``), the changed bytes, what the bases' keyed sum
+    changed by, and, with ``open_last``, where the last piece's last run ended (its closing byte left out)."""
+    changed, sum_change, last = ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_uint64(0)
+    length = _library().weightsync_delta_encode(rows.buffer_info()[0], len(rows) // 5, out, capacity,
+                                                ctypes.byref(changed), ctypes.byref(sum_change), int(open_last),
+                                                ctypes.byref(last))
+    return ((None if length == _NO_ROOM else int(length)), int(changed.value), int(sum_change.value),
+            int(last.value))
+
+
+def delta_apply(encoded: int, nbytes: int, rows: array.array[int], *, summed: bool) -> int | None:
+    """Apply the ``nbytes`` of encoding at host address ``encoded`` to the pieces ``rows`` (flat ``(destination
+    address, nbytes, unit, key)`` rows), checked whole before a byte is written. None when it is malformed (nothing
+    written); else, with ``summed``, the pieces' keyed sum once written, and 0 without."""
+    total = ctypes.c_uint64(0)
+    if _library().weightsync_delta_apply(encoded, nbytes, rows.buffer_info()[0], len(rows) // 4,
+                                         ctypes.byref(total) if summed else None) != 0:
+        return None
+    return int(total.value)
+
+
+def delta_sum(rows: array.array[int]) -> int:
+    """The keyed sum of the host pieces ``rows`` (flat ``(address, nbytes, key)`` rows)."""
+    return int(_library().weightsync_delta_sum(rows.buffer_info()[0], len(rows) // 3))
+
+
+_NO_ROOM = (1 << 64) - 1
+"""What ``weightsync_delta_encode`` returns when the encoding does not fit."""

@@ -219,7 +219,7 @@ class ReceiveStream:
                     context.delta.check_base(header, self._peer)
                 expected += 1
                 payload = received.payload[: header.nbytes]
-                after_receive = getattr(context.settings.hook, "after_receive", None)
+                after_receive = context.settings.after_receive
                 if after_receive is not None:
                     after_receive(header.index, payload)
                 if fused is None:  # one way for the whole update: the digest folds buckets in order

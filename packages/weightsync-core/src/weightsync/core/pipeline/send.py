@@ -25,7 +25,7 @@ from weightsync.core.native import copy_stream
 from weightsync.core.pipeline.planner import plan_buckets, validate_pair
 from weightsync.core.pipeline.staging import SendStaging, Upload
 from weightsync.core.pipeline.trace import Tracer
-from weightsync.core.transports.device import AcceleratorPolicy
+from weightsync.core.transports.device import AcceleratorOps
 from weightsync.core.transports.settings import EngineSettings
 from weightsync.core.transports.transport import NO_SLOT, DevicePolicy, SenderTransport
 from weightsync.core.wire import codec
@@ -66,19 +66,13 @@ class Sending:
     wire: int = 0
     pack_seconds: float = 0.0
     publish_seconds: float = 0.0
+    headers: codec.UpdateHeaders = field(init=False)
+    """This update's header fields, and its headers."""
 
-    def header(self, *, index: int, slot: int, nbytes: int, table: bytes, dense: int = -1) -> bytes:
-        """Bucket ``index``'s header (a delta update's names its base)."""
+    def __post_init__(self) -> None:
         base, base_model = (self.delta.base, self.delta.base_model) if self.delta is not None else (-1, "")
-        return codec.encode_bucket(epoch=self.epoch, version=self.version, sender=self.sender, index=index,
-                                   slot=slot, nbytes=nbytes, table=table, base=base, base_model=base_model,
-                                   dense=dense)
-
-    def marker(self, **fields: Any) -> bytes:
-        """A header without payload after the buckets sent so far: the final one, or an abort."""
-        return codec.encode(codec.BucketHeader(wire=codec.WIRE_VERSION, epoch=self.epoch, version=self.version,
-                                               sender=self.sender, index=self.buckets, slot=NO_SLOT, nbytes=0,
-                                               tensors=[], **fields))
+        self.headers = codec.UpdateHeaders(epoch=self.epoch, version=self.version, sender=self.sender, base=base,
+                                           base_model=base_model)
 
     def report(self, started: float) -> TransferReport:
         delta = self.delta
@@ -115,8 +109,8 @@ class SendPipeline:
     def delta_update(self, transport: SenderTransport, digest: UpdateDigest) -> DeltaUpdate | None:
         """This update's delta bookkeeping, or None when the sender keeps no version (``delta`` off, no compiled
         encoder, or a test hook that rewrites packed buckets; engines with buckets on a device refuse ``delta``)."""
-        if (not self.settings.delta or native.HELPER is None or not transport.buffer(0).is_cpu
-                or not digest.fusable or getattr(self.settings.hook, "after_pack", None) is not None):
+        if (not self.settings.delta or not native.compiled() or not transport.buffer(0).is_cpu
+                or not digest.fusable or self.settings.after_pack is not None):
             return None
         return self.delta.begin()
 
@@ -171,7 +165,7 @@ class SendPipeline:
         in_flight.clear()
         delta = sending.delta
         model = delta.model_digest(sending.buckets) if delta is not None else ""
-        final = sending.marker(final=True, digest=sending.digest.hexdigest(),
+        final = sending.headers.marker(index=sending.buckets, final=True, digest=sending.digest.hexdigest(),
                                base=delta.base if delta is not None else -1, model=model)
         sending.publish_seconds += await asyncio.get_running_loop().run_in_executor(
             self.transfer_pool, _timed, sending.transport.publish, NO_SLOT, 0, final, sending.deadline)
@@ -203,16 +197,16 @@ class SendPipeline:
             if bucket.on_device and buffer.is_cpu and self.staging is not None:
                 bucket = self.staging.stage(bucket, sending.deadline)
             table = codec.encode_tensors([item[0] for item in bucket.items])
-            after_pack = getattr(self.settings.hook, "after_pack", None)
+            after_pack = self.settings.after_pack
             length, dense = bucket.nbytes, -1
             if sending.delta is not None:
                 length, dense = sending.delta.pack(buffer, bucket, table, digest, index=index, pool=self.digest_pool)
             elif after_pack is None and digest.fusable and buffer.is_cpu and not bucket.on_device:
                 digest.begin_bucket(table, bucket.nbytes)
                 pack_hashing(buffer.data_ptr(), bucket, digest)
-            elif after_pack is None and not buffer.is_cpu and isinstance(self.policy, AcceleratorPolicy) and (
+            elif after_pack is None and not buffer.is_cpu and (device := self.policy.accelerator()) is not None and (
                     not bucket.on_device or any(source.is_cpu for _, source, _ in bucket.items)):
-                self.upload(self.policy, buffer, bucket, table, digest, sending.deadline)
+                self.upload(device, buffer, bucket, table, sending)
             else:
                 for item in bucket.items:
                     meta = item[0]
@@ -222,28 +216,29 @@ class SendPipeline:
                 if after_pack is not None:
                     after_pack(index, payload)  # a test hook: the bytes are hashed after it, as they stand
                 digest.update_bucket(table, payload)
-            header = sending.header(index=index, slot=slot, nbytes=length, table=table, dense=dense)
+            header = sending.headers.bucket(index=index, slot=slot, nbytes=length, table=table, dense=dense)
         self.tracer.span("pack", index, started, time.perf_counter())
         return header, length, time.perf_counter() - started
 
-    def upload(self, policy: AcceleratorPolicy, buffer: torch.Tensor, bucket: PlannedBucket, table: bytes,
-               digest: UpdateDigest, deadline: float) -> None:
+    def upload(self, device: tuple[AcceleratorOps, Any], buffer: torch.Tensor, bucket: PlannedBucket, table: bytes,
+               sending: Sending) -> None:
         """Host pieces into a device bucket through a pinned host bucket (:class:`~weightsync.core.pipeline.staging.Upload`):
         a bucket wholly from the host is hashed from the pinned bytes as they are copied, a mixed one afterwards."""
+        ops, stream = device
         if self.uploads is None:
-            self.uploads = Upload(policy.ops, bucket_bytes=self.settings.bucket_bytes)
-        host = self.uploads.take(deadline)
-        inner = getattr(digest, "inner", None)
-        if not bucket.on_device and isinstance(inner, UpdateDigest) and inner.fusable:
-            inner.begin_bucket(table, bucket.nbytes)
-            pack_hashing(host.data_ptr(), bucket, inner)
-            self.uploads.send(buffer, bucket, policy.copy_stream)
+            self.uploads = Upload(ops, bucket_bytes=self.settings.bucket_bytes)
+        host = self.uploads.take(sending.deadline)
+        digest, host_digest = sending.digest, sending.digest.host()
+        if not bucket.on_device and host_digest.fusable:
+            host_digest.begin_bucket(table, bucket.nbytes)
+            pack_hashing(host.data_ptr(), bucket, host_digest)
+            self.uploads.send(buffer, bucket, stream)
             return
         base = host.data_ptr()
         for meta, source, start in bucket.items:
             if meta.nbytes and source.is_cpu:
                 copy_stream(base + meta.bucket_offset, source.data_ptr() + start, meta.nbytes)
-        self.uploads.send(buffer, bucket, policy.copy_stream)
+        self.uploads.send(buffer, bucket, stream)
         digest.update_bucket(table, buffer[: bucket.nbytes])
 
     async def abort(self, sending: Sending, in_flight: dict[int, asyncio.Future[float]], *,
@@ -253,7 +248,8 @@ class SendPipeline:
         loop = asyncio.get_running_loop()
         # Queued behind in-flight publishes on the same thread, so receivers see it after what was already sent.
         future = loop.run_in_executor(
-            self.transfer_pool, _timed, sending.transport.publish, NO_SLOT, 0, sending.marker(abort=message),
+            self.transfer_pool, _timed, sending.transport.publish, NO_SLOT, 0,
+            sending.headers.marker(index=sending.buckets, abort=message),
             time.monotonic() + min(self.settings.timeout, 10.0))
         pending = [*in_flight.values(), future]
         try:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from weightsync.core.transports.transport import DevicePolicy, SenderTransport
+from weightsync.core.transports.transport import DevicePolicy, OrdersPackedSlots, SenderTransport
 from weightsync.core.transports.waiting import poll_until
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.layout import PlannedBucket
@@ -114,15 +114,17 @@ class _StagedDigest(UpdateDigest):
 
     def __init__(self, inner: UpdateDigest, stage: Any) -> None:
         # No super().__init__(): every call is delegated to ``inner``, which owns the hash state.
-        self.inner = inner
-        """The host digest itself: a bucket packed from host bytes is hashed there, never staged back."""
+        self._inner = inner
         self._stage = stage
 
     def update_bucket(self, table: bytes, payload: torch.Tensor) -> None:
-        self.inner.update_bucket(table, self._stage(payload))
+        self._inner.update_bucket(table, self._stage(payload))
 
     def hexdigest(self) -> str:
-        return self.inner.hexdigest()
+        return self._inner.hexdigest()
+
+    def host(self) -> UpdateDigest:
+        return self._inner
 
 
 class AcceleratorPolicy(DevicePolicy):
@@ -144,6 +146,9 @@ class AcceleratorPolicy(DevicePolicy):
     def end_send(self) -> None:
         self._producer_stream = None
 
+    def accelerator(self) -> tuple[AcceleratorOps, Any]:
+        return self.ops, self.copy_stream
+
     @contextlib.contextmanager
     def packing(self, transport: SenderTransport, slot: int, bucket: PlannedBucket) -> Iterator[None]:
         ops = self.ops
@@ -153,9 +158,8 @@ class AcceleratorPolicy(DevicePolicy):
             for _, source, _ in bucket.items:
                 ops.keep_alive(source, self.copy_stream)
             yield
-            mark_packed = getattr(transport, "mark_packed", None)
-            if mark_packed is not None:  # the transport orders its move of ``slot`` after this event
-                mark_packed(slot)
+            if isinstance(transport, OrdersPackedSlots):  # it orders its move of ``slot`` after this event
+                transport.mark_packed(slot)
                 return
             # A transport that knows no streams (a ring another process reads one-sidedly) publishes the slot as
             # soon as packing returns: the bytes must be there by then.

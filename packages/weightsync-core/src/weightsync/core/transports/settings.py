@@ -10,13 +10,16 @@ import functools
 import importlib
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+import torch
 
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import ConfigError, LifecycleError, reject_renamed_keywords
 from weightsync.api.types import WorkerContext, WorkerMetadata
-from weightsync.core.transports.transport import TransportHook
+from weightsync.core.transports.transport import PackHook, ReceiveHook, TransportHook
 
 __all__ = ["EngineSettings", "EngineBase", "default_node_id", "load_transport_hook"]
 
@@ -40,17 +43,20 @@ def load_transport_hook(spec: str | None) -> TransportHook | None:
         hook: TransportHook = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"transport_hook {spec!r} cannot be loaded: {exc}") from None
+    if not isinstance(hook, (PackHook, ReceiveHook)):
+        raise ConfigError(f"transport_hook {spec!r} has neither after_pack nor after_receive")
     return hook
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """One engine's settings. Build with :meth:`parse`, which raises ``ConfigError`` for anything invalid.
+    """One engine's settings, validated as they are made (``ConfigError`` for anything invalid); every engine builds
+    them once from its constructor's keywords (:class:`EngineBase`).
 
     Options common to every backend: ``context`` (``WorkerContext``, from the host), ``slots`` (buckets per side),
     ``timeout`` (seconds any single blocking wait may take), ``verify_digest``, ``delta`` and ``verify_every``
-    (``SyncConfig``'s), ``transport_hook`` (tests only).
-    A backend's own options arrive in ``options``, checked against the names it declares.
+    (``SyncConfig``'s), ``hook`` (``transport_hook``, tests only).
+    A backend's own options arrive in ``options``, checked against the names it declares (``option_names``).
     """
 
     name: str
@@ -63,28 +69,29 @@ class EngineSettings:
     verify_every: int = 1
     options: dict[str, Any] = field(default_factory=dict)
     hook: TransportHook | None = None
+    option_names: frozenset[str] = frozenset()
 
-    @classmethod
-    def parse(
-        cls, name: str, *, option_names: frozenset[str], default_slots: int, bucket_bytes: int,
-        context: WorkerContext | None = None, slots: int | None = None, timeout: float = 600.0,
-        verify_digest: bool = True, transport_hook: str | None = None, delta: bool = False, verify_every: int = 1,
-        **options: Any,
-    ) -> EngineSettings:
-        unknown = sorted(set(options) - option_names)
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.options) - self.option_names)
         if unknown:
-            accepted = ", ".join(sorted(option_names)) or "none"
-            raise ConfigError(f"{name} engine got unknown options {unknown}; its own options: {accepted}")
+            accepted = ", ".join(sorted(self.option_names)) or "none"
+            raise ConfigError(f"{self.name} engine got unknown options {unknown}; its own options: {accepted}")
         # validates these, raising ConfigError
-        SyncConfig(bucket_bytes=bucket_bytes, slots=slots, delta=delta, verify_every=verify_every)
+        SyncConfig(bucket_bytes=self.bucket_bytes, slots=self.slots, delta=self.delta, verify_every=self.verify_every)
+        timeout = self.timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        return cls(
-            name=name, bucket_bytes=bucket_bytes, slots=slots if slots is not None else default_slots,
-            timeout=float(timeout), verify_digest=verify_digest,
-            context=context or WorkerContext(role="actor", rank=0, node_id=default_node_id()),
-            options=options, hook=load_transport_hook(transport_hook), delta=delta, verify_every=verify_every,
-        )
+        object.__setattr__(self, "timeout", float(timeout))
+
+    @property
+    def after_pack(self) -> Callable[[int, torch.Tensor], None] | None:
+        """The test hook's ``after_pack``, if it has one."""
+        return self.hook.after_pack if isinstance(self.hook, PackHook) else None
+
+    @property
+    def after_receive(self) -> Callable[[int, torch.Tensor], None] | None:
+        """The test hook's ``after_receive``, if it has one."""
+        return self.hook.after_receive if isinstance(self.hook, ReceiveHook) else None
 
     def metadata(self) -> WorkerMetadata:
         """What every worker of every backend advertises in ``prepare()``; a backend adds its own keys."""
@@ -120,10 +127,12 @@ class EngineBase:
                  timeout: float = 600.0, verify_digest: bool = True, transport_hook: str | None = None,
                  delta: bool = False, verify_every: int = 1, **options: Any) -> None:
         reject_renamed_keywords(type(self).__name__, options)
-        self.settings = EngineSettings.parse(
-            self.name, option_names=self.option_names, default_slots=self.default_slots, bucket_bytes=bucket_bytes,
-            context=context, slots=slots, timeout=timeout, verify_digest=verify_digest,
-            transport_hook=transport_hook, delta=delta, verify_every=verify_every, **options)
+        self.settings = EngineSettings(
+            name=self.name, bucket_bytes=bucket_bytes, slots=slots if slots is not None else self.default_slots,
+            timeout=timeout, verify_digest=verify_digest,
+            context=context or WorkerContext(role="actor", rank=0, node_id=default_node_id()), delta=delta,
+            verify_every=verify_every, options=options, hook=load_transport_hook(transport_hook),
+            option_names=self.option_names)
         self._closed = False
 
     @property

@@ -23,7 +23,7 @@ import abc
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -32,17 +32,18 @@ from weightsync.core.wire import codec
 from weightsync.core.wire.digest import UpdateDigest
 
 if TYPE_CHECKING:
+    from weightsync.core.transports.device import AcceleratorOps
     from weightsync.core.transports.settings import EngineSettings
     from weightsync.core.wire.layout import PlannedBucket
 
 __all__ = [
     "SenderTransport", "ReceiverTransport", "ReceivedBucket", "Arrived", "TransportHook", "NO_SLOT", "Transport",
-    "DevicePolicy", "BufferPlace",
+    "DevicePolicy", "BufferPlace", "OrdersPackedSlots", "PackHook", "ReceiveHook",
 ]
 
 BufferPlace = Literal["host", "device"]
 
-NO_SLOT = -1
+NO_SLOT = codec.NO_SLOT
 """Slot of a message without payload (the final and abort markers)."""
 
 
@@ -68,6 +69,18 @@ class SenderTransport(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class OrdersPackedSlots(Protocol):
+    """An optional capability of a :class:`SenderTransport` with device buffers: it moves a slot on a stream of its
+    own, ordered after an event the packing records (``mark_packed``), so packing returns without waiting for its
+    copies. A device transport without it (one another process reads one-sidedly) is published only once the
+    packing copies have completed."""
+
+    def mark_packed(self, slot: int) -> None:
+        """On the pack thread, inside the copy stream, after the last copy into ``slot``."""
+        ...
 
 
 @dataclass
@@ -107,17 +120,25 @@ class ReceiverTransport(Protocol):
     def close(self) -> None: ...
 
 
-class TransportHook(Protocol):
-    """Test hook (engine option ``transport_hook="module:attribute"``) to corrupt buckets deliberately.
+@runtime_checkable
+class PackHook(Protocol):
+    def after_pack(self, index: int, payload: torch.Tensor) -> None:
+        """On the sender after a bucket is packed and before it is hashed (a fault the digest cannot see: only a
+        byte-level comparison catches it). May mutate ``payload``."""
+        ...
 
-    ``after_pack`` runs on the sender after a bucket is packed and before it is hashed (a fault the digest cannot
-    see: only a byte-level comparison catches it). ``after_receive`` runs on a receiver after the bucket arrived
-    and before it is hashed (corruption in transit: the digest catches it). Either may mutate ``payload``.
-    """
 
-    def after_pack(self, index: int, payload: torch.Tensor) -> None: ...
+@runtime_checkable
+class ReceiveHook(Protocol):
+    def after_receive(self, index: int, payload: torch.Tensor) -> None:
+        """On a receiver after the bucket arrived and before it is hashed (corruption in transit: the digest
+        catches it). May mutate ``payload``."""
+        ...
 
-    def after_receive(self, index: int, payload: torch.Tensor) -> None: ...
+
+TransportHook = PackHook | ReceiveHook
+"""Test hook (engine option ``transport_hook="module:attribute"``) to corrupt buckets deliberately: either hook, or
+both; the settings give the pipeline each one it has (``EngineSettings.after_pack`` / ``after_receive``)."""
 
 
 class DevicePolicy:
@@ -141,6 +162,11 @@ class DevicePolicy:
     def new_digest(self) -> UpdateDigest:
         """The digest one update's buckets are folded into, on either side."""
         return UpdateDigest()
+
+    def accelerator(self) -> tuple[AcceleratorOps, Any] | None:
+        """For device buffers: the accelerator's operations and the stream packing copies run on (the pipeline
+        uploads host pieces into a device bucket on it); None for host buffers."""
+        return None
 
 
 HOST_POLICY = DevicePolicy()

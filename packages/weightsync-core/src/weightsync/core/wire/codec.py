@@ -19,6 +19,7 @@ from weightsync.core.wire.tensors import DTYPES
 
 __all__ = [
     "WIRE_VERSION",
+    "NO_SLOT",
     "MAX_NAME_BYTES",
     "MAX_TENSORS_PER_BUCKET",
     "TensorMeta",
@@ -27,7 +28,7 @@ __all__ = [
     "Ack",
     "encode",
     "decode_bucket",
-    "encode_bucket",
+    "UpdateHeaders",
     "TableCache",
     "decode_hello",
     "decode_ack",
@@ -35,6 +36,8 @@ __all__ = [
 ]
 
 WIRE_VERSION = 3
+NO_SLOT = -1
+"""Slot of a message without payload (the final and abort markers)."""
 MAX_NAME_BYTES = 1024
 MAX_TENSORS_PER_BUCKET = 1 << 16
 MAX_DIMS = 32
@@ -167,16 +170,31 @@ def encode_tensors(tensors: Sequence[TensorMeta]) -> bytes:
     return _tensors_encoder.encode(list(tensors))
 
 
-def encode_bucket(
-    *, epoch: str, version: int, sender: int, index: int, slot: int, nbytes: int, table: bytes, base: int = -1,
-    base_model: str = "", dense: int = -1,
-) -> bytes:
-    """A bucket's header around its already encoded table (``encode_tensors``): the bytes of
-    ``encode(BucketHeader(..., tensors=<that table's entries>))``, without encoding the entries a second time."""
-    return _encoder.encode(_TableHeader(
-        wire=WIRE_VERSION, epoch=epoch, version=version, sender=sender, index=index, slot=slot, nbytes=nbytes,
-        tensors=msgspec.Raw(table), base=base, base_model=base_model, dense=dense,
-    ))
+class UpdateHeaders(msgspec.Struct, frozen=True, kw_only=True):
+    """What every header of one update shares — its membership epoch, version and sender, and a delta update's base
+    — and the headers made from it."""
+
+    epoch: str
+    version: int
+    sender: int
+    base: int = -1
+    base_model: str = ""
+
+    def bucket(self, *, index: int, slot: int, nbytes: int, table: bytes, dense: int = -1) -> bytes:
+        """Bucket ``index``'s header around its already encoded table (``encode_tensors``): the bytes of
+        ``encode(BucketHeader(..., tensors=<that table's entries>))``, without encoding the entries a second time."""
+        return _encoder.encode(_TableHeader(
+            wire=WIRE_VERSION, epoch=self.epoch, version=self.version, sender=self.sender, index=index, slot=slot,
+            nbytes=nbytes, tensors=msgspec.Raw(table), base=self.base, base_model=self.base_model, dense=dense,
+        ))
+
+    def marker(self, *, index: int, final: bool = False, digest: str = "", abort: str = "", base: int = -1,
+               model: str = "") -> bytes:
+        """A header without payload after ``index`` buckets: the final one (``digest``; a delta-enabled sender's
+        ``base`` and ``model``), or an abort."""
+        return encode(BucketHeader(wire=WIRE_VERSION, epoch=self.epoch, version=self.version, sender=self.sender,
+                                   index=index, slot=NO_SLOT, nbytes=0, tensors=[], final=final, digest=digest,
+                                   abort=abort, base=base, model=model))
 
 
 def _check_common(wire: int, epoch: str, expected_epoch: str | None) -> None:

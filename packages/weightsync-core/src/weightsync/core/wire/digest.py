@@ -47,3 +47,8 @@ class UpdateDigest:
 
     def hexdigest(self) -> str:
         return str(self._hash.hexdigest())
+
+    def host(self) -> UpdateDigest:
+        """The digest host bytes are folded into: this one, or, for a digest that stages device buckets to the host
+        first, the host digest inside it (a bucket packed from host bytes is hashed there, never staged back)."""
+        return self
