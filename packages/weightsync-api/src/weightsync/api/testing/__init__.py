@@ -18,8 +18,11 @@ workers on different pretend hosts advertise different node ids, so a host-aware
 (they still share this machine's memory). The kit
 starts one sender and ``receivers`` receiver processes per test class and runs every case through the full
 lifecycle.
-Comparison is by raw bytes, inside the receiver's loop. The kit is tested against transports that corrupt a byte
-(see ``tests/api/test_conformance_selftest.py``): it must fail them.
+Comparison is by raw bytes, inside the receiver's loop. A bucket engine of weightsync's is built with
+``check_transport=True`` in every case (``checked_options``), so the rules between its pipeline and its transport —
+tokens, views valid until release, releases in order, slots reused only after ``wait_slot`` — are checked too
+(``weightsync.core.transports.transport`` states them). The kit is tested against transports that corrupt a byte
+or break those rules (see ``tests/api/test_conformance_selftest.py``): it must fail them.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 import pytest
 
 from weightsync.api.testing.cases import CASES, PLACEMENTS, case_tensors, on_device, place, raw_bytes
-from weightsync.api.testing.harness import ConformanceFailure, EngineHarness, WorkerFailed
+from weightsync.api.testing.harness import ConformanceFailure, EngineHarness, WorkerFailed, checked_options
 
 __all__ = [
     "CASES",
@@ -43,6 +46,7 @@ __all__ = [
     "EngineHarness",
     "WorkerFailed",
     "EngineConformance",
+    "checked_options",
 ]
 
 
@@ -90,8 +94,9 @@ class EngineConformance:
         cls, backend: str, engine_options: dict[str, Any], receivers: int, bucket_bytes: int, device: str,
         placement: str, hosts: list[int] | None,
     ) -> Iterator[EngineHarness]:
-        harness = EngineHarness(backend, receivers=receivers, bucket_bytes=bucket_bytes, options=engine_options,
-                                device=device, placement=placement, hosts=hosts)
+        harness = EngineHarness(backend, receivers=receivers, bucket_bytes=bucket_bytes,
+                                options=checked_options(backend, engine_options), device=device,
+                                placement=placement, hosts=hosts)
         harness.start()
         try:
             harness.setup()

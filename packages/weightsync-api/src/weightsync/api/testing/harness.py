@@ -22,7 +22,7 @@ from weightsync.api.testing.cases import PLACEMENTS
 from weightsync.api.topology import build_checked_topology, with_epoch
 from weightsync.api.types import Role, Topology, WorkerContext, WorldMetadata
 
-__all__ = ["ConformanceFailure", "EngineHarness", "WorkerFailed"]
+__all__ = ["ConformanceFailure", "EngineHarness", "WorkerFailed", "checked_options"]
 
 
 class ConformanceFailure(AssertionError):
@@ -37,6 +37,16 @@ class WorkerFailed(RuntimeError):
         self.worker = worker
         self.error_type = error_type
         self.text = text
+        self.others: list[WorkerFailed] = []
+        """What the other workers of the same step raised (this one is the first in worker order)."""
+
+
+def checked_options(backend: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``check_transport=True`` for an engine that checks the rules between its pipeline and its
+    transport (weightsync's bucket engines: ``checks_transport_rules``), so every case of the kit also checks them."""
+    if getattr(load_engine_class(backend), "checks_transport_rules", False):
+        return {"check_transport": True, **options}
+    return dict(options)
 
 
 def _node_id() -> str:
@@ -287,15 +297,18 @@ class EngineHarness:
             self._send(index, {"op": op, **extra})
         deadline = time.monotonic() + self.timeout
         replies: list[Any] = []
-        failure: BaseException | None = None
+        failures: list[BaseException] = []
         for index in range(len(self._workers)):
             try:
                 replies.append(self._wait(index, deadline))
             except (WorkerFailed, TimeoutError) as exc:
-                failure = failure or exc
+                failures.append(exc)
                 replies.append(None)
-        if failure is not None:
-            raise failure
+        if failures:
+            first = failures[0]
+            if isinstance(first, WorkerFailed):
+                first.others = [each for each in failures[1:] if isinstance(each, WorkerFailed)]
+            raise first
         return replies
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
@@ -327,15 +340,18 @@ class EngineHarness:
             self._send(index, {"op": "receive", "case": case, "update": update, "mode": each})
         deadline = time.monotonic() + self.timeout
         replies: list[Any] = []
-        failure: BaseException | None = None
+        failures: list[BaseException] = []
         for index in range(len(self._workers)):
             try:
                 replies.append(self._wait(index, deadline))
             except (WorkerFailed, TimeoutError) as exc:
-                failure = failure or exc
+                failures.append(exc)
                 replies.append(None)
-        if failure is not None:
-            raise failure
+        if failures:
+            first = failures[0]
+            if isinstance(first, WorkerFailed):
+                first.others = [each for each in failures[1:] if isinstance(each, WorkerFailed)]
+            raise first
         self._all("finalize")
         sender = replies[0]
         results = replies[1:]

@@ -27,6 +27,7 @@ from weightsync.core.pipeline.send import SendPipeline, drain
 from weightsync.core.pipeline.trace import Tracer
 from weightsync.core.pipeline.unpack import BucketReader
 from weightsync.core.transports.device import accepted_devices
+from weightsync.core.transports.rules import CheckedReceiver, checked_sender
 from weightsync.core.transports.settings import EngineBase, default_node_id
 from weightsync.core.transports.transport import ReceiverTransport, SenderTransport, Transport
 
@@ -47,11 +48,20 @@ class BucketCheckpointEngine(EngineBase):
     devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
     transport_class: ClassVar[type[Transport]]
 
-    def __init__(self, *, bucket_bytes: int, **options: Any) -> None:
+    checks_transport_rules: ClassVar[bool] = True
+    """Takes ``check_transport`` (tests): True, or the seconds each release of a host bucket waits before its bytes
+    are compared (default 2 ms); its transports are then wrapped in :mod:`weightsync.core.transports.rules`' checks,
+    which raise ``TransportRuleError`` when the pipeline or the transport breaks a rule between them."""
+
+    def __init__(self, *, bucket_bytes: int, check_transport: bool | float = False, **options: Any) -> None:
         if not hasattr(type(self), "transport_class"):
             raise TypeError(f"{type(self).__name__} has no transport: build engine classes with "
                             "engine_class(SomeTransport)")
         super().__init__(bucket_bytes=bucket_bytes, **options)
+        if not isinstance(check_transport, (bool, int, float)) or check_transport < 0:
+            raise ConfigError(f"check_transport must be a bool or seconds >= 0, got {check_transport!r}")
+        self._check_transport = check_transport is not False
+        self._check_hold = 0.002 if check_transport is True else float(check_transport)
         self.transport = self.transport_class(self.settings)
         if self.settings.delta and self.transport.buffers == "device":
             raise ConfigError(f"{self.name}: delta updates are compared and encoded in host memory, and this engine's "
@@ -106,9 +116,12 @@ class BucketCheckpointEngine(EngineBase):
         base = rank_args.get("delta_base")  # the manager's: the version every receiver holds (delta updates)
         self._send.delta.allowed_base = base if isinstance(base, int) and not isinstance(base, bool) else None
         if role == "sender":
-            self._sender = self.transport.connect_sender(rank_args)
+            connected = self.transport.connect_sender(rank_args)
+            self._sender = checked_sender(connected) if self._check_transport else connected
         elif role == "receiver":
-            self._receiver = self.transport.connect_receiver(rank_args)
+            receiver = self.transport.connect_receiver(rank_args)
+            self._receiver = CheckedReceiver(receiver, stable=self.settings.after_receive is None,
+                                             hold=self._check_hold) if self._check_transport else receiver
         self._role = role
         self._epoch = epoch
 

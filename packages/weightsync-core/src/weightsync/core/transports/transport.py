@@ -13,8 +13,25 @@ A transport declares where its buffers live (``buffers``: ``"host"`` or ``"devic
 
 Threading: the pipeline calls ``SenderTransport.publish`` from one transfer thread, in bucket order, and
 ``wait_slot`` from its packing thread; ``ReceiverTransport.receive`` from one receive thread and ``release`` from
-the consumer's thread. Every blocking call takes an absolute ``deadline`` (``time.monotonic()`` seconds) and raises
-``TransferError`` naming the peer when it passes; none spins a core while waiting.
+the consumer's thread (or from the receive thread, once the consumer has left; never two at once). Every blocking
+call takes an absolute ``deadline`` (``time.monotonic()`` seconds) and raises ``TransferError`` naming the peer when
+it passes; none spins a core while waiting.
+
+Slots, tokens and the order of releases — the rules both sides keep (an engine built with ``check_transport=True``
+checks every one of them, :mod:`weightsync.core.transports.rules`, and the conformance kit builds every bucket
+engine so):
+
+1. *Sender slots.* The pipeline writes into ``buffer(slot)`` only after ``wait_slot(slot)`` returned since the slot
+   was last published, and publishes the buckets of an update in order, then a marker (``NO_SLOT``: the final
+   header, or an abort). ``wait_slot`` returns only once every receiver released what the slot last carried.
+2. *Tokens.* ``receive`` gives a marker token 0, and a bucket a positive token that no bucket still held carries
+   (a sequence number, or a slot's number: a token may come again once released). Releasing 0 does nothing.
+3. *Views until release.* A bucket's ``payload`` keeps its bytes until its token is released: the transport neither
+   receives into that buffer again nor lets its sender reuse the slot before then.
+4. *Releases in order.* The pipeline releases each bucket's token exactly once, in the order the buckets arrived —
+   including buckets its consumer never read (a consumer that left, an update that failed) — so a transport may
+   acknowledge by sequence (:class:`~weightsync.core.transports.waiting.AckedPeers` takes an acknowledgement out of
+   order for a protocol error). ``release`` does not block beyond sending that acknowledgement.
 """
 
 from __future__ import annotations
@@ -57,7 +74,7 @@ class SenderTransport(Protocol):
         ...
 
     def wait_slot(self, slot: int, deadline: float) -> None:
-        """Block until every receiver is done with what ``slot`` last carried (so it may be overwritten)."""
+        """Block until every receiver released what ``slot`` last carried (so it may be overwritten; rule 1)."""
         ...
 
     def publish(self, slot: int, nbytes: int, header: bytes, deadline: float) -> None:
@@ -87,8 +104,9 @@ class OrdersPackedSlots(Protocol):
 class ReceivedBucket:
     header: bytes
     payload: torch.Tensor
-    """Flat uint8 view of the bucket's bytes; valid until ``release(token)``."""
+    """Flat uint8 view of the bucket's bytes; valid until ``release(token)`` (rule 3)."""
     token: int
+    """0 for a marker; else positive, and carried by no other bucket still held (rule 2)."""
 
 
 class Arrived:
@@ -114,7 +132,8 @@ class ReceiverTransport(Protocol):
         ...
 
     def release(self, token: int) -> None:
-        """The consumer is done with a received bucket: its buffer may be reused."""
+        """The consumer is done with a received bucket: its buffer may be reused. Called once per bucket, in the
+        order the buckets arrived (rule 4)."""
         ...
 
     def close(self) -> None: ...
