@@ -292,9 +292,13 @@ class EngineHarness:
         return message["reply"]
 
     def _all(self, op: str, per_worker: Sequence[dict[str, Any]] | None = None) -> list[Any]:
-        for index in range(len(self._workers)):
-            extra = per_worker[index] if per_worker is not None else {}
-            self._send(index, {"op": op, **extra})
+        return self._step([{"op": op, **(per_worker[index] if per_worker is not None else {})}
+                           for index in range(len(self._workers))])
+
+    def _step(self, commands: Sequence[dict[str, Any]]) -> list[Any]:
+        """Send each worker its command, then wait for every reply; raise the first failure (the others with it)."""
+        for index, command in enumerate(commands):
+            self._send(index, command)
         deadline = time.monotonic() + self.timeout
         replies: list[Any] = []
         failures: list[BaseException] = []
@@ -335,23 +339,8 @@ class EngineHarness:
         modes = [mode] * self.receivers if isinstance(mode, str) else list(mode)
         if len(modes) != self.receivers or any(each not in RECEIVE_MODES for each in modes):
             raise ValueError(f"mode must be one of {RECEIVE_MODES}, or one of them per receiver, got {mode!r}")
-        self._send(0, {"op": "send", "case": case, "update": update})
-        for index, each in enumerate(modes, start=1):
-            self._send(index, {"op": "receive", "case": case, "update": update, "mode": each})
-        deadline = time.monotonic() + self.timeout
-        replies: list[Any] = []
-        failures: list[BaseException] = []
-        for index in range(len(self._workers)):
-            try:
-                replies.append(self._wait(index, deadline))
-            except (WorkerFailed, TimeoutError) as exc:
-                failures.append(exc)
-                replies.append(None)
-        if failures:
-            first = failures[0]
-            if isinstance(first, WorkerFailed):
-                first.others = [each for each in failures[1:] if isinstance(each, WorkerFailed)]
-            raise first
+        replies = self._step([{"op": "send", "case": case, "update": update},
+                              *({"op": "receive", "case": case, "update": update, "mode": each} for each in modes)])
         self._all("finalize")
         sender = replies[0]
         results = replies[1:]

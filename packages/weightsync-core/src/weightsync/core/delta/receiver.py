@@ -12,7 +12,7 @@ from weightsync.api.errors import DestinationError, DigestMismatchError, Transfe
 from weightsync.core import native
 from weightsync.core.delta.copies import BaseCopies
 from weightsync.core.delta.encoding import Held, ModelDigest, applied_sum, apply, held_sum, piece_key, unit_of
-from weightsync.core.transports.transport import Arrived
+from weightsync.core.transports.transport import Arrived, ReceiverTransport
 from weightsync.core.wire import codec, tensors
 from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.destinations import Fallback, check_destination, destination_fits, typed_view
@@ -78,12 +78,14 @@ class ReceiverDelta:
                                 "it needs a full update", peer=peer)
 
     def take(self, arrived: Arrived, destinations: Mapping[str, torch.Tensor] | None,
-             fallback: Fallback | None = None) -> bool:
+             fallback: Fallback | None = None, *, transport: ReceiverTransport | None = None) -> bool:
         """A bucket of a delta update, before the consumer reads it. True: the consumer reads it as a dense bucket
         (a delta applied to the kept copy is read from there); False: it went straight into ``destinations`` and
         is done (a tensor with no destination handed to ``fallback`` whole). Every bucket of the update goes one
         way: a tensor split across buckets may arrive partly dense, partly as changes, and each piece must land in
-        place."""
+        place. With ``transport`` (the one it arrived on), a small encoding is released first (``_leave_buffer``)."""
+        if transport is not None:
+            _leave_buffer(arrived, transport)
         header, payload = arrived.header, arrived.payload[: arrived.header.nbytes]
         kept_valid = self._kept_base is not None and self._kept_base == header.base
         if header.dense < 0 and (destinations is None or kept_valid):
@@ -182,6 +184,18 @@ class ReceiverDelta:
         if self._views:
             self.kept.version, self.kept.model = header.version, header.model
             self.kept.truncate(header.index)
+
+
+def _leave_buffer(arrived: Arrived, transport: ReceiverTransport) -> None:
+    """An encoding of at most a quarter of a receive buffer is copied out of it and the buffer released before the
+    changes are applied: the buffer goes back to the sender at once, which keeps one more bucket in flight while
+    they are written (a delta update is short of buckets in flight, not of bytes)."""
+    nbytes = arrived.header.nbytes
+    if arrived.header.dense >= 0 and arrived.token > 0 and arrived.payload.is_cpu and (
+            nbytes <= transport.capacity // 4):
+        arrived.payload = arrived.payload[:nbytes].clone()
+        transport.release(arrived.token)
+        arrived.token = 0
 
 
 def _layout(header: codec.BucketHeader) -> int:

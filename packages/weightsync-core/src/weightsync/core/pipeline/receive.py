@@ -148,16 +148,7 @@ class ReceiveStream:
         if self._context.delta is None:
             raise TransferError(f"{self._peer} sent a delta update to a receiver without SyncConfig.delta",
                                 peer=self._peer)
-        nbytes = current.header.nbytes
-        if current.header.dense >= 0 and current.token > 0 and current.payload.is_cpu and (
-                nbytes <= self._transport.capacity // 4):
-            # A small encoding leaves its receive buffer before it is applied: the buffer goes back to the sender at
-            # once, which keeps one more bucket in flight while the changes are written (a delta update is short of
-            # buckets in flight, not of bytes).
-            current.payload = current.payload[:nbytes].clone()
-            self._transport.release(current.token)
-            current.token = 0
-        if self._context.delta.take(current, self._destinations, self._fallback):
+        if self._context.delta.take(current, self._destinations, self._fallback, transport=self._transport):
             return True
         self._applied = current
         return False

@@ -70,8 +70,14 @@ class EngineSettings:
     options: dict[str, Any] = field(default_factory=dict)
     hook: TransportHook | None = None
     option_names: frozenset[str] = frozenset()
+    after_pack: Callable[[int, torch.Tensor], None] | None = field(init=False, default=None)
+    """The test hook's ``after_pack``, if it has one (and ``after_receive`` likewise)."""
+    after_receive: Callable[[int, torch.Tensor], None] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "after_pack", self.hook.after_pack if isinstance(self.hook, PackHook) else None)
+        object.__setattr__(self, "after_receive",
+                           self.hook.after_receive if isinstance(self.hook, ReceiveHook) else None)
         unknown = sorted(set(self.options) - self.option_names)
         if unknown:
             accepted = ", ".join(sorted(self.option_names)) or "none"
@@ -82,16 +88,6 @@ class EngineSettings:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         object.__setattr__(self, "timeout", float(timeout))
-
-    @property
-    def after_pack(self) -> Callable[[int, torch.Tensor], None] | None:
-        """The test hook's ``after_pack``, if it has one."""
-        return self.hook.after_pack if isinstance(self.hook, PackHook) else None
-
-    @property
-    def after_receive(self) -> Callable[[int, torch.Tensor], None] | None:
-        """The test hook's ``after_receive``, if it has one."""
-        return self.hook.after_receive if isinstance(self.hook, ReceiveHook) else None
 
     def metadata(self) -> WorkerMetadata:
         """What every worker of every backend advertises in ``prepare()``; a backend adds its own keys."""
