@@ -4,14 +4,13 @@ breaks the rules between the pipeline and a transport."""
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
+from tests.plugins import backends_on_path
 from weightsync.api.protocols import copy_stream_into
-from weightsync.api.registry import register_backend
 from weightsync.api.testing import ConformanceFailure, EngineConformance, EngineHarness, WorkerFailed, checked_options
 from weightsync.core.transports.rules import CheckedReceiver, CheckedSender, TransportRuleError
 from weightsync.core.transports.transport import ReceivedBucket
@@ -48,23 +47,12 @@ def test_kit_fails_a_transport_that_corrupts_in_transit(mode: str) -> None:
 
 @pytest.fixture(scope="module")
 def rulebreakers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The rule-breaking backends, registered here and, through a throwaway dist-info, in the kit's workers."""
-    from tests.api import rulebreakers
-
-    root = tmp_path_factory.mktemp("rulebreakers")
-    info = root / "weightsync_test_rulebreakers-0.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: weightsync-test-rulebreakers\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text("[weightsync.backends]\n" + "".join(
-        f"{name} = tests.api.rulebreakers:{variable}\n"
-        for name, variable in (("test-early-free-gloo", "EARLY_FREE_GLOO"), ("test-early-ack-shm", "EARLY_ACK_SHM"))))
-    for spec in rulebreakers.SPECS.values():
-        register_backend(spec)
-    sys.path.append(str(root))  # spawned workers start from the parent's sys.path
-    try:
+    """The rule-breaking backends, registered here and in the kit's workers."""
+    with backends_on_path(tmp_path_factory.mktemp("rulebreakers"), {
+        "test-early-free-gloo": "tests.api.rulebreakers:EARLY_FREE_GLOO",
+        "test-early-ack-shm": "tests.api.rulebreakers:EARLY_ACK_SHM",
+    }):
         yield
-    finally:
-        sys.path.remove(str(root))
 
 
 @pytest.mark.parametrize("backend", ["test-early-free-gloo", "test-early-ack-shm"])

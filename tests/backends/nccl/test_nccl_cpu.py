@@ -5,7 +5,6 @@ groups standing in for NCCL."""
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,11 +14,12 @@ import torch
 
 from tests.backends.placements import MixedPlacement, OnEmulatedDevice
 from tests.devices import NEGATIVE_CONTROL_DELAY, emulated_device
+from tests.plugins import backends_on_path
 from tests.backends.nccl.accel_gloo import (
     SPEC, GlooAcceleratorEngine, HostBounceGroup, RecordingEngine, RecordingOps, RecordingTransport,
 )
 from weightsync.api.errors import BackendUnavailableError, ConfigError, RenamedKeywordError, TopologyError
-from weightsync.api.registry import get_backend_spec, load_engine_class, register_backend
+from weightsync.api.registry import get_backend_spec, load_engine_class
 from weightsync.api.testing import EngineConformance, case_tensors, place, raw_bytes
 from weightsync.api.types import Topology, TransferReport, WorkerContext, WorldMetadata
 from weightsync.core.backend import BucketCheckpointEngine, node_local_plan
@@ -123,19 +123,8 @@ def test_build_topology_rejects_inconsistent_metadata_and_old_keywords() -> None
 @pytest.fixture(scope="module")
 def test_backend_on_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Register the gloo instance here and, through a throwaway dist-info, in the harness's spawned workers."""
-    root = tmp_path_factory.mktemp("plugin")
-    info = root / "weightsync_test_accel-0.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: weightsync-test-accel\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text(
-        "[weightsync.backends]\ntest-accel-gloo = tests.backends.nccl.accel_gloo:SPEC\n")
-    register_backend(SPEC)
-    # Spawned workers start from the parent's sys.path (multiprocessing sends it), not from PYTHONPATH.
-    sys.path.append(str(root))
-    try:
+    with backends_on_path(tmp_path_factory.mktemp("plugin"), {SPEC.name: "tests.backends.nccl.accel_gloo:SPEC"}):
         yield SPEC.name
-    finally:
-        sys.path.remove(str(root))
 
 
 class TestAcceleratorEngineOnGloo(OnEmulatedDevice, EngineConformance):
