@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from weightsync.api.errors import BackendUnavailableError
-from weightsync.core.backend import AcceleratorCollectiveTransport, AcceleratorOps, engine_class
+from weightsync.core.backend import AcceleratorCollectiveTransport, engine_class
 from weightsync.hccl.spec import npu_reason
 
 __all__ = ["HcclCheckpointEngine", "HcclTransport", "process_group_hccl"]
@@ -42,20 +42,9 @@ class HcclTransport(AcceleratorCollectiveTransport):
     devices: ClassVar[frozenset[str]] = frozenset({"npu"})
     device_type: ClassVar[str] = "npu"
 
-    def make_ops(self, device_index: int | None) -> AcceleratorOps:
-        reason = npu_reason()
-        if reason is not None:
-            raise BackendUnavailableError(
-                f"weightsync backend 'hccl' cannot run here: {reason}", backend="hccl", reason=reason
-            )
-        npu: Any = getattr(torch, "npu")
-        index = int(npu.current_device()) if device_index is None else device_index
-        if index >= int(npu.device_count()):
-            raise BackendUnavailableError(
-                f"weightsync backend 'hccl': device_index {index} but only {npu.device_count()} NPUs are visible",
-                backend="hccl", reason="device_index out of range",
-            )
-        return AcceleratorOps(torch.device("npu", index))
+    @classmethod
+    def missing(cls) -> str | None:
+        return npu_reason()  # imports torch_npu, which gives torch its ``npu`` device module
 
     def new_group(self, store: Any, rank: int, size: int) -> Any:
         group_class = process_group_hccl()

@@ -13,8 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from weightsync.api.errors import BackendUnavailableError
-from weightsync.core.backend import AcceleratorCollectiveTransport, AcceleratorOps, c10d, engine_class
+from weightsync.core.backend import AcceleratorCollectiveTransport, c10d, engine_class
 from weightsync.nccl.spec import cuda_reason
 
 __all__ = ["NcclCheckpointEngine", "NcclTransport"]
@@ -27,19 +26,9 @@ class NcclTransport(AcceleratorCollectiveTransport):
     devices: ClassVar[frozenset[str]] = frozenset({"cuda"})
     device_type: ClassVar[str] = "cuda"
 
-    def make_ops(self, device_index: int | None) -> AcceleratorOps:
-        reason = cuda_reason()
-        if reason is not None:
-            raise BackendUnavailableError(
-                f"weightsync backend 'nccl' cannot run here: {reason}", backend="nccl", reason=reason
-            )
-        index = torch.cuda.current_device() if device_index is None else device_index
-        if index >= torch.cuda.device_count():
-            raise BackendUnavailableError(
-                f"weightsync backend 'nccl': device_index {index} but only {torch.cuda.device_count()} CUDA devices "
-                "are visible", backend="nccl", reason="device_index out of range",
-            )
-        return AcceleratorOps(torch.device("cuda", index))
+    @classmethod
+    def missing(cls) -> str | None:
+        return cuda_reason()
 
     def new_group(self, store: Any, rank: int, size: int) -> Any:
         options = c10d.ProcessGroupNCCL.Options()

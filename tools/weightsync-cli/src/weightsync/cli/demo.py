@@ -138,12 +138,18 @@ class DemoRolloutModel:
 
 @dataclass(frozen=True)
 class DemoOptions:
+    """``weightsync demo`` (the flags of the same names)."""
+
     backend: str = "shm"
+    """A backend's registered name, or ``auto``."""
     steps: int = 3
+    """Training steps, each followed by an update checked against the trainer's logits."""
     replicas: int = 2
     model_mb: float = 64.0
+    """The model's size: the small Llama is scaled to about this many MiB."""
     bucket_mb: int = 32
     address: str | None = None
+    """A Ray cluster to join (None: start a local one on this machine)."""
     delta: bool = False
     """Delta updates (``SyncConfig.delta``) of bf16 rollout weights trained at an RL learning rate; each step's line
     then says how many bytes crossed per receiver."""

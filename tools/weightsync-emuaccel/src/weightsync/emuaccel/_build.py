@@ -49,11 +49,8 @@ class EmuBuildError(EmuError):
 
 def cache_root() -> Path:
     """Where compiled libraries are cached (see the module docstring)."""
-    explicit = os.environ.get("WEIGHTSYNC_EMU_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "weightsync-emuaccel"
+    user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return Path(os.environ.get("WEIGHTSYNC_EMU_CACHE_DIR") or user_cache / "weightsync-emuaccel")
 
 
 def source_digest() -> str:

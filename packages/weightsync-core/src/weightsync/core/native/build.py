@@ -67,11 +67,8 @@ def compile_library(source: Path, library: Path) -> str:
 
 def cache_dir() -> Path:
     """Where libraries built at first use are kept (see the module docstring)."""
-    explicit = os.environ.get("WEIGHTSYNC_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "weightsync"
+    user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return Path(os.environ.get("WEIGHTSYNC_CACHE_DIR") or user_cache / "weightsync")
 
 
 def cached_library(source: Path) -> tuple[Path | None, str]:

@@ -22,14 +22,13 @@ device instances supply :class:`~weightsync.core.transports.device.AcceleratorOp
 
 from __future__ import annotations
 
-import abc
 import datetime
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
 
-from weightsync.api.errors import ConfigError, TopologyError, TransferError
+from weightsync.api.errors import BackendUnavailableError, ConfigError, TopologyError, TransferError
 from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
 from weightsync.core.transports.collective import MAX_HEADER_BYTES, CollectiveTransport, Group, c10d
 from weightsync.core.transports.device import AcceleratorOps, AcceleratorPolicy, wait_event
@@ -197,7 +196,7 @@ def node_local_plan(*, actor_nodes: Sequence[str], rollout_nodes: Sequence[str])
 
 
 class AcceleratorCollectiveTransport(CollectiveTransport):
-    """The collective transport on device buckets. Backends supply ``make_ops`` (and ``new_group``).
+    """The collective transport on device buckets. Backends supply ``device_type``, ``missing`` and ``new_group``.
 
     Options of its own: ``device_index`` (int; default: the calling process's current device) and ``relays``
     (``"none"``, the default, or ``"node"``; see the module docstring).
@@ -221,9 +220,26 @@ class AcceleratorCollectiveTransport(CollectiveTransport):
         self._policy = AcceleratorPolicy(self._ops, bucket_bytes=settings.bucket_bytes, timeout=settings.timeout)
         self._comm_stream = self._ops.new_stream()
 
-    @abc.abstractmethod
+    @classmethod
+    def missing(cls) -> str | None:
+        """What this process lacks to run the backend (its spec's probe reason), or None."""
+        return None
+
     def make_ops(self, device_index: int | None) -> AcceleratorOps:
-        """The device this engine moves buckets on; raises ``BackendUnavailableError`` when there is none."""
+        """The device this engine moves buckets on: ``device_type``'s device ``device_index``, else the process's
+        current one; ``BackendUnavailableError`` when ``missing()`` names what is missing or no such device is
+        visible. A backend whose device torch has no module for overrides it."""
+        reason = self.missing()
+        if reason is not None:
+            raise BackendUnavailableError(f"weightsync backend '{self.name}' cannot run here: {reason}",
+                                          backend=self.name, reason=reason)
+        module = torch.get_device_module(self.device_type)
+        index = int(module.current_device()) if device_index is None else device_index
+        if index >= int(module.device_count()):
+            raise BackendUnavailableError(
+                f"weightsync backend '{self.name}': device_index {index} but only {module.device_count()} "
+                f"{self.device_type} devices are visible", backend=self.name, reason="device_index out of range")
+        return AcceleratorOps(torch.device(self.device_type, index))
 
     @property
     def device(self) -> torch.device:

@@ -22,12 +22,15 @@ class VllmBenchOptions:
     """``weightsync bench --rollout vllm`` (``weightsync.cli.vllm.bench``)."""
 
     model_mb: float = 256.0
+    """The Llama's size in MiB (bf16, as the replicas hold it)."""
     replicas: int = 2
     repeat: int = 3
     """Timed rounds; each times one update of each route (after one untimed round)."""
     bucket_mb: int = 16
+    """weightsync's bucket size: 16 MiB lets vLLM's loader start sooner than 64 (docs/performance.md)."""
     json_path: str | None = None
     disk_dir: str = DISK_DIR
+    """Where the disk route writes its checkpoint."""
 
 
 def require_vllm() -> str:
