@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -372,6 +372,47 @@ class InPlaceSink(RecordingSink):
     def scribble(self) -> None:
         tensor = self.weights["model.layers.1.weight"]
         as_byte_view(tensor).view(torch.int32)[5] += 1
+
+
+class _FailingAfter(Mapping[str, torch.Tensor]):
+    """Destinations that fail at the lookup after the first ``count`` (those tensors are written by then)."""
+
+    def __init__(self, inner: dict[str, torch.Tensor], count: int) -> None:
+        self._inner, self._left = inner, count
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self._left == 0:
+            raise RuntimeError("the inference engine failed part-way through its load")
+        self._left -= 1
+        return self._inner[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._inner)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+
+class StagedSink(InPlaceSink):
+    """``InPlaceSink`` that can fail its next load part-way, after its first tensor was written (``fail_next``), and
+    says which staging areas its process maps (``mapped_areas``, read from ``/proc/self/maps``)."""
+
+    def __init__(self, replica: int, worker: int) -> None:
+        super().__init__(replica, worker)
+        self.failing = False
+
+    def fail_next(self) -> None:
+        self.failing = True
+
+    async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
+        if self.failing:
+            self.failing = False
+            await weights.copy_into(_FailingAfter(self.weights, 2))  # type: ignore[attr-defined]
+        await super().load_weights(weights, version=version)
+
+    def mapped_areas(self) -> list[str]:
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split()[-1] for line in maps if "/dev/shm/weightsync-" in line})
 
 
 ADDED = "model.added.weight"

@@ -81,3 +81,35 @@ def test_a_killed_host_leader_tears_its_host_only_and_another_leads_next(cluster
     # Replica 1 removed: replica 2's worker leads host 3, and every worker that is left ends bit-exact.
     assert result["next"]["ok"] and result["next"]["rebuilt"] and "two-level" in result["next"]["chosen"]
     assert result["digests"] == [result["expected"]] * 3
+
+
+def test_faults_while_staging_leave_every_replica_serving_its_old_version(cluster: TestbedRay) -> None:
+    """``SyncConfig(staged=True)``: a receiving host's link cut mid-stage, then the sender killed mid-stage. Every
+    replica's own hook log shows it was never paused for either, and every worker still holds the old version."""
+    nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
+
+    def on_request(message: dict[str, Any]) -> None:
+        if "cut" in message:
+            cluster.bed.link_down(int(message["cut"]))
+        elif "restore" in message:
+            cluster.bed.link_up(int(message["restore"]))
+
+    try:
+        result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.staged_fault_driver", nodes], on_request)
+    finally:
+        if not cluster.bed.link_is_up(3):
+            cluster.bed.link_up(3)
+    once = ["abort_all_requests", "release_kv_cache", "resume_kv_cache", "resume_generation"]
+    workers = [2, 1, 1]
+    assert result["first"]
+    for fault, after, version in (("cut", "after_cut", "v1"), ("killed", "after_kill", "v3")):
+        assert result[fault]["error"] is not None, result[fault]
+        assert result[fault]["seconds"] < 0.6 + 6.0 + 1.0, result[fault]  # within the transfer timeout + 1 s
+        rounds = 1 if fault == "cut" else 2
+        assert result[after]["hooks"] == [[once * rounds] * count for count in workers], (fault, result[after])
+        held = 1 if fault == "cut" else 3
+        assert result[after]["states"] == [["committed", held, True, 0.0]] * 3, (fault, result[after])
+        assert result[after]["digests"] == [result[version]] * 4, fault
+    repaired = result["repaired"]
+    assert repaired["ok"] and repaired["rebuilt"] and repaired["digests"] == [result["v3"]] * 4
+    assert [state[:3] for state in repaired["states"]] == [["committed", 3, True]] * 3

@@ -189,3 +189,38 @@ def test_rl_mix_with_delta_adds_an_entry_per_backend(tmp_path: pathlib.Path) -> 
     assert scenario["verify_every"] == 1
     assert abs(scenario["model_bytes"] - 8 * 2**20) < 2 * 2**20  # the decoder closest to the size asked for
     assert f"{scenario['changed_fraction']:.2%} of the bytes changed per update" in result.stdout
+
+
+SERVING_KEYS = {"pause_ms_p50", "pause_ms", "failed_requests", "idle_rate"}
+STAGED_KEYS = {"apply_ms_p50", "served_during_stage", "stage_seconds"}
+
+
+def test_staged_adds_a_staged_entry_after_each_entry_and_serving_figures(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "staged.json"
+    result = bench("--backends", "shm", "--mix", "rl", "--model-mb", "8", "--bucket-mb", "2", "--repeat", "2",
+                   "--receivers", "2", "--no-ray", "--delta", "--staged", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-4000:]
+    data = json.loads(out.read_text())
+    rows = {row["backend"]: row for row in data["results"]}
+    assert list(rows) == ["shm", "shm+staged", "shm+delta", "shm+delta+staged", "naive", "bucketed"]
+    assert data["scenario"]["staged"] is True
+    for name, row in rows.items():
+        staged = name.endswith("+staged")
+        assert set(row) == RESULT_KEYS | SERVING_KEYS | (STAGED_KEYS if staged else set()), name
+        assert row["failed_requests"] == 0 and row["idle_rate"] > 0 and len(row["pause_ms"]) == 2, row
+        assert row["pause_ms_p50"] > 0 and row["gbps_p50"] > 0, row
+        if staged:
+            # The receivers' own count: the apply is inside the pause, and staging took time they served through.
+            assert 0 < row["apply_ms_p50"] < row["pause_ms_p50"] and row["stage_seconds"] > 0, row
+            assert row["served_during_stage"] >= 0
+    assert "serving (every receiver:" in result.stdout and "shm+delta+staged" in result.stdout
+
+
+def test_without_staged_the_receivers_do_not_serve(tmp_path: pathlib.Path) -> None:
+    """The figures of a run without ``--staged`` stay as they were: no serving loop competes with the update."""
+    out = tmp_path / "plain.json"
+    result = bench("--backends", "shm", "--model-mb", "4", "--bucket-mb", "1", "--repeat", "1", "--no-ray",
+                   "--json", str(out))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert all(set(row) == RESULT_KEYS for row in json.loads(out.read_text())["results"])
+    assert "serving (" not in result.stdout

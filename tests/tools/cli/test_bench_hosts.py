@@ -140,6 +140,24 @@ def test_delta_updates_cross_the_links_as_a_few_percent_of_the_model(tmp_path: p
         assert ingress[0] <= 3 * changed + 0.01 * total, (ingress, changed)
 
 
+def test_staged_updates_cross_into_each_host_once(tmp_path: pathlib.Path) -> None:
+    """``--staged``: only each host's stager joins the transport, so gloo's broadcast, which sends the model to
+    every receiver, takes it into the host once; its unstaged entry in the same run is the negative control (two
+    receivers on the host: about 2 S in)."""
+    skip_unless_testbed()
+    out = tmp_path / "staged.json"
+    result = bench("--hosts", "2", "--receivers", "2", "--link-gbps", str(LINK_GBPS), "--model-mb", "16",
+                   "--bucket-mb", "4", "--repeat", "2", "--backends", "gloo", "--staged", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-4000:]
+    data = json.loads(out.read_text())
+    total = data["scenario"]["model_bytes"]
+    links = data["scenario"]["link_bytes"]
+    assert all(ingress[0] >= 1.9 * total for ingress in links["gloo"]["host_ingress"]), links["gloo"]
+    assert all(0.95 * total <= ingress[0] <= 1.2 * total for ingress in links["gloo+staged"]["host_ingress"])
+    staged = next(row for row in data["results"] if row["backend"] == "gloo+staged")
+    assert staged["failed_requests"] == 0 and staged["stage_seconds"] > 0
+
+
 def test_bench_cleanup_removes_a_killed_runs_leftovers() -> None:
     skip_unless_testbed()
     process = subprocess.Popen(

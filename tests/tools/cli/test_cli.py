@@ -78,6 +78,16 @@ def test_demo_delta_sends_only_what_changed_after_the_first_update() -> None:
         assert full == "0" and float(changed) < 10 and float(sent) < 0.25 * size
 
 
+def test_demo_staged_is_bit_exact() -> None:
+    result = weightsync("demo", "--backend", "gloo", "--steps", "2", "--model-mb", "12", "--replicas", "2",
+                        "--staged")
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert lines[-1] == "2/2 steps bit-exact" and "staged updates" in lines[0]
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == 2 and all(re.search(r"replicas paused \d+ ms$", line) for line in steps), steps
+
+
 def test_demo_fails_loudly_on_an_unknown_backend() -> None:
     result = weightsync("demo", "--backend", "carrier-pigeon", "--steps", "1", "--model-mb", "4")
     assert result.returncode == 1

@@ -11,7 +11,7 @@ import ray
 
 from weightsync.api.errors import ConfigError
 from weightsync.api.protocols import WeightSink, WeightSource
-from weightsync.api.types import TransferReport
+from weightsync.api.types import StagedUpdate, TransferReport
 from weightsync.core.control.host import EngineHost
 
 __all__ = ["ActorRankHost", "RolloutWorkerHost", "RayActorWorkerGroup", "RayRolloutWorker", "RayRolloutReplica",
@@ -73,6 +73,14 @@ class RolloutWorkerHost:
 
     async def update_weights(self, *, version: int) -> TransferReport:
         return await self.host.receive(self.sink, version=version)
+
+    async def stage_weights(self, *, version: int) -> StagedUpdate:
+        return await self.host.stage(version=version)
+
+    async def apply_staged(self, *, version: int, staged: StagedUpdate) -> TransferReport:
+        if staged.version != version:
+            raise ConfigError(f"apply_staged of version {version} was handed version {staged.version}'s staging")
+        return await self.host.apply_staged(self.sink, staged=staged)
 
     async def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         return await _invoke(self.sink, method, *args, **kwargs)
@@ -183,6 +191,12 @@ class RayRolloutWorker:
 
     def update_weights(self, *, version: int) -> Any:
         return self.handle.update_weights.remote(version=version)
+
+    def stage_weights(self, *, version: int) -> Any:
+        return self.handle.stage_weights.remote(version=version)
+
+    def apply_staged(self, *, version: int, staged: StagedUpdate) -> Any:
+        return self.handle.apply_staged.remote(version=version, staged=staged)
 
     def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         return self.handle.call.remote(method, *args, **kwargs)

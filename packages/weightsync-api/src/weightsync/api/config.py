@@ -52,6 +52,13 @@ class SyncConfig:
     sender keeps a host copy of that version (the model's size in host memory); a replica that does not hold it
     exactly gets a full update. ``verify_every``: with ``delta``, receivers hash what they hold after every
     ``verify_every``-th delta update and compare it with the sender's (1: after every one).
+
+    ``staged``: serve while the update arrives. One worker per host (its stager) receives the whole update into
+    the host's staging area in shared memory while every replica keeps serving, and checks its digest there; then
+    each replica, as soon as every host it spans holds the verified update, is paused only to swap — every worker
+    applies from its host's staging area into the live parameters — and resumed. Costs one staging area of the
+    model's size per host (``weightsync.core.transports.stagearea``). A replica whose staging failed is never paused
+    and keeps serving its old version; rollout workers that cannot stage (``StagingWorker``) are a ``ConfigError``.
     """
 
     bucket_bytes: int = 64 * MiB
@@ -61,6 +68,7 @@ class SyncConfig:
     verify_digest: bool = True
     delta: bool = False
     verify_every: int = 1
+    staged: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int):
@@ -75,8 +83,9 @@ class SyncConfig:
             isinstance(self.slots, bool) or not isinstance(self.slots, int) or not 1 <= self.slots <= 16
         ):
             raise ConfigError(f"slots must be an int between 1 and 16, got {self.slots!r}")
-        if not isinstance(self.delta, bool):
-            raise ConfigError(f"delta must be a bool, got {self.delta!r}")
+        for flag in ("delta", "staged", "verify_digest"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if isinstance(self.verify_every, bool) or not isinstance(self.verify_every, int) or self.verify_every < 1:
             raise ConfigError(f"verify_every must be a positive int, got {self.verify_every!r}")
         if not isinstance(self.timeouts, StepTimeouts):

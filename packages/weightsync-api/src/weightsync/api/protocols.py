@@ -41,7 +41,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from weightsync.api.errors import DestinationError
-from weightsync.api.types import RankArgs, Topology, TransferReport, WorkerContext, WorkerMetadata, WorldMetadata
+from weightsync.api.types import (
+    RankArgs,
+    StagedUpdate,
+    Topology,
+    TransferReport,
+    WorkerContext,
+    WorkerMetadata,
+    WorldMetadata,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +64,7 @@ __all__ = [
     "load_into",
     "ActorWorkerGroup",
     "RolloutWorker",
+    "StagingWorker",
     "RolloutReplica",
     "PausableReplica",
     "LoadProvingReplica",
@@ -320,6 +329,29 @@ class RolloutWorker(Protocol):
 
     def update_weights(self, *, version: int) -> Awaitable[TransferReport]:
         """Feed ``receive_weights()`` into the worker's sink; yields the receiver's report once verified."""
+        ...
+
+
+@runtime_checkable
+class StagingWorker(Protocol):
+    """Optional, on a ``RolloutWorker``: the two phases of a staged update (``SyncConfig(staged=True)``).
+
+    The manager picks one worker per host as that host's stager. ``stage_weights`` runs on the stagers while every
+    replica serves: the worker's engine receives the whole update into the host's staging area (shared memory, one
+    per host, kept between updates) and checks the update's digest on the staged bytes; a failure (a sender that
+    died, a link down, a digest mismatch) leaves every worker's model as it was. ``apply_staged`` runs on every
+    worker of a replica once the manager has paused it: the staged update goes into the worker's sink exactly as
+    ``update_weights`` feeds a received one (the same destinations, delta apply and digest check). Neither call may
+    block the worker's event loop.
+    """
+
+    def stage_weights(self, *, version: int) -> Awaitable[StagedUpdate]:
+        """Receive update ``version`` into this host's staging area; yields where it lies, once verified there."""
+        ...
+
+    def apply_staged(self, *, version: int, staged: StagedUpdate) -> Awaitable[TransferReport]:
+        """Feed the update staged on this worker's host (``staged``, the host stager's answer) into the sink;
+        yields the receiver's report once verified, as ``update_weights`` does."""
         ...
 
 

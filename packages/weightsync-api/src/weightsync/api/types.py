@@ -29,6 +29,7 @@ __all__ = [
     "Received",
     "ReplicaState",
     "ReplicaOutcome",
+    "StagedUpdate",
     "UpdateReport",
 ]
 
@@ -165,6 +166,37 @@ class ReplicaOutcome:
     received: Received = "full"
     """``full``: the update sent this replica every byte (a full update, or a delta update whose every bucket went
     dense); ``changes``: some of its buckets arrived as only what changed since the version the replica held."""
+    pause_seconds: float = 0.0
+    """How long the update kept this replica from serving, pause to resume, as the manager timed it: an unstaged
+    update's whole time on the replica; a staged one's swap (0.0 for a replica it never paused: its staging failed
+    and it went on serving its old version). A replica left paused (torn) counts until the update returned."""
+    stage_seconds: float = 0.0
+    """Staged updates (``SyncConfig.staged``): from the start of the update until every host of this replica held a
+    verified staged copy (or its staging failed), the replica serving meanwhile."""
+    swap_seconds: float = 0.0
+    """Staged updates: the apply from staging into the live parameters, on all of the replica's workers."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagedUpdate:
+    """Where a host's stager left one staged update (``SyncConfig(staged=True)``): what every rollout worker of that
+    host reads in the swap. Plain data; the manager hands a stager's answer to the host's other workers."""
+
+    area: str
+    """The staging area: a shared-memory segment (``/dev/shm`` name) on the stager's host."""
+    size: int
+    """Bytes of the segment (a reader maps this many)."""
+    version: int
+    epoch: str
+    """The membership epoch the update was staged in (its headers carry it)."""
+    records: int
+    """Buckets and markers staged, the final header included."""
+    nbytes: int
+    """Bytes of the area in use."""
+    node_id: str = ""
+    """The stager's host."""
+    report: TransferReport | None = None
+    """The stager's receive: its digest is of the staged bytes, checked against the sender's."""
 
 
 @dataclass(frozen=True, kw_only=True)

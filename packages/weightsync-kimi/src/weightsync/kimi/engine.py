@@ -185,7 +185,7 @@ class KimiCheckpointEngine(EngineBase):
 
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int = 0) -> TransferReport:
         group = self._joined("sender", "send_weights")
-        self._handover.acquire_for_send()
+        self._handover.acquire_for("send_weights")
         rank = self.settings.context.rank
         started = time.perf_counter()
         try:
@@ -195,7 +195,7 @@ class KimiCheckpointEngine(EngineBase):
             loop = asyncio.get_running_loop()
             exchange = await loop.run_in_executor(self._pool, group.send, share, digest, version)
         finally:
-            self._handover.release_send()
+            self._handover.release()
         return TransferReport(
             role="actor", rank=rank, version=version, nbytes=digest.nbytes, tensors=digest.tensors, buckets=0,
             seconds=time.perf_counter() - started, digest=exchange.digest, sender=rank,

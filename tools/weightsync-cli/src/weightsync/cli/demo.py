@@ -153,6 +153,8 @@ class DemoOptions:
     delta: bool = False
     """Delta updates (``SyncConfig.delta``) of bf16 rollout weights trained at an RL learning rate; each step's line
     then says how many bytes crossed per receiver."""
+    staged: bool = False
+    """Staged updates (``SyncConfig.staged``): the replicas serve while the update is staged, paused only to swap."""
 
 
 def free_port() -> int:
@@ -169,9 +171,11 @@ def step_line(report: UpdateReport, step: str, *, exact: bool, delta: bool) -> s
         full = sum(outcome.received == "full" for outcome in report.replicas)
         sent = (f"  sent {report.wire_bytes / 1e6:.1f} MB ({report.changed_fraction:.1%} changed; "
                 f"{full}/{len(report.replicas)} replicas full)")
+    paused = max((outcome.pause_seconds for outcome in report.replicas), default=0.0)
     return (f"step {step}  version {report.version}  {report.nbytes / 1e6:.1f} MB{sent}  "
             f"{report.transfer_seconds:.3f} s  {report.gbps_per_receiver:.2f} GB/s per receiver  "
-            f"digest {'ok' if report.ok else 'MISMATCH'}  logits {'bit-exact' if exact else 'DIFFER'}")
+            f"digest {'ok' if report.ok else 'MISMATCH'}  logits {'bit-exact' if exact else 'DIFFER'}  "
+            f"replicas paused {paused * 1e3:.0f} ms")
 
 
 async def run_demo(options: DemoOptions) -> int:
@@ -193,7 +197,7 @@ async def run_demo(options: DemoOptions) -> int:
     model_bytes = config.parameters * served.itemsize
     print(f"weightsync demo: backend {options.backend}, TinyLlama {config.num_layers} layers "
           f"({model_bytes / 1e6:.1f} MB {'bf16, fp32 masters' if options.delta else 'fp32'}, AdamW lr {lr:g}), "
-          f"actor_wg of 2 ranks, {options.replicas} rollout replicas")
+          f"actor_wg of 2 ranks, {options.replicas} rollout replicas{', staged updates' if options.staged else ''}")
     progress = Progress(options.steps)
     actor_wg: Any = None
     replicas: list[Any] = []
@@ -211,7 +215,7 @@ async def run_demo(options: DemoOptions) -> int:
         await asyncio.gather(*actor_wg.call("join", f"tcp://{address}:{free_port()}"))
         manager = CheckpointEngineManager(
             backend=options.backend, actor_wg=actor_wg, replicas=replicas,
-            config=SyncConfig(bucket_bytes=options.bucket_mb * MiB, delta=options.delta),
+            config=SyncConfig(bucket_bytes=options.bucket_mb * MiB, delta=options.delta, staged=options.staged),
         )
         trainer_logits = await actor_wg.call("logits", PROMPT)[0]
         before = await asyncio.gather(*(replica.call("logits", PROMPT)[0] for replica in replicas))

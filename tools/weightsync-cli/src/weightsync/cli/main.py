@@ -9,6 +9,7 @@ import importlib
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from weightsync.api.registry import backend_statuses
 
@@ -25,6 +26,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightsync", description="Move a trainer's weights into rollout replicas.")
     commands = parser.add_subparsers(dest="command", required=True)
 
+    _add_demo(commands)
+    _add_bench(commands)
+
+    doctor = commands.add_parser("doctor", help="list every known backend and whether it can run here")
+    doctor.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+
+    migrate = commands.add_parser("migrate", help="rewrite trainer= / trainer_world_size= call sites to actor_wg")
+    try:
+        from weightsync.migrate import add_arguments
+
+        add_arguments(migrate)
+    except ImportError:
+        migrate.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _add_demo(commands: Any) -> None:
     demo = commands.add_parser("demo", help="train a small LM on a local Ray cluster and sync it into replicas")
     demo.add_argument("--backend", default="shm", help="backend name (see `weightsync doctor`); default shm")
     demo.add_argument("--steps", type=int, default=3, help="training steps, one update each (default 3)")
@@ -35,11 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--delta", action="store_true",
                       help="delta updates (SyncConfig.delta) of bf16 rollout weights trained at an RL learning rate "
                            "(1e-6): after the first update, only the bytes that changed cross")
+    demo.add_argument("--staged", action="store_true",
+                      help="staged updates (SyncConfig.staged): replicas serve while each host stages the update, "
+                           "and pause only to swap it in")
     demo.add_argument("--rollout", choices=["model", "vllm"], default="model",
                       help="what the replicas are: a small PyTorch model of ours (default), or real vLLM engines "
                            "(needs vLLM: python3 -m hatch run vllm:demo), each step checked against a vLLM engine "
                            "that loads that version from a checkpoint")
 
+
+def _add_bench(commands: Any) -> None:
     bench = commands.add_parser("bench", help="throughput of each backend between processes on this machine, or across "
                                                     "an emulated testbed of hosts (--hosts)")
     bench.add_argument("--backends", default="", help="comma-separated backends (default: all available)")
@@ -56,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --mix rl: the Adam step's learning rate (default 1e-6; 1e-3 is the dense control)")
     bench.add_argument("--delta", action="store_true",
                        help="also measure every backend B with delta updates, as the entry B+delta")
+    bench.add_argument("--staged", action="store_true",
+                       help="also measure every entry B with staged updates (SyncConfig.staged) as B+staged; every "
+                            "receiver of every entry then serves (an 8 MiB MLP every 20 ms) and pause figures are "
+                            "reported")
     bench.add_argument("--verify-every", type=int, default=1, metavar="K",
                        help="with --delta: receivers verify what they hold after every K-th delta update (default 1)")
     bench.add_argument("--repeat", type=int, default=5, help="timed runs per backend after a warm-up")
@@ -85,18 +112,6 @@ def build_parser() -> argparse.ArgumentParser:
                             "vllm:bench); --model-mb defaults to 256, --bucket-mb to 16")
     bench.add_argument("--disk-dir", default=None,
                        help="with --rollout vllm: where the disk route writes (default /var/tmp; not a tmpfs)")
-
-    doctor = commands.add_parser("doctor", help="list every known backend and whether it can run here")
-    doctor.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-
-    migrate = commands.add_parser("migrate", help="rewrite trainer= / trainer_world_size= call sites to actor_wg")
-    try:
-        from weightsync.migrate import add_arguments
-
-        add_arguments(migrate)
-    except ImportError:
-        migrate.add_argument("rest", nargs=argparse.REMAINDER)
-    return parser
 
 
 def _doctor(as_json: bool) -> int:
@@ -177,7 +192,8 @@ def _bench(args: argparse.Namespace) -> int:
         json_path=args.json_path, plot_path=args.plot_path, trace_path=args.trace_path,
         ray=args.ray and not args.hosts, ray_backend=args.ray_backend, hosts=args.hosts,
         link_gbps=args.link_gbps if args.link_gbps is not None else HOSTS_LINK_GBPS, rtt_ms=args.rtt_ms,
-        delta=args.delta, verify_every=args.verify_every, **({"lr": args.lr} if args.lr is not None else {}),
+        delta=args.delta, verify_every=args.verify_every, staged=args.staged,
+        **({"lr": args.lr} if args.lr is not None else {}),
     ))
 
 
@@ -225,10 +241,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     options = DemoOptions(
         backend=args.backend, steps=args.steps, replicas=args.replicas, model_mb=args.model_mb,
-        bucket_mb=args.bucket_mb, address=args.address, delta=args.delta,
+        bucket_mb=args.bucket_mb, address=args.address, delta=args.delta, staged=args.staged,
     )
     if args.rollout == "vllm":
         if args.steps < 1 or args.replicas < 1 or args.model_mb <= 0 or args.bucket_mb < 1:
             return _usage_error("demo", "--steps, --replicas, --model-mb and --bucket-mb must be positive")
+        if args.staged:
+            return _usage_error("demo", "--staged is not available with --rollout vllm yet (its replicas do not "
+                                        "stage); run --rollout vllm unstaged")
         return _run_vllm("demo", options)
     return asyncio.run(run_demo(options))

@@ -9,6 +9,7 @@ holds it (:mod:`weightsync.core.pipeline.handover`); the sender's pipeline is :m
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
 import time
@@ -20,16 +21,19 @@ import torch
 from weightsync.api.errors import ConfigError, LifecycleError, TopologyError, reject_renamed_keywords
 from weightsync.api.protocols import ReceivedWeights
 from weightsync.api.topology import check_sizes, with_epoch
-from weightsync.api.types import RankArgs, Topology, TransferReport, WorkerMetadata, WorldMetadata
+from weightsync.api.types import RankArgs, StagedUpdate, Topology, TransferReport, WorkerMetadata, WorldMetadata
 from weightsync.core.pipeline.handover import Handover
 from weightsync.core.pipeline.receive import ReceiveContext, ReceiveStream
 from weightsync.core.pipeline.send import SendPipeline, drain
+from weightsync.core.pipeline.staged import stage_update
 from weightsync.core.pipeline.trace import Tracer
 from weightsync.core.pipeline.unpack import BucketReader
 from weightsync.core.transports.device import accepted_devices
 from weightsync.core.transports.rules import CheckedReceiver, checked_sender
 from weightsync.core.transports.settings import EngineBase, default_node_id
+from weightsync.core.transports.stagearea import StageArea, StagedReceiver
 from weightsync.core.transports.transport import ReceiverTransport, SenderTransport, Transport
+from weightsync.core.wire.digest import UpdateDigest
 
 __all__ = ["BucketCheckpointEngine", "engine_class", "RankRole", "guard_build_topology", "default_node_id"]
 
@@ -187,7 +191,7 @@ class BucketCheckpointEngine(EngineBase):
 
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int = 0) -> TransferReport:
         self._require("sender", "send_weights")
-        self._handover.acquire_for_send()
+        self._handover.acquire_for("send_weights")
         started = time.perf_counter()
         try:
             if self._role != "sender" or self._sender is None:
@@ -200,7 +204,7 @@ class BucketCheckpointEngine(EngineBase):
             finally:
                 self._policy.end_send()
         finally:
-            self._handover.release_send()
+            self._handover.release()
 
     def receive_weights(self) -> ReceivedWeights:
         self._require("receiver", "receive_weights")
@@ -210,6 +214,47 @@ class BucketCheckpointEngine(EngineBase):
         reader = BucketReader(self._policy.new_digest(), self._receive.plans)
         return ReceiveStream(self._receive, self._receiver, hold, epoch=self._epoch,
                              peer=self.transport.peer_name(self._sender_rank), reader=reader)
+
+    # -- a staged update (SyncConfig.staged): the stage phase on a host's stager, the swap on every worker ------------
+
+    async def stage_weights(self, area: StageArea, *, version: int) -> StagedUpdate:
+        """Receive update ``version`` into ``area`` (this worker is its host's stager), the digest checked on the
+        staged bytes (:mod:`weightsync.core.pipeline.staged`); nothing reaches a model. Holds the engine until the
+        receiving thread is done, even if the caller stops waiting."""
+        self._require("receiver", "stage_weights")
+        receiver, epoch = self._receiver, self._epoch
+        if receiver is None or epoch is None:
+            raise LifecycleError(f"{self.name}: stage_weights on a rank that is not connected as a receiver")
+        self._handover.acquire_for("stage_weights")
+        work = functools.partial(self._stage, receiver, area, epoch=epoch, version=version)
+        try:
+            future = self._pools[1].submit(work)
+        except BaseException:
+            self._handover.release()
+            raise
+        future.add_done_callback(lambda _: self._handover.release())
+        return await asyncio.wrap_future(future)
+
+    def _stage(self, receiver: ReceiverTransport, area: StageArea, *, epoch: str, version: int) -> StagedUpdate:
+        try:
+            return stage_update(receiver, area, settings=self.settings, epoch=epoch, version=version,
+                                peer=self.transport.peer_name(self._sender_rank), tables=self._receive.tables)
+        except BaseException:
+            receiver.close()  # tells the peers now, not at their deadline; the next update joins a new epoch
+            raise
+
+    def receive_staged(self, staged: StagedUpdate) -> ReceivedWeights:
+        """The update a host's stager staged (``staged``), as a stream read in place from the staging area: the
+        same receive pipeline as ``receive_weights`` (destinations, fallbacks, delta apply, the digest checked
+        again on what is read). Any role of the current epoch may read it."""
+        self._check_open()
+        if self._epoch is None:
+            raise LifecycleError(f"receive_staged before init_process_group on this {self.name} engine")
+        receiver = StagedReceiver(staged)
+        hold = self._handover.hold_for_stream()
+        reader = BucketReader(UpdateDigest(), self._receive.plans)  # the staged bytes are on the host
+        return ReceiveStream(self._receive, receiver, hold, epoch=staged.epoch,
+                             peer=f"{self.transport.peer_name(self._sender_rank)} (staged)", reader=reader)
 
 
 def engine_class(transport: type[Transport], *, name: str | None = None) -> type[BucketCheckpointEngine]:

@@ -13,7 +13,7 @@ import inspect
 import os
 import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -21,11 +21,13 @@ from weightsync.api.config import SyncConfig
 from weightsync.api.errors import ConfigError, LifecycleError, WeightsyncError, WeightStreamError
 from weightsync.api.protocols import CheckpointEngine, ReceivedWeights, WeightSink, next_batch
 from weightsync.api.registry import load_engine_class
-from weightsync.api.types import RankArgs, Role, TransferReport, WorkerContext, WorkerMetadata
+from weightsync.api.types import RankArgs, Role, StagedUpdate, TransferReport, WorkerContext, WorkerMetadata
 from weightsync.core.control.auto import has_rdma
 from weightsync.core.control.steps import unwrap
+from weightsync.core.transports.stagearea import StageArea
 
-__all__ = ["EngineHost", "EngineSlot", "build_engine", "engine_spec", "is_untouched", "mark_untouched", "ping_answer"]
+__all__ = ["EngineHost", "EngineSlot", "StagingEngine", "build_engine", "engine_spec", "is_untouched", "mark_untouched",
+           "ping_answer"]
 
 _METHODS = ("prepare", "init_process_group", "finalize", "close", "ping")
 # What build_engine requires of an engine class: the CheckpointEngine Protocol's methods, build_topology class-level.
@@ -81,6 +83,16 @@ def _missing_members(engine_class: object) -> list[str]:
     return missing
 
 
+@runtime_checkable
+class StagingEngine(Protocol):
+    """An engine that takes part in staged updates (``SyncConfig.staged``; every bucket engine does): the stage
+    phase on a host's stager, and the swap's stream read from the staging area on every worker of the host."""
+
+    async def stage_weights(self, area: StageArea, *, version: int) -> StagedUpdate: ...
+
+    def receive_staged(self, staged: StagedUpdate) -> ReceivedWeights: ...
+
+
 class EngineSlot:
     """Holds one engine and the spec it was built from; asking again for the same spec reuses it."""
 
@@ -113,6 +125,8 @@ class EngineHost:
         self.host_ip = host_ip
         self.name = name
         self._slot = EngineSlot(self._build)
+        self._area: StageArea | None = None
+        """This host's staging area, when this worker is its host's stager (made at the first stage, kept)."""
 
     @property
     def engine(self) -> CheckpointEngine | None:
@@ -155,6 +169,9 @@ class EngineHost:
 
     def _close(self) -> None:
         self._slot.drop()
+        area, self._area = self._area, None
+        if area is not None:
+            area.close()
 
     def _engine(self) -> CheckpointEngine:
         if self.engine is None:
@@ -171,7 +188,34 @@ class EngineHost:
         return dataclasses.replace(report, finalized=True)
 
     async def receive(self, sink: WeightSink, *, version: int) -> TransferReport:
-        stream = _CountingStream(self._engine().receive_weights())
+        return await self._load(sink, self._engine().receive_weights(), version=version)
+
+    async def stage(self, *, version: int) -> StagedUpdate:
+        """The stage phase on this host's stager: the update into the host's staging area (see ``StagingWorker``)."""
+        if self._area is None:
+            self._area = StageArea()
+        staged = await self._staging_engine().stage_weights(self._area, version=version)
+        self._finalize()
+        return staged
+
+    async def apply_staged(self, sink: WeightSink, *, staged: StagedUpdate) -> TransferReport:
+        """The swap on this worker: the update staged on this host into ``sink``, as ``receive`` feeds it."""
+        try:
+            received = self._staging_engine().receive_staged(staged)
+        except BaseException as exc:
+            mark_untouched(exc)  # the area could not even be opened: nothing reached the model
+            raise
+        return await self._load(sink, received, version=staged.version)
+
+    def _staging_engine(self) -> StagingEngine:
+        engine = self._engine()
+        if not isinstance(engine, StagingEngine):
+            raise ConfigError(f"{self.name or 'worker'}: the {type(engine).__name__} engine cannot stage updates "
+                              "(SyncConfig.staged needs a bucket engine: shm, gloo, tcp, nixl, mooncake, nccl, hccl)")
+        return engine
+
+    async def _load(self, sink: WeightSink, received: ReceivedWeights, *, version: int) -> TransferReport:
+        stream = _CountingStream(received)
         try:
             await sink.load_weights(stream, version=version)
             leftover = 0

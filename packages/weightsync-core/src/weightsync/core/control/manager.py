@@ -37,6 +37,7 @@ from weightsync.api.protocols import (
 from weightsync.api.registry import load_engine_class
 from weightsync.api.topology import build_checked_topology, with_epoch
 from weightsync.api.types import (
+    RankArgs,
     ReplicaOutcome,
     TransferReport,
     UpdateReport,
@@ -47,6 +48,7 @@ from weightsync.core.control import auto, steps
 from weightsync.core.control.auto import AUTO, AutoChoice
 from weightsync.core.control.host import engine_spec
 from weightsync.core.control.round import Round, disagreeing, host_of, pause, resume, stage, worker_label
+from weightsync.core.control.staged import StagedPlan, check_staging, run_staged
 
 __all__ = ["CheckpointEngineManager"]
 
@@ -90,6 +92,8 @@ class CheckpointEngineManager:
         self._where: dict[str, str] = {}  # worker label -> its host, as the workers said at the last setup
         self._version = 0
         self._updating = False
+        self._plan: StagedPlan | None = None
+        """Staged updates: each host's stager, from the last setup."""
         self.add_replicas(replicas)
 
     # -- membership ------------------------------------------------------------------------------------------------
@@ -162,6 +166,8 @@ class CheckpointEngineManager:
 
     async def _update(self, version: int) -> UpdateReport:
         round_ = Round.of(version, self._replicas)
+        if self.config.staged:
+            return await self._update_staged(round_)
         outcomes: list[ReplicaOutcome] = []
         try:
             await stage(round_.stages, "pause", self.config.timeouts.pause, [
@@ -179,6 +185,34 @@ class CheckpointEngineManager:
             outcomes = round_.outcomes(self._states)
             await self._resume(round_, outcomes)
         self._version = version
+        return round_.report(outcomes, backend=self.backend, delta=self.config.delta,
+                             chosen=f"{self.choice.name}: {self.choice.reason}" if self.choice else "")
+
+    async def _update_staged(self, round_: Round) -> UpdateReport:
+        """A staged update (:mod:`weightsync.core.control.staged`): no replica is paused before its swap."""
+        check_staging(round_.workers)
+        errors: list[BaseException] = []
+        try:
+            if self._epoch is None or self._plan is None:
+                round_.rebuilt = True
+                await self._setup(round_.stages, round_.workers)
+            plan = self._plan
+            if plan is None:
+                raise LifecycleError("staged update without a stager plan (setup did not make one)")
+            errors = await run_staged(round_, actor_wg=self.actor_wg, plan=plan, timeouts=self.config.timeouts)
+            if errors:
+                raise steps.root_cause(errors)
+        except BaseException as exc:
+            round_.failure = exc
+            self._epoch = None
+            raise
+        finally:
+            outcomes = round_.outcomes(self._states)
+            await self._tell_torn(round_.replicas, outcomes)
+            for i, outcome in enumerate(outcomes):
+                resumed = round_.resumed.get(i, self._states[i].resumed)
+                self._states[i] = outcomes[i] = dataclasses.replace(outcome, resumed=resumed)
+        self._version = round_.version
         return round_.report(outcomes, backend=self.backend, delta=self.config.delta,
                              chosen=f"{self.choice.name}: {self.choice.reason}" if self.choice else "")
 
@@ -268,24 +302,32 @@ class CheckpointEngineManager:
         ]
         metadata: list[WorkerMetadata] = await steps.gather("prepare", timeout, labelled)
         self._where = {label: host_of(entry) for (label, _), entry in zip(labelled, metadata)}
+        rollout = metadata[actor_size:]
+        # Staged: only each host's stager joins the transport's world; the host's other workers read its area.
+        self._plan = plan = StagedPlan.of(rollout) if self.config.staged else None
+        members = list(plan.stagers.values()) if plan is not None else list(range(len(workers)))
         topology = build_checked_topology(
-            engine_class, backend=backend, actor_wg_world_size=actor_size, rollout_world_size=len(workers),
-            metadata=WorldMetadata(actor=metadata[:actor_size], rollout=metadata[actor_size:]),
+            engine_class, backend=backend, actor_wg_world_size=actor_size, rollout_world_size=len(members),
+            metadata=WorldMetadata(actor=metadata[:actor_size], rollout=[rollout[i] for i in members]),
         )
         # Our engines stamp the epoch token in build_topology; an engine that does not gets one here.
         topology = with_epoch(topology)
+        epoch = str(topology.actor[0]["epoch"])
         actor_args = list(topology.actor)
         base = self._delta_base()
         if base is not None:  # the senders may send only what changed since it
             actor_args = [{**args, "delta_base": base} for args in actor_args]
+        rollout_args: list[RankArgs] = [{"role": "idle", "epoch": epoch} for _ in workers]
+        for member, args in zip(members, topology.rollout):
+            rollout_args[member] = args
         init_calls = self.actor_wg.execute_checkpoint_engine("init_process_group", rank_args=actor_args)
         labelled = [(f"actor rank {rank}", call) for rank, call in enumerate(init_calls)]
         labelled += [
             (worker_label(r, worker), worker.execute_checkpoint_engine("init_process_group", rank_args=args))
-            for (r, worker), args in zip(workers, topology.rollout)
+            for (r, worker), args in zip(workers, rollout_args)
         ]
         await steps.gather("init_process_group", timeout, labelled)
-        self._epoch = str(topology.actor[0]["epoch"])
+        self._epoch = epoch
         stages["setup"] = time.perf_counter() - started
 
     def _delta_base(self) -> int | None:
@@ -320,8 +362,9 @@ class CheckpointEngineManager:
             resumed = set()
             if round_.failure is None:
                 raise
+        paused = time.perf_counter() - round_.started  # every replica was paused from the start
         for i, outcome in enumerate(outcomes):
-            outcomes[i] = dataclasses.replace(outcome, replica=i, resumed=i in resumed)
+            outcomes[i] = dataclasses.replace(outcome, replica=i, resumed=i in resumed, pause_seconds=paused)
             self._states[i] = outcomes[i]
 
     async def _tell_torn(self, replicas: list[RolloutReplica], outcomes: list[ReplicaOutcome]) -> None:

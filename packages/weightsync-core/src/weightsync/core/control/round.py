@@ -38,6 +38,13 @@ class Round:
     failure: BaseException | None = None
     disowned: set[int] = field(default_factory=set)
     """Replicas whose engine did not load what the transfer verified (the proof of load)."""
+    swapped: set[int] | None = None
+    """A staged update's: the replicas paused for their swap (bytes may have reached them); None for an unstaged
+    update, in which every replica takes part once the transfer started."""
+    resumed: dict[int, bool] = field(default_factory=dict)
+    """A staged update's: per swapped replica, whether its swap resumed it."""
+    timing: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Per replica: seconds ``pause``d, to ``stage``, to ``swap`` (``ReplicaOutcome``'s ``*_seconds``)."""
 
     @classmethod
     def of(cls, version: int, replicas: Sequence[RolloutReplica]) -> Round:
@@ -67,7 +74,8 @@ class Round:
                 isinstance(report, BaseException) and is_untouched(report) for report in mine
             )
             state: ReplicaState
-            if not self.transfer_started or untouched:
+            took_part = self.transfer_started and (self.swapped is None or r in self.swapped)
+            if not took_part or untouched:
                 state, held = previous[r].state, previous[r].version
             elif verified and r not in self.disowned:
                 state, held = "committed", self.version
@@ -77,8 +85,11 @@ class Round:
             if state == "torn" and self.failure is not None:
                 error = f"{type(self.failure).__name__}: {self.failure}"
             changes = any(isinstance(report, TransferReport) and report.delta_buckets > 0 for report in mine)
-            outcomes.append(ReplicaOutcome(replica=r, state=state, version=held, resumed=False, error=error,
-                                           received="changes" if changes else "full"))
+            timing = self.timing.get(r, {})
+            outcomes.append(ReplicaOutcome(
+                replica=r, state=state, version=held, resumed=False, error=error,
+                received="changes" if changes else "full", pause_seconds=timing.get("pause", 0.0),
+                stage_seconds=timing.get("stage", 0.0), swap_seconds=timing.get("swap", 0.0)))
         return outcomes
 
     def report(self, outcomes: Sequence[ReplicaOutcome], *, backend: str, chosen: str, delta: bool) -> UpdateReport:

@@ -57,11 +57,13 @@ class Handover:
         self.successor: Hold | None = None
         """The stream waiting for ``draining`` to finish before it starts."""
 
-    def acquire_for_send(self) -> None:
+    def acquire_for(self, what: str) -> None:
+        """Hold the engine for a whole step that is not a receive stream (``send_weights``, ``stage_weights``)."""
         if not self.busy.acquire(blocking=False):
-            raise ConcurrentUpdateError(f"{self.name}: send_weights while another update is in flight")
+            raise ConcurrentUpdateError(f"{self.name}: {what} while another update is in flight")
 
-    def release_send(self) -> None:
+    def release(self) -> None:
+        """The step ``acquire_for`` held the engine for is over."""
         self.busy.release()
 
     def hold_for_stream(self) -> Hold:

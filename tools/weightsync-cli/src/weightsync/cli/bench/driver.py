@@ -16,6 +16,11 @@ With ``--hosts H`` the same cases run across an emulated testbed of H hosts (see
 R receivers on each other host, every link shaped to ``--link-gbps``; each case's link counters are read around every
 timed update, and backends that cannot cross hosts are skipped.
 
+With ``--staged`` (see ``serving``) every receiver of every entry serves while it is not paused, and every entry
+B gets a twin ``B+staged``: the update is staged on each host's first receiver while all serve, then every receiver
+swaps (the bench swaps them once every host has staged, where the manager swaps each replica as soon as its own
+hosts have). A staged entry's time runs from the start of the stage to the last resume.
+
 Also measured, unless ``--no-ray`` or ``--hosts`` (see ``ray_e2e``): ``CheckpointEngineManager.update_weights`` of a 1 MiB model
 through the Ray adapter, pause → resume included, against one no-op call gathered from every worker (target: at
 most 5 ×). The JSON's ``ray_end_to_end`` holds those figures, or ``{"skipped": reason}``.
@@ -35,7 +40,8 @@ from weightsync.cli.bench.measure import COPY_TRIES, RAW_TRIES, BenchResult, Pla
 from weightsync.cli.bench.ray_e2e import measure_ray_end_to_end, ray_unavailable
 from weightsync.cli.bench.report import RayOutcome, Summary, chrome_trace, print_report, write_json
 from weightsync.cli.bench.rl import RLVersions, make_versions
-from weightsync.cli.bench.scenario import BASELINES, DELTA, BenchOptions, Case, make_case, model_bytes, model_layout
+from weightsync.cli.bench.scenario import (BASELINES, DELTA, STAGED, BenchOptions, Case, make_case, model_bytes,
+                                          model_layout)
 from weightsync.cli.bench.sweep import measure_sweep, plot, sweep_bytes, sweep_cases, sweep_steps
 from weightsync.cli.progress import Progress
 from weightsync.cli.testbed import TestbedUnavailable
@@ -70,6 +76,8 @@ def run_bench(options: BenchOptions) -> int:
         plotting = sweep_cases(options, backends)
     names = [name for backend in backends
              for name in ((backend, backend + DELTA) if options.delta and _supports_delta(backend) else (backend,))]
+    if options.staged:  # each staged entry right after its unstaged twin
+        names = [entry for name in names for entry in (name, name + STAGED)]
     names += BASELINES
     versions = _version_count(options)
     progress = Progress(_steps(options, names, ray=ray_skipped is None, plotting=plotting) + versions, clock=True)
@@ -125,6 +133,7 @@ def _measure_cases(options: BenchOptions, names: list[str], progress: Progress, 
                    ) -> dict[str, BenchResult]:
     results: dict[str, BenchResult] = {}
     traced = next((name for name in names if name.endswith(DELTA)), names[0]) if options.delta else names[0]
+    # (a staged entry is not traced: its stage and swap are two steps of their own)
     for name in names:
         results[name] = measure_case(make_case(name, options, rl=rl), progress,
                                      trace=trace if options.trace_path and name == traced else None,

@@ -28,8 +28,8 @@ from weightsync.cli.testbed import LinkCounters
 from weightsync.core.control.auto import AUTO, choose, has_rdma
 from weightsync.core.control.engine import default_node_id
 
-__all__ = ["COPY_TRIES", "RAW_TRIES", "BenchResult", "LocalPlacement", "Placement", "Spawned", "Yardsticks", "cores",
-           "measure_case"]
+__all__ = ["COPY_TRIES", "RAW_TRIES", "BenchResult", "LocalPlacement", "Placement", "ServingFigures", "Spawned",
+           "Yardsticks", "cores", "measure_case"]
 
 COPY_BYTES = 256 * MiB
 COPY_TRIES = 5
@@ -49,6 +49,24 @@ class BenchResult:
     """Per timed update (testbed only): bytes each of hosts 1..H-1 received on its link."""
     chosen: str = ""
     """For ``auto``: the backend (and layout) it picked for this placement."""
+    serving: ServingFigures | None = None
+    """``--staged``: what the receivers' serving loops saw."""
+
+
+@dataclass
+class ServingFigures:
+    """``--staged``: measured inside the receivers (``weightsync.cli.bench.serving``), per timed update."""
+
+    idle_rate: float
+    """Forward passes per second of one receiver serving undisturbed (the median receiver, over one second)."""
+    pause_ms: list[float] = field(default_factory=list)
+    """The longest pause of any receiver: the last pass before it to the first after it."""
+    apply_ms: list[float] = field(default_factory=list)
+    """A staged entry's: the longest apply from staging into the model."""
+    served_during_stage: list[int] = field(default_factory=list)
+    """A staged entry's: passes the median receiver completed while the update was being staged."""
+    stage_seconds: list[float] = field(default_factory=list)
+    failed_requests: int = 0
 
 
 @dataclass
@@ -158,7 +176,9 @@ class _Workers:
     def each(self, op: str, **fields: Any) -> list[Any]:
         return self.all_do([{"op": op, **fields}] * len(self.pipes))
 
-    def connect(self, receivers: int) -> None:
+    def connect(self, receivers: int, stagers: list[int] | None = None) -> None:
+        """Join the workers; with ``stagers`` (group ranks) only they join the transport's world as receivers, the
+        other receivers the epoch, idle (a staged entry)."""
         if self.name in BASELINES:
             if self.placement.testbed:
                 # On a testbed the driver is unreachable: group rank 0 hosts the store on its host's address.
@@ -168,13 +188,16 @@ class _Workers:
                 self.each("init")
             return
         metadata = self.each("prepare")
+        members = stagers if stagers is not None else list(range(1, 1 + receivers))
         topology = load_engine_class(self.backend).build_topology(
-            actor_wg_world_size=1, rollout_world_size=receivers,
-            metadata=WorldMetadata(actor=metadata[:1], rollout=metadata[1:]),
+            actor_wg_world_size=1, rollout_world_size=len(members),
+            metadata=WorldMetadata(actor=metadata[:1], rollout=[metadata[rank] for rank in members]),
         )
-        epoch = secrets.token_hex(16)
-        self.all_do([{"op": "init", "rank_args": {"epoch": epoch, **args}}
-                     for args in [*topology.actor, *topology.rollout]])
+        epoch = str(topology.actor[0].get("epoch") or secrets.token_hex(16))
+        rank_args: list[dict[str, Any]] = [{"role": "idle"}] * (1 + receivers)
+        for rank, args in zip([0, *members], [*topology.actor, *topology.rollout]):
+            rank_args[rank] = args
+        self.all_do([{"op": "init", "rank_args": {"epoch": epoch, **args}} for args in rank_args])
 
     def close(self) -> None:
         try:
@@ -195,19 +218,20 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
     workers = _Workers(case, placement)
     egress: list[int] = []
     ingress: list[list[int]] = []
+    serving: ServingFigures | None = None
     try:
-        workers.connect(case.receivers)
+        workers.connect(case.receivers, case.stagers() if case.staged else None)
+        if case.serving:
+            serving = _start_serving(workers)
         workers.each("mark")
         workers.each("load", version=0)
-        workers.each("run")
+        _update(workers, case, None)
         progress.step(f"{case.name}: warm-up")
         seconds = []
         for index in range(case.repeat):
             workers.each("load", version=index + 1)
             before = placement.read_links()
-            started = time.perf_counter()
-            workers.each("run")
-            seconds.append(time.perf_counter() - started)
+            seconds.append(_update(workers, case, serving))
             after = placement.read_links()
             if before is not None and after is not None:
                 delta = [later - earlier for later, earlier in zip(after, before)]
@@ -216,6 +240,8 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
             progress.step(f"{case.name}: update {index + 1}/{case.repeat}")
         # Taken before any yardstick allocates: the peak over the updates only.
         peak_extra = max(workers.each("rss")) / MiB
+        if serving is not None:
+            serving.failed_requests = sum(workers.all_do([{"op": "failed"}] * case.receivers, workers.pipes[1:]))
         if trace is not None:
             _trace_update(workers, case, progress, trace)
         if yardsticks is not None:
@@ -226,7 +252,69 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
     p90 = rates[max(0, round(0.1 * (len(rates) - 1)))]  # 90% of the updates were at least this fast
     return BenchResult(backend=case.name, gbps_p50=statistics.median(rates), gbps_p90=p90,
                        peak_extra_rss_mb=peak_extra, seconds=seconds, sender_egress_bytes=egress,
-                       host_ingress_bytes=ingress, chosen=workers.chosen)
+                       host_ingress_bytes=ingress, chosen=workers.chosen, serving=serving)
+
+
+IDLE_SECONDS = 1.0
+
+
+def _start_serving(workers: _Workers) -> ServingFigures:
+    """Every receiver starts serving; its idle rate is counted over ``IDLE_SECONDS`` undisturbed."""
+    receivers = workers.pipes[1:]
+    workers.all_do([{"op": "serve"}] * len(receivers), receivers)
+    time.sleep(0.2)  # past the first passes
+    start = time.monotonic()
+    time.sleep(IDLE_SECONDS)
+    counts = workers.all_do([{"op": "count", "start": start, "end": time.monotonic()}] * len(receivers), receivers)
+    return ServingFigures(idle_rate=statistics.median(counts) / IDLE_SECONDS)
+
+
+def _update(workers: _Workers, case: Case, serving: ServingFigures | None) -> float:
+    """One update; its seconds (a staged one's from the start of the stage to the last resume). With ``serving``,
+    every receiver serves outside its pause, and the pause figures are added to it."""
+    receivers = workers.pipes[1:]
+    if case.staged:
+        return _staged_update(workers, case, serving)
+    if not case.serving:
+        started = time.perf_counter()
+        workers.each("run")
+        return time.perf_counter() - started
+    lasts = workers.all_do([{"op": "pause"}] * len(receivers), receivers)
+    started = time.perf_counter()
+    workers.each("run")
+    seconds = time.perf_counter() - started
+    marks = workers.all_do([{"op": "resume"}] * len(receivers), receivers)
+    _record_pauses(workers, serving, lasts, marks)
+    return seconds
+
+
+def _staged_update(workers: _Workers, case: Case, serving: ServingFigures | None) -> float:
+    """Stage on each host's first receiver while every receiver serves, then every receiver swaps."""
+    receivers, stagers = workers.pipes[1:], case.stagers()
+    started, stage_start = time.perf_counter(), time.monotonic()
+    replies = workers.all_do([{"op": "run"}, *({"op": "stage", "version": 0} if rank in stagers else {"op": "noop"}
+                                                for rank in range(1, 1 + case.receivers))])
+    stage_end = time.monotonic()
+    staged = {case.host_of(rank): replies[rank] for rank in stagers}
+    swaps = workers.all_do([{"op": "swap", "staged": staged[case.host_of(rank)]}
+                            for rank in range(1, 1 + case.receivers)], receivers)
+    seconds = time.perf_counter() - started
+    if serving is not None:
+        counts = workers.all_do([{"op": "count", "start": stage_start, "end": stage_end}] * len(receivers), receivers)
+        serving.served_during_stage.append(int(statistics.median(counts)))
+        serving.stage_seconds.append(stage_end - stage_start)
+        serving.apply_ms.append(max(swap["apply_seconds"] for swap in swaps) * 1e3)
+        _record_pauses(workers, serving, [swap["last_before"] for swap in swaps], [swap["mark"] for swap in swaps])
+    return seconds
+
+
+def _record_pauses(workers: _Workers, serving: ServingFigures | None, lasts: list[float], marks: list[int]) -> None:
+    """The longest pause of any receiver: its last pass before the pause to its first after the resume."""
+    if serving is None:
+        return
+    receivers = workers.pipes[1:]
+    firsts = workers.all_do([{"op": "first_after", "mark": mark} for mark in marks], receivers)
+    serving.pause_ms.append(max(first - last for first, last in zip(firsts, lasts)) * 1e3)
 
 
 def _trace_update(workers: _Workers, case: Case, progress: Progress, trace: list[dict[str, Any]]) -> None:

@@ -11,6 +11,7 @@ from weightsync.api.config import MiB
 from weightsync.cli.bench.measure import BenchResult, Yardsticks, cores
 from weightsync.cli.bench.ray_e2e import E2E_TARGET, RayEndToEnd
 from weightsync.cli.bench.scenario import BenchOptions, Case
+from weightsync.cli.bench.serving import PERIOD
 from weightsync.core.native import STREAM_COPY
 
 __all__ = ["RayOutcome", "Summary", "chrome_trace", "print_report", "write_json"]
@@ -80,6 +81,8 @@ class Summary:
             }
             if result.chosen:
                 row["chosen"] = result.chosen
+            if result.serving is not None:
+                row.update(_serving_row(result))
             if self.options.hosts:
                 # Per update: the median over the timed updates (every update's counts are in the scenario).
                 row.update(ratio_link_limit=round(result.gbps_p50 / self.link_limit_gbps, 4),
@@ -110,6 +113,7 @@ class Summary:
             **({"lr": options.lr, "changed_fraction": round(self.changed_fraction, 6)}
                if self.changed_fraction is not None else {}),
             **({"verify_every": options.verify_every} if options.delta else {}),
+            **({"staged": True, "serving_period_s": PERIOD} if options.staged else {}),
             "seconds": {result.backend: [round(s, 4) for s in result.seconds] for result in self.results.values()},
             **hosts,
         }
@@ -139,6 +143,8 @@ def print_report(summary: Summary, ray: RayOutcome) -> None:
               f"{row['ratio_limit']:>8.2f} {row['peak_extra_rss_mb']:>19.1f}")
     if options.hosts:
         _print_links(summary)
+    if options.staged:
+        _print_serving(summary)
     e2e = ray.measured
     if e2e is not None:
         stages = " + ".join(f"{step} {ms:.1f}" for step, ms in e2e.to_json()["stages_ms_p50"].items())
@@ -168,6 +174,38 @@ def _print_links(summary: Summary) -> None:
         ingress = " ".join(f"{value / total:.3f}" for value in row["host_ingress_bytes"])
         print(f"{row['backend']:<12} {row['ratio_link_limit']:>7.2f} {row['sender_egress_bytes'] / total:>15.3f} "
               f"{ingress:>17}")
+
+
+def _serving_row(result: BenchResult) -> dict[str, Any]:
+    """``--staged``: what the receivers saw while serving (measured inside them), per entry."""
+    serving = result.serving
+    if serving is None:
+        return {}
+    row: dict[str, Any] = {"pause_ms_p50": round(statistics.median(serving.pause_ms), 2),
+                           "failed_requests": serving.failed_requests, "idle_rate": round(serving.idle_rate, 2),
+                           "pause_ms": [round(ms, 2) for ms in serving.pause_ms]}
+    if serving.apply_ms:
+        row.update(apply_ms_p50=round(statistics.median(serving.apply_ms), 2),
+                   served_during_stage=sum(serving.served_during_stage),
+                   stage_seconds=round(sum(serving.stage_seconds), 4))
+    return row
+
+
+def _print_serving(summary: Summary) -> None:
+    """Per entry: how long the longest-paused receiver stopped serving (p50 over the timed updates), and for a
+    staged entry its apply and what its receivers served while the update was staged."""
+    rows = summary.rows()
+    idle = statistics.median(row["idle_rate"] for row in rows if "idle_rate" in row)
+    print(f"serving (every receiver: a forward pass of an 8 MiB MLP every 20 ms unless paused; {idle:.1f}/s idle)")
+    print(f"{'backend':<20} {'pause ms':>9} {'apply ms':>9} {'served in stage':>16} {'stage s':>8} {'failed':>7}")
+    for row in rows:
+        if "pause_ms_p50" not in row:
+            continue
+        staged = "apply_ms_p50" in row
+        print(f"{row['backend']:<20} {row['pause_ms_p50']:>9.1f} "
+              f"{row['apply_ms_p50'] if staged else float('nan'):>9.1f} "
+              f"{row.get('served_during_stage', 0):>16} {row.get('stage_seconds', 0.0):>8.2f} "
+              f"{row['failed_requests']:>7}")
 
 
 def write_json(path: str, summary: Summary, ray: RayOutcome) -> None:

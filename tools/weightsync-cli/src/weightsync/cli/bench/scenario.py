@@ -9,12 +9,14 @@ from weightsync.api.config import MiB
 from weightsync.cli.bench.rl import DEFAULT_LR, RLVersions
 from weightsync.cli.bench.worker import Layout
 
-__all__ = ["BASELINES", "DELTA", "HOSTS_MODEL_MB", "BenchOptions", "Case", "make_case", "model_bytes",
+__all__ = ["BASELINES", "DELTA", "HOSTS_MODEL_MB", "STAGED", "BenchOptions", "Case", "make_case", "model_bytes",
            "model_layout"]
 
 BASELINES = ("naive", "bucketed")
 DELTA = "+delta"
 """The suffix of a backend's entry measured with delta updates (``--delta``)."""
+STAGED = "+staged"
+"""The suffix of an entry measured with staged updates (``--staged``): ``B+staged``, ``B+delta+staged``."""
 SMALL_TENSOR_BYTES = 4096
 SMALL_DEFAULT_TENSORS = 10_000
 # ``--hosts``'s and ``--mix rl``'s model (its other defaults are the CLI's): small enough that a run across 2 Gb/s
@@ -51,6 +53,9 @@ class BenchOptions:
     """Also measure every backend B with delta updates (``SyncConfig.delta``), as the entry ``B+delta``."""
     verify_every: int = 1
     """With ``delta``: ``SyncConfig.verify_every`` of the delta entries."""
+    staged: bool = False
+    """Also measure every entry B with staged updates (``SyncConfig.staged``), as ``B+staged``; every receiver of
+    every entry then serves while not paused (``weightsync.cli.bench.serving``)."""
 
 
 @dataclass
@@ -70,15 +75,28 @@ class Case:
     versions: str = ""
     """With ``--mix rl``: the directory of the versions the sender loads before each update (``rl``)."""
     verify_every: int = 1
+    serving: bool = False
+    """The receivers serve while not paused (``--staged``: in every entry, staged or not)."""
 
     @property
     def backend(self) -> str:
-        """The backend or baseline measured (an entry ``B+delta`` measures B)."""
-        return self.name.removesuffix(DELTA)
+        """The backend or baseline measured (an entry ``B+delta+staged`` measures B)."""
+        return self.name.removesuffix(STAGED).removesuffix(DELTA)
 
     @property
     def delta(self) -> bool:
-        return self.name.endswith(DELTA)
+        return self.name.removesuffix(STAGED).endswith(DELTA)
+
+    @property
+    def staged(self) -> bool:
+        return self.name.endswith(STAGED)
+
+    def stagers(self) -> list[int]:
+        """A staged entry's stagers: the first receiver (group rank) of each receiving host."""
+        first: dict[int, int] = {}
+        for group_rank in range(1, 1 + self.receivers):
+            first.setdefault(self.host_of(group_rank), group_rank)
+        return list(first.values())
 
     def host_of(self, group_rank: int) -> int:
         """The testbed host of group rank ``group_rank`` (0: the sender; rollout ranks host by host)."""
@@ -131,4 +149,4 @@ def make_case(name: str, options: BenchOptions, receivers: int | None = None, bu
     return Case(name=name, total_bytes=sum(2 * math.prod(shape) for _, shape in layout), layout=layout,
                 bucket_bytes=bucket_bytes, receivers=(receivers or options.receivers) * receiving_hosts,
                 repeat=repeat or options.repeat, hosts=options.hosts, versions=rl.directory if rl else "",
-                verify_every=options.verify_every)
+                verify_every=options.verify_every, serving=options.staged)

@@ -29,8 +29,10 @@ import torch.distributed as dist
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import WorkerContext
 from weightsync.cli.bench.rl import load_version
+from weightsync.cli.bench.serving import Server, stage, swap
 from weightsync.cli.testbed import ENV_ADDR, ENV_NODE_ID
 from weightsync.core.native import copy_stream
+from weightsync.core.transports.stagearea import StageArea
 from weightsync.core.wire.layout import PIECE_BYTES
 
 __all__ = ["Channel", "Duplex", "Layout", "bucket_plan", "c10d", "serve", "serve_stdio", "worker_identity"]
@@ -226,6 +228,10 @@ class _Worker:
                                       host_ip=self.host_ip),
                 **spec.get("options", {}),
             )
+        self.server: Server | None = None
+        """``--staged``: this receiver's serving loop."""
+        self.area: StageArea | None = None
+        """A staged entry's stager: its host's staging area."""
         self.rss_before = 0
         self.reset_worked = False
         self.raw: torch.Tensor | None = None
@@ -275,7 +281,37 @@ class _Worker:
             self.copy_buffers[1].fill_(1)  # pre-fault the destination too
         elif op == "copy":
             return self.copy(command["times"], command.get("method", "tensor"))
+        else:
+            return self.serving(op, command)
         return None
+
+    def serving(self, op: str, command: dict[str, Any]) -> Any:
+        """``--staged``'s commands (``weightsync.cli.bench.serving``); ``noop`` for a worker with nothing to do."""
+        if op == "serve":
+            self.server = Server(self.tensors)
+            return None
+        if op == "stage":
+            if self.area is None:
+                self.area = StageArea()
+            return stage(self.engine, self.area, version=command["version"])
+        if op == "swap":
+            return swap(self.engine, self.server, self.by_name, command["staged"])
+        if op == "noop":
+            return None
+        server = self.server
+        if server is None:
+            raise RuntimeError(f"{op} before serve")
+        if op == "pause":
+            return server.pause()
+        if op == "resume":
+            return server.resume()
+        if op == "first_after":
+            return server.first_after(command["mark"])
+        if op == "count":
+            return server.count(command["start"], command["end"])
+        if op == "failed":
+            return server.failed
+        raise RuntimeError(f"unknown bench command {op!r}")
 
     def update(self) -> None:
         if self.engine is not None:
@@ -318,8 +354,12 @@ class _Worker:
         return [started, time.perf_counter()]
 
     def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
         if self.engine is not None:
             self.engine.close()
+        if self.area is not None:
+            self.area.close()
         if self.gloo is not None:
             self.gloo.close()
 

@@ -1,0 +1,164 @@
+"""A staged update (``SyncConfig(staged=True)``) as the manager drives it: stage while serving, pause only to swap.
+
+At setup the manager picks one rollout worker per host, its *stager* (:class:`StagedPlan`): only the stagers join
+the transport's world, so the update crosses to each host once, into the host's staging area; every other worker
+joins the epoch idle. Then, per update (:func:`run_staged`):
+
+1. the actor ranks send and every stager stages (``StagingWorker.stage_weights``), the replicas serving;
+2. each replica, as soon as every host it spans holds a verified staged copy, is paused, every worker of it applies
+   from its host's staging area (``apply_staged``: the sink's usual path), the digests are compared with what was
+   staged, and it is resumed — replicas swap independently, each in a task of its own;
+3. a replica one of whose hosts failed to stage is never paused: it keeps serving its old version (``untouched``).
+   A swap that wrote some bytes and failed leaves its replica torn and paused, as an unstaged update does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from weightsync.api.config import StepTimeouts
+from weightsync.api.errors import ConfigError, DigestMismatchError
+from weightsync.api.protocols import ActorWorkerGroup, RolloutWorker, StagingWorker
+from weightsync.api.types import StagedUpdate, TransferReport, WorkerMetadata
+from weightsync.core.control import steps
+from weightsync.core.control.host import is_untouched
+from weightsync.core.control.round import Round, pause, resume, worker_label
+
+__all__ = ["StagedPlan", "check_staging", "run_staged"]
+
+
+@dataclass(frozen=True)
+class StagedPlan:
+    """Who stages for whom: each rollout worker's host, and each host's stager (an index into the round's workers,
+    the host's first worker in replica order)."""
+
+    hosts: tuple[str, ...]
+    stagers: dict[str, int]
+
+    @classmethod
+    def of(cls, metadata: Sequence[WorkerMetadata]) -> StagedPlan:
+        """From the rollout workers' ``prepare`` metadata (``node_id``: where each said it runs)."""
+        hosts = tuple(str(entry.get("node_id") or f"unknown-{i}") for i, entry in enumerate(metadata))
+        stagers: dict[str, int] = {}
+        for index, host in enumerate(hosts):
+            stagers.setdefault(host, index)
+        return cls(hosts, stagers)
+
+
+def check_staging(workers: Sequence[tuple[int, RolloutWorker]]) -> None:
+    """``ConfigError`` naming the first rollout worker that cannot take part in a staged update."""
+    for replica, worker in workers:
+        if not isinstance(worker, StagingWorker):
+            raise ConfigError(f"SyncConfig(staged=True): {worker_label(replica, worker)} is a "
+                              f"{type(worker).__name__}, which cannot stage an update (it has no stage_weights / "
+                              "apply_staged); use an unstaged update with it")
+
+
+async def run_staged(round_: Round, *, actor_wg: ActorWorkerGroup, plan: StagedPlan, timeouts: StepTimeouts
+                     ) -> list[BaseException]:
+    """One staged update: send, stage, and every replica's swap; returns the errors, every task having ended."""
+    version, workers = round_.version, round_.workers
+    round_.transfer_started = True
+    round_.swapped = set()
+    sends = list(actor_wg.update_weights(version=version))
+    sending = asyncio.ensure_future(steps.gather(
+        "transfer", timeouts.transfer, [(f"actor rank {rank}", call) for rank, call in enumerate(sends)],
+        raise_first=False))
+    staging: dict[str, asyncio.Future[StagedUpdate]] = {}
+    for host, index in plan.stagers.items():
+        replica, worker = workers[index]
+        staging[host] = asyncio.ensure_future(_one(
+            "stage", timeouts.transfer, worker_label(replica, worker), _staging(worker).stage_weights(version=version)))
+    swaps = [asyncio.ensure_future(_swap(round_, r, plan, staging, timeouts)) for r in range(len(round_.replicas))]
+    results = await asyncio.gather(sending, *staging.values(), *swaps, return_exceptions=True)
+    round_.stages["transfer"] = time.perf_counter() - round_.started
+    errors = [result for result in results if isinstance(result, BaseException)]
+    sent = results[0]
+    if isinstance(sent, list):
+        round_.senders = [outcome for outcome in sent if isinstance(outcome, TransferReport)]
+        labels = [f"actor rank {rank}" for rank in range(len(sends))]
+        errors += [steps.typed_error(outcome, step="transfer", worker=label) for outcome, label in zip(sent, labels)
+                   if isinstance(outcome, BaseException)]
+    return errors
+
+
+async def _one(step: str, timeout: float, label: str, call: Awaitable[Any]) -> Any:
+    return (await steps.gather(step, timeout, [(label, call)]))[0]
+
+
+def _staging(worker: RolloutWorker) -> StagingWorker:
+    if not isinstance(worker, StagingWorker):  # check_staging ran before the update started
+        raise ConfigError(f"{type(worker).__name__} cannot stage an update")
+    return worker
+
+
+async def _swap(round_: Round, r: int, plan: StagedPlan, staging: dict[str, asyncio.Future[StagedUpdate]],
+                timeouts: StepTimeouts) -> None:
+    """Replica ``r``: wait for its hosts' staging; if all staged, pause, apply on every worker, check, resume (or
+    leave it paused when torn). A failed staging leaves it serving; its error is the stager's, raised elsewhere."""
+    mine = [(i, worker) for i, (owner, worker) in enumerate(round_.workers) if owner == r]
+    hosts = {plan.hosts[i] for i, _ in mine}
+    timing = round_.timing.setdefault(r, {})
+    staged: dict[str, StagedUpdate] = {}
+    for host in hosts:
+        try:
+            staged[host] = await asyncio.shield(staging[host])
+        except BaseException:
+            timing["stage"] = time.perf_counter() - round_.started
+            return  # never paused: it serves its old version
+    timing["stage"] = time.perf_counter() - round_.started
+    paused = time.perf_counter()
+    failure: BaseException | None = None
+    try:
+        await _one("pause", timeouts.pause, f"replica{r}", pause(round_.replicas[r]))
+        swapped = round_.swapped
+        if swapped is not None:
+            swapped.add(r)  # from here on, bytes may reach its model
+        applied = time.perf_counter()
+        results = await steps.gather("swap", timeouts.transfer, [
+            (worker_label(r, worker), _staging(worker).apply_staged(version=round_.version,
+                                                                     staged=staged[plan.hosts[i]]))
+            for i, worker in mine], raise_first=False)
+        timing["swap"] = time.perf_counter() - applied
+        for (i, worker), result in zip(mine, results):
+            round_.reports[i] = _checked(result, staged[plan.hosts[i]], worker_label(r, worker))
+        errors = [steps.typed_error(report, step="swap", worker=f"replica{r}")
+                  for report in (round_.reports[i] for i, _ in mine) if isinstance(report, BaseException)]
+        if errors:
+            failure = steps.root_cause(errors)
+    except BaseException as exc:  # the pause, or the gather itself
+        failure = exc
+    resume_failure = await _settle(round_, r, [i for i, _ in mine], timeouts, paused)
+    if failure is not None or resume_failure is not None:
+        raise failure or resume_failure  # type: ignore[misc]
+
+
+def _checked(result: Any, staged: StagedUpdate, label: str) -> Any:
+    """A worker's apply result, a ``DigestMismatchError`` when it applied other bytes than its host staged."""
+    expected = staged.report.digest if staged.report is not None else ""
+    if isinstance(result, TransferReport) and result.digest != expected:
+        return DigestMismatchError(f"{label} applied digest {result.digest[:16]} from its host's staging area, which "
+                                   f"was staged with {expected[:16]}", worker=label)
+    return result
+
+
+async def _settle(round_: Round, r: int, indices: list[int], timeouts: StepTimeouts, paused: float
+                  ) -> BaseException | None:
+    """After replica ``r``'s swap: resume it unless it is torn (a worker failed after bytes may have reached it);
+    the resume's error, if it failed."""
+    swapped = round_.swapped is not None and r in round_.swapped
+    torn = swapped and any(not isinstance(report, TransferReport) and not (
+        isinstance(report, BaseException) and is_untouched(report)) for report in (round_.reports[i] for i in indices))
+    failure: BaseException | None = None
+    if not torn:
+        try:
+            await _one("resume", timeouts.resume, f"replica{r}", resume(round_.replicas[r]))
+        except BaseException as exc:  # it stays paused, and its outcome says so
+            failure = exc
+    round_.resumed[r] = not torn and failure is None
+    round_.timing.setdefault(r, {})["pause"] = time.perf_counter() - paused
+    return failure

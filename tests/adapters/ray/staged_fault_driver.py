@@ -1,0 +1,86 @@
+"""The driver of test_across_hosts' staged faults, run inside the testbed's head host (``backend="auto"``, staged).
+
+Placement (hosts by index): the actor worker group on host 1; replica 0 with two workers on host 2; replicas 1 and
+2 with one worker each on host 3. Host 2's stager is replica0/worker0, host 3's replica1/worker0. Each fault
+strikes while the update is being staged, the replicas serving:
+1. host 3's link is cut (every packet dropped): the test cuts it when asked, and restores it after the update
+   failed (the replicas' logs are read then: host 3 cannot be reached while it is cut);
+2. the actor rank is killed (through Ray).
+After each, the driver records every replica's own pause/resume log, the manager's states and what each worker
+holds; after the first it commits the next update over the restored link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+import ray
+
+from tests.tools.testbed.driving import DriverChannel
+from tests.workloads import ModelSource, RecordingSink
+from weightsync.api.config import StepTimeouts, SyncConfig
+from weightsync.api.errors import WeightsyncError
+from weightsync.core.control.manager import CheckpointEngineManager
+from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
+
+TRANSFER_TIMEOUT = 6.0
+FAULT_AFTER_S = 0.6
+
+
+async def update_with_fault(manager: CheckpointEngineManager, fault: Any) -> dict[str, Any]:
+    started = time.perf_counter()
+    task = asyncio.create_task(manager.update_weights())
+    await asyncio.sleep(FAULT_AFTER_S)
+    await asyncio.to_thread(fault)
+    try:
+        await task
+    except WeightsyncError as error:
+        return {"seconds": time.perf_counter() - started, "error": type(error).__name__, "message": str(error)}
+    return {"seconds": time.perf_counter() - started, "error": None, "message": ""}
+
+
+def observe(manager: CheckpointEngineManager, replicas: list[RayRolloutReplica]) -> dict[str, Any]:
+    return {
+        "states": [[state.state, state.version, state.resumed, state.pause_seconds] for state in manager.status()],
+        "hooks": [ray.get(replica.call("hook_log")) for replica in replicas],
+        "digests": [digest for replica in replicas for digest in ray.get(replica.call("digest"))],
+    }
+
+
+def main() -> None:
+    nodes: dict[str, str] = json.loads(sys.argv[1])  # host index -> Ray node id
+    channel = DriverChannel()
+    ray.init(logging_level="ERROR", log_to_driver=False)
+    actor_wg = RayActorWorkerGroup.create(world_size=1, source_factory=ModelSource, node_id=nodes["1"])
+    replicas = [RayRolloutReplica.create(replica=0, sink_factory=RecordingSink, num_workers=2, node_id=nodes["2"]),
+                *(RayRolloutReplica.create(replica=r, sink_factory=RecordingSink, node_id=nodes["3"])
+                  for r in (1, 2))]
+    config = SyncConfig(bucket_bytes=256 * 1024, staged=True,
+                        timeouts=StepTimeouts(transfer=TRANSFER_TIMEOUT, setup=60))
+    manager = CheckpointEngineManager(actor_wg=actor_wg, replicas=replicas, config=config)
+    result: dict[str, Any] = {"first": asyncio.run(manager.update_weights(version=1)).ok}
+    result["v1"] = ray.get(actor_wg.call("set_version", 1))[0]
+    ray.get(actor_wg.call("set_version", 2))
+    ray.get(actor_wg.call("set_mode", "normal", 0.15))  # 12 tensors, ~1.8 s of streaming
+    result["cut"] = asyncio.run(update_with_fault(manager, lambda: channel.ask({"cut": 3})))
+    channel.ask({"restore": 3})  # host 3's workers answer the driver again (a pause sent meanwhile would show)
+    result["after_cut"] = observe(manager, replicas)
+    ray.get(actor_wg.call("set_mode", "normal", 0.0))
+    result["v3"] = ray.get(actor_wg.call("set_version", 3))[0]
+    report = asyncio.run(manager.update_weights(version=3))
+    result["repaired"] = {"ok": report.ok, "rebuilt": report.rebuilt, **observe(manager, replicas)}
+    ray.get(actor_wg.call("set_version", 4))
+    ray.get(actor_wg.call("set_mode", "normal", 0.15))
+    result["killed"] = asyncio.run(update_with_fault(manager, lambda: ray.kill(actor_wg.handles[0])))
+    result["after_kill"] = observe(manager, replicas)
+    channel.tell({"result": result})
+    for replica in replicas:
+        replica.shutdown()
+
+
+if __name__ == "__main__":
+    main()
