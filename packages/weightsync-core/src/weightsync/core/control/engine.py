@@ -253,7 +253,7 @@ class BucketCheckpointEngine(EngineBase):
         receiver = StagedReceiver(staged)
         hold = self._handover.hold_for_stream()
         reader = BucketReader(UpdateDigest(), self._receive.plans)  # the staged bytes are on the host
-        return ReceiveStream(self._receive, receiver, hold, epoch=staged.epoch,
+        return ReceiveStream(self._receive, receiver, hold, epoch=staged.epoch, release_early=False,
                              peer=f"{self.transport.peer_name(self._sender_rank)} (staged)", reader=reader)
 
 

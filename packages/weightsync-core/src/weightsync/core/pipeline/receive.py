@@ -50,9 +50,11 @@ class ReceiveStream:
     """The ``ReceivedWeights`` of one update (see the Protocol for the view-validity contract)."""
 
     def __init__(self, context: ReceiveContext, transport: ReceiverTransport, hold: Hold, *, epoch: str,
-                 peer: str, reader: BucketReader) -> None:
+                 peer: str, reader: BucketReader, release_early: bool = True) -> None:
         self.report: TransferReport | None = None
         self._context, self._transport, self._hold, self._reader = context, transport, hold, reader
+        self._release_early = release_early
+        """Whether releasing a bucket before it is read frees anything (a staged replay's releases free nothing)."""
         self._epoch, self._peer = epoch, peer
         self._queue: asyncio.Queue[Arrived | BaseException] | None = None
         self._started = time.perf_counter()
@@ -148,7 +150,8 @@ class ReceiveStream:
         if self._context.delta is None:
             raise TransferError(f"{self._peer} sent a delta update to a receiver without SyncConfig.delta",
                                 peer=self._peer)
-        if self._context.delta.take(current, self._destinations, self._fallback, transport=self._transport):
+        early = self._transport if self._release_early else None
+        if self._context.delta.take(current, self._destinations, self._fallback, transport=early):
             return True
         self._applied = current
         return False

@@ -2,8 +2,9 @@
 
 With ``--staged`` every receiver of every entry serves: a thread runs one forward pass of a fixed small MLP (two
 matrices, about 8 MiB of bf16, views of the model the receiver holds) every ``PERIOD`` seconds, one thread, and
-stops only while the receiver is paused. Pause figures are measured here, inside the receivers: from the end of
-the last forward pass before the pause to the end of the first one after the resume.
+stops only while the receiver is paused. A pause takes effect at the end of the next pass (as an inference engine
+pauses between two steps), a resume starts a pass at once. Pause figures are measured here, inside the receivers:
+from the end of the last forward pass before the pause to the end of the first one after the resume.
 
 A staged entry (``B+staged``) runs an update as the manager does (``weightsync.core.control.staged``): the sender
 sends and one receiver per host (its first) stages into the host's staging area while every receiver serves; then
@@ -80,7 +81,12 @@ class Server:
                 next_at = time.monotonic()
 
     def pause(self) -> float:
-        """Stop serving (after the pass in progress); the end of the last pass before."""
+        """Stop serving at the end of the next pass, as an engine pauses between two of its steps (a request that
+        arrives meanwhile is still served); the end of that pass, the last before the pause."""
+        mark = len(self.done)
+        deadline = time.monotonic() + FIRST_PASS_WAIT_S
+        while len(self.done) <= mark and time.monotonic() < deadline:
+            time.sleep(0.0005)
         with self._lock:
             self._paused = True
             return self.done[-1] if self.done else time.monotonic()
