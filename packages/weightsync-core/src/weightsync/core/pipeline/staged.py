@@ -45,6 +45,7 @@ def stage_update(receiver: ReceiverTransport, area: StageArea, *, settings: Engi
             payload = received.payload[: header.nbytes]
             staged = area.append(received.header, payload if payload.is_cpu else payload.cpu())
             digest.update_bucket(table, staged)  # the bytes as they lie in the area, not as they arrived
+            del staged  # a view held across the next append would keep a mapping the area outgrew alive
         finally:
             receiver.release(received.token)
         buckets += 1

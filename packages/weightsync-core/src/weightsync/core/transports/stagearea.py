@@ -8,9 +8,10 @@ a :class:`StagedReceiver`, a ``ReceiverTransport`` that replays the records: the
 a network update goes through (destinations, fallbacks, delta apply, the digest checked again on what was read), so
 the swap writes the live parameters exactly as an unstaged update does.
 
-Memory: the segment grows in ``GROWTH`` steps while the first update is staged (``ftruncate`` of the same file and a
-new mapping: nothing is copied) and is then kept, and reused, for every later update: one model's size plus its
-headers per host, pre-faulted as it grows (``posix_fallocate`` on tmpfs, then ``MAP_POPULATE``).
+Memory: the mapping doubles while the first update is staged (``ftruncate`` of the same file and a new mapping:
+nothing is copied) and its pages are allocated in ``GROWTH`` steps as they are needed (``posix_fallocate`` on tmpfs,
+so a write maps a page that exists rather than allocating and zeroing one); sealed, it is trimmed to that update's size, and then kept, and reused, for
+every later update: one model's size plus its headers per host.
 
 Layout: a page of area header (magic, state, the update's version and epoch, records, bytes used, bucket capacity),
 then records, each a 16-byte length pair (header, payload), the header bytes, and the payload at the next
@@ -37,8 +38,7 @@ from weightsync.core.transports.transport import ReceivedBucket
 __all__ = ["StageArea", "StagedReceiver", "GROWTH", "PAYLOAD_ALIGN"]
 
 GROWTH = 16 << 20
-"""The area grows in steps of this many bytes (the first staged update only): a model's area is at most this much
-larger than the model."""
+"""The area's size is a multiple of this: a model's area is at most this much larger than the model and its headers."""
 PAYLOAD_ALIGN = 4096
 """Payloads start on a page, as a transport's bucket does (tensors inside a bucket keep their alignment)."""
 _MAGIC = b"WSSTAGE1"
@@ -69,9 +69,11 @@ class StageArea:
         self._view: torch.Tensor | None = None
         self.size = 0
         self._used = _FIRST
+        self._largest = _FIRST
         self._records = 0
+        self._allocated = 0
         self._lock = threading.Lock()
-        self._grow(GROWTH)
+        self._reserve(GROWTH)
         _OWN[self.name] = self
 
     @property
@@ -82,18 +84,31 @@ class StageArea:
     def tensor(self) -> torch.Tensor:
         return self._mapped()[1]
 
-    def _grow(self, needed: int) -> None:
+    def _reserve(self, needed: int) -> None:
+        """Room for ``needed`` bytes: the mapping at least doubles when it must grow (few remaps), and the pages are
+        allocated in ``GROWTH`` steps as far as they are needed (``posix_fallocate``: on tmpfs they exist before
+        they are written; a file system without it allocates them as they are written)."""
         fd = self._fd
         if fd is None:
             raise TransferError("the staging area is closed")
-        size = _aligned(max(needed, self.size + 1), GROWTH)
+        if needed > self.size:
+            self._remap(_aligned(max(needed, 2 * self.size), GROWTH))
+        if needed > self._allocated:
+            upto = min(_aligned(needed, GROWTH), self.size)
+            try:
+                os.posix_fallocate(fd, self._allocated, upto - self._allocated)
+            except OSError:
+                pass
+            self._allocated = upto
+
+    def _remap(self, size: int) -> None:
+        fd = self._fd
+        if fd is None:
+            raise TransferError("the staging area is closed")
         os.ftruncate(fd, size)
-        try:
-            os.posix_fallocate(fd, self.size, size - self.size)  # tmpfs: the pages exist before they are written
-        except OSError:
-            pass  # a file system without fallocate: the pages fault in as they are written
+        self._allocated = min(self._allocated, size)
         old, self._view = self._map, None
-        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         self._view = torch.frombuffer(self._map, dtype=torch.uint8)
         self.size = size
         if old is not None:
@@ -116,8 +131,7 @@ class StageArea:
         with self._lock:
             offset = self._used
             start = _aligned(offset + _RECORD.size + len(header), PAYLOAD_ALIGN)
-            if start + nbytes > self.size:
-                self._grow(start + nbytes)
+            self._reserve(start + nbytes)
             mapping, view = self._mapped()
             mapping[offset: offset + _RECORD.size] = _RECORD.pack(len(header), nbytes)
             mapping[offset + _RECORD.size: offset + _RECORD.size + len(header)] = header
@@ -134,8 +148,12 @@ class StageArea:
 
     def seal(self, *, version: int, epoch: str, capacity: int, node_id: str = "",
              report: TransferReport | None = None) -> StagedUpdate:
-        """Mark the records complete; returns what a reader needs to replay them."""
+        """Mark the records complete (the area trimmed to the largest update staged so far, in ``GROWTH`` steps);
+        returns what a reader needs to replay them."""
         with self._lock:
+            self._largest = max(self._largest, self._used)
+            if self.size > _aligned(self._largest, GROWTH):
+                self._remap(_aligned(self._largest, GROWTH))
             self._write_head(sealed=True, version=version, epoch=epoch, capacity=capacity)
             return StagedUpdate(area=self.name, size=self.size, version=version, epoch=epoch,
                                 records=self._records, nbytes=self._used, node_id=node_id, report=report)
