@@ -155,34 +155,13 @@ def test_a_failed_swap_leaves_its_replica_torn_and_paused_until_the_next_update(
     assert [(state.state, state.resumed) for state in manager.status()] == [("committed", True)] * 3
 
 
-class _UnstageableWorker:
-    """A rollout worker without the staged calls (as verl's is)."""
-
-    def __init__(self, inner: RayRolloutWorker) -> None:
-        self._inner = inner
-
-    @property
-    def name(self) -> str:
-        return self._inner.name
-
-    def execute_checkpoint_engine(self, method: str, /, **kwargs: Any) -> Any:
-        return self._inner.execute_checkpoint_engine(method, **kwargs)
-
-    def update_weights(self, *, version: int) -> Any:
-        return self._inner.update_weights(version=version)
-
-
-class _UnstageableReplica(RayRolloutReplica):
-    @property
-    def workers(self) -> list[Any]:
-        return [_UnstageableWorker(worker) for worker in super().workers]
-
-
 def test_workers_that_cannot_stage_are_a_config_error_before_any_pause(world: StagedWorld) -> None:
-    replica = _UnstageableReplica(world.replicas[2].workers)
+    # The same actor behind a plain RayRolloutWorker, as a vLLM engine actor is (it has no staged calls).
+    replica = RayRolloutReplica([RayRolloutWorker(worker.handle, name=worker.name)
+                                 for worker in world.replicas[2].workers])
     manager = CheckpointEngineManager(backend="gloo", actor_wg=world.actor_wg, replicas=[world.replicas[0], replica],
                                       config=SyncConfig(bucket_bytes=BUCKET, staged=True))
     world.version(1)
-    with pytest.raises(ConfigError, match="replica1/worker0 is a _UnstageableWorker, which cannot stage"):
+    with pytest.raises(ConfigError, match="replica1/worker0 is a RayRolloutWorker, which cannot stage"):
         asyncio.run(manager.update_weights(version=1))
     assert world.hooks()[0] == [] and world.hooks()[2] == []

@@ -15,7 +15,9 @@ from weightsync.ray.group import (
     RayActorWorkerGroup,
     RayRolloutReplica,
     RayRolloutWorker,
+    RayStagingWorker,
     RolloutWorkerHost,
 )
 
-__all__ = ["ActorRankHost", "RayActorWorkerGroup", "RayRolloutReplica", "RayRolloutWorker", "RolloutWorkerHost"]
+__all__ = ["ActorRankHost", "RayActorWorkerGroup", "RayRolloutReplica", "RayRolloutWorker", "RayStagingWorker",
+           "RolloutWorkerHost"]

@@ -15,7 +15,7 @@ from weightsync.api.types import StagedUpdate, TransferReport
 from weightsync.core.control.host import EngineHost
 
 __all__ = ["ActorRankHost", "RolloutWorkerHost", "RayActorWorkerGroup", "RayRolloutWorker", "RayRolloutReplica",
-           "actor_options"]
+           "RayStagingWorker", "actor_options"]
 
 SourceFactory = Callable[[int, int], WeightSource]
 """Builds rank ``rank``'s weight source inside its actor: ``factory(rank, world_size)``."""
@@ -192,14 +192,21 @@ class RayRolloutWorker:
     def update_weights(self, *, version: int) -> Any:
         return self.handle.update_weights.remote(version=version)
 
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        return self.handle.call.remote(method, *args, **kwargs)
+
+
+class RayStagingWorker(RayRolloutWorker):
+    """A ``RayRolloutWorker`` whose actor (``RolloutWorkerHost``) also takes part in staged updates
+    (``StagingWorker``); ``RayRolloutReplica.create`` makes these. An actor without ``stage_weights`` /
+    ``apply_staged`` (a vLLM engine actor) is wrapped in a plain ``RayRolloutWorker``, which a staged manager
+    refuses with a ``ConfigError`` before anything moves."""
+
     def stage_weights(self, *, version: int) -> Any:
         return self.handle.stage_weights.remote(version=version)
 
     def apply_staged(self, *, version: int, staged: StagedUpdate) -> Any:
         return self.handle.apply_staged.remote(version=version, staged=staged)
-
-    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
-        return self.handle.call.remote(method, *args, **kwargs)
 
 
 class RayRolloutReplica:
@@ -228,8 +235,8 @@ class RayRolloutReplica:
         if len(nodes) != num_workers:
             raise ConfigError(f"node_id lists {len(nodes)} nodes for {num_workers} workers")
         remote = ray.remote(RolloutWorkerHost)
-        workers = [
-            RayRolloutWorker(
+        workers: list[RayRolloutWorker] = [
+            RayStagingWorker(
                 remote.options(**actor_options(ray_options, node)).remote(
                     replica=replica, worker=worker, sink_factory=sink_factory
                 ),

@@ -104,13 +104,13 @@ async def _swap(round_: Round, r: int, plan: StagedPlan, staging: dict[str, asyn
     hosts = {plan.hosts[i] for i, _ in mine}
     timing = round_.timing.setdefault(r, {})
     staged: dict[str, StagedUpdate] = {}
-    for host in hosts:
-        try:
+    try:
+        for host in hosts:
             staged[host] = await asyncio.shield(staging[host])
-        except BaseException:
-            timing["stage"] = time.perf_counter() - round_.started
-            return  # never paused: it serves its old version
-    timing["stage"] = time.perf_counter() - round_.started
+    except Exception:  # noqa: BLE001 - the stager's error, raised by run_staged; a cancellation goes on
+        return  # never paused: it serves its old version
+    finally:
+        timing["stage"] = time.perf_counter() - round_.started
     paused = time.perf_counter()
     failure: BaseException | None = None
     try:
@@ -133,8 +133,9 @@ async def _swap(round_: Round, r: int, plan: StagedPlan, staging: dict[str, asyn
     except BaseException as exc:  # the pause, or the gather itself
         failure = exc
     resume_failure = await _settle(round_, r, [i for i, _ in mine], timeouts, paused)
-    if failure is not None or resume_failure is not None:
-        raise failure or resume_failure  # type: ignore[misc]
+    failure = failure if failure is not None else resume_failure
+    if failure is not None:
+        raise failure
 
 
 def _checked(result: Any, staged: StagedUpdate, label: str) -> Any:
