@@ -1,7 +1,7 @@
 """The driver of test_across_hosts' staged faults, run inside the testbed's head host (``backend="auto"``, staged).
 
-Placement (hosts by index): the actor worker group on host 1; replica 0 with two workers on host 2; replicas 1 and
-2 with one worker each on host 3. Host 2's stager is replica0/worker0, host 3's replica1/worker0. Each fault
+Placement (hosts by index, as the leader fault driver's): the actor worker group on host 1; replica 0 with two
+workers on host 2; replicas 1 and 2 with one worker each on host 3. Host 2's stager is replica0/worker0, host 3's replica1/worker0. Each fault
 strikes while the update is being staged, the replicas serving:
 1. host 3's link is cut (every packet dropped): the test cuts it when asked, and restores it after the update
    failed (the replicas' logs are read then: host 3 cannot be reached while it is cut);
@@ -15,32 +15,15 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 from typing import Any
 
 import ray
 
+from tests.adapters.ray.leader_fault_driver import TRANSFER_TIMEOUT, placement, update_with_fault
 from tests.tools.testbed.driving import DriverChannel
-from tests.workloads import ModelSource, RecordingSink
 from weightsync.api.config import StepTimeouts, SyncConfig
-from weightsync.api.errors import WeightsyncError
 from weightsync.core.control.manager import CheckpointEngineManager
-from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
-
-TRANSFER_TIMEOUT = 6.0
-FAULT_AFTER_S = 0.6
-
-
-async def update_with_fault(manager: CheckpointEngineManager, fault: Any) -> dict[str, Any]:
-    started = time.perf_counter()
-    task = asyncio.create_task(manager.update_weights())
-    await asyncio.sleep(FAULT_AFTER_S)
-    await asyncio.to_thread(fault)
-    try:
-        await task
-    except WeightsyncError as error:
-        return {"seconds": time.perf_counter() - started, "error": type(error).__name__, "message": str(error)}
-    return {"seconds": time.perf_counter() - started, "error": None, "message": ""}
+from weightsync.ray import RayRolloutReplica
 
 
 def observe(manager: CheckpointEngineManager, replicas: list[RayRolloutReplica]) -> dict[str, Any]:
@@ -55,10 +38,7 @@ def main() -> None:
     nodes: dict[str, str] = json.loads(sys.argv[1])  # host index -> Ray node id
     channel = DriverChannel()
     ray.init(logging_level="ERROR", log_to_driver=False)
-    actor_wg = RayActorWorkerGroup.create(world_size=1, source_factory=ModelSource, node_id=nodes["1"])
-    replicas = [RayRolloutReplica.create(replica=0, sink_factory=RecordingSink, num_workers=2, node_id=nodes["2"]),
-                *(RayRolloutReplica.create(replica=r, sink_factory=RecordingSink, node_id=nodes["3"])
-                  for r in (1, 2))]
+    actor_wg, replicas = placement(nodes)
     config = SyncConfig(bucket_bytes=256 * 1024, staged=True,
                         timeouts=StepTimeouts(transfer=TRANSFER_TIMEOUT, setup=60))
     manager = CheckpointEngineManager(actor_wg=actor_wg, replicas=replicas, config=config)
