@@ -185,13 +185,11 @@ class CheckpointEngineManager:
             outcomes = round_.outcomes(self._states)
             await self._resume(round_, outcomes)
         self._version = version
-        return round_.report(outcomes, backend=self.backend, delta=self.config.delta,
-                             chosen=f"{self.choice.name}: {self.choice.reason}" if self.choice else "")
+        return self._report(round_, outcomes)
 
     async def _update_staged(self, round_: Round) -> UpdateReport:
         """A staged update (:mod:`weightsync.core.control.staged`): no replica is paused before its swap."""
         check_staging(round_.workers)
-        errors: list[BaseException] = []
         try:
             if self._epoch is None or self._plan is None:
                 round_.rebuilt = True
@@ -213,6 +211,9 @@ class CheckpointEngineManager:
                 resumed = round_.resumed.get(i, self._states[i].resumed)
                 self._states[i] = outcomes[i] = dataclasses.replace(outcome, resumed=resumed)
         self._version = round_.version
+        return self._report(round_, outcomes)
+
+    def _report(self, round_: Round, outcomes: list[ReplicaOutcome]) -> UpdateReport:
         return round_.report(outcomes, backend=self.backend, delta=self.config.delta,
                              chosen=f"{self.choice.name}: {self.choice.reason}" if self.choice else "")
 

@@ -58,7 +58,7 @@ _OWN: weakref.WeakValueDictionary[str, StageArea] = weakref.WeakValueDictionary(
 class StageArea:
     """The stager's side: a growable segment an update's records are appended to, then sealed.
 
-    One thread writes at a time (the stage loop); ``describe`` is what the other workers of the host need to read it.
+    One thread writes at a time (the stage loop); ``seal`` returns what the host's workers need to read it.
     """
 
     def __init__(self) -> None:
