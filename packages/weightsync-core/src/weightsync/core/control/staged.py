@@ -62,6 +62,7 @@ async def run_staged(round_: Round, *, actor_wg: ActorWorkerGroup, plan: StagedP
                      ) -> list[BaseException]:
     """One staged update: send, stage, and every replica's swap; returns the errors, every task having ended."""
     version, workers = round_.version, round_.workers
+    started = time.perf_counter()
     round_.transfer_started = True
     round_.swapped = set()
     sends = list(actor_wg.update_weights(version=version))
@@ -75,7 +76,7 @@ async def run_staged(round_: Round, *, actor_wg: ActorWorkerGroup, plan: StagedP
             "stage", timeouts.transfer, worker_label(replica, worker), _staging(worker).stage_weights(version=version)))
     swaps = [asyncio.ensure_future(_swap(round_, r, plan, staging, timeouts)) for r in range(len(round_.replicas))]
     results = await asyncio.gather(sending, *staging.values(), *swaps, return_exceptions=True)
-    round_.stages["transfer"] = time.perf_counter() - round_.started
+    round_.stages["transfer"] = time.perf_counter() - started  # the stage and every swap, after any setup
     errors = [result for result in results if isinstance(result, BaseException)]
     sent = results[0]
     if isinstance(sent, list):
