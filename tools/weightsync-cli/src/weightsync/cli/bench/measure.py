@@ -176,6 +176,10 @@ class _Workers:
     def each(self, op: str, **fields: Any) -> list[Any]:
         return self.all_do([{"op": op, **fields}] * len(self.pipes))
 
+    def each_receiver(self, op: str, **fields: Any) -> list[Any]:
+        """``each`` for the receivers only (group ranks 1..R)."""
+        return self.all_do([{"op": op, **fields}] * (len(self.pipes) - 1), self.pipes[1:])
+
     def connect(self, receivers: int, stagers: list[int] | None = None) -> None:
         """Join the workers; with ``stagers`` (group ranks) only they join the transport's world as receivers, the
         other receivers the epoch, idle (a staged entry)."""
@@ -241,7 +245,7 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
         # Taken before any yardstick allocates: the peak over the updates only.
         peak_extra = max(workers.each("rss")) / MiB
         if serving is not None:
-            serving.failed_requests = sum(workers.all_do([{"op": "failed"}] * case.receivers, workers.pipes[1:]))
+            serving.failed_requests = sum(workers.each_receiver("failed"))
         if trace is not None:
             _trace_update(workers, case, progress, trace)
         if yardsticks is not None:
@@ -260,47 +264,41 @@ IDLE_SECONDS = 1.0
 
 def _start_serving(workers: _Workers) -> ServingFigures:
     """Every receiver starts serving; its idle rate is counted over ``IDLE_SECONDS`` undisturbed."""
-    receivers = workers.pipes[1:]
-    workers.all_do([{"op": "serve"}] * len(receivers), receivers)
+    workers.each_receiver("serve")
     time.sleep(0.2)  # past the first passes
     start = time.monotonic()
     time.sleep(IDLE_SECONDS)
-    counts = workers.all_do([{"op": "count", "start": start, "end": time.monotonic()}] * len(receivers), receivers)
+    counts = workers.each_receiver("count", start=start, end=time.monotonic())
     return ServingFigures(idle_rate=statistics.median(counts) / IDLE_SECONDS)
 
 
 def _update(workers: _Workers, case: Case, serving: ServingFigures | None) -> float:
-    """One update; its seconds (a staged one's from the start of the stage to the last resume). With ``serving``,
-    every receiver serves outside its pause, and the pause figures are added to it."""
-    receivers = workers.pipes[1:]
+    """One update; its seconds (a staged one's from the start of the stage to the last resume). With
+    ``case.serving`` every receiver serves outside its pause, and the pause figures go to ``serving``."""
     if case.staged:
         return _staged_update(workers, case, serving)
-    if not case.serving:
-        started = time.perf_counter()
-        workers.each("run")
-        return time.perf_counter() - started
-    lasts = workers.all_do([{"op": "pause"}] * len(receivers), receivers)
+    lasts = workers.each_receiver("pause") if case.serving else []
     started = time.perf_counter()
     workers.each("run")
     seconds = time.perf_counter() - started
-    marks = workers.all_do([{"op": "resume"}] * len(receivers), receivers)
-    _record_pauses(workers, serving, lasts, marks)
+    if case.serving:
+        _record_pauses(workers, serving, lasts, workers.each_receiver("resume"))
     return seconds
 
 
 def _staged_update(workers: _Workers, case: Case, serving: ServingFigures | None) -> float:
     """Stage on each host's first receiver while every receiver serves, then every receiver swaps."""
-    receivers, stagers = workers.pipes[1:], case.stagers()
+    receivers, stagers = range(1, 1 + case.receivers), case.stagers()
     started, stage_start = time.perf_counter(), time.monotonic()
     replies = workers.all_do([{"op": "run"}, *({"op": "stage", "version": 0} if rank in stagers else {"op": "noop"}
-                                                for rank in range(1, 1 + case.receivers))])
+                                                for rank in receivers)])
     stage_end = time.monotonic()
     staged = {case.host_of(rank): replies[rank] for rank in stagers}
-    swaps = workers.all_do([{"op": "swap", "staged": staged[case.host_of(rank)]}
-                            for rank in range(1, 1 + case.receivers)], receivers)
+    swaps = workers.all_do([{"op": "swap", "staged": staged[case.host_of(rank)]} for rank in receivers],
+                           workers.pipes[1:])
     seconds = time.perf_counter() - started
     if serving is not None:
-        counts = workers.all_do([{"op": "count", "start": stage_start, "end": stage_end}] * len(receivers), receivers)
+        counts = workers.each_receiver("count", start=stage_start, end=stage_end)
         serving.served_during_stage.append(int(statistics.median(counts)))
         serving.stage_seconds.append(stage_end - stage_start)
         serving.apply_ms.append(max(swap["apply_seconds"] for swap in swaps) * 1e3)
@@ -312,8 +310,7 @@ def _record_pauses(workers: _Workers, serving: ServingFigures | None, lasts: lis
     """The longest pause of any receiver: its last pass before the pause to its first after the resume."""
     if serving is None:
         return
-    receivers = workers.pipes[1:]
-    firsts = workers.all_do([{"op": "first_after", "mark": mark} for mark in marks], receivers)
+    firsts = workers.all_do([{"op": "first_after", "mark": mark} for mark in marks], workers.pipes[1:])
     serving.pause_ms.append(max(first - last for first, last in zip(firsts, lasts)) * 1e3)
 
 
