@@ -20,7 +20,7 @@ import ray
 from tests.conftest import RayNodes
 from tests.workloads import DeltaModelSource, StagedSink
 from weightsync.api.config import StepTimeouts, SyncConfig
-from weightsync.api.errors import ConfigError, WeightsyncError
+from weightsync.api.errors import ConfigError, LoadVerificationError, WeightsyncError
 from weightsync.api.types import UpdateReport
 from weightsync.core.control.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica, RayRolloutWorker
@@ -155,8 +155,38 @@ def test_a_failed_swap_leaves_its_replica_torn_and_paused_until_the_next_update(
     assert [(state.state, state.resumed) for state in manager.status()] == [("committed", True)] * 3
 
 
+class _Proving(RayRolloutReplica):
+    """A replica with a proof of load (``LoadProvingReplica``): what its first worker holds, asked while paused;
+    ``lie`` makes it claim another value."""
+
+    lie = False
+
+    async def weight_checksums(self) -> dict[str, str]:
+        held = await self.call("digest")[0]
+        return {"model": "another value" if self.lie else str(held)}
+
+
+def test_a_replica_whose_proof_of_load_disagrees_is_paused_again_and_torn(world: StagedWorld) -> None:
+    replicas = [_Proving(replica.workers) for replica in world.replicas]
+    manager = CheckpointEngineManager(backend="gloo", actor_wg=world.actor_wg, replicas=replicas,
+                                      config=SyncConfig(bucket_bytes=BUCKET, staged=True))
+    world.update(manager, 1)  # control: every replica's checksums agree
+    replicas[2].lie = True
+    world.version(2)
+    with pytest.raises(LoadVerificationError, match="replica2"):
+        asyncio.run(manager.update_weights(version=2))
+    assert [(state.state, state.resumed) for state in manager.status()] == [
+        ("committed", True), ("committed", True), ("torn", False)]
+    hooks = world.hooks()
+    assert hooks[0] == hooks[1] == (PAUSE + RESUME) * 2
+    assert hooks[2] == (PAUSE + RESUME) * 2 + PAUSE  # its swap resumed it; the comparison paused it again
+    replicas[2].lie = False
+    world.update(manager, 3)
+    assert [(state.state, state.resumed) for state in manager.status()] == [("committed", True)] * 3
+
+
 def test_workers_that_cannot_stage_are_a_config_error_before_any_pause(world: StagedWorld) -> None:
-    # The same actor behind a plain RayRolloutWorker, as a vLLM engine actor is (it has no staged calls).
+    # The same actor behind a plain RayRolloutWorker: an actor without stage_weights / apply_staged.
     replica = RayRolloutReplica([RayRolloutWorker(worker.handle, name=worker.name)
                                  for worker in world.replicas[2].workers])
     manager = CheckpointEngineManager(backend="gloo", actor_wg=world.actor_wg, replicas=[world.replicas[0], replica],

@@ -47,7 +47,7 @@ from weightsync.api.types import (
 from weightsync.core.control import auto, steps
 from weightsync.core.control.auto import AUTO, AutoChoice
 from weightsync.core.control.host import engine_spec
-from weightsync.core.control.round import Round, disagreeing, host_of, pause, resume, stage, worker_label
+from weightsync.core.control.round import Round, disowning, host_of, pause, resume, stage, worker_label
 from weightsync.core.control.staged import StagedPlan, check_staging, run_staged
 
 __all__ = ["CheckpointEngineManager"]
@@ -396,16 +396,8 @@ class CheckpointEngineManager:
         held: list[Any] = await stage(stages, "verify_load", self.config.timeouts.resume, [
             (f"replica{i}", replica.weight_checksums()) for i, replica in provers
         ])
-        wrong = disagreeing([(i, dict(sums)) for (i, _), sums in zip(provers, held)])
-        if wrong:
-            disowned.update(wrong)
-            first = min(wrong)
-            parameter = wrong[first]
-            raise LoadVerificationError(
-                f"replica{first}'s engine holds another {parameter!r} than "
-                f"{'the other replicas' if len(wrong) < len(provers) else 'the replica(s) it was compared with'}"
-                f" after the update (replicas disagreeing: {sorted(wrong)})",
-                replica=f"replica{first}", parameter=parameter,
-            )
+        error = disowning([(i, dict(sums)) for (i, _), sums in zip(provers, held)], disowned)
+        if error is not None:
+            raise error
 
 

@@ -9,13 +9,13 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync.api.errors import DigestMismatchError
+from weightsync.api.errors import DigestMismatchError, LoadVerificationError
 from weightsync.api.protocols import PausableReplica, RolloutReplica, RolloutWorker
 from weightsync.api.types import ReplicaOutcome, ReplicaState, TransferReport, UpdateReport, WorkerMetadata
 from weightsync.core.control import steps
 from weightsync.core.control.host import is_untouched
 
-__all__ = ["Round", "disagreeing", "host_of", "pause", "resume", "stage", "worker_label"]
+__all__ = ["Round", "disagreeing", "disowning", "host_of", "pause", "resume", "stage", "worker_label"]
 
 
 @dataclass
@@ -45,6 +45,8 @@ class Round:
     """A staged update's: per swapped replica, whether its swap resumed it."""
     timing: dict[int, dict[str, float]] = field(default_factory=dict)
     """Per replica: seconds ``pause``d, to ``stage``, to ``swap`` (``ReplicaOutcome``'s ``*_seconds``)."""
+    loads: dict[int, dict[str, str]] = field(default_factory=dict)
+    """A staged update's: per swapped ``LoadProvingReplica``, the checksums it gave while paused for its swap."""
 
     @classmethod
     def of(cls, version: int, replicas: Sequence[RolloutReplica]) -> Round:
@@ -124,6 +126,21 @@ def disagreeing(held: list[tuple[int, dict[str, str]]]) -> dict[int, str]:
             if value != majority:
                 wrong.setdefault(i, name)
     return wrong
+
+
+def disowning(held: list[tuple[int, dict[str, str]]], disowned: set[int]) -> LoadVerificationError | None:
+    """The proof of load over ``held`` (replica index, its checksums): the replicas that hold another value than
+    the majority are added to ``disowned`` and the error names the first of them; None when all agree."""
+    wrong = disagreeing(held)
+    if not wrong:
+        return None
+    disowned.update(wrong)
+    first = min(wrong)
+    parameter = wrong[first]
+    return LoadVerificationError(
+        f"replica{first}'s engine holds another {parameter!r} than "
+        f"{'the other replicas' if len(wrong) < len(held) else 'the replica(s) it was compared with'}"
+        f" after the update (replicas disagreeing: {sorted(wrong)})", replica=f"replica{first}", parameter=parameter)
 
 
 async def stage(stages: dict[str, float], step: str, timeout: float,

@@ -7,9 +7,13 @@ joins the epoch idle. Then, per update (:func:`run_staged`):
 1. the actor ranks send and every stager stages (``StagingWorker.stage_weights``), the replicas serving;
 2. each replica, as soon as every host it spans holds a verified staged copy, is paused, every worker of it applies
    from its host's staging area (``apply_staged``: the sink's usual path), the digests are compared with what was
-   staged, and it is resumed — replicas swap independently, each in a task of its own;
+   staged, a ``LoadProvingReplica`` gives its checksums (still paused: they are of what it applied), and it is
+   resumed — replicas swap independently, each in a task of its own;
 3. a replica one of whose hosts failed to stage is never paused: it keeps serving its old version (``untouched``).
-   A swap that wrote some bytes and failed leaves its replica torn and paused, as an unstaged update does.
+   A swap that wrote some bytes and failed leaves its replica torn and paused, as an unstaged update does;
+4. once every swap has ended, the checksums are compared (the proof of load, as after an unstaged transfer): a
+   replica that holds another value than the majority is paused again and torn. Unlike an unstaged update, it
+   has served between its own resume and the last swap; what it applied had passed the digest check.
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ from typing import Any
 
 from weightsync.api.config import StepTimeouts
 from weightsync.api.errors import ConfigError, DigestMismatchError
-from weightsync.api.protocols import ActorWorkerGroup, RolloutWorker, StagingWorker
+from weightsync.api.protocols import ActorWorkerGroup, LoadProvingReplica, RolloutWorker, StagingWorker
 from weightsync.api.types import StagedUpdate, TransferReport, WorkerMetadata
 from weightsync.core.control import steps
 from weightsync.core.control.host import is_untouched
-from weightsync.core.control.round import Round, pause, resume, worker_label
+from weightsync.core.control.round import Round, disowning, pause, resume, worker_label
 
 __all__ = ["StagedPlan", "check_staging", "run_staged"]
 
@@ -78,6 +82,9 @@ async def run_staged(round_: Round, *, actor_wg: ActorWorkerGroup, plan: StagedP
     results = await asyncio.gather(sending, *staging.values(), *swaps, return_exceptions=True)
     round_.stages["transfer"] = time.perf_counter() - started  # the stage and every swap, after any setup
     errors = [result for result in results if isinstance(result, BaseException)]
+    wrong = await _prove_loads(round_, timeouts)
+    if wrong is not None:
+        errors.append(wrong)
     sent = results[0]
     if isinstance(sent, list):
         round_.senders = [outcome for outcome in sent if isinstance(outcome, TransferReport)]
@@ -131,12 +138,31 @@ async def _swap(round_: Round, r: int, plan: StagedPlan, staging: dict[str, asyn
                   for report in (round_.reports[i] for i, _ in mine) if isinstance(report, BaseException)]
         if errors:
             failure = steps.root_cause(errors)
-    except BaseException as exc:  # the pause, or the gather itself
+        elif isinstance(round_.replicas[r], LoadProvingReplica):
+            sums = await _one("verify_load", timeouts.resume, f"replica{r}", round_.replicas[r].weight_checksums())
+            round_.loads[r] = dict(sums)
+    except BaseException as exc:  # the pause, the gather itself or the checksums
         failure = exc
     resume_failure = await _settle(round_, r, [i for i, _ in mine], timeouts, paused)
     failure = failure if failure is not None else resume_failure
     if failure is not None:
         raise failure
+
+
+async def _prove_loads(round_: Round, timeouts: StepTimeouts) -> BaseException | None:
+    """After every swap: the checksums the swapped replicas gave, compared; those that disagree with the majority
+    are disowned and paused again (their outcome: torn). The ``LoadVerificationError``, or None."""
+    error = disowning(sorted(round_.loads.items()), round_.disowned)
+    if error is None:
+        return None
+    again = [r for r in sorted(round_.disowned) if round_.resumed.get(r)]
+    results = await steps.gather("pause", timeouts.pause, [(f"replica{r}", pause(round_.replicas[r])) for r in again],
+                                 raise_first=False)
+    for r, result in zip(again, results):
+        round_.resumed[r] = False
+        if isinstance(result, BaseException):
+            error.add_note(f"replica{r} could not be paused again: {type(result).__name__}: {result}")
+    return error
 
 
 def _checked(result: Any, staged: StagedUpdate, label: str) -> Any:
