@@ -13,8 +13,9 @@ pytest.importorskip("vllm", reason="the vLLM tests run in the vllm env: python3 
 from tests.tools.cli.test_cli import weightsync  # noqa: E402
 
 
-def test_demo_every_step_matches_the_reference_engine() -> None:
-    result = weightsync("demo", "--rollout", "vllm", "--steps", "2", "--model-mb", "1")
+@pytest.mark.parametrize("staged", [[], ["--staged"]], ids=["unstaged", "staged"])
+def test_demo_every_step_matches_the_reference_engine(staged: list[str]) -> None:
+    result = weightsync("demo", "--rollout", "vllm", "--steps", "2", "--model-mb", "1", *staged)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert len(lines) == 2, result.stdout

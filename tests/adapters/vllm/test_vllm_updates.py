@@ -6,6 +6,7 @@ its parameters and greedy top-5 logprobs, prompt by prompt."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -249,3 +250,93 @@ def test_a_replica_left_on_the_previous_version_fails_the_comparison(serving: Se
         _assert_same_as_reference(serving, current)
     serving.run(manager.update_weights())
     _assert_same_as_reference(serving, current)
+
+
+# -- staged updates (SyncConfig.staged): the replica's Ray actor stages while vLLM serves; one RPC swaps -----------
+
+
+def _serve_during(serving: Serving, update: Any) -> tuple[Any, list[list[tuple[float, dict[str, Any]]]]]:
+    """Await ``update`` while every replica serves one request after another; its result and, per replica, every
+    request's (wall-clock end, output). A request that fails fails the call."""
+    done: list[list[tuple[float, dict[str, Any]]]] = [[] for _ in serving.replicas]
+    stop = asyncio.Event()
+
+    async def serve(index: int) -> None:
+        while not stop.is_set():
+            output = await serving.replicas[index].generate(PROMPTS[index], max_tokens=4)
+            done[index].append((time.time(), output))
+
+    async def run() -> Any:
+        servers = [asyncio.ensure_future(serve(index)) for index in range(len(serving.replicas))]
+        try:
+            return await update
+        finally:
+            stop.set()
+            await asyncio.gather(*servers)
+
+    return serving.run(run()), done
+
+
+def _pauses(serving: Serving) -> list[list[list[float]]]:
+    """Each replica's own log of its pauses, ``[paused, resumed]`` in wall-clock seconds."""
+    return [ray.get(replica.call("pause_log")) for replica in serving.replicas]
+
+
+def _slow_update(serving: Serving, manager: CheckpointEngineManager
+                 ) -> tuple[Any, float, list[list[tuple[float, dict[str, Any]]]]]:
+    """An update from a sender that waits 0.1 s before each tensor (about 2 s in all), the replicas serving: the
+    report, when it started, what each replica served."""
+    ray.get(serving.actor_wg.call("set_delay", 0.1))
+    try:
+        started = time.time()
+        report, done = _serve_during(serving, manager.update_weights())
+    finally:
+        ray.get(serving.actor_wg.call("set_delay", 0.0))
+    return report, started, done
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["full", "delta"])
+def test_staged_updates_serve_while_they_stage_and_swap_to_the_reference(serving: Serving, delta: bool) -> None:
+    manager = _manager(serving, staged=True, delta=delta)
+    old = serving.run(manager.update_weights()).version
+    path = _version(serving, f"staged_{'delta' if delta else 'full'}", train=(1, 1e-6 if delta else 1e-3))
+    before = _pauses(serving)
+    report, started, done = _slow_update(serving, manager)
+    assert [(o.state, o.resumed) for o in report.replicas] == [("committed", True)] * 2, report.replicas
+    assert [o.received for o in report.replicas] == ["changes" if delta else "full"] * 2
+    for replica, log, previous, served in zip(serving.replicas, _pauses(serving), before, done):
+        assert len(log) == len(previous) + 1, (replica.name, log)  # paused once, for its swap
+        paused, resumed = log[-1]
+        assert resumed > paused
+        staging = [output for end, output in served if started < end < paused]
+        assert len(staging) >= 3, (replica.name, len(staging), [end - started for end, _ in served])
+        assert all([span[0] for span in output["weight_versions"]] == [str(old)] for output in staging)
+        assert all(output["finish_reason"] == "length" for _, output in served)
+    _assert_same_as_reference(serving, path)
+    if not delta:  # control: unstaged, the same slow sender's update pauses the replicas before it starts
+        unstaged = _manager(serving)
+        serving.run(unstaged.update_weights())
+        _version(serving, "unstaged")
+        _, started, done = _slow_update(serving, unstaged)
+        for log, served in zip(_pauses(serving), done):
+            assert len([end for end, _ in served if started < end < log[-1][0]]) < 3
+
+
+def test_a_sender_failing_mid_stage_leaves_the_vllm_replicas_serving_their_old_version(serving: Serving) -> None:
+    manager = _manager(serving, staged=True)
+    old = _version(serving, "stage_kept")
+    serving.run(manager.update_weights())
+    before = _pauses(serving)
+    ray.get(serving.actor_wg.call("set_fail_after", 12))  # some buckets are staged by then
+    try:
+        _version(serving, "stage_failed")
+        with pytest.raises(Exception):
+            serving.run(manager.update_weights())
+    finally:
+        ray.get(serving.actor_wg.call("set_fail_after", None))
+    assert _pauses(serving) == before  # never paused
+    assert [(o.state, o.resumed) for o in manager.status()] == [("committed", True)] * 2
+    _assert_same_as_reference(serving, old)
+    path = _version(serving, "stage_after_failure", train=None)
+    serving.run(manager.update_weights())
+    _assert_same_as_reference(serving, path)

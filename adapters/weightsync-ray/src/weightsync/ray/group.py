@@ -199,7 +199,7 @@ class RayRolloutWorker:
 class RayStagingWorker(RayRolloutWorker):
     """A ``RayRolloutWorker`` whose actor (``RolloutWorkerHost``) also takes part in staged updates
     (``StagingWorker``); ``RayRolloutReplica.create`` makes these. An actor without ``stage_weights`` /
-    ``apply_staged`` (a vLLM engine actor) is wrapped in a plain ``RayRolloutWorker``, which a staged manager
+    ``apply_staged`` is wrapped in a plain ``RayRolloutWorker``, which a staged manager
     refuses with a ``ConfigError`` before anything moves."""
 
     def stage_weights(self, *, version: int) -> Any:

@@ -17,7 +17,16 @@ update                    ``collective_rpc("weightsync_update")``: vLLM's worker
                           the report and the proof of load (or the typed error) as plain data
 resume                    ``update_weight_version(str(v))`` for a committed update, then ``resume_generation()``
 ``ping``                  answered by the actor itself: a ``collective_rpc`` would queue behind the transfer
+``stage_weights``         a staged update's stage (``SyncConfig.staged``): run by the actor itself, never by vLLM
+``apply_staged``          ``collective_rpc("weightsync_update")`` with the staged update in ``update_info``
 ========================  ==========================================================================================
+
+A staged update never stops generation to stage: vLLM runs ``collective_rpc`` on its engine core's loop, so a
+receive inside an RPC would. Instead the actor holds an ``EngineHost`` of its own (its *stager* engine, built at
+``prepare`` when the spec says ``staged``): that engine is the one the actor's ``prepare`` answers with and joins
+the transport's world, while vLLM's worker engine joins the epoch idle. ``stage_weights`` receives the update into
+the host's staging area in the actor's process, on threads of its own, as requests keep being served; the swap is
+one RPC whose stream the worker reads from that area.
 
 A replica whose update failed after vLLM had started loading is torn: the manager keeps it paused, and the actor
 aborts the requests it kept, each ending with ``ReplicaTornError`` (never left waiting), and refuses new ones until
@@ -37,10 +46,10 @@ from typing import Any
 import ray
 
 from weightsync.api.errors import ConfigError, LifecycleError, ReplicaTornError
-from weightsync.api.types import TransferReport
-from weightsync.core.control.host import is_untouched, ping_answer
-from weightsync.ray.group import RayRolloutWorker, actor_options
-from weightsync.vllm.engine import BACKEND, error_from_data, report_from_data
+from weightsync.api.types import StagedUpdate, TransferReport
+from weightsync.core.control.host import EngineHost, is_untouched, ping_answer
+from weightsync.ray.group import RayStagingWorker, actor_options
+from weightsync.vllm.engine import BACKEND, error_from_data, report_from_data, staged_to_data
 
 __all__ = ["VllmEngineActor", "VllmRolloutReplica", "engine_args"]
 
@@ -98,8 +107,10 @@ class VllmEngineActor:
         self._requests: set[str] = set()
         self._copy = "held"
         self._paused_at: float | None = None
+        self._pauses: list[list[float]] = []  # [paused, resumed] in wall-clock seconds, resumed 0.0 while paused
         self._timings: dict[str, float] = {}
         self._load_sums: dict[str, str] | None = None  # the proof of load the last update took, until it is read
+        self._stager: EngineHost | None = None  # staged updates only: the engine that stages (module docstring)
         context = ray.get_runtime_context()
         self._node_id = context.get_node_id()
         self._host_ip = ray.util.get_node_ip_address()
@@ -131,17 +142,31 @@ class VllmEngineActor:
             return ping_answer(node_id=self._node_id, host_ip=self._host_ip)
         if method == "prepare":
             self._spec = dict(kwargs["engine"])
-            return await self._rpc("weightsync_prepare", engine=self._spec, node_id=self._node_id,
-                                   host_ip=self._host_ip)
+            metadata = await self._rpc("weightsync_prepare", engine=self._spec, node_id=self._node_id,
+                                       host_ip=self._host_ip)
+            if not self._spec.get("config", {}).get("staged"):
+                await self._drop_stager()
+                return metadata
+            if self._stager is None:
+                self._stager = EngineHost(node_id=self._node_id, host_ip=self._host_ip, name=f"{self.name}'s stager")
+            return await self._stager.execute("prepare", engine=self._spec)
         if method == "init_process_group":
             from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
             rank_args = dict(kwargs["rank_args"])
+            epoch = str(rank_args.get("epoch", ""))
+            if self._stager is not None:  # it takes this rank's place in the world; vLLM's engine reads staging
+                await self._stager.execute("init_process_group", rank_args=rank_args)
+                rank_args = {"role": "idle", "epoch": epoch}
             await self._engine().init_weight_transfer_engine(WeightTransferInitRequest(init_info={
-                "engine": self._spec, "rank_args": rank_args, "epoch": str(rank_args.get("epoch", "")),
+                "engine": self._spec, "rank_args": rank_args, "epoch": epoch,
             }))
             return None
         if method in ("finalize", "close"):
+            if self._stager is not None:
+                await self._stager.execute(method)
+                if method == "close":
+                    self._stager = None
             return await self._rpc(f"weightsync_{method}")
         raise ConfigError(f"unknown checkpoint-engine method {method!r}")
 
@@ -155,12 +180,25 @@ class VllmEngineActor:
         self._copy = mode
 
     async def update_weights(self, *, version: int) -> TransferReport:
+        return await self._update({"version": version, "copy": self._copy})
+
+    async def stage_weights(self, *, version: int) -> StagedUpdate:
+        """A staged update's stage, in this actor (module docstring): vLLM keeps serving."""
+        if self._stager is None:
+            raise LifecycleError(f"{self.name}: stage_weights without a staged prepare (SyncConfig.staged)")
+        return await self._stager.stage(version=version)
+
+    async def apply_staged(self, *, version: int, staged: StagedUpdate) -> TransferReport:
+        """A staged update's swap: vLLM's worker loads what this host staged, as an update's stream."""
+        return await self._update({"version": version, "copy": self._copy, "staged": staged_to_data(staged)})
+
+    async def _update(self, update_info: dict[str, Any]) -> TransferReport:
         self._verified = None
         self._timings = {}
         self._load_sums = None
         try:
             try:
-                outcome = await self._rpc("weightsync_update", update_info={"version": version, "copy": self._copy})
+                outcome = await self._rpc("weightsync_update", update_info=update_info)
             except Exception as exc:  # raised by vLLM itself (its RPC carries only the message)
                 raise LifecycleError(f"{self.name}: vLLM's weight update failed: {exc}") from exc
             if "error" in outcome:
@@ -172,8 +210,13 @@ class VllmEngineActor:
             if not is_untouched(exc):
                 await self.tear(f"{type(exc).__name__}: {exc}")
             raise
-        self._verified = version
+        self._verified = int(update_info["version"])
         return report
+
+    async def _drop_stager(self) -> None:
+        stager, self._stager = self._stager, None
+        if stager is not None:
+            await stager.execute("close")
 
     async def tear(self, reason: str) -> None:
         """The model is half-loaded: end every kept request (each raises ``ReplicaTornError``), refuse new ones."""
@@ -184,6 +227,7 @@ class VllmEngineActor:
 
     async def pause(self) -> None:
         self._paused_at = time.perf_counter()
+        self._pauses.append([time.time(), 0.0])
         await pause_keeping(self._engine())
 
     async def resume(self) -> None:
@@ -196,6 +240,13 @@ class VllmEngineActor:
         if self._paused_at is not None:
             self._timings["pause_seconds"] = time.perf_counter() - self._paused_at
             self._paused_at = None
+        if self._pauses and not self._pauses[-1][1]:
+            self._pauses[-1][1] = time.time()
+
+    def pause_log(self) -> list[list[float]]:
+        """Every pause of this replica as ``[paused, resumed]`` (wall-clock seconds; ``resumed`` is 0.0 while it is
+        still paused): the pauses as the actor saw them, whatever the manager reports."""
+        return [list(entry) for entry in self._pauses]
 
     def timings(self) -> dict[str, float]:
         """Measured here and in vLLM's worker for the last update or reload: ``pause_seconds`` (from the pause to
@@ -283,6 +334,7 @@ class VllmEngineActor:
             return
         if self._weightsync and self._spec is not None:
             try:
+                await self._drop_stager()
                 await asyncio.wait_for(llm.collective_rpc("weightsync_close"), 30)
             except Exception:  # noqa: BLE001 - shutting down: the engine's own shutdown still runs
                 pass
@@ -302,8 +354,8 @@ class VllmRolloutReplica:
     def __init__(self, handle: Any, *, name: str) -> None:
         self.handle = handle
         self.name = name
-        # The actor answers a RolloutWorker's execute_checkpoint_engine and update_weights itself.
-        self._workers = [RayRolloutWorker(handle, name="worker0")]
+        # The actor answers a RolloutWorker's calls (and a StagingWorker's) itself.
+        self._workers = [RayStagingWorker(handle, name="worker0")]
 
     @classmethod
     async def create(cls, *, replica: int, args: Mapping[str, Any], weightsync: bool = True,
@@ -325,7 +377,7 @@ class VllmRolloutReplica:
         return made
 
     @property
-    def workers(self) -> list[RayRolloutWorker]:
+    def workers(self) -> list[RayStagingWorker]:
         return list(self._workers)
 
     async def pause(self) -> None:

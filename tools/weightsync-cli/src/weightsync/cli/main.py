@@ -246,8 +246,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rollout == "vllm":
         if args.steps < 1 or args.replicas < 1 or args.model_mb <= 0 or args.bucket_mb < 1:
             return _usage_error("demo", "--steps, --replicas, --model-mb and --bucket-mb must be positive")
-        if args.staged:
-            return _usage_error("demo", "--staged is not available with --rollout vllm yet (its replicas do not "
-                                        "stage); run --rollout vllm unstaged")
         return _run_vllm("demo", options)
     return asyncio.run(run_demo(options))

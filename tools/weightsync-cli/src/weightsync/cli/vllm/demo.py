@@ -3,7 +3,8 @@ real vLLM engines through weightsync, each checked against a plain vLLM engine t
 checkpoint with vLLM's own ``reload_weights``: vLLM's checksums of every parameter and greedy tokens must match.
 
 With ``--delta`` the steps are taken at an RL learning rate (1e-6) and sent as delta updates; greedy tokens rarely
-change then, and the checksums still must match.
+change then, and the checksums still must match. With ``--staged`` the replicas serve while the update is staged
+and pause only for vLLM's load (each step's "paused" is then that swap).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ async def run_vllm_demo(options: DemoOptions) -> int:
     config = llama_config(options.model_mb)
     lr = RL_LR if options.delta else TRAIN_LR
     print(f"weightsync demo --rollout vllm: backend {options.backend}, Llama of {config['num_hidden_layers']} "
-          f"layer(s) (bf16, fp32 masters, AdamW lr {lr:g}{', delta updates' if options.delta else ''}), actor_wg of "
+          f"layer(s) (bf16, fp32 masters, AdamW lr {lr:g}{', delta updates' if options.delta else ''}"
+          f"{', staged' if options.staged else ''}), actor_wg of "
           f"2 ranks, {options.replicas} vLLM replicas and a reference engine (starting them takes a minute)",
           flush=True)
     matched = 0
@@ -68,7 +70,8 @@ async def run_vllm_demo(options: DemoOptions) -> int:
                                address=options.address) as world:
                 manager = CheckpointEngineManager(
                     backend=options.backend, actor_wg=world.actor_wg, replicas=world.replicas[:-1],
-                    config=SyncConfig(bucket_bytes=options.bucket_mb * MiB, delta=options.delta))
+                    config=SyncConfig(bucket_bytes=options.bucket_mb * MiB, delta=options.delta,
+                                      staged=options.staged))
                 previous = await _greedy(world.replicas[-1])
                 for step in range(1, options.steps + 1):
                     ok, previous, line = await _step(world, manager, step=step, lr=lr, delta=options.delta,
