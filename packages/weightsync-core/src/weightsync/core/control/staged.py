@@ -136,10 +136,11 @@ async def _swap(round_: Round, r: int, plan: StagedPlan, staging: dict[str, asyn
             round_.reports[i] = _checked(result, staged[plan.hosts[i]], worker_label(r, worker))
         errors = [steps.typed_error(report, step="swap", worker=f"replica{r}")
                   for report in (round_.reports[i] for i, _ in mine) if isinstance(report, BaseException)]
+        replica = round_.replicas[r]
         if errors:
             failure = steps.root_cause(errors)
-        elif isinstance(round_.replicas[r], LoadProvingReplica):
-            sums = await _one("verify_load", timeouts.resume, f"replica{r}", round_.replicas[r].weight_checksums())
+        elif isinstance(replica, LoadProvingReplica):
+            sums = await _one("verify_load", timeouts.resume, f"replica{r}", replica.weight_checksums())
             round_.loads[r] = dict(sums)
     except BaseException as exc:  # the pause, the gather itself or the checksums
         failure = exc

@@ -1,4 +1,5 @@
-"""An emulated multi-host testbed: H hosts on this machine, each behind its own shaped link to one switch.
+"""An emulated multi-host testbed: H hosts on this machine, each behind its own shaped link to one switch (or K
+links, ``rails=K``, each to a switch of its own: a rail-optimised fabric, as GPU nodes with a NIC per GPU have).
 
 What a host is: a named network namespace plus private mount, IPC, UTS and PID namespaces, so that its processes
 share a ``/dev/shm`` of their own (a tmpfs) and nothing else with other hosts. Its link is a veth pair to a bridge
@@ -19,7 +20,9 @@ How a bench driver uses it::
         sender_egress = (after[0] - before[0]).egress_bytes
         host_ingress = [(after[h] - before[h]).ingress_bytes for h in range(1, 4)]
 
-Fault tests: ``testbed.link_down(h)`` (``mode="drop"`` or ``"carrier"``) mid-update, ``testbed.link_up(h)``.
+Per rail: ``testbed.rail_counters()[h][k]``; ``counters()`` is each host's total over its rails.
+Fault tests: ``testbed.link_down(h)`` (``mode="drop"`` or ``"carrier"``; ``rail=k`` for one rail, every rail by
+default) mid-update, ``testbed.link_up(h)``.
 A Ray cluster across the hosts (a raylet in each, a driver started in the head's host): ``TestbedRay(testbed)``
 (``raycluster``).
 A killed run's leftovers: :func:`cleanup`. Design notes live in the submodules: ``bed`` (layout, identity),
@@ -32,12 +35,13 @@ from weightsync.cli.testbed.bed import (
     ENV_HOST,
     ENV_HOSTS,
     ENV_NODE_ID,
+    ENV_RAIL_ADDRS,
     ENV_RUN,
     Host,
     Testbed,
 )
 from weightsync.cli.testbed.cleanup import CleanupError, CleanupReport, cleanup
-from weightsync.cli.testbed.links import LinkCounters, LinkMode, tbf_burst_bytes
+from weightsync.cli.testbed.links import LinkCounters, LinkMode, Rail, tbf_burst_bytes
 from weightsync.cli.testbed.probe import REQUIRE_ENV, Capabilities, probe, testbed_required, unavailable_reason
 from weightsync.cli.testbed.processes import HostProcess
 from weightsync.cli.testbed.raycluster import TestbedRay, testbed_host_resource
@@ -48,6 +52,7 @@ __all__ = [
     "ENV_HOST",
     "ENV_HOSTS",
     "ENV_NODE_ID",
+    "ENV_RAIL_ADDRS",
     "ENV_RUN",
     "PREFIX",
     "REQUIRE_ENV",
@@ -58,6 +63,7 @@ __all__ = [
     "HostProcess",
     "LinkCounters",
     "LinkMode",
+    "Rail",
     "Testbed",
     "TestbedError",
     "TestbedRay",

@@ -5,6 +5,8 @@ Layout of a run named ``wst-<pid>-<start>-<random>`` (``<run>`` below)::
     <run>-h0  eth0 198.18.0.1/24 ──veth── wst-h0 ┐
     <run>-h1  eth0 198.18.0.2/24 ──veth── wst-h1 ├─ wst-br   (all in the switch namespace <run>-sw)
     ...                                          ┘
+              eth1 198.18.1.1/24 ──veth── wst-h0r1 ┐
+              eth1 198.18.1.2/24 ──veth── wst-h1r1 ├─ wst-br1   (rail 1 of ``Testbed(rails=2)``, and so on)
 
 Every interface lives in a namespace the run created (veths are created inside the switch namespace with their
 peer placed straight into the host's), no host has a default route, and the bridge has no address, so no packet
@@ -41,24 +43,23 @@ from typing_extensions import Self
 from weightsync.cli.testbed import links
 from weightsync.cli.testbed.cleanup import CleanupReport, remove_run, run_folder
 from weightsync.cli.testbed.holder import Holder, start_holder, wait_ready
-from weightsync.cli.testbed.links import LinkCounters, LinkMode
+from weightsync.cli.testbed.links import MAX_RAILS, LinkCounters, LinkMode, Rail, rails_of, total
 from weightsync.cli.testbed.probe import probe
 from weightsync.cli.testbed.processes import HostProcess, reap
 from weightsync.cli.testbed.signals import deferred_signals, hold_exit_signals, release_exit_signals
 from weightsync.cli.testbed.system import RunName, TestbedError, TestbedUnavailable, Tools, command
 
-__all__ = ["ENV_ADDR", "ENV_HOST", "ENV_HOSTS", "ENV_NODE_ID", "ENV_RUN", "Host", "Testbed"]
+__all__ = ["ENV_ADDR", "ENV_HOST", "ENV_HOSTS", "ENV_NODE_ID", "ENV_RAIL_ADDRS", "ENV_RUN", "Host", "Testbed"]
 
 ENV_HOST = "WEIGHTSYNC_TESTBED_HOST"  # the host's index, 0..H-1
 ENV_HOSTS = "WEIGHTSYNC_TESTBED_HOSTS"  # H
 ENV_NODE_ID = "WEIGHTSYNC_TESTBED_NODE_ID"  # unique per host and run: the host's network namespace name
-ENV_ADDR = "WEIGHTSYNC_TESTBED_ADDR"  # the host's address on the testbed
+ENV_ADDR = "WEIGHTSYNC_TESTBED_ADDR"  # the host's address on the testbed (rail 0's)
+ENV_RAIL_ADDRS = "WEIGHTSYNC_TESTBED_RAIL_ADDRS"  # the host's address on each rail, comma-separated, rail 0 first
 ENV_RUN = "WEIGHTSYNC_TESTBED_RUN"  # the run's name
 
-SUBNET_PREFIX = "198.18.0."
 MAX_HOSTS = 250
 STEP_TIMEOUT_S = 15.0
-SWITCH = "wst-br"
 
 _open_testbeds: set[Testbed] = set()
 _atexit_lock = threading.Lock()
@@ -67,17 +68,20 @@ _atexit_registered = False
 
 @dataclass(frozen=True)
 class Host:
-    """One emulated host: ``netns`` is its network namespace, ``switch_port`` its link's end in the switch."""
+    """One emulated host: ``netns`` is its network namespace, ``rails`` its links (rail 0's ``address`` and
+    ``switch_port``, its end in the switch, are also ``address`` and ``switch_port``)."""
 
     index: int
     hostname: str
     address: str
     netns: str
     switch_port: str
+    rails: tuple[Rail, ...] = ()
 
 
 class Testbed:
-    """H hosts joined by links of ``link_gbps`` each way; a context manager (or ``start()`` / ``close()``).
+    """H hosts joined by links of ``link_gbps`` each way, ``rails`` links per host (each its own network); a
+    context manager (or ``start()`` / ``close()``).
 
     >>> with Testbed(3, link_gbps=2.0) as testbed:                              # doctest: +SKIP
     ...     before = testbed.counters()
@@ -100,6 +104,7 @@ class Testbed:
         hosts: int,
         *,
         link_gbps: float,
+        rails: int = 1,
         rtt_ms: float = 0.0,
         mtu: int = 1500,
         shm_bytes: int | None = None,
@@ -109,6 +114,8 @@ class Testbed:
             raise ValueError(f"hosts must be 1..{MAX_HOSTS}, got {hosts}")
         if not 0.001 <= link_gbps <= 400:
             raise ValueError(f"link_gbps must be 0.001..400, got {link_gbps}")
+        if isinstance(rails, bool) or not isinstance(rails, int) or not 1 <= rails <= MAX_RAILS:
+            raise ValueError(f"rails must be an int 1..{MAX_RAILS}, got {rails!r}")
         if not 0 <= rtt_ms <= 10_000:
             raise ValueError(f"rtt_ms must be 0..10000, got {rtt_ms}")
         if not 576 <= mtu <= 65_535:
@@ -118,21 +125,22 @@ class Testbed:
         if lifetime_s <= 0:
             raise ValueError(f"lifetime_s must be positive, got {lifetime_s}")
         self.link_gbps = link_gbps
+        self.rails = rails
         self.rtt_ms = rtt_ms
         self.mtu = mtu
         self.shm_bytes = shm_bytes
         self.lifetime_s = lifetime_s
         self.run_name = RunName.new()
         self.hosts = tuple(
-            Host(index=i, hostname=f"wst-h{i}", address=f"{SUBNET_PREFIX}{i + 1}",
-                 netns=self.run_name.host_netns(i), switch_port=f"wst-h{i}")
-            for i in range(hosts)
+            Host(index=i, hostname=f"wst-h{i}", address=ports[0].address, netns=self.run_name.host_netns(i),
+                 switch_port=ports[0].switch_port, rails=ports)
+            for i, ports in ((i, rails_of(i, rails)) for i in range(hosts))
         )
         self.switch_netns = self.run_name.switch_netns
         self._tools: Tools | None = None
         self._holders: dict[int, Holder] = {}
         self._processes: list[HostProcess] = []
-        self._down: dict[int, LinkMode] = {}
+        self._down: dict[tuple[int, int], LinkMode] = {}  # (host, rail) → how it is down
         self._lock = threading.Lock()
         self._state = "new"  # new → started → closed
 
@@ -201,7 +209,8 @@ class Testbed:
         """The identity variables every process of ``host`` gets (ENV_* names)."""
         entry = self._host(host)
         return {ENV_RUN: self.run_name.name, ENV_HOST: str(entry.index), ENV_HOSTS: str(len(self.hosts)),
-                ENV_NODE_ID: entry.netns, ENV_ADDR: entry.address}
+                ENV_NODE_ID: entry.netns, ENV_ADDR: entry.address,
+                ENV_RAIL_ADDRS: ",".join(rail.address for rail in entry.rails)}
 
     def popen(
         self,
@@ -267,50 +276,62 @@ class Testbed:
     # ----- links -----
 
     def counters(self) -> tuple[LinkCounters, ...]:
-        """Every host's link counters now, indexed by host (read in the switch namespace: see ``links``)."""
+        """Every host's counters now over all its rails, indexed by host (read in the switch namespace)."""
+        return tuple(total(rails) for rails in self.rail_counters())
+
+    def rail_counters(self) -> tuple[tuple[LinkCounters, ...], ...]:
+        """Every host's counters now, per rail: ``[host][rail]`` (read in the switch namespace: see ``links``)."""
         tools = self._started_tools()
         out = command([tools.ip, "-n", self.switch_netns, "-j", "-s", "link", "show"], timeout=STEP_TIMEOUT_S,
                       what="reading link counters")
-        found = links.parse_counters(out, {entry.switch_port: entry.index for entry in self.hosts})
-        missing = [entry.index for entry in self.hosts if entry.index not in found]
+        found = links.parse_counters(out, {rail.switch_port: (entry.index, rail.index)
+                                           for entry in self.hosts for rail in entry.rails})
+        missing = [(entry.index, rail.index) for entry in self.hosts for rail in entry.rails
+                   if (entry.index, rail.index) not in found]
         if missing:
-            raise TestbedError(f"no link counters for hosts {missing} in {self.switch_netns}")
-        return tuple(found[entry.index] for entry in self.hosts)
+            raise TestbedError(f"no link counters for (host, rail) {missing} in {self.switch_netns}")
+        return tuple(tuple(found[entry.index, rail.index] for rail in entry.rails) for entry in self.hosts)
 
-    def link_down(self, host: int, *, mode: LinkMode = "drop") -> None:
-        """Cut ``host``'s link both ways: ``drop`` (every packet dropped, carrier kept) or ``carrier`` (veth down)."""
+    def link_down(self, host: int, *, rail: int | None = None, mode: LinkMode = "drop") -> None:
+        """Cut ``host``'s rail ``rail`` (None: every rail) both ways: ``drop`` (every packet dropped, carrier kept)
+        or ``carrier`` (veth down)."""
+        entry = self._host(host)
+        tools = self._started_tools()
+        if mode not in ("drop", "carrier"):
+            raise ValueError(f"mode must be 'drop' or 'carrier', got {mode!r}")
+        with self._lock:
+            cut = self._rails(entry, rail)
+            already = [port.index for port in cut if (host, port.index) in self._down]
+            if already:
+                raise TestbedError(f"host {host}'s rail {already[0]} is already down "
+                                   f"({self._down[host, already[0]]})")
+            for port in cut:
+                if mode == "drop":
+                    argvs = [*links.blackhole_commands(tools.tc, self.switch_netns, port.switch_port),
+                             *links.blackhole_commands(tools.tc, entry.netns, port.device)]
+                else:
+                    argvs = [[tools.ip, "-n", self.switch_netns, "link", "set", port.switch_port, "down"]]
+                for argv in argvs:
+                    command(argv, timeout=STEP_TIMEOUT_S, what=f"taking host {host}'s rail {port.index} down")
+                self._down[host, port.index] = mode
+
+    def link_up(self, host: int, *, rail: int | None = None) -> None:
+        """Restore ``host``'s rail ``rail`` (None: every rail) as it was built (no-op where it is up)."""
         entry = self._host(host)
         tools = self._started_tools()
         with self._lock:
-            if host in self._down:
-                raise TestbedError(f"host {host}'s link is already down ({self._down[host]})")
-            if mode == "drop":
-                argvs = [*links.blackhole_commands(tools.tc, self.switch_netns, entry.switch_port),
-                         *links.blackhole_commands(tools.tc, entry.netns, "eth0")]
-            elif mode == "carrier":
-                argvs = [[tools.ip, "-n", self.switch_netns, "link", "set", entry.switch_port, "down"]]
-            else:
-                raise ValueError(f"mode must be 'drop' or 'carrier', got {mode!r}")
-            for argv in argvs:
-                command(argv, timeout=STEP_TIMEOUT_S, what=f"taking host {host}'s link down")
-            self._down[host] = mode
+            for port in self._rails(entry, rail):
+                mode = self._down.get((host, port.index))
+                if mode == "carrier":
+                    command([tools.ip, "-n", self.switch_netns, "link", "set", port.switch_port, "up"],
+                            timeout=STEP_TIMEOUT_S, what=f"bringing host {host}'s rail {port.index} up")
+                elif mode == "drop":
+                    self._shape(tools, entry, port)
+                self._down.pop((host, port.index), None)
 
-    def link_up(self, host: int) -> None:
-        """Restore ``host``'s link as it was built (no-op if it is up)."""
-        entry = self._host(host)
-        tools = self._started_tools()
-        with self._lock:
-            mode = self._down.get(host)
-            if mode == "carrier":
-                command([tools.ip, "-n", self.switch_netns, "link", "set", entry.switch_port, "up"],
-                        timeout=STEP_TIMEOUT_S, what=f"bringing host {host}'s link up")
-            elif mode == "drop":
-                self._shape(tools, entry)
-            self._down.pop(host, None)
-
-    def link_is_up(self, host: int) -> bool:
-        self._host(host)
-        return host not in self._down
+    def link_is_up(self, host: int, *, rail: int | None = None) -> bool:
+        """Whether ``host``'s rail ``rail`` (None: every rail of it) is up."""
+        return not any((host, port.index) in self._down for port in self._rails(self._host(host), rail))
 
     # ----- internals -----
 
@@ -318,6 +339,13 @@ class Testbed:
         if not 0 <= host < len(self.hosts):
             raise ValueError(f"host must be 0..{len(self.hosts) - 1}, got {host}")
         return self.hosts[host]
+
+    def _rails(self, entry: Host, rail: int | None) -> tuple[Rail, ...]:
+        if rail is None:
+            return entry.rails
+        if isinstance(rail, bool) or not isinstance(rail, int) or not 0 <= rail < len(entry.rails):
+            raise ValueError(f"rail must be 0..{len(entry.rails) - 1} (or None: every rail), got {rail!r}")
+        return (entry.rails[rail],)
 
     def _started_tools(self) -> Tools:
         if self._state != "started" or self._tools is None:
@@ -330,15 +358,15 @@ class Testbed:
             raise TestbedError(f"host {entry.index} ({entry.netns}) is gone: its namespace holder has exited")
         return holder
 
-    def _shape(self, tools: Tools, entry: Host) -> None:
+    def _shape(self, tools: Tools, entry: Host, rail: Rail) -> None:
         for argv in [
             # Host egress carries the delay (RTT/2 each way between two hosts); the switch side only shapes.
-            *links.shaping_commands(tools.tc, entry.netns, "eth0", link_gbps=self.link_gbps,
+            *links.shaping_commands(tools.tc, entry.netns, rail.device, link_gbps=self.link_gbps,
                                     delay_ms=self.rtt_ms / 2, mtu=self.mtu),
-            *links.shaping_commands(tools.tc, self.switch_netns, entry.switch_port, link_gbps=self.link_gbps,
+            *links.shaping_commands(tools.tc, self.switch_netns, rail.switch_port, link_gbps=self.link_gbps,
                                     delay_ms=0.0, mtu=self.mtu),
         ]:
-            command(argv, timeout=STEP_TIMEOUT_S, what=f"shaping host {entry.index}'s link")
+            command(argv, timeout=STEP_TIMEOUT_S, what=f"shaping host {entry.index}'s rail {rail.index}")
 
     def _build(self, tools: Tools) -> None:
         folder = run_folder(self.run_name)
@@ -347,30 +375,13 @@ class Testbed:
         with open(hosts_file, "w") as out:
             out.write("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n")
             out.writelines(f"{entry.address}\t{entry.hostname}\n" for entry in self.hosts)
-        ip = [tools.ip]
-        sw = [tools.ip, "-n", self.switch_netns]
-        steps: list[list[str]] = [[*ip, "netns", "add", self.switch_netns]]
-        steps += [[*ip, "netns", "add", entry.netns] for entry in self.hosts]
-        # addrgenmode none: no IPv6 link-local addresses, so no neighbour discovery chatter on the counters. It must
-        # come in a command before "up": the kernel applies it after the flags of the same command.
-        steps += [[*sw, "link", "add", SWITCH, "mtu", str(self.mtu), "type", "bridge"],
-                  [*sw, "link", "set", SWITCH, "addrgenmode", "none"], [*sw, "link", "set", SWITCH, "up"]]
-        for entry in self.hosts:
-            inside = [tools.ip, "-n", entry.netns]
-            steps += [
-                [*sw, "link", "add", entry.switch_port, "mtu", str(self.mtu), "type", "veth",
-                 "peer", "name", "eth0", "mtu", str(self.mtu), "netns", entry.netns],
-                [*sw, "link", "set", entry.switch_port, "addrgenmode", "none"],
-                [*sw, "link", "set", entry.switch_port, "master", SWITCH, "up"],
-                [*inside, "link", "set", "lo", "up"],
-                [*inside, "link", "set", "eth0", "addrgenmode", "none"],
-                [*inside, "addr", "add", f"{entry.address}/24", "dev", "eth0"],
-                [*inside, "link", "set", "eth0", "up"],
-            ]
+        steps = links.build_commands(tools.ip, self.switch_netns, [(entry.netns, entry.rails) for entry in self.hosts],
+                                     mtu=self.mtu)
         for argv in steps:
             command(argv, timeout=STEP_TIMEOUT_S, what=f"building {self.run_name.name}: {' '.join(argv[1:])}")
         for entry in self.hosts:
-            self._shape(tools, entry)
+            for rail in entry.rails:
+                self._shape(tools, entry, rail)
         started = {entry.index: start_holder(tools, entry.netns, hostname=entry.hostname, hosts_file=hosts_file,
                                              shm_bytes=self.shm_bytes, lifetime_s=self.lifetime_s)
                    for entry in self.hosts}
