@@ -31,7 +31,8 @@ from weightsync.core.control.auto import choose
 from tests.tools.testbed.support import netns_names, skip_unless_testbed, wait_until
 
 HOSTS_RESULT_KEYS = {"backend", "gbps_p50", "gbps_p90", "ratio_bucketed", "ratio_limit", "ratio_engine_copy_limit",
-                     "peak_extra_rss_mb", "ratio_link_limit", "sender_egress_bytes", "host_ingress_bytes"}
+                     "peak_extra_rss_mb", "ratio_link_limit", "sender_egress_bytes", "host_ingress_bytes",
+                     "rail_egress_bytes", "rail_ingress_bytes"}
 # The transports where bytes could bypass a link (one-sided reads through UCX or Mooncake); gloo's engine uses the
 # same TCP as the baselines, which run anyway.
 CROSSING = ("nixl", "mooncake")
@@ -69,7 +70,7 @@ def test_json_keeps_the_schema_and_adds_the_testbed_fields(hosts_run: tuple[dict
     assert auto["chosen"] == choose(sender_node="0", rollout_nodes=["1", "2"]).name  # e.g. "nixl (two-level)"
     assert f"(auto picked {auto['chosen']} here)" in stdout
     scenario = data["scenario"]
-    assert scenario["hosts"] == 3 and scenario["link_gbps"] == LINK_GBPS
+    assert scenario["hosts"] == 3 and scenario["link_gbps"] == LINK_GBPS and scenario["rails"] == 1
     assert scenario["skipped"] == ["shm"] and scenario["backends"] == backends
     # --receivers is per receiving host: 2 receiving hosts, 1 each.
     assert scenario["receivers"] == 2 and scenario["receivers_per_host"] == 1
@@ -111,6 +112,9 @@ def test_link_counters_show_every_update_crossing_every_link(
         assert row["sender_egress_bytes"] == int(statistics.median(egress))
         assert row["host_ingress_bytes"] == [int(statistics.median(update[host] for update in ingress))
                                              for host in range(2)]
+        # One rail: its figures are the hosts' (a list of one per host).
+        assert row["rail_egress_bytes"] == [row["sender_egress_bytes"]]
+        assert row["rail_ingress_bytes"] == [[value] for value in row["host_ingress_bytes"]]
     rows = {row["backend"]: row for row in data["results"]}
     # The counters tell topologies apart, so they count real transfers: a chain's sender reads out S once (headers
     # on top), gloo's broadcast from rank 0 sends S to each of the two receiving hosts.
@@ -195,6 +199,9 @@ def test_an_rtt_without_netem_says_why_in_one_line() -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["--hosts", "1"], "at least 2 hosts"),
     (["--link-gbps", "2"], "need --hosts"),
+    (["--rails", "2"], "need --hosts"),
+    (["--hosts", "2", "--rails", "9"], "--rails must be 1..8"),
+    (["--hosts", "2", "--rails", "2", "--staged"], "--staged with --rails above 1 is not available yet"),
     (["--hosts", "3", "--plot", "x.png"], "do not apply with --hosts"),
 ])
 def test_bad_hosts_options_are_refused(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -208,3 +215,26 @@ def test_receivers_are_placed_host_by_host() -> None:
     assert [case.host_of(group_rank) for group_rank in range(7)] == [0, 1, 1, 2, 2, 3, 3]
     local = make_case("bucketed", BenchOptions(receivers=2, model_mb=1, bucket_mb=1))
     assert local.receivers == 2 and [local.host_of(rank) for rank in range(3)] == [0, 0, 0]
+
+
+def test_rails_are_counted_one_by_one_and_raise_the_link_limit(tmp_path: pathlib.Path) -> None:
+    """``--rails 2``: two links per host, the link limit is both of the sender host's, and every update's bytes are
+    read per rail from the switch side. Each rail's figures add up to the host's; with one sender per host (no
+    striping yet), only rail 0 carries the update, rail 1 next to nothing."""
+    skip_unless_testbed()
+    out = tmp_path / "rails.json"
+    result = bench("--hosts", "2", "--receivers", "1", "--rails", "2", "--link-gbps", str(LINK_GBPS), "--model-mb",
+                   "16", "--bucket-mb", "4", "--repeat", "2", "--backends", "auto", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert data["scenario"]["rails"] == 2
+    assert data["link_limit_gbps"] == pytest.approx(2 * LINK_GBPS / 8)
+    assert "2 rails of 1 Gb/s each way" in result.stdout and "host 0 out per rail / S" in result.stdout
+    for row in data["results"]:
+        assert len(row["rail_egress_bytes"]) == 2 and len(row["rail_ingress_bytes"]) == 1
+        assert len(row["rail_ingress_bytes"][0]) == 2
+        assert abs(sum(row["rail_egress_bytes"]) - row["sender_egress_bytes"]) <= 2
+        assert abs(sum(row["rail_ingress_bytes"][0]) - row["host_ingress_bytes"][0]) <= 2
+    auto = next(row for row in data["results"] if row["backend"] == "auto")
+    assert auto["rail_egress_bytes"][0] >= 0.95 * MODEL_BYTES
+    assert auto["rail_egress_bytes"][1] < 0.01 * MODEL_BYTES

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import subprocess
+import sys
 import time
 
 from weightsync.cli.testbed import ENV_RAIL_ADDRS, HostProcess, LinkMode, Testbed
+from weightsync.core.transports.settings import RAIL_ADDRS_ENV
 
 from tests.tools.testbed.support import netprobe, read_line, start_or_skip, switch_counters
 
@@ -37,6 +40,7 @@ def test_each_rail_is_a_network_of_its_own_shaped_counted_and_cut_alone() -> Non
         rails = bed.hosts[1].rails
         assert [rail.address for rail in rails] == ["198.18.0.2", "198.18.1.2"]
         assert bed.hosts[1].address == rails[0].address and bed.hosts[1].switch_port == rails[0].switch_port
+        assert ENV_RAIL_ADDRS == RAIL_ADDRS_ENV  # what weightsync's workers read
         assert _shell(bed, 1, f'echo "${ENV_RAIL_ADDRS}"').strip() == "198.18.0.2,198.18.1.2"
         # Each rail its own subnet and interface; nothing routes out.
         routes = _shell(bed, 0, "ip route show table all | grep -v '^local\\|^broadcast\\|^multicast'")
@@ -95,3 +99,16 @@ def test_each_rail_is_a_network_of_its_own_shaped_counted_and_cut_alone() -> Non
         assert not bed.link_is_up(1, rail=0) and not bed.link_is_up(1, rail=1)
         bed.link_up(1)
         assert bed.link_is_up(1)
+
+
+def test_a_worker_in_a_host_finds_its_rail_from_its_local_rank() -> None:
+    """What a weightsync worker started in a host of a two-rail testbed reports: the host's environment gives the
+    rail addresses, ``LOCAL_RANK`` picks one."""
+    script = ("import json; from weightsync.core.control.host import ping_answer; "
+              "print(json.dumps(ping_answer(node_id='n', host_ip='198.18.0.2')))")
+    with start_or_skip(Testbed(2, link_gbps=LINK_GBPS, rails=2)) as bed:
+        for local_rank in (0, 1, 2):
+            env = {**os.environ, "LOCAL_RANK": str(local_rank)}
+            answer = json.loads(bed.run(1, [sys.executable, "-c", script], env=env, timeout=60).stdout)
+            rail = local_rank % 2
+            assert (answer["rail"], answer["rail_address"], answer["rails"]) == (rail, f"198.18.{rail}.2", 2)

@@ -102,6 +102,8 @@ def _add_bench(commands: Any) -> None:
                             "figure, backends that cannot cross hosts skipped")
     bench.add_argument("--link-gbps", type=float, default=None,
                        help=f"with --hosts: each host's link rate in Gb/s, both ways (default {HOSTS_LINK_GBPS:g})")
+    bench.add_argument("--rails", type=int, default=1, metavar="K",
+                       help="with --hosts: K links per host (rails, each its own network at --link-gbps; default 1)")
     bench.add_argument("--rtt-ms", type=float, default=0.0,
                        help="with --hosts: round-trip delay between hosts in ms (default 0; needs sch_netem)")
     bench.add_argument("--cleanup", action="store_true",
@@ -192,6 +194,7 @@ def _bench(args: argparse.Namespace) -> int:
         json_path=args.json_path, plot_path=args.plot_path, trace_path=args.trace_path,
         ray=args.ray and not args.hosts, ray_backend=args.ray_backend, hosts=args.hosts,
         link_gbps=args.link_gbps if args.link_gbps is not None else HOSTS_LINK_GBPS, rtt_ms=args.rtt_ms,
+        rails=args.rails,
         delta=args.delta, verify_every=args.verify_every, staged=args.staged,
         **({"lr": args.lr} if args.lr is not None else {}),
     ))
@@ -209,8 +212,8 @@ def _bench_error(args: argparse.Namespace) -> str:
     if args.mix == "rl" and args.plot_path:
         return "--plot does not apply with --mix rl (its model is the decoder's, not a size to sweep)"
     if not args.hosts:
-        if args.link_gbps is not None or args.rtt_ms:
-            return "--link-gbps and --rtt-ms need --hosts"
+        if args.link_gbps is not None or args.rtt_ms or args.rails != 1:
+            return "--link-gbps, --rails and --rtt-ms need --hosts"
         return ""
     if args.hosts < 2:
         return "--hosts needs at least 2 hosts (a sender host and a receiving host)"
@@ -220,6 +223,12 @@ def _bench_error(args: argparse.Namespace) -> str:
         return "--link-gbps must be 0.001..400"
     if not 0 <= args.rtt_ms <= 10_000:
         return "--rtt-ms must be 0..10000"
+    from weightsync.cli.testbed.links import MAX_RAILS
+
+    if not 1 <= args.rails <= MAX_RAILS:
+        return f"--rails must be 1..{MAX_RAILS}"
+    if args.rails > 1 and args.staged:
+        return "--staged with --rails above 1 is not available yet (a host's stripe rings are not its staging area)"
     return ""
 
 

@@ -24,6 +24,7 @@ from weightsync.api.registry import load_engine_class
 from weightsync.api.types import RankArgs, Role, StagedUpdate, TransferReport, WorkerContext, WorkerMetadata
 from weightsync.core.control.auto import has_rdma
 from weightsync.core.control.steps import unwrap
+from weightsync.core.transports.settings import local_rail
 from weightsync.core.transports.stagearea import StageArea
 
 __all__ = ["EngineHost", "EngineSlot", "StagingEngine", "build_engine", "engine_spec", "is_untouched", "mark_untouched",
@@ -39,7 +40,7 @@ def ping_answer(*, node_id: str, host_ip: str) -> dict[str, Any]:
     a backend from the node ids and RDMA devices; after a timeout, hosts none of whose workers answer are reported
     unreachable."""
     return {"hostname": socket.gethostname(), "host_ip": host_ip, "node_id": node_id, "pid": os.getpid(),
-            "rdma": has_rdma()}
+            "rdma": has_rdma(), **local_rail(host_ip)}
 
 
 def engine_spec(*, backend: str, config: SyncConfig, role: Role, rank: int) -> dict[str, Any]:

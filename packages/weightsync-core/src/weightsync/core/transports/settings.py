@@ -21,7 +21,14 @@ from weightsync.api.errors import ConfigError, LifecycleError, reject_renamed_ke
 from weightsync.api.types import WorkerContext, WorkerMetadata
 from weightsync.core.transports.transport import PackHook, ReceiveHook, TransportHook
 
-__all__ = ["EngineSettings", "EngineBase", "default_node_id", "load_transport_hook"]
+__all__ = ["LOCAL_RANK_ENV", "RAIL_ADDRS_ENV", "EngineSettings", "EngineBase", "default_node_id", "load_transport_hook",
+           "local_rail"]
+
+RAIL_ADDRS_ENV = "WEIGHTSYNC_RAIL_ADDRS"
+"""This host's address on each of its rails (its NICs for weight traffic), comma-separated, rail 0 first; unset: one
+rail, the worker's ``host_ip``."""
+LOCAL_RANK_ENV = "LOCAL_RANK"
+"""This process's rank among the workers of its host (torchrun's name; the bench and the Ray adapter set it)."""
 
 
 @functools.cache
@@ -33,6 +40,24 @@ def default_node_id() -> str:
     except OSError:
         boot = "?"
     return f"{socket.gethostname()}/{boot}"
+
+
+def local_rail(host_ip: str) -> dict[str, Any]:
+    """This worker's rail, as a GPU node maps a GPU to its NIC: local rank ``LOCAL_RANK`` takes rail ``LOCAL_RANK
+    mod K`` of the K addresses in ``WEIGHTSYNC_RAIL_ADDRS``. The metadata keys ``rail``, ``rail_address`` and
+    ``rails`` (K); without rail addresses, rail 0 at ``host_ip`` of one."""
+    addresses = [address.strip() for address in os.environ.get(RAIL_ADDRS_ENV, "").split(",") if address.strip()]
+    if not addresses:
+        return {"rail": 0, "rail_address": host_ip, "rails": 1}
+    text = os.environ.get(LOCAL_RANK_ENV, "0")
+    try:
+        local_rank = int(text)
+    except ValueError:
+        local_rank = -1
+    if local_rank < 0:
+        raise ConfigError(f"{LOCAL_RANK_ENV}={text!r}: a worker's local rank must be a non-negative int")
+    rail = local_rank % len(addresses)
+    return {"rail": rail, "rail_address": addresses[rail], "rails": len(addresses)}
 
 
 def load_transport_hook(spec: str | None) -> TransportHook | None:
@@ -101,6 +126,7 @@ class EngineSettings:
             "pid": os.getpid(),
             "bucket_bytes": self.bucket_bytes,
             "slots": self.slots,
+            **local_rail(self.context.host_ip),
         }
 
     @property

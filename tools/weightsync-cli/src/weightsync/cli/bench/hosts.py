@@ -66,8 +66,8 @@ class HostPlacement:
 
         return Spawned(channel, stop)
 
-    def read_links(self) -> Sequence[LinkCounters]:
-        return self.bed.counters()
+    def read_links(self) -> Sequence[Sequence[LinkCounters]]:
+        return self.bed.rail_counters()
 
 
 def cross_host_split(backends: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -84,7 +84,7 @@ def placement(options: BenchOptions) -> Iterator[Placement]:
     if not options.hosts:
         yield LocalPlacement()
         return
-    with Testbed(options.hosts, link_gbps=options.link_gbps, rtt_ms=options.rtt_ms) as testbed:
+    with Testbed(options.hosts, link_gbps=options.link_gbps, rails=options.rails, rtt_ms=options.rtt_ms) as testbed:
         yield HostPlacement(testbed)
 
 

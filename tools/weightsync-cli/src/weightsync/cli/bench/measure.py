@@ -47,6 +47,10 @@ class BenchResult:
     """Per timed update (testbed only): bytes host 0 sent on its link."""
     host_ingress_bytes: list[list[int]] = field(default_factory=list)
     """Per timed update (testbed only): bytes each of hosts 1..H-1 received on its link."""
+    rail_egress_bytes: list[list[int]] = field(default_factory=list)
+    """Per timed update (testbed only): bytes host 0 sent on each of its rails."""
+    rail_ingress_bytes: list[list[list[int]]] = field(default_factory=list)
+    """Per timed update (testbed only): for each of hosts 1..H-1, bytes it received on each of its rails."""
     chosen: str = ""
     """For ``auto``: the backend (and layout) it picked for this placement."""
     serving: ServingFigures | None = None
@@ -96,8 +100,8 @@ class Placement(Protocol):
         """Start one worker serving ``spec`` on ``host`` (ignored on this machine)."""
         ...
 
-    def read_links(self) -> Sequence[LinkCounters] | None:
-        """Every host's link counters now; None where there are no links."""
+    def read_links(self) -> Sequence[Sequence[LinkCounters]] | None:
+        """Every host's link counters now, per rail (``[host][rail]``); None where there are no links."""
         ...
 
 
@@ -120,7 +124,7 @@ class LocalPlacement:
 
         return Spawned(parent, stop)
 
-    def read_links(self) -> Sequence[LinkCounters] | None:
+    def read_links(self) -> Sequence[Sequence[LinkCounters]] | None:
         return None
 
 
@@ -154,9 +158,11 @@ class _Workers:
             common.update(backend=choice.backend, options={**choice.options, **common["options"]})
         self.pipes: list[Channel] = []
         self.stops: list[Callable[[float], None]] = []
+        hosts = [case.host_of(group_rank) for group_rank in range(1 + case.receivers)]
         for group_rank in range(1 + case.receivers):
             role, rank = ("actor", 0) if group_rank == 0 else ("rollout", group_rank - 1)
-            spec = {**common, "role": role, "rank": rank, "group_rank": group_rank}
+            spec = {**common, "role": role, "rank": rank, "group_rank": group_rank,
+                    "local_rank": hosts[:group_rank].count(hosts[group_rank])}
             spawned = placement.start(spec, host=case.host_of(group_rank))
             self.pipes.append(spawned.channel)
             self.stops.append(spawned.stop)
@@ -220,8 +226,7 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
     this machine); where it has links, their counters are read before and after every timed update (untimed)."""
     placement = placement or LocalPlacement()
     workers = _Workers(case, placement)
-    egress: list[int] = []
-    ingress: list[list[int]] = []
+    links = _LinkBytes()
     serving: ServingFigures | None = None
     try:
         workers.connect(case.receivers, case.stagers() if case.staged else None)
@@ -238,9 +243,7 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
             seconds.append(_update(workers, case, serving))
             after = placement.read_links()
             if before is not None and after is not None:
-                delta = [later - earlier for later, earlier in zip(after, before)]
-                egress.append(delta[0].egress_bytes)
-                ingress.append([link.ingress_bytes for link in delta[1:]])
+                links.add(before, after)
             progress.step(f"{case.name}: update {index + 1}/{case.repeat}")
         # Taken before any yardstick allocates: the peak over the updates only.
         peak_extra = max(workers.each("rss")) / MiB
@@ -255,8 +258,27 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
     rates = sorted(case.total_bytes / s / 1e9 for s in seconds)
     p90 = rates[max(0, round(0.1 * (len(rates) - 1)))]  # 90% of the updates were at least this fast
     return BenchResult(backend=case.name, gbps_p50=statistics.median(rates), gbps_p90=p90,
-                       peak_extra_rss_mb=peak_extra, seconds=seconds, sender_egress_bytes=egress,
-                       host_ingress_bytes=ingress, chosen=workers.chosen, serving=serving)
+                       peak_extra_rss_mb=peak_extra, seconds=seconds, sender_egress_bytes=links.egress,
+                       host_ingress_bytes=links.ingress, rail_egress_bytes=links.rail_egress,
+                       rail_ingress_bytes=links.rail_ingress, chosen=workers.chosen, serving=serving)
+
+
+@dataclass
+class _LinkBytes:
+    """What the links carried in each timed update: host 0's egress and each receiving host's ingress, in all and
+    per rail."""
+
+    egress: list[int] = field(default_factory=list)
+    ingress: list[list[int]] = field(default_factory=list)
+    rail_egress: list[list[int]] = field(default_factory=list)
+    rail_ingress: list[list[list[int]]] = field(default_factory=list)
+
+    def add(self, before: Sequence[Sequence[LinkCounters]], after: Sequence[Sequence[LinkCounters]]) -> None:
+        delta = [[later - earlier for later, earlier in zip(now, then)] for now, then in zip(after, before)]
+        self.rail_egress.append([rail.egress_bytes for rail in delta[0]])
+        self.rail_ingress.append([[rail.ingress_bytes for rail in host] for host in delta[1:]])
+        self.egress.append(sum(self.rail_egress[-1]))
+        self.ingress.append([sum(host) for host in self.rail_ingress[-1]])
 
 
 IDLE_SECONDS = 1.0

@@ -48,9 +48,9 @@ class Summary:
 
     @property
     def link_limit_gbps(self) -> float:
-        """With ``--hosts``: the link's rate in decimal GB/s; no full update to another host can beat S / this
-        through the sender's link."""
-        return self.options.link_gbps / 8
+        """With ``--hosts``: the sender host's links' rate in decimal GB/s (every rail of it); no full update to
+        another host can beat S / this through them."""
+        return self.options.rails * self.options.link_gbps / 8
 
     @property
     def limit_gbps(self) -> float:
@@ -89,6 +89,13 @@ class Summary:
                            sender_egress_bytes=int(statistics.median(result.sender_egress_bytes)),
                            host_ingress_bytes=[int(statistics.median(update[host] for update in
                                                                      result.host_ingress_bytes))
+                                               for host in range(self.options.hosts - 1)],
+                           rail_egress_bytes=[int(statistics.median(update[rail] for update in
+                                                                    result.rail_egress_bytes))
+                                              for rail in range(self.options.rails)],
+                           rail_ingress_bytes=[[int(statistics.median(update[host][rail] for update in
+                                                                      result.rail_ingress_bytes))
+                                                for rail in range(self.options.rails)]
                                                for host in range(self.options.hosts - 1)])
             rows.append(row)
         return rows
@@ -97,7 +104,8 @@ class Summary:
         options, total, yardsticks = self.options, self.main.total_bytes, self.yardsticks
         hosts: dict[str, Any] = {}
         if options.hosts:
-            hosts = {"hosts": options.hosts, "link_gbps": options.link_gbps, "rtt_ms": options.rtt_ms,
+            hosts = {"hosts": options.hosts, "link_gbps": options.link_gbps, "rails": options.rails,
+                     "rtt_ms": options.rtt_ms,
                      "receivers_per_host": self.main.receivers // (options.hosts - 1), "skipped": list(self.skipped),
                      "link_bytes": {result.backend: {"sender_egress": result.sender_egress_bytes,
                                                      "host_ingress": result.host_ingress_bytes}
@@ -161,7 +169,8 @@ def _print_hosts(summary: Summary) -> None:
     options = summary.options
     rtt = f", RTT {options.rtt_ms:g} ms" if options.rtt_ms else ""
     print(f"testbed: {options.hosts} hosts, sender on host 0, {summary.main.receivers // (options.hosts - 1)} "
-          f"receivers on each of hosts 1..{options.hosts - 1}; links {options.link_gbps:g} Gb/s each way{rtt}: "
+          f"receivers on each of hosts 1..{options.hosts - 1}; "
+          f"{f'{options.rails} rails' if options.rails > 1 else 'links'} of {options.link_gbps:g} Gb/s each way{rtt}: "
           f"link limit {summary.link_limit_gbps:.3f} GB/s"
           + (f"; skipped (cannot cross hosts): {', '.join(summary.skipped)}" if summary.skipped else ""))
 
@@ -169,11 +178,14 @@ def _print_hosts(summary: Summary) -> None:
 def _print_links(summary: Summary) -> None:
     """Per backend: GB/s against the link, and the bytes each link carried per update (median), as multiples of S."""
     total = summary.main.total_bytes
-    print(f"{'backend':<12} {'x link':>7} {'host 0 out / S':>15} {'hosts 1.. in / S':>17}")
+    rails = summary.options.rails > 1
+    print(f"{'backend':<12} {'x link':>7} {'host 0 out / S':>15} {'hosts 1.. in / S':>17}"
+          + ("  host 0 out per rail / S" if rails else ""))
     for row in summary.rows():
         ingress = " ".join(f"{value / total:.3f}" for value in row["host_ingress_bytes"])
+        per_rail = " ".join(f"{value / total:.3f}" for value in row["rail_egress_bytes"])
         print(f"{row['backend']:<12} {row['ratio_link_limit']:>7.2f} {row['sender_egress_bytes'] / total:>15.3f} "
-              f"{ingress:>17}")
+              f"{ingress:>17}" + (f"  {per_rail}" if rails else ""))
 
 
 def _serving_row(result: BenchResult) -> dict[str, Any]:

@@ -47,6 +47,8 @@ class BenchOptions:
     """With ``hosts``: every host's link rate, Gb/s each way."""
     rtt_ms: float = 0.0
     """With ``hosts``: round-trip delay between any two hosts (needs sch_netem)."""
+    rails: int = 1
+    """With ``hosts``: links per host (``Testbed(rails=...)``), each shaped to ``link_gbps``."""
     lr: float = DEFAULT_LR
     """With ``mix="rl"``: the learning rate of the Adam step between two versions."""
     delta: bool = False

@@ -32,6 +32,7 @@ from weightsync.cli.bench.rl import load_version
 from weightsync.cli.bench.serving import Server, stage, swap
 from weightsync.cli.testbed import ENV_ADDR, ENV_NODE_ID
 from weightsync.core.native import copy_stream
+from weightsync.core.transports.settings import LOCAL_RANK_ENV
 from weightsync.core.transports.stagearea import StageArea
 from weightsync.core.wire.layout import PIECE_BYTES
 
@@ -77,7 +78,9 @@ class Duplex:
 
 def worker_identity(spec: dict[str, Any]) -> tuple[str, str]:
     """This worker's node id and the address peers reach it at: on a testbed host the host's own (its environment
-    says which host it runs in), else what the driver put in ``spec``."""
+    says which host it runs in), else what the driver put in ``spec``. Sets ``LOCAL_RANK`` to the worker's rank
+    among its host's workers (``spec["local_rank"]``), from which it takes its rail (``local_rail``)."""
+    os.environ[LOCAL_RANK_ENV] = str(spec.get("local_rank", 0))
     if not spec.get("testbed"):
         return spec["node_id"], spec.get("host_ip", "127.0.0.1")
     node_id, address = os.environ.get(ENV_NODE_ID), os.environ.get(ENV_ADDR)
