@@ -33,7 +33,7 @@ from weightsync.core.transports.rules import CheckedReceiver, checked_sender
 from weightsync.core.transports.settings import EngineBase, default_node_id
 from weightsync.core.transports.stagearea import StageArea, StagedReceiver
 from weightsync.core.transports.transport import ReceiverTransport, SenderTransport, Transport
-from weightsync.core.wire.digest import UpdateDigest
+from weightsync.core.wire.digest import StripedDigest, UpdateDigest
 
 __all__ = ["BucketCheckpointEngine", "engine_class", "RankRole", "guard_build_topology", "default_node_id"]
 
@@ -77,6 +77,8 @@ class BucketCheckpointEngine(EngineBase):
         self._epoch: str | None = None
         self._role: RankRole | None = None
         self._sender_rank = 0
+        self._stripe = (0, 1)
+        """(s, K): this epoch's stripe of a sender, or the stripes a receiver reads (s 0); (0, 1) unstriped."""
         self._sender: SenderTransport | None = None
         self._receiver: ReceiverTransport | None = None
         pack_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-pack")
@@ -117,6 +119,7 @@ class BucketCheckpointEngine(EngineBase):
         self._disconnect()
         sender = rank_args.get("sender", 0)
         self._sender_rank = sender if isinstance(sender, int) else 0
+        self._stripe = _stripe(rank_args)
         base = rank_args.get("delta_base")  # the manager's: the version every receiver holds (delta updates)
         self._send.delta.allowed_base = base if isinstance(base, int) and not isinstance(base, bool) else None
         if role == "sender":
@@ -200,7 +203,7 @@ class BucketCheckpointEngine(EngineBase):
             self._policy.begin_send()
             try:
                 return await self._send.send(self._sender, weights, epoch=self._epoch or "", version=version,
-                                             started=started)
+                                             started=started, stripe=self._stripe)
             finally:
                 self._policy.end_send()
         finally:
@@ -211,7 +214,9 @@ class BucketCheckpointEngine(EngineBase):
         if self._receiver is None or self._epoch is None:
             raise LifecycleError(f"{self.name}: receive_weights on a rank that is not connected as a receiver")
         hold = self._handover.hold_for_stream()
-        reader = BucketReader(self._policy.new_digest(), self._receive.plans)
+        stripes = self._stripe[1]
+        reader = BucketReader(StripedDigest(stripes) if stripes > 1 else self._policy.new_digest(),
+                              self._receive.plans)
         return ReceiveStream(self._receive, self._receiver, hold, epoch=self._epoch,
                              peer=self.transport.peer_name(self._sender_rank), reader=reader)
 
@@ -222,6 +227,9 @@ class BucketCheckpointEngine(EngineBase):
         staged bytes (:mod:`weightsync.core.pipeline.staged`); nothing reaches a model. Holds the engine until the
         receiving thread is done, even if the caller stops waiting."""
         self._require("receiver", "stage_weights")
+        if self._stripe[1] > 1:
+            raise ConfigError(f"{self.name}: a staged update is not read from {self._stripe[1]} stripes yet; stage "
+                              "it unstriped (one sender)")
         receiver, epoch = self._receiver, self._epoch
         if receiver is None or epoch is None:
             raise LifecycleError(f"{self.name}: stage_weights on a rank that is not connected as a receiver")
@@ -255,6 +263,21 @@ class BucketCheckpointEngine(EngineBase):
         reader = BucketReader(UpdateDigest(), self._receive.plans)  # the staged bytes are on the host
         return ReceiveStream(self._receive, receiver, hold, epoch=staged.epoch, release_early=False,
                              peer=f"{self.transport.peer_name(self._sender_rank)} (staged)", reader=reader)
+
+
+def _stripe(rank_args: RankArgs) -> tuple[int, int]:
+    """A rank's stripe from its ``rank_args`` (:mod:`weightsync.core.transports.stripes`): a sender's ``stripe`` [s, K],
+    a receiver's ``stripes`` K; (0, 1) without either."""
+    stripe, stripes = rank_args.get("stripe"), rank_args.get("stripes", 1)
+    if stripe is not None:
+        s, k = stripe if isinstance(stripe, list) and len(stripe) == 2 else (None, None)
+        if not isinstance(s, int) or not isinstance(k, int) or isinstance(s, bool) or isinstance(k, bool) \
+                or not 0 <= s < k:
+            raise TopologyError(f"rank_args' stripe must be [s, K] with 0 <= s < K, got {stripe!r}")
+        return s, k
+    if isinstance(stripes, bool) or not isinstance(stripes, int) or stripes < 1:
+        raise TopologyError(f"rank_args' stripes must be an int >= 1, got {stripes!r}")
+    return 0, stripes
 
 
 def engine_class(transport: type[Transport], *, name: str | None = None) -> type[BucketCheckpointEngine]:

@@ -47,7 +47,16 @@ from weightsync.api.types import (
 from weightsync.core.control import auto, steps
 from weightsync.core.control.auto import AUTO, AutoChoice
 from weightsync.core.control.host import engine_spec
-from weightsync.core.control.round import Round, disowning, host_of, pause, resume, stage, worker_label
+from weightsync.core.control.round import (
+    Round,
+    disowning,
+    host_of,
+    pause,
+    resume,
+    stage,
+    stripes_of,
+    worker_label,
+)
 from weightsync.core.control.staged import StagedPlan, check_staging, run_staged
 
 __all__ = ["CheckpointEngineManager"]
@@ -93,6 +102,8 @@ class CheckpointEngineManager:
         self._version = 0
         self._updating = False
         self._plan: StagedPlan | None = None
+        self._stripes: dict[int, int] = {}
+        """The topology's stripes: actor rank → the stripe it sends (none: one sender sends everything)."""
         """Staged updates: each host's stager, from the last setup."""
         self.add_replicas(replicas)
 
@@ -221,6 +232,7 @@ class CheckpointEngineManager:
         """send/receive on every worker, the digests compared, the proof of load, and finalize where needed."""
         timeouts, workers, version = self.config.timeouts, round_.workers, round_.version
         round_.transfer_started = True
+        round_.stripes = self._stripes
         step_start = time.perf_counter()
         sends = list(self.actor_wg.update_weights(version=version))
         receives = [worker.update_weights(version=version) for _, worker in workers]
@@ -315,6 +327,7 @@ class CheckpointEngineManager:
         topology = with_epoch(topology)
         epoch = str(topology.actor[0]["epoch"])
         actor_args = list(topology.actor)
+        self._stripes = stripes_of(actor_args)
         base = self._delta_base()
         if base is not None:  # the senders may send only what changed since it
             actor_args = [{**args, "delta_base": base} for args in actor_args]

@@ -11,11 +11,19 @@ from typing import Any
 
 from weightsync.api.errors import DigestMismatchError, LoadVerificationError
 from weightsync.api.protocols import PausableReplica, RolloutReplica, RolloutWorker
-from weightsync.api.types import ReplicaOutcome, ReplicaState, TransferReport, UpdateReport, WorkerMetadata
+from weightsync.api.types import (
+    RankArgs,
+    ReplicaOutcome,
+    ReplicaState,
+    TransferReport,
+    UpdateReport,
+    WorkerMetadata,
+)
 from weightsync.core.control import steps
 from weightsync.core.control.host import is_untouched
+from weightsync.core.wire.digest import combine_stripes
 
-__all__ = ["Round", "disagreeing", "disowning", "host_of", "pause", "resume", "stage", "worker_label"]
+__all__ = ["Round", "disagreeing", "disowning", "host_of", "pause", "resume", "stage", "stripes_of", "worker_label"]
 
 
 @dataclass
@@ -43,6 +51,8 @@ class Round:
     update, in which every replica takes part once the transfer started."""
     resumed: dict[int, bool] = field(default_factory=dict)
     """A staged update's: per swapped replica, whether its swap resumed it."""
+    stripes: dict[int, int] = field(default_factory=dict)
+    """Actor rank → its stripe, when the topology dealt the update into stripes (``rank_args["stripe"]``)."""
     timing: dict[int, dict[str, float]] = field(default_factory=dict)
     """Per replica: seconds ``pause``d, to ``stage``, to ``swap`` (``ReplicaOutcome``'s ``*_seconds``)."""
     loads: dict[int, dict[str, str]] = field(default_factory=dict)
@@ -53,9 +63,22 @@ class Round:
         workers = [(r, worker) for r, replica in enumerate(replicas) for worker in replica.workers]
         return cls(version, list(replicas), workers, reports=[None] * len(workers))
 
+    def sent(self) -> dict[int, str]:
+        """What each receiver must hold, by the sender its report names: that sender's digest; when the topology
+        dealt the update into stripes (``stripes``), every receiver holds all of them, whose digests combine into
+        one (``combine_stripes``, in stripe order), whichever stripe's sender it names."""
+        digests = {report.rank: report.digest for report in self.senders if report.digest}
+        if not self.stripes:
+            return digests
+        ranks = sorted(self.stripes, key=lambda rank: self.stripes[rank])
+        if any(rank not in digests for rank in ranks):
+            return {}  # a stripe's sender reported nothing: no receiver can be shown to hold the update
+        combined = combine_stripes([digests[rank] for rank in ranks])
+        return {rank: combined for rank in ranks}
+
     def check_digests(self) -> None:
-        """``DigestMismatchError`` naming the first rollout worker whose digest is not its sender's."""
-        by_sender = {report.rank: report.digest for report in self.senders if report.digest}
+        """``DigestMismatchError`` naming the first rollout worker whose digest is not what it was sent."""
+        by_sender = self.sent()
         for (r, worker), report in zip(self.workers, self.reports):
             digest, sender = (report.digest, report.sender) if isinstance(report, TransferReport) else ("", -1)
             expected = by_sender.get(sender)
@@ -65,7 +88,7 @@ class Round:
 
     def outcomes(self, previous: Sequence[ReplicaOutcome]) -> list[ReplicaOutcome]:
         """Every replica's outcome (``previous``: each replica's before this round), not yet resumed."""
-        digests = {report.rank: report.digest for report in self.senders}
+        digests = self.sent()
         outcomes = []
         for r in range(len(self.replicas)):
             mine = [report for (owner, _), report in zip(self.workers, self.reports) if owner == r]
@@ -102,7 +125,7 @@ class Round:
         compared = delta and all(report.changed_bytes or report.base >= 0 for report in senders if report.nbytes)
         return UpdateReport(
             version=self.version, backend=backend, nbytes=total, seconds=time.perf_counter() - self.started,
-            stages=self.stages, digest=senders[0].digest if senders else "", receivers=len(self.workers),
+            stages=self.stages, digest=next(iter(self.sent().values()), ""), receivers=len(self.workers),
             replicas=tuple(outcomes), transfers=tuple(
                 [*senders, *(r for r in self.reports if isinstance(r, TransferReport))]
             ), rebuilt=self.rebuilt, chosen=chosen, wire_bytes=sum(report.wire_bytes for report in senders),
@@ -126,6 +149,16 @@ def disagreeing(held: list[tuple[int, dict[str, str]]]) -> dict[int, str]:
             if value != majority:
                 wrong.setdefault(i, name)
     return wrong
+
+
+def stripes_of(actor_args: Sequence[RankArgs]) -> dict[int, int]:
+    """Actor rank → the stripe its ``rank_args`` deal it (``"stripe": [s, K]``); empty for an unstriped topology."""
+    stripes: dict[int, int] = {}
+    for rank, args in enumerate(actor_args):
+        stripe = args.get("stripe")
+        if isinstance(stripe, list) and stripe and isinstance(stripe[0], int):
+            stripes[rank] = stripe[0]
+    return stripes
 
 
 def disowning(held: list[tuple[int, dict[str, str]]], disowned: set[int]) -> LoadVerificationError | None:

@@ -27,6 +27,7 @@ from weightsync.core.pipeline.staging import SendStaging, Upload
 from weightsync.core.pipeline.trace import Tracer
 from weightsync.core.transports.device import AcceleratorOps
 from weightsync.core.transports.settings import EngineSettings
+from weightsync.core.transports.stripes import stripe_of
 from weightsync.core.transports.transport import NO_SLOT, DevicePolicy, SenderTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.digest import UpdateDigest
@@ -60,7 +61,14 @@ class Sending:
     deadline: float
     delta: DeltaUpdate | None
     """This update's delta bookkeeping, or None when the sender keeps no version."""
+    stripe: int = 0
+    stripes: int = 1
+    """This sender sends stripe ``stripe`` of ``stripes`` (:mod:`weightsync.core.transports.stripes`): it plans every
+    bucket (the stream is drained whole) and packs and publishes only its stripe's."""
     buckets: int = 0
+    """Buckets planned so far (every stripe's): the next bucket's index."""
+    planned: int = 0
+    """Tensors planned so far (every stripe's)."""
     nbytes: int = 0
     tensors: int = 0
     wire: int = 0
@@ -115,10 +123,13 @@ class SendPipeline:
         return self.delta.begin()
 
     async def send(self, transport: SenderTransport, weights: Iterable[object], *, epoch: str, version: int,
-                   started: float) -> TransferReport:
+                   started: float, stripe: tuple[int, int] = (0, 1)) -> TransferReport:
+        """Send one update; ``stripe``: (s, K), this sender's stripe of K (one sender of everything: (0, 1))."""
         digest = self.policy.new_digest()
         sending = Sending(transport, epoch, version, self.settings.context.rank, digest,
-                          time.monotonic() + self.settings.timeout, self.delta_update(transport, digest))
+                          time.monotonic() + self.settings.timeout,
+                          self.delta_update(transport, digest) if stripe[1] == 1 else None,
+                          stripe=stripe[0], stripes=stripe[1])
         in_flight: dict[int, asyncio.Future[float]] = {}
         try:
             await self._buckets(sending, weights, in_flight)
@@ -140,11 +151,15 @@ class SendPipeline:
         staging_begun = False
         for bucket in plan_buckets(weights, bucket_bytes=self.settings.bucket_bytes, devices=self.devices):
             index = sending.buckets
+            sending.planned += bucket.completed
+            if stripe_of(index, sending.stripes) != sending.stripe:  # another sender's
+                sending.buckets = index + 1
+                continue
             self.tracer.span("plan", index, planned, time.perf_counter())
             if bucket.on_device and not staging_begun and transport.buffer(0).is_cpu:
                 self.begin_staging(bucket)
                 staging_begun = True
-            slot = index % transport.slots
+            slot = (index // sending.stripes) % transport.slots
             previous = in_flight.pop(slot, None)
             if previous is not None:
                 await previous
@@ -155,7 +170,7 @@ class SendPipeline:
             sending.buckets, sending.wire = index + 1, sending.wire + length
             sending.nbytes, sending.tensors = sending.nbytes + bucket.payload_bytes, sending.tensors + bucket.completed
             planned = time.perf_counter()
-        if sending.tensors == 0:
+        if sending.planned == 0:
             raise WeightStreamError("the weights stream was empty: an update must carry at least one tensor")
 
     async def _final(self, sending: Sending, in_flight: dict[int, asyncio.Future[float]]) -> str:

@@ -19,7 +19,7 @@ import torch
 
 from weightsync.core.wire.tensors import memoryview_at, memoryview_of
 
-__all__ = ["UpdateDigest"]
+__all__ = ["StripedDigest", "UpdateDigest", "combine_stripes"]
 
 
 class UpdateDigest:
@@ -52,3 +52,45 @@ class UpdateDigest:
         """The digest host bytes are folded into: this one, or, for a digest that stages device buckets to the host
         first, the host digest inside it (a bucket packed from host bytes is hashed there, never staged back)."""
         return self
+
+
+def combine_stripes(digests: list[str]) -> str:
+    """The digest of an update dealt into ``len(digests)`` stripes, from each stripe's digest in stripe order (one
+    stripe: its own digest, so a one-stripe update's digest is the unstriped one)."""
+    if len(digests) == 1:
+        return digests[0]
+    combined = xxhash.xxh3_128()
+    combined.update(f"weightsync stripes {len(digests)}".encode())
+    for digest in digests:
+        combined.update(bytes.fromhex(digest))
+    return str(combined.hexdigest())
+
+
+class StripedDigest(UpdateDigest):
+    """The digest of an update whose buckets are dealt into ``stripes`` stripes (bucket i in stripe i mod K), each
+    sent by a sender of its own that folds only its stripe's buckets. A receiver, which gets every bucket in bucket
+    order, folds each into its stripe's digest (buckets are begun in bucket order: the n-th begun is bucket n);
+    ``hexdigest`` is :func:`combine_stripes` of the stripes' digests, what the senders' digests combine to."""
+
+    def __init__(self, stripes: int) -> None:
+        super().__init__()
+        self._parts = [UpdateDigest() for _ in range(stripes)]
+        self._begun = 0
+        self._current = self._parts[0]
+
+    def _next(self) -> UpdateDigest:
+        self._current = self._parts[self._begun % len(self._parts)]
+        self._begun += 1
+        return self._current
+
+    def begin_bucket(self, table: bytes, nbytes: int) -> None:
+        self._next().begin_bucket(table, nbytes)
+
+    def update_at(self, address: int, nbytes: int) -> None:
+        self._current.update_at(address, nbytes)
+
+    def update_bucket(self, table: bytes, payload: torch.Tensor) -> None:
+        self._next().update_bucket(table, payload)
+
+    def hexdigest(self) -> str:
+        return combine_stripes([part.hexdigest() for part in self._parts])

@@ -1,0 +1,96 @@
+"""Stripes: an update's buckets dealt over K senders, each on a rail of its own, and read back in bucket order.
+
+Bucket i of an update belongs to stripe i mod K. Stripe s is sent by a sender of its own (an actor rank on rail s
+of the sender's host) that packs, hashes and publishes only its stripe's buckets, then a final header of its own:
+its stripe's digest, and the update's bucket count N. A receiver reads the stripes from K sources (its own stripe
+over its rail, the host's other stripes in place from the workers that lead them) through :class:`StripedReceiver`,
+which hands the pipeline one stream: every bucket in bucket order, then one final header whose digest combines
+the stripes' (:func:`~weightsync.core.wire.digest.combine_stripes`), which the receiver's
+:class:`~weightsync.core.wire.digest.StripedDigest` computes from the bytes it read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from weightsync.api.errors import WireError
+from weightsync.core.transports.transport import ReceivedBucket, ReceiverTransport
+from weightsync.core.wire import codec
+from weightsync.core.wire.digest import combine_stripes
+
+__all__ = ["StripedReceiver", "stripe_of"]
+
+
+def stripe_of(index: int, stripes: int) -> int:
+    """The stripe bucket ``index`` belongs to."""
+    return index % stripes
+
+
+class StripedReceiver:
+    """One ``ReceiverTransport`` over K stripe sources (``sources[s]`` yields stripe s's buckets in order, then its
+    final header or an abort): bucket i is taken from source i mod K.
+
+    Tokens: a bucket of source s with token t is handed out as ``(t - 1) * K + s + 1`` (positive, and unique while
+    held, as each source's are), and released to source s as t, so each source sees its releases in its own order
+    (the transport rules). An abort from any source is handed on as it is. A final header ends the update only when
+    every source has sent one: all must name the same bucket count N, equal to the buckets read, and the header
+    handed on carries the combined digest and N.
+    """
+
+    def __init__(self, sources: Sequence[ReceiverTransport], *, epoch: str) -> None:
+        if not sources:
+            raise ValueError("a striped receiver needs at least one source")
+        self._sources = list(sources)
+        self._epoch = epoch
+        self.capacity = max(source.capacity for source in self._sources)
+        self._next = 0
+        """Index of the next bucket: it comes from source ``_next mod K``."""
+
+    @property
+    def stripes(self) -> int:
+        return len(self._sources)
+
+    def receive(self, deadline: float) -> ReceivedBucket:
+        stripes = len(self._sources)
+        stripe = stripe_of(self._next, stripes)
+        received = self._sources[stripe].receive(deadline)
+        if received.token != 0:
+            self._next += 1
+            return ReceivedBucket(received.header, received.payload, (received.token - 1) * stripes + stripe + 1)
+        header = self._decode(received.header)
+        if header.abort or not header.final:
+            return received
+        finals = {stripe: header}
+        for other in range(stripes):
+            if other == stripe:
+                continue
+            marker = self._sources[other].receive(deadline)
+            if marker.token != 0:
+                raise WireError(f"stripe {other} sent a bucket after stripe {stripe} ended the update at bucket "
+                                f"{self._next}")
+            decoded = self._decode(marker.header)
+            if decoded.abort or not decoded.final:
+                return marker
+            finals[other] = decoded
+        counts = {final.index for final in finals.values()}
+        if counts != {self._next}:
+            raise WireError(f"the stripes' final headers name {sorted(counts)} buckets, {self._next} arrived")
+        combined = combine_stripes([finals[s].digest for s in range(stripes)])
+        return ReceivedBucket(codec.encode(msgspec.structs.replace(finals[0], digest=combined)),
+                              received.payload[:0], 0)
+
+    def _decode(self, header: bytes) -> codec.BucketHeader:
+        decoded, _ = codec.decode_bucket(header, epoch=self._epoch, capacity=self.capacity)
+        return decoded
+
+    def release(self, token: int) -> None:
+        if token == 0:
+            return
+        stripes = len(self._sources)
+        self._sources[(token - 1) % stripes].release((token - 1) // stripes + 1)
+
+    def close(self) -> None:
+        for source in self._sources:
+            source.close()
