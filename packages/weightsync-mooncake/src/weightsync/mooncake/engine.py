@@ -117,7 +117,7 @@ class MooncakeTransport(ChainTransport):
     def make_ring(self) -> RegisteredRing:
         settings = self.settings
         return MooncakeRing(slots=settings.slots, slot_bytes=settings.bucket_bytes, device=self.ring_device,
-                            host=settings.context.host_ip, protocol=self.protocol)
+                            host=settings.rail_address, protocol=self.protocol)
 
 
 MooncakeCheckpointEngine = engine_class(MooncakeTransport)

@@ -255,7 +255,7 @@ class TcpTransport(ChainTransport):
 
     def make_ring(self) -> RegisteredRing:
         return TcpRing(slots=self.settings.slots, slot_bytes=self.settings.bucket_bytes, device=self.ring_device,
-                       host_ip=self.settings.context.host_ip)
+                       host_ip=self.settings.rail_address)
 
 
 TcpCheckpointEngine = engine_class(TcpTransport)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import abc
 import socket
+import threading
 import time
 from typing import ClassVar
 
@@ -57,6 +58,7 @@ from weightsync.core.transports.device import AcceleratorOps, AcceleratorPolicy,
 from weightsync.core.transports.hostring import HostRingReader, map_upstream_ring
 from weightsync.core.transports.rings import HOST_SHARED, BucketReady, RegisteredRing, RemoteRing, RingEndpoint, decode_ring
 from weightsync.core.transports.settings import EngineSettings
+from weightsync.core.transports.stripes import StripedReceiver, striped_topology
 from weightsync.core.transports.transport import HOST_POLICY, DevicePolicy, Transport
 from weightsync.core.wire.framing import accept_peers, recv_frame, send_frame
 
@@ -83,7 +85,8 @@ class ChainTransport(Transport):
     """
 
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
-    option_names: ClassVar[frozenset[str]] = frozenset({"fanout", "device", "layout", "relay_piece_bytes"})
+    option_names: ClassVar[frozenset[str]] = frozenset({"fanout", "device", "layout", "relay_piece_bytes",
+                                                        "stripes"})
     library: ClassVar[str]
 
     def __init__(self, settings: EngineSettings) -> None:
@@ -103,11 +106,18 @@ class ChainTransport(Transport):
         if layout == "two_level" and device != "cpu":
             raise ConfigError(f"{self.name}: layout='two_level' shares a host ring between the workers of a host; "
                               f"it needs device='cpu' (tensors on any device are staged through it)")
+        stripes = settings.options.get("stripes", 1)
+        if stripes != "rails" and (isinstance(stripes, bool) or not isinstance(stripes, int) or stripes < 1):
+            raise ConfigError(f"{self.name}: stripes must be an int >= 1 or 'rails' (as many as the rails allow), "
+                              f"got {stripes!r}")
+        if stripes != 1 and layout != "two_level":
+            raise ConfigError(f"{self.name}: stripes need layout='two_level' (a stripe's leaders are per host)")
         piece = settings.options.get("relay_piece_bytes", RELAY_PIECE_BYTES)
         if isinstance(piece, bool) or not isinstance(piece, int) or piece < 4096:
             raise ConfigError(f"{self.name}: relay_piece_bytes must be an int >= 4096, got {piece!r}")
         self.fanout: int = fanout
         self.layout: str = layout
+        self.stripes: int | str = stripes
         self.relay_piece_bytes: int = piece
         # A two-level ring is a shared segment: the other workers of this host may read it in place.
         self.ring_device: str = HOST_SHARED if layout == "two_level" else device
@@ -128,7 +138,8 @@ class ChainTransport(Transport):
     # -- step 1 --------------------------------------------------------------------------------------------------------
 
     def _serves(self) -> bool:
-        return self.settings.context.role == "rollout" or self.settings.context.rank == 0
+        """Rollout workers and actor rank 0 serve; with stripes every actor rank may send one."""
+        return self.settings.context.role == "rollout" or self.settings.context.rank == 0 or self.stripes != 1
 
     def prepare(self) -> WorkerMetadata:
         if not self._serves():
@@ -138,11 +149,12 @@ class ChainTransport(Transport):
         if self._listener is None:
             listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((self.settings.context.host_ip, 0))
+            listener.bind((self.settings.rail_address, 0))
             listener.listen(64)
             self._listener = listener
         host, port = self._listener.getsockname()[:2]
-        return {"address": f"{host}:{port}", "fanout": self.fanout, "layout": self.layout, "library": self.library}
+        return {"address": f"{host}:{port}", "fanout": self.fanout, "layout": self.layout, "library": self.library,
+                "stripes": self.stripes}
 
     def release(self) -> None:
         if self._listener is not None:
@@ -178,6 +190,10 @@ class ChainTransport(Transport):
             raise TopologyError(f"{cls.name}: actor rank 0 advertised fanout {fanout!r}")
         if layout not in LAYOUTS:
             raise TopologyError(f"{cls.name}: actor rank 0 advertised layout {layout!r}")
+        if layout == "two_level" and workers[0].get("stripes", 1) != 1:
+            striped = striped_topology(cls.library, metadata, fanout=fanout, addresses=addresses[1:])
+            if striped is not None:
+                return striped
         plan = plan_positions(nodes=[str(worker.get("node_id")) for worker in workers], fanout=fanout,
                               layout=str(layout))
         def in_place(position: int) -> list[JsonValue]:
@@ -212,7 +228,9 @@ class ChainTransport(Transport):
         downstream = self._accept_children(ring, rank_args, epoch)
         return ChainSender(ring, downstream)
 
-    def connect_receiver(self, rank_args: RankArgs) -> ChainReceiver | HostRingReader:
+    def connect_receiver(self, rank_args: RankArgs) -> ChainReceiver | HostRingReader | StripedReceiver:
+        if isinstance(rank_args.get("sources"), list):
+            return self._connect_stripes(rank_args)
         epoch = str(rank_args["epoch"])
         address, rank, upstream_position = (rank_args.get("upstream"), rank_args.get("rank"),
                                             rank_args.get("upstream_position"))
@@ -224,6 +242,18 @@ class ChainTransport(Transport):
         if rank_args.get("local") is True:
             return self._connect_in_place(address, peer=peer, rank=rank, epoch=epoch, deadline=deadline)
         ring = self._ready_ring()
+        upstream = self._connect_upstream(ring, address, peer=peer, rank=rank, epoch=epoch, deadline=deadline)
+        try:
+            downstream = self._accept_children(ring, rank_args, epoch)
+        except BaseException:
+            upstream.close()
+            raise
+        return ChainReceiver(ring=ring, upstream=upstream, downstream=downstream, epoch=epoch, rank=rank,
+                             piece_bytes=self.relay_piece_bytes)
+
+    def _connect_upstream(self, ring: RegisteredRing, address: str, *, peer: str, rank: int, epoch: str,
+                          deadline: float) -> Upstream:
+        """The connection to an upstream on another host: the hello, its ring's endpoint, the ring opened."""
         sock = _connect(address, deadline=deadline, peer=peer)
         remote: RemoteRing | None = None
         try:
@@ -232,14 +262,54 @@ class ChainTransport(Transport):
             endpoint = decode_ring(recv_frame(sock, deadline=deadline, peer=peer, max_len=MAX_CONTROL_FRAME),
                                    epoch=epoch, library=self.library, peer=peer)
             remote = ring.open(endpoint, peer=peer)
-            downstream = self._accept_children(ring, rank_args, epoch)
         except BaseException:
             sock.close()
             if remote is not None:
                 remote.close()
             raise
-        return ChainReceiver(ring=ring, upstream=Upstream(sock, peer, remote, endpoint), downstream=downstream,
-                              epoch=epoch, rank=rank, piece_bytes=self.relay_piece_bytes)
+        return Upstream(sock, peer, remote, endpoint)
+
+    def _connect_stripes(self, rank_args: RankArgs) -> StripedReceiver:
+        """A receiver of a striped update: every stripe's source (``rank_args["sources"]``, one per stripe) — over
+        the network for the stripe it leads (its rail's), in place from the host's leader for every other. Its
+        children are accepted while it connects: two workers of a host each lead a stripe the other reads in place,
+        so each must answer the other's hello before its own connections are done."""
+        epoch, rank, listed = str(rank_args["epoch"]), rank_args.get("rank"), rank_args.get("sources")
+        listed = listed if isinstance(listed, list) else []
+        sources = [source for source in listed if isinstance(source, dict)]
+        if not isinstance(rank, int) or not sources or len(sources) != len(listed):
+            raise TopologyError(f"{self.name}: striped receiver rank_args need rank and sources, got {rank_args}")
+        deadline = time.monotonic() + self.settings.timeout
+        leading = [stripe for stripe, source in enumerate(sources) if source.get("local") is not True]
+        if len(leading) > 1:
+            raise TopologyError(f"{self.name}: rollout rank {rank} leads stripes {leading}; a worker leads one")
+        accepting = _Accepting(self, leading, sources, epoch)
+        opened: list[ChainReceiver | HostRingReader] = []
+        try:
+            for stripe, source in enumerate(sources):
+                address, upstream_position, peer = (source.get("upstream"), source.get("upstream_position"),
+                                                    str(source.get("peer", f"stripe {stripe}'s upstream")))
+                if not isinstance(address, str) or not isinstance(upstream_position, int):
+                    raise TopologyError(f"{self.name}: stripe {stripe}'s source needs upstream and upstream_position")
+                if stripe not in leading:
+                    opened.append(self._connect_in_place(address, peer=peer, rank=rank, epoch=epoch,
+                                                         deadline=deadline))
+                    continue
+                ring = self._ready_ring()
+                upstream = self._connect_upstream(ring, address, peer=peer, rank=rank, epoch=epoch, deadline=deadline)
+                try:
+                    downstream = accepting.result(deadline)
+                except BaseException:
+                    upstream.close()
+                    raise
+                opened.append(ChainReceiver(ring=ring, upstream=upstream, downstream=downstream, epoch=epoch,
+                                            rank=rank, piece_bytes=self.relay_piece_bytes))
+        except BaseException:
+            for receiver in opened:
+                receiver.close()
+            accepting.close()
+            raise
+        return StripedReceiver(opened, epoch=epoch)
 
     def _connect_in_place(self, address: str, *, peer: str, rank: int, epoch: str, deadline: float
                           ) -> HostRingReader:
@@ -273,6 +343,44 @@ class ChainTransport(Transport):
         in_place = frozenset(position_name(p) for p in (listed if isinstance(listed, list) else [])
                              if isinstance(p, int))
         return Downstream([(position_name(p), sock) for p, sock in zip(positions, socks)], epoch, in_place=in_place)
+
+
+class _Accepting:
+    """A striped receiver's children (of the stripe it leads, if any), accepted on a thread of their own."""
+
+    def __init__(self, transport: ChainTransport, leading: list[int], sources: list[dict[str, JsonValue]],
+                 epoch: str) -> None:
+        self._downstream: Downstream | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if not leading:
+            return
+        args: RankArgs = dict(sources[leading[0]])
+        ring = transport._ready_ring()
+
+        def accept() -> None:
+            try:
+                self._downstream = transport._accept_children(ring, args, epoch)
+            except BaseException as exc:  # noqa: BLE001 - raised on the connecting thread (``result``)
+                self._error = exc
+
+        self._thread = threading.Thread(target=accept, name="ws-chain-accept", daemon=True)
+        self._thread.start()
+
+    def result(self, deadline: float) -> Downstream:
+        if self._thread is not None:
+            self._thread.join(max(deadline - time.monotonic(), 0.0) + 1.0)
+        if self._error is not None:
+            raise self._error
+        if self._downstream is None:
+            raise TopologyError("the stripe's children were not all accepted in time")
+        return self._downstream
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join(1.0)
+        if self._downstream is not None:
+            self._downstream.close()
 
 
 def _connect(address: str, *, deadline: float, peer: str) -> socket.socket:

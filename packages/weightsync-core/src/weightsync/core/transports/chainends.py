@@ -120,6 +120,10 @@ class Upstream:
     remote: RemoteRing
     ring: RingEndpoint
 
+    def close(self) -> None:
+        self.sock.close()
+        self.remote.close()
+
 
 class ChainReceiver:
     """``ReceiverTransport`` of a rollout position: read from upstream into the local ring, forward, hand over."""

@@ -11,13 +11,18 @@ the order their hosts first appear), so each byte crosses every link once: the s
 out, every other host's link one model in and at most ``fanout`` out. Every other worker of a host reads its
 leader's ring in place, through shared memory (``local``): the leader's receive buffer is its host's ring, no
 library transfer and no extra copy. Host identity is the workers' ``node_id`` (a Ray node, a testbed host).
+
+Striped (``two_level`` with K > 1 stripes, :mod:`weightsync.core.transports.stripes`): each stripe has a two-level
+plan of its own (:func:`plan_stripe`). Its sender is the sender host's actor rank on rail s; on every other host
+its leader is the first worker on rail s, which reads the stripe over that rail; every other worker of the host
+reads each stripe in place from that stripe's leader. So each rail of every host carries 1/K of the model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LAYOUTS", "ChainPlan", "chain_positions", "plan_positions", "position_name"]
+__all__ = ["LAYOUTS", "ChainPlan", "chain_positions", "plan_positions", "plan_stripe", "position_name", "stripe_count"]
 
 LAYOUTS = ("chain", "two_level")
 
@@ -54,6 +59,34 @@ def plan_positions(*, nodes: list[str], fanout: int, layout: str) -> ChainPlan:
     leader_of: dict[str, int] = {}
     for position, node in enumerate(nodes):
         leader_of.setdefault(node, position)  # the sender leads its host; elsewhere the first rollout rank
+    return _two_level(nodes, fanout, leader_of)
+
+
+def plan_stripe(*, nodes: list[str], rails: list[int], stripe: int, fanout: int) -> ChainPlan:
+    """Stripe ``stripe``'s two-level plan: position 0 is the stripe's sender, and on every other host the leader
+    is its first rollout rank on rail ``stripe`` (``rails[p]``), which reads the stripe over that rail; the host's
+    other workers read the leader's ring in place."""
+    leader_of: dict[str, int] = {nodes[0]: 0}
+    for position in range(1, len(nodes)):
+        if rails[position] == stripe:
+            leader_of.setdefault(nodes[position], position)
+    for position in range(1, len(nodes)):
+        leader_of.setdefault(nodes[position], position)  # a host without that rail: its first worker leads
+    return _two_level(nodes, fanout, leader_of)
+
+
+def stripe_count(*, sender_rails: list[int], host_rails: list[list[int]], limit: int | None = None) -> int:
+    """How many stripes a two-level update can use: the largest K for which rails 0..K-1 each have an actor rank on
+    the sender's host (``sender_rails``) and a worker on every receiving host (``host_rails``, one list per host);
+    at most ``limit``. One where any host has a single rail (today's two-level layout)."""
+    count = 1
+    while (limit is None or count < limit) and count in sender_rails and all(count in rails for rails in host_rails):
+        count += 1
+    return count
+
+
+def _two_level(nodes: list[str], fanout: int, leader_of: dict[str, int]) -> ChainPlan:
+    count = len(nodes)
     leaders = sorted(set(leader_of.values()))
     upstream = [-1] * count
     local = [False] * count

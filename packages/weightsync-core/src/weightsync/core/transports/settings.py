@@ -130,6 +130,12 @@ class EngineSettings:
         }
 
     @property
+    def rail_address(self) -> str:
+        """Where this worker's weight traffic goes out and comes in: its rail's address (``local_rail``), its
+        ``host_ip`` on a host of one rail."""
+        return str(local_rail(self.context.host_ip)["rail_address"])
+
+    @property
     def self_name(self) -> str:
         return f"{self.context.role} rank {self.context.rank}"
 

@@ -15,12 +15,14 @@ from collections.abc import Sequence
 
 import msgspec
 
-from weightsync.api.errors import WireError
+from weightsync.api.errors import TopologyError, WireError
+from weightsync.api.types import JsonValue, RankArgs, Topology, WorkerMetadata, WorldMetadata
+from weightsync.core.transports.chaintopology import plan_stripe, stripe_count
 from weightsync.core.transports.transport import ReceivedBucket, ReceiverTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.digest import combine_stripes
 
-__all__ = ["StripedReceiver", "stripe_of"]
+__all__ = ["StripedReceiver", "stripe_of", "striped_topology"]
 
 
 def stripe_of(index: int, stripes: int) -> int:
@@ -94,3 +96,59 @@ class StripedReceiver:
     def close(self) -> None:
         for source in self._sources:
             source.close()
+
+
+def _where(worker: WorkerMetadata) -> tuple[str, int]:
+    rail = worker.get("rail", 0)
+    return str(worker.get("node_id")), rail if isinstance(rail, int) and not isinstance(rail, bool) else 0
+
+
+def striped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addresses: list[str]) -> Topology | None:
+    """The two-level chain dealt into stripes over the rails the workers report (``rail``), or None where only one
+    stripe fits (a host with one rail, or one actor rank on the sender's host). ``addresses``: each rollout rank's
+    endpoint; actor rank 0's ``stripes`` option is the most stripes wanted (``"rails"``: as many as fit).
+
+    Stripe s: its sender is the sender host's first actor rank on rail s, its plan :func:`plan_stripe`'s. A rollout
+    rank's ``rank_args["sources"]`` has one entry per stripe (its upstream, and for the stripe it leads its
+    children); an actor rank's ``stripe`` is [s, K]."""
+    actor, rollout = list(metadata.actor), list(metadata.rollout)
+    sender_node = _where(actor[0])[0]
+    wanted = actor[0].get("stripes", 1)
+    limit = None if wanted == "rails" else wanted if isinstance(wanted, int) else 1
+    hosts: dict[str, list[int]] = {}
+    for worker in rollout:
+        node, rail = _where(worker)
+        if node != sender_node:
+            hosts.setdefault(node, []).append(rail)
+    sender_rails = [_where(worker)[1] for worker in actor if _where(worker)[0] == sender_node]
+    count = stripe_count(sender_rails=sender_rails, host_rails=list(hosts.values()), limit=limit)
+    if count == 1 or not hosts:
+        return None
+    senders = [next(rank for rank, worker in enumerate(actor) if _where(worker) == (sender_node, stripe))
+               for stripe in range(count)]
+    for rank in senders:
+        if not isinstance(actor[rank].get("address"), str) or actor[rank].get("library") != library:
+            raise TopologyError(f"actor rank {rank} sends a stripe but did not advertise a {library} endpoint")
+    nodes = [sender_node, *(_where(worker)[0] for worker in rollout)]
+    rails = [0, *(_where(worker)[1] for worker in rollout)]
+    actor_args: list[RankArgs] = [{"role": "idle", "sender": senders[0]} for _ in actor]
+    sources: list[list[JsonValue]] = [[] for _ in rollout]
+    for stripe, sender in enumerate(senders):
+        plan = plan_stripe(nodes=nodes, rails=rails, stripe=stripe, fanout=fanout)
+        where = [str(actor[sender]["address"]), *addresses]
+
+        def in_place(position: int) -> list[JsonValue]:
+            return [child for child in plan.children[position] if plan.local[child]]  # noqa: B023 - used at once
+
+        actor_args[sender] = {"role": "sender", "sender": sender, "stripe": [stripe, count],
+                              "children": list(plan.children[0]), "in_place": in_place(0)}
+        for position in range(1, len(nodes)):
+            upstream = plan.upstream[position]
+            sources[position - 1].append({
+                "upstream": where[upstream], "upstream_position": upstream, "local": plan.local[position],
+                "children": list(plan.children[position]), "in_place": in_place(position),
+                "peer": f"actor rank {sender}" if upstream == 0 else f"rollout rank {upstream - 1}",
+            })
+    rollout_args: list[RankArgs] = [{"role": "receiver", "sender": senders[0], "rank": rank, "stripes": count,
+                                     "sources": mine} for rank, mine in enumerate(sources)]
+    return Topology(actor=actor_args, rollout=rollout_args, senders=tuple(senders))
