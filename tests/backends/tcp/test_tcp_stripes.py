@@ -62,7 +62,10 @@ def test_two_stripes_over_two_rails_arrive_whole_at_every_worker(stripes: Any) -
             metadata=WorldMetadata(actor=metadata[:len(actors)], rollout=metadata[len(actors):]))
         count = 2 if stripes == "rails" else 1
         assert len(topology.senders) == count
-        results = _in_threads([lambda e=engine, a=args: e.init_process_group(rank_args={**a, "epoch": "e1"})
+        def joining(engine: Any, args: dict[str, Any]) -> Callable[[], Any]:
+            return lambda: engine.init_process_group(rank_args={**args, "epoch": "e1"})
+
+        results = _in_threads([joining(engine, dict(args))
                                for engine, args in zip(engines, [*topology.actor, *topology.rollout])])
         assert not [r for r in results if isinstance(r, BaseException)], results
         weights = case_tensors("mixed", 1, BUCKET)
