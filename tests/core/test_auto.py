@@ -54,9 +54,10 @@ def test_nothing_crosses_hosts() -> None:
 def test_describe_rule() -> None:
     assert describe_rule(installed("shm", "nixl", "tcp"), rdma=False) == (
         "auto picks shm when every worker shares the sender's host, tcp (two-level) across hosts without RDMA "
-        "devices")
+        "devices; a chain in one stripe per rail where every host has several")
     assert describe_rule(installed("shm", "nixl", "tcp"), rdma=True).endswith(
-        "nixl (two-level) across hosts with RDMA devices")
+        "nixl (two-level) across hosts with RDMA devices; a chain in one stripe per rail where every host has several")
+    assert describe_rule(installed("shm", "gloo"), rdma=False).endswith("gloo across hosts without RDMA devices")
     assert "nothing (no network backend available)" in describe_rule(installed("shm"))
 
 
@@ -67,3 +68,23 @@ def test_has_rdma_reads_the_kernels_device_class(tmp_path: Path) -> None:
     assert not has_rdma(str(tmp_path))
     (tmp_path / "mlx5_0").mkdir()
     assert has_rdma(str(tmp_path))
+
+
+@pytest.mark.parametrize("sender_rails, rollout_rails, stripes", [
+    ([0, 1], [0, 1, 0, 1], 2),
+    ([0, 1, 2, 3], [0, 1, 2, 3, 0, 1], 2),  # host c has two rails' workers: two stripes
+    ([0], [0, 1, 0, 1], 1),  # one actor rank on the sender's host: one sender
+    ([0, 1], [0, 0, 0, 1], 1),  # host b's workers are all on rail 0
+    ([0, 1], None, 1),  # workers that report no rail: rail 0
+])
+def test_several_rails_everywhere_deal_the_update_into_stripes(
+        sender_rails: list[int], rollout_rails: list[int] | None, stripes: int) -> None:
+    nodes = ["b", "b", "c", "c"] if rollout_rails is None or len(rollout_rails) == 4 else ["b"] * 4 + ["c"] * 2
+    choice = choose(sender_node="a", rollout_nodes=nodes, available=installed("shm", "tcp"),
+                    sender_rails=sender_rails, rollout_rails=rollout_rails)
+    assert choice.options.get("stripes", 1) == stripes
+    if stripes > 1:
+        assert choice.name == f"tcp (two-level, {stripes} stripes)"
+        assert f"dealt into {stripes} stripes, one per rail" in choice.reason
+    else:
+        assert choice.name == "tcp (two-level)" and "stripes" not in choice.reason

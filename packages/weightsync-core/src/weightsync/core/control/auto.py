@@ -7,8 +7,13 @@
   worker's host has an RDMA device, ``RDMA_ORDER`` (nixl, whose UCX then bypasses the kernel, first); elsewhere
   ``TCP_ORDER`` (the plain-socket ``tcp`` chain first: UCX would fall back to TCP too, for more CPU per byte).
 
-Where the workers are comes from a ``ping`` of each (its ``node_id``, and whether its host has an RDMA device), so
-the choice needs no engine. It is made again whenever the topology is rebuilt (membership changed, or the last
+Where a chain backend is picked and every host has several rails (NICs for weight traffic, ``rail`` in each
+worker's ping), the update is dealt into stripes, one per rail (``stripes``: see
+:mod:`weightsync.core.transports.stripes`): as many as there are rails 0..K-1 with an actor rank on the sender's
+host and a worker on every receiving host; one rail anywhere keeps the plain two-level layout.
+
+Where the workers are comes from a ``ping`` of each (its ``node_id``, its ``rail``, and whether its host has an RDMA
+device), so the choice needs no engine. It is made again whenever the topology is rebuilt (membership changed, or the last
 update failed): replicas added on another host turn ``shm`` into the two-level chain. ``backend_options`` go to
 whichever backend is chosen.
 """
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 from weightsync.api.errors import BackendUnavailableError
 from weightsync.api.registry import KNOWN_BACKENDS, available_backends
 from weightsync.api.types import JsonValue
+from weightsync.core.transports.chaintopology import stripe_count
 
 __all__ = [
     "AUTO", "RDMA_ORDER", "TCP_ORDER", "AutoChoice", "choose", "describe_rule", "has_rdma",
@@ -63,14 +69,20 @@ class AutoChoice:
 
     @property
     def name(self) -> str:
-        """What reports show: the backend, and its layout when not the default (``"nixl (two-level)"``)."""
-        return f"{self.backend} (two-level)" if self.options.get("layout") == "two_level" else self.backend
+        """What reports show: the backend, and its layout when not the default (``"nixl (two-level)"``,
+        ``"tcp (two-level, 2 stripes)"``)."""
+        if self.options.get("layout") != "two_level":
+            return self.backend
+        stripes = self.options.get("stripes", 1)
+        return f"{self.backend} (two-level, {stripes} stripes)" if stripes != 1 else f"{self.backend} (two-level)"
 
 
 def choose(*, sender_node: str, rollout_nodes: Sequence[str], rdma: bool = False,
-           available: Callable[[], Sequence[str]] = available_backends) -> AutoChoice:
+           available: Callable[[], Sequence[str]] = available_backends, sender_rails: Sequence[int] = (0,),
+           rollout_rails: Sequence[int] | None = None) -> AutoChoice:
     """The choice for a sender on ``sender_node`` and rollout workers on ``rollout_nodes``; ``rdma``: every
-    worker's host has an RDMA device."""
+    worker's host has an RDMA device; ``sender_rails``: the rails of the actor ranks on the sender's host,
+    ``rollout_rails``: each rollout worker's (None: all on rail 0)."""
     usable = set(available())
     hosts = len({sender_node, *rollout_nodes})
     if hosts == 1 and "shm" in usable:
@@ -80,12 +92,27 @@ def choose(*, sender_node: str, rollout_nodes: Sequence[str], rdma: bool = False
             options: dict[str, JsonValue] = {"layout": "two_level"} if name in _TWO_LEVEL else {}
             where = f"workers on {hosts} hosts" if hosts > 1 else "shm is not available"
             nics = "with RDMA devices" if rdma else "without RDMA devices on every host"
-            return AutoChoice(name, options, reason=f"{where}: the fastest network transport installed {nics}")
+            reason = f"{where}: the fastest network transport installed {nics}"
+            stripes = _stripes(sender_node, rollout_nodes, sender_rails, rollout_rails) if options else 1
+            if stripes > 1:
+                options["stripes"] = stripes
+                reason += (f"; dealt into {stripes} stripes, one per rail: rails 0..{stripes - 1} each have an actor "
+                           "rank on the sender's host and a worker on every receiving host")
+            return AutoChoice(name, options, reason=reason)
     wanted = ", ".join(f"{name} (pip install {KNOWN_BACKENDS[name]})" for name in network_order(rdma=rdma)
                        if name in KNOWN_BACKENDS)
     raise BackendUnavailableError(
         f"backend='auto' found workers on {hosts} hosts and no backend here that crosses hosts; install one of: "
         f"{wanted}", backend=AUTO, reason=f"no backend that crosses hosts; install one of: {wanted}")
+
+
+def _stripes(sender_node: str, rollout_nodes: Sequence[str], sender_rails: Sequence[int],
+             rollout_rails: Sequence[int] | None) -> int:
+    hosts: dict[str, list[int]] = {}
+    for node, rail in zip(rollout_nodes, rollout_rails or [0] * len(rollout_nodes)):
+        if node != sender_node:
+            hosts.setdefault(node, []).append(rail)
+    return stripe_count(sender_rails=list(sender_rails), host_rails=list(hosts.values())) if hosts else 1
 
 
 def describe_rule(available: Callable[[], Sequence[str]] = available_backends, *, rdma: bool | None = None) -> str:
@@ -98,5 +125,7 @@ def describe_rule(available: Callable[[], Sequence[str]] = available_backends, *
     across = next((AutoChoice(name, {"layout": "two_level"} if name in _TWO_LEVEL else {}).name
                    for name in order if name in usable), None)
     nics = "with" if rdma else "without"
+    striped = "; a chain in one stripe per rail where every host has several" if across and "two-level" in across \
+        else ""
     return (f"auto picks {one_host or 'nothing (no backend available)'} when every worker shares the sender's "
-            f"host, {across or 'nothing (no network backend available)'} across hosts {nics} RDMA devices")
+            f"host, {across or 'nothing (no network backend available)'} across hosts {nics} RDMA devices{striped}")
