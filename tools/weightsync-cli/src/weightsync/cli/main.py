@@ -104,6 +104,9 @@ def _add_bench(commands: Any) -> None:
                        help=f"with --hosts: each host's link rate in Gb/s, both ways (default {HOSTS_LINK_GBPS:g})")
     bench.add_argument("--rails", type=int, default=1, metavar="K",
                        help="with --hosts: K links per host (rails, each its own network at --link-gbps; default 1)")
+    bench.add_argument("--actor-ranks", type=int, default=0, metavar="A",
+                       help="with --hosts: actor ranks on the sender's host, local ranks 0..A-1, each on rail "
+                            "(rank mod --rails), each draining the whole stream (default: --rails)")
     bench.add_argument("--rtt-ms", type=float, default=0.0,
                        help="with --hosts: round-trip delay between hosts in ms (default 0; needs sch_netem)")
     bench.add_argument("--cleanup", action="store_true",
@@ -194,7 +197,7 @@ def _bench(args: argparse.Namespace) -> int:
         json_path=args.json_path, plot_path=args.plot_path, trace_path=args.trace_path,
         ray=args.ray and not args.hosts, ray_backend=args.ray_backend, hosts=args.hosts,
         link_gbps=args.link_gbps if args.link_gbps is not None else HOSTS_LINK_GBPS, rtt_ms=args.rtt_ms,
-        rails=args.rails,
+        rails=args.rails, actor_ranks=args.actor_ranks,
         delta=args.delta, verify_every=args.verify_every, staged=args.staged,
         **({"lr": args.lr} if args.lr is not None else {}),
     ))
@@ -212,8 +215,8 @@ def _bench_error(args: argparse.Namespace) -> str:
     if args.mix == "rl" and args.plot_path:
         return "--plot does not apply with --mix rl (its model is the decoder's, not a size to sweep)"
     if not args.hosts:
-        if args.link_gbps is not None or args.rtt_ms or args.rails != 1:
-            return "--link-gbps, --rails and --rtt-ms need --hosts"
+        if args.link_gbps is not None or args.rtt_ms or args.rails != 1 or args.actor_ranks:
+            return "--link-gbps, --rails, --actor-ranks and --rtt-ms need --hosts"
         return ""
     if args.hosts < 2:
         return "--hosts needs at least 2 hosts (a sender host and a receiving host)"
@@ -227,6 +230,8 @@ def _bench_error(args: argparse.Namespace) -> str:
 
     if not 1 <= args.rails <= MAX_RAILS:
         return f"--rails must be 1..{MAX_RAILS}"
+    if not 0 <= args.actor_ranks <= 16:
+        return "--actor-ranks must be 1..16"
     if args.rails > 1 and args.staged:
         return "--staged with --rails above 1 is not available yet (a host's stripe rings are not its staging area)"
     return ""

@@ -11,11 +11,14 @@ the stripes' (:func:`~weightsync.core.wire.digest.combine_stripes`), which the r
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from collections.abc import Sequence
 
 import msgspec
 
-from weightsync.api.errors import TopologyError, WireError
+from weightsync.api.errors import TopologyError, TransferError, WireError
 from weightsync.api.types import JsonValue, RankArgs, Topology, WorkerMetadata, WorldMetadata
 from weightsync.core.transports.chaintopology import plan_stripe, stripe_count
 from weightsync.core.transports.transport import ReceivedBucket, ReceiverTransport
@@ -34,6 +37,10 @@ class StripedReceiver:
     """One ``ReceiverTransport`` over K stripe sources (``sources[s]`` yields stripe s's buckets in order, then its
     final header or an abort): bucket i is taken from source i mod K.
 
+    Every source is read by a thread of its own (:class:`_Ahead`), from an update's first ``receive`` to its
+    marker: a chain source pulls its bytes inside ``receive``, so the stripes move at once, each over its rail, as
+    far ahead as its ring's slots allow (a slot comes back when the consumer releases it).
+
     Tokens: a bucket of source s with token t is handed out as ``(t - 1) * K + s + 1`` (positive, and unique while
     held, as each source's are), and released to source s as t, so each source sees its releases in its own order
     (the transport rules). An abort from any source is handed on as it is. A final header ends the update only when
@@ -45,10 +52,11 @@ class StripedReceiver:
         if not sources:
             raise ValueError("a striped receiver needs at least one source")
         self._sources = list(sources)
+        self._ahead = [_Ahead(source, stripe) for stripe, source in enumerate(self._sources)]
         self._epoch = epoch
         self.capacity = max(source.capacity for source in self._sources)
         self._next = 0
-        """Index of the next bucket: it comes from source ``_next mod K``."""
+        """Index of the next bucket of the update under way: it comes from source ``_next mod K``."""
 
     @property
     def stripes(self) -> int:
@@ -56,8 +64,11 @@ class StripedReceiver:
 
     def receive(self, deadline: float) -> ReceivedBucket:
         stripes = len(self._sources)
+        if self._next == 0:
+            for ahead in self._ahead:
+                ahead.start(deadline)
         stripe = stripe_of(self._next, stripes)
-        received = self._sources[stripe].receive(deadline)
+        received = self._ahead[stripe].get(deadline)
         if received.token != 0:
             self._next += 1
             return ReceivedBucket(received.header, received.payload, (received.token - 1) * stripes + stripe + 1)
@@ -68,7 +79,7 @@ class StripedReceiver:
         for other in range(stripes):
             if other == stripe:
                 continue
-            marker = self._sources[other].receive(deadline)
+            marker = self._ahead[other].get(deadline)
             if marker.token != 0:
                 raise WireError(f"stripe {other} sent a bucket after stripe {stripe} ended the update at bucket "
                                 f"{self._next}")
@@ -77,8 +88,9 @@ class StripedReceiver:
                 return marker
             finals[other] = decoded
         counts = {final.index for final in finals.values()}
-        if counts != {self._next}:
-            raise WireError(f"the stripes' final headers name {sorted(counts)} buckets, {self._next} arrived")
+        arrived, self._next = self._next, 0  # the next update starts at bucket 0, from stripe 0
+        if counts != {arrived}:
+            raise WireError(f"the stripes' final headers name {sorted(counts)} buckets, {arrived} arrived")
         combined = combine_stripes([finals[s].digest for s in range(stripes)])
         return ReceivedBucket(codec.encode(msgspec.structs.replace(finals[0], digest=combined)),
                               received.payload[:0], 0)
@@ -95,7 +107,52 @@ class StripedReceiver:
 
     def close(self) -> None:
         for source in self._sources:
-            source.close()
+            source.close()  # a reading thread blocked in it fails now, and ends
+        for ahead in self._ahead:
+            ahead.join(5.0)
+
+
+class _Ahead:
+    """One stripe's reading thread for one update: ``receive`` on its source until the marker, into a queue."""
+
+    def __init__(self, source: ReceiverTransport, stripe: int) -> None:
+        self._source, self._stripe = source, stripe
+        self._queue: queue.SimpleQueue[ReceivedBucket | BaseException] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def start(self, deadline: float) -> None:
+        if self._thread is not None:  # the last update's reader ends at its marker, which the pipeline reads
+            self._thread.join(max(deadline - time.monotonic(), 0.0))
+            if self._thread.is_alive():
+                raise TransferError(f"stripe {self._stripe} is still reading the last update",
+                                    peer=f"stripe {self._stripe}")
+        self._thread = threading.Thread(target=self._read, args=(deadline,), daemon=True,
+                                        name=f"ws-stripe{self._stripe}")
+        self._thread.start()
+
+    def _read(self, deadline: float) -> None:
+        try:
+            while True:
+                received = self._source.receive(deadline)
+                self._queue.put(received)
+                if received.token == 0:
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer's receive, which raises it
+            self._queue.put(exc)
+
+    def get(self, deadline: float) -> ReceivedBucket:
+        try:
+            item = self._queue.get(timeout=max(deadline - time.monotonic(), 0.0) + 1.0)
+        except queue.Empty:
+            raise TransferError(f"stripe {self._stripe} delivered nothing before the deadline",
+                                peer=f"stripe {self._stripe}") from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
 
 
 def _where(worker: WorkerMetadata) -> tuple[str, int]:

@@ -43,6 +43,7 @@ class HostPlacement:
 
     def __init__(self, testbed: Testbed) -> None:
         self.bed = testbed
+        self.rails = testbed.rails
 
     def start(self, spec: dict[str, Any], *, host: int) -> Spawned:
         process = self.bed.popen(host, WORKER_ARGV, stdin=subprocess.PIPE, stdout=subprocess.PIPE)

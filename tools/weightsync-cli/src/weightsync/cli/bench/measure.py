@@ -95,6 +95,8 @@ class Placement(Protocol):
 
     testbed: bool
     """Workers on testbed hosts: they find their own identity; group rank 0 hosts the baselines' store."""
+    rails: int
+    """Links per host (a worker's rail: its local rank mod this)."""
 
     def start(self, spec: dict[str, Any], *, host: int) -> Spawned:
         """Start one worker serving ``spec`` on ``host`` (ignored on this machine)."""
@@ -109,6 +111,7 @@ class LocalPlacement:
     """Every worker a ``multiprocessing`` child of the driver on this machine, over a ``Pipe``."""
 
     testbed = False
+    rails = 1
 
     def start(self, spec: dict[str, Any], *, host: int) -> Spawned:
         context = multiprocessing.get_context("spawn")
@@ -151,18 +154,20 @@ class _Workers:
         if case.backend == AUTO:
             # What the manager's auto would pick for these workers: their hosts are the testbed's (or this one), whose
             # NICs are this machine's.
+            rails = placement.rails
             choice = choose(sender_node=str(case.host_of(0)),
-                            rollout_nodes=[str(case.host_of(rank)) for rank in range(1, 1 + case.receivers)],
-                            rdma=has_rdma())
+                            rollout_nodes=[str(case.host_of(rank)) for rank in case.receiving],
+                            rdma=has_rdma(), sender_rails=[case.local_rank(rank) % rails for rank in range(case.actors)],
+                            rollout_rails=[case.local_rank(rank) % rails for rank in case.receiving])
             self.backend, self.chosen = choice.backend, choice.name
             common.update(backend=choice.backend, options={**choice.options, **common["options"]})
         self.pipes: list[Channel] = []
         self.stops: list[Callable[[float], None]] = []
-        hosts = [case.host_of(group_rank) for group_rank in range(1 + case.receivers)]
-        for group_rank in range(1 + case.receivers):
-            role, rank = ("actor", 0) if group_rank == 0 else ("rollout", group_rank - 1)
+        self.actors = case.actors
+        for group_rank in range(case.actors + case.receivers):
+            role, rank = ("actor", group_rank) if group_rank < case.actors else ("rollout", group_rank - case.actors)
             spec = {**common, "role": role, "rank": rank, "group_rank": group_rank,
-                    "local_rank": hosts[:group_rank].count(hosts[group_rank])}
+                    "local_rank": case.local_rank(group_rank)}
             spawned = placement.start(spec, host=case.host_of(group_rank))
             self.pipes.append(spawned.channel)
             self.stops.append(spawned.stop)
@@ -183,8 +188,8 @@ class _Workers:
         return self.all_do([{"op": op, **fields}] * len(self.pipes))
 
     def each_receiver(self, op: str, **fields: Any) -> list[Any]:
-        """``each`` for the receivers only (group ranks 1..R)."""
-        return self.all_do([{"op": op, **fields}] * (len(self.pipes) - 1), self.pipes[1:])
+        """``each`` for the receivers only (group ranks A..A+R-1)."""
+        return self.all_do([{"op": op, **fields}] * (len(self.pipes) - self.actors), self.pipes[self.actors:])
 
     def connect(self, receivers: int, stagers: list[int] | None = None) -> None:
         """Join the workers; with ``stagers`` (group ranks) only they join the transport's world as receivers, the
@@ -198,14 +203,15 @@ class _Workers:
                 self.each("init")
             return
         metadata = self.each("prepare")
-        members = stagers if stagers is not None else list(range(1, 1 + receivers))
+        actors = list(range(self.actors))
+        members = stagers if stagers is not None else list(range(self.actors, self.actors + receivers))
         topology = load_engine_class(self.backend).build_topology(
-            actor_wg_world_size=1, rollout_world_size=len(members),
-            metadata=WorldMetadata(actor=metadata[:1], rollout=[metadata[rank] for rank in members]),
+            actor_wg_world_size=self.actors, rollout_world_size=len(members),
+            metadata=WorldMetadata(actor=metadata[:self.actors], rollout=[metadata[rank] for rank in members]),
         )
         epoch = str(topology.actor[0].get("epoch") or secrets.token_hex(16))
-        rank_args: list[dict[str, Any]] = [{"role": "idle"}] * (1 + receivers)
-        for rank, args in zip([0, *members], [*topology.actor, *topology.rollout]):
+        rank_args: list[dict[str, Any]] = [{"role": "idle"}] * (self.actors + receivers)
+        for rank, args in zip([*actors, *members], [*topology.actor, *topology.rollout]):
             rank_args[rank] = args
         self.all_do([{"op": "init", "rank_args": {"epoch": epoch, **args}} for args in rank_args])
 
@@ -310,14 +316,15 @@ def _update(workers: _Workers, case: Case, serving: ServingFigures | None) -> fl
 
 def _staged_update(workers: _Workers, case: Case, serving: ServingFigures | None) -> float:
     """Stage on each host's first receiver while every receiver serves, then every receiver swaps."""
-    receivers, stagers = range(1, 1 + case.receivers), case.stagers()
+    receivers, stagers = case.receiving, case.stagers()
     started, stage_start = time.perf_counter(), time.monotonic()
-    replies = workers.all_do([{"op": "run"}, *({"op": "stage", "version": 0} if rank in stagers else {"op": "noop"}
-                                                for rank in receivers)])
+    replies = workers.all_do([*[{"op": "run"}] * case.actors,
+                              *({"op": "stage", "version": 0} if rank in stagers else {"op": "noop"}
+                                for rank in receivers)])
     stage_end = time.monotonic()
     staged = {case.host_of(rank): replies[rank] for rank in stagers}
     swaps = workers.all_do([{"op": "swap", "staged": staged[case.host_of(rank)]} for rank in receivers],
-                           workers.pipes[1:])
+                           workers.pipes[case.actors:])
     seconds = time.perf_counter() - started
     if serving is not None:
         counts = workers.each_receiver("count", start=stage_start, end=stage_end)
@@ -332,7 +339,7 @@ def _record_pauses(workers: _Workers, serving: ServingFigures | None, lasts: lis
     """The longest pause of any receiver: its last pass before the pause to its first after the resume."""
     if serving is None:
         return
-    firsts = workers.all_do([{"op": "first_after", "mark": mark} for mark in marks], workers.pipes[1:])
+    firsts = workers.all_do([{"op": "first_after", "mark": mark} for mark in marks], workers.pipes[workers.actors:])
     serving.pause_ms.append(max(first - last for first, last in zip(firsts, lasts)) * 1e3)
 
 

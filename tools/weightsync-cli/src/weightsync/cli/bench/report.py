@@ -105,6 +105,7 @@ class Summary:
         hosts: dict[str, Any] = {}
         if options.hosts:
             hosts = {"hosts": options.hosts, "link_gbps": options.link_gbps, "rails": options.rails,
+                     "actor_ranks": options.actor_ranks or options.rails,
                      "rtt_ms": options.rtt_ms,
                      "receivers_per_host": self.main.receivers // (options.hosts - 1), "skipped": list(self.skipped),
                      "link_bytes": {result.backend: {"sender_egress": result.sender_egress_bytes,
@@ -168,7 +169,9 @@ def print_report(summary: Summary, ray: RayOutcome) -> None:
 def _print_hosts(summary: Summary) -> None:
     options = summary.options
     rtt = f", RTT {options.rtt_ms:g} ms" if options.rtt_ms else ""
-    print(f"testbed: {options.hosts} hosts, sender on host 0, {summary.main.receivers // (options.hosts - 1)} "
+    actors = options.actor_ranks or options.rails
+    print(f"testbed: {options.hosts} hosts, {f'{actors} actor ranks' if actors > 1 else 'sender'} on host 0, "
+          f"{summary.main.receivers // (options.hosts - 1)} "
           f"receivers on each of hosts 1..{options.hosts - 1}; "
           f"{f'{options.rails} rails' if options.rails > 1 else 'links'} of {options.link_gbps:g} Gb/s each way{rtt}: "
           f"link limit {summary.link_limit_gbps:.3f} GB/s"

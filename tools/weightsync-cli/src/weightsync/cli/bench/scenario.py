@@ -49,6 +49,10 @@ class BenchOptions:
     """With ``hosts``: round-trip delay between any two hosts (needs sch_netem)."""
     rails: int = 1
     """With ``hosts``: links per host (``Testbed(rails=...)``), each shaped to ``link_gbps``."""
+    actor_ranks: int = 0
+    """Actor ranks on the sender's host (local ranks 0..A-1, so rank a on rail a mod ``rails``), each draining the
+    whole stream; 0: ``rails``. Striped entries send from as many of them as there are stripes; the baselines from
+    rank 0 only."""
     lr: float = DEFAULT_LR
     """With ``mix="rl"``: the learning rate of the Adam step between two versions."""
     delta: bool = False
@@ -79,6 +83,8 @@ class Case:
     verify_every: int = 1
     serving: bool = False
     """The receivers serve while not paused (``--staged``: in every entry, staged or not)."""
+    actors: int = 1
+    """Actor ranks (group ranks 0..A-1, on the sender's host); the receivers are group ranks A..A+R-1."""
 
     @property
     def backend(self) -> str:
@@ -93,18 +99,29 @@ class Case:
     def staged(self) -> bool:
         return self.name.endswith(STAGED)
 
+    @property
+    def receiving(self) -> range:
+        """The receivers' group ranks."""
+        return range(self.actors, self.actors + self.receivers)
+
     def stagers(self) -> list[int]:
         """A staged entry's stagers: the first receiver (group rank) of each receiving host."""
         first: dict[int, int] = {}
-        for group_rank in range(1, 1 + self.receivers):
+        for group_rank in self.receiving:
             first.setdefault(self.host_of(group_rank), group_rank)
         return list(first.values())
 
     def host_of(self, group_rank: int) -> int:
-        """The testbed host of group rank ``group_rank`` (0: the sender; rollout ranks host by host)."""
-        if self.hosts < 2 or group_rank == 0:
+        """The testbed host of group rank ``group_rank`` (actor ranks: the sender's, 0; rollout ranks host by
+        host)."""
+        if self.hosts < 2 or group_rank < self.actors:
             return 0
-        return 1 + (group_rank - 1) // (self.receivers // (self.hosts - 1))
+        return 1 + (group_rank - self.actors) // (self.receivers // (self.hosts - 1))
+
+    def local_rank(self, group_rank: int) -> int:
+        """Its rank among the workers of its host (its rail on a host of rails: local rank mod rails)."""
+        host = self.host_of(group_rank)
+        return sum(self.host_of(rank) == host for rank in range(group_rank))
 
 
 def model_bytes(options: BenchOptions) -> int:
@@ -151,4 +168,5 @@ def make_case(name: str, options: BenchOptions, receivers: int | None = None, bu
     return Case(name=name, total_bytes=sum(2 * math.prod(shape) for _, shape in layout), layout=layout,
                 bucket_bytes=bucket_bytes, receivers=(receivers or options.receivers) * receiving_hosts,
                 repeat=repeat or options.repeat, hosts=options.hosts, versions=rl.directory if rl else "",
-                verify_every=options.verify_every, serving=options.staged)
+                verify_every=options.verify_every, serving=options.staged,
+                actors=1 if name in BASELINES else options.actor_ranks or options.rails)

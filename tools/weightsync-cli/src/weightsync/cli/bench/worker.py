@@ -259,7 +259,7 @@ class _Worker:
                                   store_port=where["store_port"], store=self.store)
         elif op == "load":
             # ``--mix rl``: the sender takes on the next version before an update (untimed); receivers keep theirs.
-            if self.spec.get("versions") and self.spec["group_rank"] == 0:
+            if self.spec.get("versions") and self.spec["role"] == "actor":
                 load_version(self.spec["versions"], command["version"], self.tensors)
         elif op == "mark":
             # Before the first update: what the process holds once its model and connections exist.
