@@ -1,7 +1,8 @@
 """The driver of test_across_hosts, run inside the testbed's head host: ``backend="auto"`` through the Ray adapter.
 
 Placement (hosts by index): the actor worker group on host 1; two replicas of two workers each, spanning hosts 2 and
-3 (worker 0 on host 2, worker 1 on host 3), so that in rank order the hosts interleave: 2, 3, 2, 3. It commits one
+3 (worker 0 on host 2, worker 1 on host 3), so that in rank order the hosts interleave: 2, 3, 2, 3 (the rails test
+passes a placement of its own). It commits one
 update (the setup), then asks the test to read the link counters before and after a second one, and reports the
 choice ``auto`` made and the digest every worker holds.
 """
@@ -28,13 +29,17 @@ NUMEL = 500_000  # 12 fp32 tensors: 24 MB a model, far above Ray's own traffic o
 def main() -> None:
     nodes: dict[str, str] = json.loads(sys.argv[1])  # host index -> Ray node id
     backend = sys.argv[2] if len(sys.argv) > 2 else "auto"
+    # Another placement (the rails test): {"actor_ranks": A, "replicas": [[host of each worker], ...], "bucket_mb": B}.
+    placement: dict[str, Any] = (json.loads(sys.argv[3]) if len(sys.argv) > 3
+                                 else {"actor_ranks": 1, "replicas": [["2", "3"]] * 2})
     channel = DriverChannel()
     ray.init(logging_level="ERROR", log_to_driver=False)
-    actor_wg = RayActorWorkerGroup.create(world_size=1, source_factory=functools.partial(ModelSource, numel=NUMEL),
-                                          node_id=nodes["1"])
-    replicas = [RayRolloutReplica.create(replica=r, sink_factory=RecordingSink, num_workers=2,
-                                         node_id=[nodes["2"], nodes["3"]]) for r in range(2)]
-    config = SyncConfig(bucket_bytes=4 * MiB, timeouts=StepTimeouts(transfer=60, setup=60))
+    actor_wg = RayActorWorkerGroup.create(world_size=placement["actor_ranks"], node_id=nodes["1"],
+                                          source_factory=functools.partial(ModelSource, numel=NUMEL))
+    replicas = [RayRolloutReplica.create(replica=r, sink_factory=RecordingSink, num_workers=len(hosts),
+                                         node_id=[nodes[host] for host in hosts])
+                for r, hosts in enumerate(placement["replicas"])]
+    config = SyncConfig(bucket_bytes=placement.get("bucket_mb", 4) * MiB, timeouts=StepTimeouts(transfer=60, setup=60))
     manager = CheckpointEngineManager(backend=backend, actor_wg=actor_wg, replicas=replicas, config=config)
     result: dict[str, Any] = {"first": asyncio.run(manager.update_weights()).ok}
     result["expected"] = ray.get(actor_wg.call("set_version", 3))[0]
@@ -42,6 +47,7 @@ def main() -> None:
     report = asyncio.run(manager.update_weights())
     channel.ask({"mark": "after"})
     result.update(ok=report.ok, chosen=report.chosen, backend=report.backend, nbytes=report.nbytes,
+                  senders=len([sent for sent in report.transfers if sent.role == "actor" and sent.nbytes]),
                   digests=[digest for replica in replicas for digest in ray.get(replica.call("digest"))])
     channel.tell({"result": result})
     for replica in replicas:

@@ -217,17 +217,21 @@ def test_receivers_are_placed_host_by_host() -> None:
     assert local.receivers == 2 and [local.host_of(rank) for rank in range(3)] == [0, 0, 0]
 
 
-def test_rails_are_counted_one_by_one_and_raise_the_link_limit(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("actor_ranks", ["1", "2"])
+def test_rails_are_counted_one_by_one_and_two_actor_ranks_stripe_over_them(tmp_path: pathlib.Path,
+                                                                            actor_ranks: str) -> None:
     """``--rails 2``: two links per host, the link limit is both of the sender host's, and every update's bytes are
-    read per rail from the switch side. Each rail's figures add up to the host's; with one sender per host (no
-    striping yet), only rail 0 carries the update, rail 1 next to nothing."""
+    read per rail from the switch side; each rail's figures add up to the host's. With two actor ranks (the
+    default: one per rail) auto deals the update into two stripes and each rail carries half of it; with one
+    (the control), one sender: rail 0 carries the update, rail 1 next to nothing."""
     skip_unless_testbed()
     out = tmp_path / "rails.json"
-    result = bench("--hosts", "2", "--receivers", "1", "--rails", "2", "--link-gbps", str(LINK_GBPS), "--model-mb",
-                   "16", "--bucket-mb", "4", "--repeat", "2", "--backends", "auto", "--json", str(out))
+    result = bench("--hosts", "2", "--receivers", "2", "--rails", "2", "--actor-ranks", actor_ranks, "--link-gbps",
+                   str(LINK_GBPS), "--model-mb", "16", "--bucket-mb", "1", "--repeat", "2", "--backends", "auto",
+                   "--json", str(out))
     assert result.returncode == 0, result.stderr[-4000:]
     data = json.loads(out.read_text())
-    assert data["scenario"]["rails"] == 2
+    assert data["scenario"]["rails"] == 2 and data["scenario"]["actor_ranks"] == int(actor_ranks)
     assert data["link_limit_gbps"] == pytest.approx(2 * LINK_GBPS / 8)
     assert "2 rails of 1 Gb/s each way" in result.stdout and "host 0 out per rail / S" in result.stdout
     for row in data["results"]:
@@ -236,5 +240,12 @@ def test_rails_are_counted_one_by_one_and_raise_the_link_limit(tmp_path: pathlib
         assert abs(sum(row["rail_egress_bytes"]) - row["sender_egress_bytes"]) <= 2
         assert abs(sum(row["rail_ingress_bytes"][0]) - row["host_ingress_bytes"][0]) <= 2
     auto = next(row for row in data["results"] if row["backend"] == "auto")
-    assert auto["rail_egress_bytes"][0] >= 0.95 * MODEL_BYTES
-    assert auto["rail_egress_bytes"][1] < 0.01 * MODEL_BYTES
+    if actor_ranks == "2":
+        assert auto["chosen"].endswith("(two-level, 2 stripes)"), auto
+        for rail in (0, 1):
+            assert 0.4 * MODEL_BYTES <= auto["rail_egress_bytes"][rail] <= 0.6 * MODEL_BYTES, auto
+            assert 0.4 * MODEL_BYTES <= auto["rail_ingress_bytes"][0][rail] <= 0.6 * MODEL_BYTES, auto
+    else:
+        assert auto["chosen"].endswith("(two-level)"), auto
+        assert auto["rail_egress_bytes"][0] >= 0.95 * MODEL_BYTES
+        assert auto["rail_egress_bytes"][1] < 0.01 * MODEL_BYTES

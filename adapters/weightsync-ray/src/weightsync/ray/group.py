@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -13,6 +14,7 @@ from weightsync.api.errors import ConfigError
 from weightsync.api.protocols import WeightSink, WeightSource
 from weightsync.api.types import StagedUpdate, TransferReport
 from weightsync.core.control.host import EngineHost
+from weightsync.core.transports.settings import LOCAL_RANK_ENV
 
 __all__ = ["ActorRankHost", "RolloutWorkerHost", "RayActorWorkerGroup", "RayRolloutWorker", "RayRolloutReplica",
            "RayStagingWorker", "actor_options"]
@@ -60,6 +62,22 @@ class ActorRankHost:
     def node_id(self) -> str:
         return self.host.node_id
 
+    def set_local_rank(self, local_rank: int) -> None:
+        _set_local_rank(local_rank)
+
+
+def _set_local_rank(local_rank: int) -> None:
+    """This actor's ``LOCAL_RANK``, read when its engine describes itself (its rail: ``local_rail``)."""
+    os.environ[LOCAL_RANK_ENV] = str(local_rank)
+
+
+def _assign_local_ranks(handles: Sequence[Any], given: Sequence[int] | None) -> None:
+    """Tell each actor its local rank: ``given``, or its index among ``handles`` on the same Ray node."""
+    if given is None:
+        nodes = ray.get([handle.node_id.remote() for handle in handles])
+        given = [nodes[:index].count(node) for index, node in enumerate(nodes)]
+    ray.get([handle.set_local_rank.remote(rank) for handle, rank in zip(handles, given)])
+
 
 class RolloutWorkerHost:
     """Body of one rollout-worker Ray actor: the worker's sink plus its engine."""
@@ -97,6 +115,9 @@ class RolloutWorkerHost:
 
     def node_id(self) -> str:
         return self.host.node_id
+
+    def set_local_rank(self, local_rank: int) -> None:
+        _set_local_rank(local_rank)
 
 
 def actor_options(ray_options: Mapping[str, Any] | None, node_id: str | None) -> dict[str, Any]:
@@ -147,6 +168,7 @@ class RayActorWorkerGroup:
             )
             for rank in range(world_size)
         ]
+        _assign_local_ranks(handles, None)  # rank r's rail: its index among the ranks on its node, mod the rails
         return cls(handles)
 
     @property
@@ -226,9 +248,14 @@ class RayRolloutReplica:
         num_workers: int = 1,
         node_id: str | Sequence[str] | None = None,
         ray_options: Mapping[str, Any] | None = None,
+        local_ranks: Sequence[int] | None = None,
     ) -> RayRolloutReplica:
         """``num_workers`` workers, pinned to Ray node ``node_id`` — or worker i to ``node_id[i]`` (a replica
-        spanning nodes, e.g. tensor parallelism across hosts)."""
+        spanning nodes, e.g. tensor parallelism across hosts). Worker i's ``LOCAL_RANK`` (its rail on a host of
+        several: ``local_rail``) is ``local_ranks[i]``, by default its index among the replica's workers on its
+        node; give ``local_ranks`` where several replicas share a node."""
+        if local_ranks is not None and len(local_ranks) != num_workers:
+            raise ConfigError(f"local_ranks lists {len(local_ranks)} ranks for {num_workers} workers")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ConfigError(f"num_workers must be a positive int, got {num_workers!r}")
         nodes = [node_id] * num_workers if node_id is None or isinstance(node_id, str) else list(node_id)
@@ -244,6 +271,7 @@ class RayRolloutReplica:
             )
             for worker, node in enumerate(nodes)
         ]
+        _assign_local_ranks([worker.handle for worker in workers], local_ranks)
         return cls(workers)
 
     @property

@@ -79,10 +79,11 @@ class AutoChoice:
 
 def choose(*, sender_node: str, rollout_nodes: Sequence[str], rdma: bool = False,
            available: Callable[[], Sequence[str]] = available_backends, sender_rails: Sequence[int] = (0,),
-           rollout_rails: Sequence[int] | None = None) -> AutoChoice:
+           rollout_rails: Sequence[int] | None = None, striping: bool = True) -> AutoChoice:
     """The choice for a sender on ``sender_node`` and rollout workers on ``rollout_nodes``; ``rdma``: every
     worker's host has an RDMA device; ``sender_rails``: the rails of the actor ranks on the sender's host,
-    ``rollout_rails``: each rollout worker's (None: all on rail 0)."""
+    ``rollout_rails``: each rollout worker's (None: all on rail 0); ``striping``: stripes may be used (not with
+    delta or staged updates, which stripes do not carry yet)."""
     usable = set(available())
     hosts = len({sender_node, *rollout_nodes})
     if hosts == 1 and "shm" in usable:
@@ -93,7 +94,7 @@ def choose(*, sender_node: str, rollout_nodes: Sequence[str], rdma: bool = False
             where = f"workers on {hosts} hosts" if hosts > 1 else "shm is not available"
             nics = "with RDMA devices" if rdma else "without RDMA devices on every host"
             reason = f"{where}: the fastest network transport installed {nics}"
-            stripes = _stripes(sender_node, rollout_nodes, sender_rails, rollout_rails) if options else 1
+            stripes = _stripes(sender_node, rollout_nodes, sender_rails, rollout_rails) if options and striping else 1
             if stripes > 1:
                 options["stripes"] = stripes
                 reason += (f"; dealt into {stripes} stripes, one per rail: rails 0..{stripes - 1} each have an actor "

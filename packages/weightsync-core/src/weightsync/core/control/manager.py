@@ -286,7 +286,8 @@ class CheckpointEngineManager:
         rails = [answer.get("rail", 0) if isinstance(answer, dict) else 0 for answer in answers]
         self.choice = choice = auto.choose(
             sender_node=nodes[0], rollout_nodes=nodes[actor_size:], rdma=rdma, rollout_rails=rails[actor_size:],
-            sender_rails=[rail for node, rail in zip(nodes[:actor_size], rails) if node == nodes[0]])
+            sender_rails=[rail for node, rail in zip(nodes[:actor_size], rails) if node == nodes[0]],
+            striping=not (self.config.delta or self.config.staged))
         config = dataclasses.replace(self.config, backend_options={**choice.options, **self.config.backend_options})
         return choice.backend, config, load_engine_class(choice.backend)
 
