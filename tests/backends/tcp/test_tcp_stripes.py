@@ -56,12 +56,17 @@ def test_two_stripes_over_two_rails_arrive_whole_at_every_worker(stripes: Any) -
                 for rank, (host, _) in enumerate(ROLLOUT)]
     engines = [*actors, *rollouts]
     try:
-        metadata = [dict(engine.prepare(), rail=rail) for engine, (_, rail) in zip(engines, [*ACTOR, *ROLLOUT])]
+        metadata = [dict(engine.prepare(), rail=rail, hostname=host)
+                    for engine, (host, rail) in zip(engines, [*ACTOR, *ROLLOUT])]
         topology = engine_class.build_topology(
             actor_wg_world_size=len(actors), rollout_world_size=len(rollouts),
             metadata=WorldMetadata(actor=metadata[:len(actors)], rollout=metadata[len(actors):]))
         count = 2 if stripes == "rails" else 1
         assert len(topology.senders) == count
+        if count == 2:  # an error reading a stripe names it, its rail and the two hosts (the peer in errors)
+            peers = [source["peer"] for source in topology.rollout[2]["sources"]]
+            assert peers == ["rollout rank 0 (stripe 0, rail 0 from host B to host C)",
+                             "rollout rank 3 (stripe 1, in place)"]
         def joining(engine: Any, args: dict[str, Any]) -> Callable[[], Any]:
             return lambda: engine.init_process_group(rank_args={**args, "epoch": "e1"})
 

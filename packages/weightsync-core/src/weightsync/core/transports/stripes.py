@@ -160,6 +160,10 @@ def _where(worker: WorkerMetadata) -> tuple[str, int]:
     return str(worker.get("node_id")), rail if isinstance(rail, int) and not isinstance(rail, bool) else 0
 
 
+def _host_name(worker: WorkerMetadata) -> str:
+    return str(worker.get("hostname") or worker.get("host_ip") or worker.get("node_id"))
+
+
 def striped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addresses: list[str]) -> Topology | None:
     """The two-level chain dealt into stripes over the rails the workers report (``rail``), or None where only one
     stripe fits (a host with one rail, or one actor rank on the sender's host). ``addresses``: each rollout rank's
@@ -199,12 +203,17 @@ def striped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
 
         actor_args[sender] = {"role": "sender", "sender": sender, "stripe": [stripe, count],
                               "children": list(plan.children[0]), "in_place": in_place(0)}
+        workers = [actor[sender], *rollout]
         for position in range(1, len(nodes)):
             upstream = plan.upstream[position]
+            name = f"actor rank {sender}" if upstream == 0 else f"rollout rank {upstream - 1}"
+            # Errors name the peer by this: which stripe, over which rail, between which hosts.
+            route = "in place" if plan.local[position] else (
+                f"rail {stripe} from host {_host_name(workers[upstream])} to host {_host_name(workers[position])}")
             sources[position - 1].append({
                 "upstream": where[upstream], "upstream_position": upstream, "local": plan.local[position],
                 "children": list(plan.children[position]), "in_place": in_place(position),
-                "peer": f"actor rank {sender}" if upstream == 0 else f"rollout rank {upstream - 1}",
+                "peer": f"{name} (stripe {stripe}, {route})",
             })
     rollout_args: list[RankArgs] = [{"role": "receiver", "sender": senders[0], "rank": rank, "stripes": count,
                                      "sources": mine} for rank, mine in enumerate(sources)]
