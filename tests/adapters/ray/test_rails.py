@@ -50,3 +50,32 @@ def test_auto_sends_one_stripe_over_each_rail(cluster: TestbedRay) -> None:
     for rail in (0, 1):  # each rail of the sender's host out, and of the receiving host in: half the model each
         assert 0.45 * size <= moved[1][rail].egress_bytes <= 0.65 * size, moved
         assert 0.45 * size <= moved[2][rail].ingress_bytes <= 0.65 * size, moved
+
+
+@pytest.mark.parametrize("mode", ["drop", "carrier"])
+def test_a_rail_lost_mid_update_is_named_and_leaves_the_replica_paused(cluster: TestbedRay, mode: str) -> None:
+    """Rail 1 of the receiving host cut mid-update (packets dropped, carrier kept; or carrier lost): the update
+    raises a ``TransferError`` naming the stripe's rail and both hosts, within the transfer timeout and a second;
+    the replica, whose workers had taken part of the update, stays paused (torn); with the rail back the next update
+    is whole again."""
+
+    def on_request(message: dict[str, Any]) -> None:
+        if "cut" in message:
+            cluster.bed.link_down(2, rail=1, mode=message["cut"])
+        else:
+            cluster.bed.link_up(2, rail=1)
+
+    nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
+    try:
+        result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.rail_fault_driver", nodes, mode],
+                       on_request)
+    finally:
+        cluster.bed.link_up(2)
+    assert result["first"] and "2 stripes" in result["chosen"], result
+    faulted = result["faulted"]
+    assert faulted["error"] == "TransferError", faulted
+    assert "over rail 1 from host wst-h1 to host wst-h2" in faulted["message"], faulted
+    assert faulted["seconds"] <= 6.0 + 1.0 + 0.6, faulted  # the transfer timeout + 1 s, after the fault's 0.6 s
+    assert result["states"] == [["torn", False]], result
+    assert result["hooks"][0][-2:] == ["abort_all_requests", "release_kv_cache"], result  # paused, never resumed
+    assert result["next"]["ok"] and result["digests"] == [result["expected"]] * 2, result

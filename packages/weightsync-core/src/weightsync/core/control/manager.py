@@ -61,6 +61,9 @@ from weightsync.core.control.staged import StagedPlan, check_staging, run_staged
 
 __all__ = ["CheckpointEngineManager"]
 
+RAIL_GRACE_S = 1.0
+"""How long past the transfer timeout a striped update waits for its workers' own errors (see ``_transfer``)."""
+
 
 class CheckpointEngineManager:
     """Moves ``actor_wg``'s weights into every replica of ``replicas`` with backend ``backend``.
@@ -237,7 +240,10 @@ class CheckpointEngineManager:
         sends = list(self.actor_wg.update_weights(version=version))
         receives = [worker.update_weights(version=version) for _, worker in workers]
         labels = [f"actor rank {rank}" for rank in range(len(sends))] + [worker_label(r, w) for r, w in workers]
-        outcomes = await steps.gather("transfer", timeouts.transfer, list(zip(labels, [*sends, *receives])),
+        # A striped update's workers report a lost rail at their own deadline: a second more lets their errors,
+        # which name the rail and its hosts, arrive instead of the step's timeout.
+        grace = RAIL_GRACE_S if self._stripes else 0.0
+        outcomes = await steps.gather("transfer", timeouts.transfer + grace, list(zip(labels, [*sends, *receives])),
                                       raise_first=False)
         round_.stages["transfer"] = time.perf_counter() - step_start
         round_.reports = outcomes[len(sends):]

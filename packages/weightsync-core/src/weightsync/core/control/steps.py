@@ -38,12 +38,15 @@ def typed_error(error: BaseException, *, step: str, worker: str) -> BaseExceptio
 def root_cause(errors: list[BaseException]) -> BaseException:
     """Of several workers' failures in one step, the one that explains the others.
 
-    A worker that died or crashed (``WorkerError``) comes first: its peers' transfer errors are consequences. Then
-    the senders' errors (a bad weights stream), which come first in ``errors``. The others are attached as notes.
+    A worker that died or crashed (``WorkerError``) comes first: its peers' transfer errors are consequences. Then a
+    stripe that failed on its rail (a ``TransferError`` naming the ``rail``: the waits of the others on that stripe
+    follow from it), then the senders' errors (a bad weights stream), which come first in ``errors``. The others are
+    attached as notes.
     """
     # A timeout is a symptom when another worker actually failed; it is the cause only when nothing else went wrong.
     causes = [error for error in errors if not isinstance(error, StepTimeoutError)] or errors
-    chosen = next((error for error in causes if isinstance(error, WorkerError)), causes[0])
+    chosen = next((error for error in causes if isinstance(error, WorkerError)),
+                  next((error for error in causes if "rail" in getattr(error, "details", {})), causes[0]))
     for error in errors:
         if error is not chosen:
             chosen.add_note(f"also: {type(error).__name__}: {error}")

@@ -309,7 +309,8 @@ class ChainTransport(Transport):
                 receiver.close()
             accepting.close()
             raise
-        return StripedReceiver(opened, epoch=epoch)
+        return StripedReceiver(opened, epoch=epoch, routes=[_route(stripe, source) if stripe in leading else None
+                                                            for stripe, source in enumerate(sources)])
 
     def _connect_in_place(self, address: str, *, peer: str, rank: int, epoch: str, deadline: float
                           ) -> HostRingReader:
@@ -381,6 +382,12 @@ class _Accepting:
             self._thread.join(1.0)
         if self._downstream is not None:
             self._downstream.close()
+
+
+def _route(stripe: int, source: dict[str, JsonValue]) -> tuple[int, list[str]] | None:
+    """The rail a stripe is read over and the two hosts it crosses (``striped_topology``'s ``hosts``)."""
+    ends = source.get("hosts")
+    return (stripe, [str(host) for host in ends]) if isinstance(ends, list) and len(ends) == 2 else None
 
 
 def _connect(address: str, *, deadline: float, peer: str) -> socket.socket:

@@ -48,11 +48,15 @@ class StripedReceiver:
     handed on carries the combined digest and N.
     """
 
-    def __init__(self, sources: Sequence[ReceiverTransport], *, epoch: str) -> None:
+    def __init__(self, sources: Sequence[ReceiverTransport], *, epoch: str,
+                 routes: Sequence[tuple[int, list[str]] | None] | None = None) -> None:
+        """``routes[s]``: stripe s's rail and the two hosts it crosses when read over the network (None in place):
+        a failure reading it is then a ``TransferError`` naming them (``rail``, ``hosts``)."""
         if not sources:
             raise ValueError("a striped receiver needs at least one source")
         self._sources = list(sources)
-        self._ahead = [_Ahead(source, stripe) for stripe, source in enumerate(self._sources)]
+        ways = list(routes) if routes is not None else [None] * len(self._sources)
+        self._ahead = [_Ahead(source, stripe, ways[stripe]) for stripe, source in enumerate(self._sources)]
         self._epoch = epoch
         self.capacity = max(source.capacity for source in self._sources)
         self._next = 0
@@ -115,8 +119,8 @@ class StripedReceiver:
 class _Ahead:
     """One stripe's reading thread for one update: ``receive`` on its source until the marker, into a queue."""
 
-    def __init__(self, source: ReceiverTransport, stripe: int) -> None:
-        self._source, self._stripe = source, stripe
+    def __init__(self, source: ReceiverTransport, stripe: int, route: tuple[int, list[str]] | None) -> None:
+        self._source, self._stripe, self._route = source, stripe, route
         self._queue: queue.SimpleQueue[ReceivedBucket | BaseException] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
@@ -138,7 +142,18 @@ class _Ahead:
                 if received.token == 0:
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer's receive, which raises it
-            self._queue.put(exc)
+            self._queue.put(self._on_rail(exc))
+
+    def _on_rail(self, error: BaseException) -> BaseException:
+        """A failure of a stripe read over the network, as a ``TransferError`` naming its rail and hosts."""
+        if self._route is None or not isinstance(error, Exception):
+            return error
+        rail, hosts = self._route
+        named = TransferError(f"stripe {self._stripe} over rail {rail} from host {hosts[0]} to host {hosts[1]} "
+                              f"failed: {error}", peer=str(getattr(error, "peer", f"stripe {self._stripe}")),
+                              closed=bool(getattr(error, "closed", False)), rail=rail, hosts=list(hosts))
+        named.__cause__ = error
+        return named
 
     def get(self, deadline: float) -> ReceivedBucket:
         try:
@@ -208,12 +223,12 @@ def striped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
             upstream = plan.upstream[position]
             name = f"actor rank {sender}" if upstream == 0 else f"rollout rank {upstream - 1}"
             # Errors name the peer by this: which stripe, over which rail, between which hosts.
-            route = "in place" if plan.local[position] else (
-                f"rail {stripe} from host {_host_name(workers[upstream])} to host {_host_name(workers[position])}")
+            ends: list[JsonValue] = [_host_name(workers[upstream]), _host_name(workers[position])]
+            route = "in place" if plan.local[position] else f"rail {stripe} from host {ends[0]} to host {ends[1]}"
             sources[position - 1].append({
                 "upstream": where[upstream], "upstream_position": upstream, "local": plan.local[position],
                 "children": list(plan.children[position]), "in_place": in_place(position),
-                "peer": f"{name} (stripe {stripe}, {route})",
+                "peer": f"{name} (stripe {stripe}, {route})", "rail": stripe, "hosts": ends,
             })
     rollout_args: list[RankArgs] = [{"role": "receiver", "sender": senders[0], "rank": rank, "stripes": count,
                                      "sources": mine} for rank, mine in enumerate(sources)]

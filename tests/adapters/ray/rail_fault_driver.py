@@ -1,0 +1,57 @@
+"""The driver of test_rails' rail fault, run inside the testbed's head host (``backend="auto"``).
+
+Placement (hosts by index): an actor worker group of two ranks on host 1 (rails 0 and 1), one replica of two
+workers on host 2; auto deals the update into two stripes. Mid-update the test cuts rail 1 of host 2 (as it is
+asked: drop or carrier); the driver reports what the update raised, how long it took, and each replica's state and
+pause/resume hooks; then, the rail restored, the next update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import sys
+from typing import Any
+
+import ray
+
+from tests.adapters.ray.leader_fault_driver import update_with_fault
+from tests.tools.testbed.driving import DriverChannel
+from tests.workloads import ModelSource, RecordingSink
+from weightsync.api.config import StepTimeouts, SyncConfig
+from weightsync.core.control.manager import CheckpointEngineManager
+from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
+
+TRANSFER_TIMEOUT = 6.0
+
+
+def main() -> None:
+    nodes: dict[str, str] = json.loads(sys.argv[1])  # host index -> Ray node id
+    mode = sys.argv[2]
+    channel = DriverChannel()
+    ray.init(logging_level="ERROR", log_to_driver=False)
+    actor_wg = RayActorWorkerGroup.create(world_size=2, source_factory=functools.partial(ModelSource, numel=250_000),
+                                          node_id=nodes["1"])
+    replica = RayRolloutReplica.create(replica=0, sink_factory=RecordingSink, num_workers=2, node_id=nodes["2"])
+    config = SyncConfig(bucket_bytes=256 * 1024, timeouts=StepTimeouts(transfer=TRANSFER_TIMEOUT, setup=60))
+    manager = CheckpointEngineManager(actor_wg=actor_wg, replicas=[replica], config=config)
+    first = asyncio.run(manager.update_weights())
+    result: dict[str, Any] = {"first": first.ok, "chosen": first.chosen}
+    ray.get(actor_wg.call("set_mode", "normal", 0.15))  # 12 tensors, ~1.8 s of streaming
+    result["faulted"] = asyncio.run(update_with_fault(manager, lambda: channel.ask({"cut": mode})))
+    result["states"] = [(status.state, status.resumed) for status in manager.status()]
+    result["hooks"] = ray.get(replica.call("hook_log"))
+    channel.ask({"restore": True})
+    ray.get(actor_wg.call("set_mode", "normal", 0.0))
+    result["expected"] = ray.get(actor_wg.call("set_version", 7))[0]
+    report = asyncio.run(manager.update_weights())
+    result["next"] = {"ok": report.ok, "chosen": report.chosen}
+    result["digests"] = list(ray.get(replica.call("digest")))
+    channel.tell({"result": result})
+    replica.shutdown()
+    actor_wg.shutdown()
+
+
+if __name__ == "__main__":
+    main()
