@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from weightsync.api.errors import ConfigError
+from weightsync.api.errors import ConfigError, TransferError
+from weightsync.core.control.auto import AutoChoice, choose
 from weightsync.core.control.host import ping_answer
+from weightsync.core.control.rails import LostRails
 from weightsync.core.transports.settings import LOCAL_RANK_ENV, RAIL_ADDRS_ENV, local_rail
 
 
@@ -36,3 +38,27 @@ def test_a_malformed_local_rank_is_a_config_error_naming_it(monkeypatch: pytest.
     monkeypatch.setenv(LOCAL_RANK_ENV, local_rank)
     with pytest.raises(ConfigError, match=LOCAL_RANK_ENV):
         local_rail("198.18.0.2")
+
+
+def test_a_failed_update_s_rail_is_recorded_and_auto_deals_only_the_stripes_below_it() -> None:
+    lost = LostRails()
+    lost.record(TransferError("stripe 1 failed", peer="p", rail=1, hosts=["a", "b"]))
+    lost.record(TransferError("no rail named", peer="p"))
+    lost.record(ConfigError("not a transfer"))
+    lost.record(TransferError("rail 0 carries the control plane: not left out", peer="p", rail=0))
+    assert lost.rails == {1}
+    def dealt(lost_rails: set[int]) -> AutoChoice:
+        return choose(sender_node="a", rollout_nodes=["b"] * 4, available=lambda: ["tcp"],
+                      sender_rails=[0, 1, 2, 3], rollout_rails=[0, 1, 2, 3], lost_rails=lost_rails)
+
+    assert dealt(set()).options["stripes"] == 4
+    choice = dealt({2})
+    assert choice.options["stripes"] == 2 and "rail 2 left out" in choice.reason
+    alone = dealt({1})
+    assert "stripes" not in alone.options and "rail 1 left out" in alone.reason
+
+
+def test_a_probe_reaches_an_address_that_answers_even_with_a_refusal() -> None:
+    answer = ping_answer(node_id="n", host_ip="127.0.0.1", probe=["127.0.0.1"])
+    assert answer["reachable"] == {"127.0.0.1": True}  # nothing listens on the discard port: refused, so reached
+    assert "reachable" not in ping_answer(node_id="n", host_ip="127.0.0.1")

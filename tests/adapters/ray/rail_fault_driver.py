@@ -3,7 +3,8 @@
 Placement (hosts by index): an actor worker group of two ranks on host 1 (rails 0 and 1), one replica of two
 workers on host 2; auto deals the update into two stripes. Mid-update the test cuts rail 1 of host 2 (as it is
 asked: drop or carrier); the driver reports what the update raised, how long it took, and each replica's state and
-pause/resume hooks; then, the rail restored, the next update.
+pause/resume hooks; then the next update, the rail still down (reading the rails' counters around it); then, the
+rail restored, one more.
 """
 
 from __future__ import annotations
@@ -42,12 +43,16 @@ def main() -> None:
     result["faulted"] = asyncio.run(update_with_fault(manager, lambda: channel.ask({"cut": mode})))
     result["states"] = [(status.state, status.resumed) for status in manager.status()]
     result["hooks"] = ray.get(replica.call("hook_log"))
-    channel.ask({"restore": True})
     ray.get(actor_wg.call("set_mode", "normal", 0.0))
-    result["expected"] = ray.get(actor_wg.call("set_version", 7))[0]
-    report = asyncio.run(manager.update_weights())
-    result["next"] = {"ok": report.ok, "chosen": report.chosen}
-    result["digests"] = list(ray.get(replica.call("digest")))
+    for step, version in (("down", 7), ("restored", 8)):
+        if step == "restored":
+            channel.ask({"restore": True})
+        expected = ray.get(actor_wg.call("set_version", version))[0]
+        channel.ask({"mark": f"{step} before"})
+        report = asyncio.run(manager.update_weights())
+        channel.ask({"mark": f"{step} after"})
+        result[step] = {"ok": report.ok, "chosen": report.chosen, "nbytes": report.nbytes,
+                        "whole": list(ray.get(replica.call("digest"))) == [expected] * 2}
     channel.tell({"result": result})
     replica.shutdown()
     actor_wg.shutdown()

@@ -21,7 +21,7 @@ whichever backend is chosen.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from weightsync.api.errors import BackendUnavailableError
@@ -79,11 +79,13 @@ class AutoChoice:
 
 def choose(*, sender_node: str, rollout_nodes: Sequence[str], rdma: bool = False,
            available: Callable[[], Sequence[str]] = available_backends, sender_rails: Sequence[int] = (0,),
-           rollout_rails: Sequence[int] | None = None, striping: bool = True) -> AutoChoice:
+           rollout_rails: Sequence[int] | None = None, striping: bool = True,
+           lost_rails: Collection[int] = ()) -> AutoChoice:
     """The choice for a sender on ``sender_node`` and rollout workers on ``rollout_nodes``; ``rdma``: every
     worker's host has an RDMA device; ``sender_rails``: the rails of the actor ranks on the sender's host,
     ``rollout_rails``: each rollout worker's (None: all on rail 0); ``striping``: stripes may be used (not with
-    delta or staged updates, which stripes do not carry yet)."""
+    delta or staged updates, which stripes do not carry yet); ``lost_rails``: rails a striped update lost and no
+    probe has reached since (:mod:`weightsync.core.control.rails`): only the stripes below the lowest are dealt."""
     usable = set(available())
     hosts = len({sender_node, *rollout_nodes})
     if hosts == 1 and "shm" in usable:
@@ -95,6 +97,9 @@ def choose(*, sender_node: str, rollout_nodes: Sequence[str], rdma: bool = False
             nics = "with RDMA devices" if rdma else "without RDMA devices on every host"
             reason = f"{where}: the fastest network transport installed {nics}"
             stripes = _stripes(sender_node, rollout_nodes, sender_rails, rollout_rails) if options and striping else 1
+            if lost_rails and stripes > min(lost_rails):
+                stripes = max(1, min(lost_rails))
+                reason += f"; rail {min(lost_rails)} left out: it failed an update and no probe has reached it since"
             if stripes > 1:
                 options["stripes"] = stripes
                 reason += (f"; dealt into {stripes} stripes, one per rail: rails 0..{stripes - 1} each have an actor "

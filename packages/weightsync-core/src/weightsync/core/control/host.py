@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 import os
 import socket
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -35,12 +35,28 @@ _METHODS = ("prepare", "init_process_group", "finalize", "close", "ping")
 _ENGINE_METHODS = ("prepare", "init_process_group", "send_weights", "receive_weights", "finalize", "close")
 
 
-def ping_answer(*, node_id: str, host_ip: str) -> dict[str, Any]:
-    """What a worker answers ``execute_checkpoint_engine("ping")`` with: where it runs. The manager's ``auto`` picks
-    a backend from the node ids and RDMA devices; after a timeout, hosts none of whose workers answer are reported
-    unreachable."""
-    return {"hostname": socket.gethostname(), "host_ip": host_ip, "node_id": node_id, "pid": os.getpid(),
-            "rdma": has_rdma(), **local_rail(host_ip)}
+def ping_answer(*, node_id: str, host_ip: str, probe: Sequence[str] = ()) -> dict[str, Any]:
+    """What a worker answers ``execute_checkpoint_engine("ping")`` with: where it runs (its host, RDMA devices and
+    rail). The manager's ``auto`` picks a backend from it; after a timeout, hosts none of whose workers answer are
+    reported unreachable. ``probe``: addresses to try to reach (``reachable``: :func:`reaches` of each) — a lost rail
+    is probed so before stripes use it again."""
+    answer = {"hostname": socket.gethostname(), "host_ip": host_ip, "node_id": node_id, "pid": os.getpid(),
+              "rdma": has_rdma(), **local_rail(host_ip)}
+    if probe:
+        answer["reachable"] = {address: reaches(address) for address in probe}
+    return answer
+
+
+def reaches(address: str, *, timeout: float = 1.0) -> bool:
+    """Whether packets get to ``address`` and back: a TCP connection to its discard port, refused or accepted, within
+    ``timeout`` (a cut link times out or has no route)."""
+    try:
+        socket.create_connection((address, 9), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return True
 
 
 def engine_spec(*, backend: str, config: SyncConfig, role: Role, rank: int) -> dict[str, Any]:
@@ -143,6 +159,9 @@ class EngineHost:
         if method == "ping":
             # Answered on the worker's event loop, never queued behind a blocking step: the manager pings workers
             # that missed a deadline to tell a host that cannot be reached from one that is merely waiting.
+            if kwargs.get("probe"):  # connections that may wait a second: off the loop
+                return await asyncio.to_thread(ping_answer, node_id=self.node_id, host_ip=self.host_ip,
+                                               probe=list(kwargs["probe"]))
             return ping_answer(node_id=self.node_id, host_ip=self.host_ip)
         return await asyncio.to_thread(self.execute_sync, method, **kwargs)
 
@@ -151,7 +170,7 @@ class EngineHost:
         if method not in _METHODS:
             raise ConfigError(f"unknown checkpoint-engine method {method!r}; expected one of {', '.join(_METHODS)}")
         if method == "ping":
-            return ping_answer(node_id=self.node_id, host_ip=self.host_ip)
+            return ping_answer(node_id=self.node_id, host_ip=self.host_ip, probe=list(kwargs.get("probe", ())))
         handler: Callable[..., Any] = getattr(self, f"_{method}")
         return handler(**kwargs)
 

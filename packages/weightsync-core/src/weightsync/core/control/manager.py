@@ -57,6 +57,7 @@ from weightsync.core.control.round import (
     stripes_of,
     worker_label,
 )
+from weightsync.core.control.rails import LostRails
 from weightsync.core.control.staged import StagedPlan, check_staging, run_staged
 
 __all__ = ["CheckpointEngineManager"]
@@ -105,6 +106,7 @@ class CheckpointEngineManager:
         self._version = 0
         self._updating = False
         self._plan: StagedPlan | None = None
+        self._lost_rails = LostRails()
         self._stripes: dict[int, int] = {}
         """The topology's stripes: actor rank → the stripe it sends (none: one sender sends everything)."""
         """Staged updates: each host's stager, from the last setup."""
@@ -180,6 +182,12 @@ class CheckpointEngineManager:
 
     async def _update(self, version: int) -> UpdateReport:
         round_ = Round.of(version, self._replicas)
+        if self._lost_rails.rails and self._epoch is not None and self.engine_class is None:
+            # A lost rail is probed before each update, the replicas serving; once it answers, a rebuild deals
+            # stripes over it again.
+            if await self._lost_rails.recheck(round_.workers, self._pings(round_.workers), self.actor_wg.world_size,
+                                              self.config.timeouts.setup):
+                self._epoch = None
         if self.config.staged:
             return await self._update_staged(round_)
         outcomes: list[ReplicaOutcome] = []
@@ -194,6 +202,7 @@ class CheckpointEngineManager:
         except BaseException as exc:
             round_.failure = exc
             self._epoch = None  # connections may be mid-message: rebuild them next time
+            self._lost_rails.record(exc)  # a stripe's rail, left out of the rebuild until a probe reaches it
             raise
         finally:
             outcomes = round_.outcomes(self._states)
@@ -288,12 +297,13 @@ class CheckpointEngineManager:
         answers = await steps.gather("setup", timeout, pings)
         nodes = [str(answer.get("node_id")) if isinstance(answer, dict) else "" for answer in answers]
         actor_size = self.actor_wg.world_size
+        await self._lost_rails.probe(workers, answers, actor_size, timeout)
         rdma = all(isinstance(answer, dict) and answer.get("rdma") is True for answer in answers)
         rails = [answer.get("rail", 0) if isinstance(answer, dict) else 0 for answer in answers]
         self.choice = choice = auto.choose(
             sender_node=nodes[0], rollout_nodes=nodes[actor_size:], rdma=rdma, rollout_rails=rails[actor_size:],
             sender_rails=[rail for node, rail in zip(nodes[:actor_size], rails) if node == nodes[0]],
-            striping=not (self.config.delta or self.config.staged))
+            striping=not (self.config.delta or self.config.staged), lost_rails=self._lost_rails.rails)
         config = dataclasses.replace(self.config, backend_options={**choice.options, **self.config.backend_options})
         return choice.backend, config, load_engine_class(choice.backend)
 

@@ -1,0 +1,60 @@
+"""Rails a striped update lost (:mod:`weightsync.core.transports.stripes`), left out until a probe shows them back.
+
+A striped update whose stripe failed on its rail raises a ``TransferError`` naming the ``rail``. The manager records
+it here; before every update after that (and at every rebuild, before ``auto`` deals stripes), each rollout worker
+on that rail probes it (a ``ping`` with ``probe``: a TCP connection to the sender host's address on that rail,
+refused or accepted, within a second), the replicas serving; the rail comes back — and the topology is rebuilt with
+stripes over it — only when every probe reached it. Until then ``auto`` deals only the stripes below the lowest lost
+rail (rail 0 carries the control plane: losing it is losing the host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Sequence
+from typing import Any
+
+from weightsync.api.protocols import RolloutWorker
+from weightsync.core.control import steps
+from weightsync.core.control.round import worker_label
+
+__all__ = ["LostRails"]
+
+
+class LostRails:
+    """The rails left out of stripes: recorded from a failed update, probed at each rebuild."""
+
+    def __init__(self) -> None:
+        self.rails: set[int] = set()
+
+    def record(self, error: BaseException) -> None:
+        """Note the rail ``error`` names (a stripe's ``TransferError``), if any."""
+        rail = getattr(error, "details", {}).get("rail")
+        if isinstance(rail, int) and not isinstance(rail, bool) and rail > 0:
+            self.rails.add(rail)
+
+    async def recheck(self, workers: Sequence[tuple[int, RolloutWorker]],
+                      pings: list[tuple[str, Awaitable[Any]]], actor_size: int, timeout: float) -> bool:
+        """Ping every worker (``pings``, actor ranks first) and probe the lost rails; whether one came back."""
+        lost = set(self.rails)
+        answers = await steps.gather("setup", timeout, pings, raise_first=False)
+        await self.probe(workers, answers, actor_size, timeout)
+        return self.rails != lost
+
+    async def probe(self, workers: Sequence[tuple[int, RolloutWorker]], answers: Sequence[Any], actor_size: int,
+                    timeout: float) -> None:
+        """Probe every lost rail from the rollout workers on it (``answers``: every worker's ping, actor ranks
+        first); a rail every probe reached is no longer lost."""
+        sender_node = answers[0].get("node_id") if isinstance(answers[0], dict) else None
+        for rail in sorted(self.rails):
+            targets = [answer.get("rail_address") for answer in answers[:actor_size]
+                       if isinstance(answer, dict) and answer.get("node_id") == sender_node and answer.get("rail") == rail]
+            probers = [(r, worker) for (r, worker), answer in zip(workers, answers[actor_size:])
+                       if isinstance(answer, dict) and answer.get("rail") == rail]
+            if not targets or not isinstance(targets[0], str) or not probers:
+                continue
+            results = await steps.gather("setup", timeout, [
+                (worker_label(r, worker), worker.execute_checkpoint_engine("ping", probe=[targets[0]]))
+                for r, worker in probers], raise_first=False)
+            if all(isinstance(result, dict) and result.get("reachable", {}).get(targets[0]) is True
+                   for result in results):
+                self.rails.discard(rail)
