@@ -62,10 +62,6 @@ class StripedReceiver:
         self._next = 0
         """Index of the next bucket of the update under way: it comes from source ``_next mod K``."""
 
-    @property
-    def stripes(self) -> int:
-        return len(self._sources)
-
     def receive(self, deadline: float) -> ReceivedBucket:
         stripes = len(self._sources)
         if self._next == 0:
