@@ -162,11 +162,11 @@ class VllmEngineActor:
                 "engine": self._spec, "rank_args": rank_args, "epoch": epoch,
             }))
             return None
+        if method == "close":
+            await self._drop_stager()
+        elif method == "finalize" and self._stager is not None:
+            await self._stager.execute("finalize")
         if method in ("finalize", "close"):
-            if self._stager is not None:
-                await self._stager.execute(method)
-                if method == "close":
-                    self._stager = None
             return await self._rpc(f"weightsync_{method}")
         raise ConfigError(f"unknown checkpoint-engine method {method!r}")
 

@@ -96,7 +96,8 @@ def choose(*, sender_node: str, rollout_nodes: Sequence[str], rdma: bool = False
             where = f"workers on {hosts} hosts" if hosts > 1 else "shm is not available"
             nics = "with RDMA devices" if rdma else "without RDMA devices on every host"
             reason = f"{where}: the fastest network transport installed {nics}"
-            stripes = _stripes(sender_node, rollout_nodes, sender_rails, rollout_rails) if options and striping else 1
+            stripes = stripe_count(sender_node=sender_node, sender_rails=sender_rails, rollout=list(
+                zip(rollout_nodes, rollout_rails or [0] * len(rollout_nodes)))) if options and striping else 1
             if lost_rails and stripes > min(lost_rails):
                 stripes = max(1, min(lost_rails))
                 reason += f"; rail {min(lost_rails)} left out: it failed an update and no probe has reached it since"
@@ -110,15 +111,6 @@ def choose(*, sender_node: str, rollout_nodes: Sequence[str], rdma: bool = False
     raise BackendUnavailableError(
         f"backend='auto' found workers on {hosts} hosts and no backend here that crosses hosts; install one of: "
         f"{wanted}", backend=AUTO, reason=f"no backend that crosses hosts; install one of: {wanted}")
-
-
-def _stripes(sender_node: str, rollout_nodes: Sequence[str], sender_rails: Sequence[int],
-             rollout_rails: Sequence[int] | None) -> int:
-    hosts: dict[str, list[int]] = {}
-    for node, rail in zip(rollout_nodes, rollout_rails or [0] * len(rollout_nodes)):
-        if node != sender_node:
-            hosts.setdefault(node, []).append(rail)
-    return stripe_count(sender_rails=list(sender_rails), host_rails=list(hosts.values())) if hosts else 1
 
 
 def describe_rule(available: Callable[[], Sequence[str]] = available_backends, *, rdma: bool | None = None) -> str:

@@ -20,6 +20,7 @@ reads each stripe in place from that stripe's leader. So each rail of every host
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["LAYOUTS", "ChainPlan", "chain_positions", "plan_positions", "plan_stripe", "position_name", "stripe_count"]
@@ -75,12 +76,18 @@ def plan_stripe(*, nodes: list[str], rails: list[int], stripe: int, fanout: int)
     return _two_level(nodes, fanout, leader_of)
 
 
-def stripe_count(*, sender_rails: list[int], host_rails: list[list[int]], limit: int | None = None) -> int:
+def stripe_count(*, sender_node: str, sender_rails: Sequence[int], rollout: Sequence[tuple[str, int]],
+                 limit: int | None = None) -> int:
     """How many stripes a two-level update can use: the largest K for which rails 0..K-1 each have an actor rank on
-    the sender's host (``sender_rails``) and a worker on every receiving host (``host_rails``, one list per host);
-    at most ``limit``. One where any host has a single rail (today's two-level layout)."""
+    the sender's host (``sender_rails``) and a worker on every other host (``rollout``: each rollout worker's host
+    and rail); at most ``limit``. One where any host has a single rail, or no worker is on another host."""
+    hosts: dict[str, set[int]] = {}
+    for node, rail in rollout:
+        if node != sender_node:
+            hosts.setdefault(node, set()).add(rail)
     count = 1
-    while (limit is None or count < limit) and count in sender_rails and all(count in rails for rails in host_rails):
+    while hosts and (limit is None or count < limit) and count in sender_rails and all(
+            count in rails for rails in hosts.values()):
         count += 1
     return count
 

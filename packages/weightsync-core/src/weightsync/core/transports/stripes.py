@@ -187,14 +187,10 @@ def striped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
     sender_node = _where(actor[0])[0]
     wanted = actor[0].get("stripes", 1)
     limit = None if wanted == "rails" else wanted if isinstance(wanted, int) else 1
-    hosts: dict[str, list[int]] = {}
-    for worker in rollout:
-        node, rail = _where(worker)
-        if node != sender_node:
-            hosts.setdefault(node, []).append(rail)
     sender_rails = [_where(worker)[1] for worker in actor if _where(worker)[0] == sender_node]
-    count = stripe_count(sender_rails=sender_rails, host_rails=list(hosts.values()), limit=limit)
-    if count == 1 or not hosts:
+    count = stripe_count(sender_node=sender_node, sender_rails=sender_rails,
+                         rollout=[_where(worker) for worker in rollout], limit=limit)
+    if count == 1:
         return None
     senders = [next(rank for rank, worker in enumerate(actor) if _where(worker) == (sender_node, stripe))
                for stripe in range(count)]
