@@ -9,6 +9,7 @@ destination holds, each sender's published byte count, and which ``/dev/shm`` ri
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 
 from weightsync.api.registry import load_engine_class
 from weightsync.api.testing import case_tensors, raw_bytes
-from weightsync.api.types import WorkerContext, WorldMetadata
+from weightsync.api.types import Role, WorkerContext, WorldMetadata
 from weightsync.core.wire.digest import combine_stripes
 
 BUCKET = 1 << 16
@@ -106,3 +107,83 @@ def test_two_stripes_over_two_rails_arrive_whole_at_every_worker(stripes: Any) -
     finally:
         for engine in engines:
             engine.close()
+
+
+def test_a_staged_update_is_staged_one_stripe_per_stager_and_swapped_whole_from_both_areas() -> None:
+    """``staged``: every rollout worker is its host's stager of the stripe of its rail (B and C: one per rail),
+    stages that stripe alone into an area of its own, and each worker's swap reads both areas of its host in
+    bucket order. Checked from outside: which tensor names each area's bytes hold (each name in exactly one area of
+    a host), the bytes each destination holds after the swap, and the digest against the senders' own."""
+    from weightsync.api.errors import WeightsyncError
+    from weightsync.core.control.staged import joined
+    from weightsync.core.transports.stagearea import StageArea
+
+    engine_class: Any = load_engine_class("tcp")
+    options = {"layout": "two_level", "stripes": "rails", "staged": True}
+    roles: list[tuple[Role, list[tuple[str, int]]]] = [("actor", ACTOR), ("rollout", ROLLOUT)]
+    engines = [engine_class(bucket_bytes=BUCKET, timeout=30, context=WorkerContext(role=role, rank=rank, node_id=host),
+                            **options) for role, hosts in roles for rank, (host, _) in enumerate(hosts)]
+    actors, rollouts = engines[:len(ACTOR)], engines[len(ACTOR):]
+    areas = [StageArea() for _ in rollouts]
+    try:
+        metadata = [dict(engine.prepare(), rail=rail, hostname=host)
+                    for engine, (host, rail) in zip(engines, [*ACTOR, *ROLLOUT])]
+        assert all(entry["staged"] is True for entry in metadata)
+        topology = engine_class.build_topology(
+            actor_wg_world_size=len(actors), rollout_world_size=len(rollouts),
+            metadata=WorldMetadata(actor=metadata[:len(actors)], rollout=metadata[len(actors):]))
+        assert topology.senders == (0, 1)
+        assert [args["stripe"] for args in topology.rollout] == [[0, 2], [1, 2], [0, 2], [1, 2]]
+        assert not any("sources" in args for args in topology.rollout)  # nobody reads another's stripe
+        assert topology.rollout[2]["peer"] == "rollout rank 0 (stripe 0, rail 0 from host B to host C)"
+        def joining(engine: Any, args: dict[str, Any]) -> Callable[[], Any]:
+            return lambda: engine.init_process_group(rank_args={**args, "epoch": "e1"})
+
+        results = _in_threads([joining(engine, dict(args))
+                               for engine, args in zip(engines, [*topology.actor, *topology.rollout])])
+        assert not [r for r in results if isinstance(r, BaseException)], results
+        weights = case_tensors("mixed", 1, BUCKET)
+        for version in (1, 2):
+            results = _in_threads([*(lambda e=engine: asyncio.run(e.send_weights(weights, version=version))
+                                     for engine in actors),
+                                   *(lambda e=engine, a=area: asyncio.run(e.stage_weights(a, version=version))
+                                     for engine, area in zip(rollouts, areas))])
+            assert not [r for r in results if isinstance(r, BaseException)], (version, results)
+        sent, staged = results[:len(actors)], results[len(actors):]
+        names = [name for name, _ in weights]
+        larger = [name for name, tensor in weights if raw_bytes(tensor).numel() > BUCKET]  # split over buckets
+        assert larger == ["lm_head.weight"]
+        for host in (0, 2):  # B's areas, then C's: each tensor's name in one of the host's two, a split one in both
+            held = [open(area.path, "rb").read()[: part.nbytes] for area, part in zip(areas[host:host + 2],
+                                                                                       staged[host:host + 2])]
+            assert [name for name in names if sum(name.encode() in data for data in held) != 1] == larger, host
+            assert all(any(name.encode() in data for name in names) for data in held), host
+        expected = combine_stripes([report.digest for report in sent])
+        hosts = {0: joined(staged[0:2]), 2: joined(staged[2:4])}
+        assert {host: getattr(whole.report, "digest", "") for host, whole in hosts.items()} == {0: expected, 2: expected}
+
+        def swap(engine: Any, whole: Any) -> Any:
+            into = {name: torch.zeros_like(tensor) for name, tensor in weights}
+
+            async def run() -> Any:
+                stream = engine.receive_staged(whole)
+                await stream.copy_into(into)
+                return stream.report
+
+            return into, asyncio.run(run())
+
+        results = _in_threads([functools.partial(swap, engine, hosts[rank - rank % 2])
+                               for rank, engine in enumerate(rollouts)])
+        for into, report in results:
+            assert report.digest == expected
+            for name, tensor in weights:
+                assert torch.equal(raw_bytes(into[name]), raw_bytes(tensor)), name
+        # Negative control: the host's areas handed over in the wrong stripe order are refused, not applied.
+        backwards = joined([staged[1], staged[0]])
+        refused = _in_threads([lambda: swap(rollouts[0], backwards)])[0]
+        assert isinstance(refused, WeightsyncError), refused
+    finally:
+        for engine in engines:
+            engine.close()
+        for area in areas:
+            area.close()

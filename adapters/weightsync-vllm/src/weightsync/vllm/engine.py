@@ -18,7 +18,7 @@ How weightsync's lifecycle maps onto vLLM's:
   ``VllmRolloutReplica`` runs the three worker steps in one RPC (``WeightsyncWorkerExtension.weightsync_update``);
   driving them one by one through ``AsyncLLM`` works the same.
 - a staged update's swap (``SyncConfig.staged``): the same three steps, with ``update_info["staged"]`` the
-  ``StagedUpdate`` the host's stager answered (:func:`staged_to_data`); the stream is then read from the host's
+  ``StagedUpdate`` the host's stager answered (``StagedUpdate.to_dict``); the stream is then read from the host's
   staging area instead of the transport, and everything after it is the same. The stage phase never reaches this
   engine: the replica's Ray actor stages (``weightsync.vllm.replica``), and this engine joins the epoch idle.
 
@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
@@ -69,7 +68,7 @@ from weightsync.api import errors
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import ConfigError, LifecycleError, LoadVerificationError, WeightsyncError
 from weightsync.api.protocols import next_batch
-from weightsync.api.types import StagedUpdate, TransferReport, WorkerMetadata
+from weightsync.api.types import StagedUpdate, WorkerMetadata
 from weightsync.core.control.host import EngineHost, is_untouched, mark_untouched
 
 if TYPE_CHECKING:
@@ -77,7 +76,7 @@ if TYPE_CHECKING:
     from vllm.config.weight_transfer import WeightTransferConfig
 
 __all__ = ["LoadClock", "WeightsyncInitInfo", "WeightsyncTransferEngine", "WeightsyncUpdateInfo", "error_from_data",
-           "error_to_data", "parameter_checksums", "report_from_data", "staged_from_data", "staged_to_data"]
+           "error_to_data", "parameter_checksums"]
 
 BACKEND = "weightsync"
 COPY_MODES = ("held", "all", "none")
@@ -139,7 +138,7 @@ class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
     """One update: ``version`` labels it (the manager's counter). ``copy``: ``"held"`` copies what vLLM's layerwise
     reload keeps of a view past its life (the module's point 2), ``"all"`` copies every tensor first, ``"none"``
     hands vLLM the stream's views as they are, which is wrong: it exists for the test that shows it is.
-    ``staged``: a staged update's swap, where its host staged it (:func:`staged_to_data`); None: received now."""
+    ``staged``: a staged update's swap, where its host staged it (``StagedUpdate.to_dict``); None: received now."""
 
     version: int = 0
     copy: str = "held"
@@ -211,7 +210,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             if update_info.staged is None:
                 report = asyncio.run(host.receive(loader, version=update_info.version))
             else:
-                staged = staged_from_data(update_info.staged)
+                staged = StagedUpdate.from_dict(update_info.staged)
                 if staged.version != update_info.version:
                     mismatch = ConfigError(f"the swap of version {update_info.version} was handed version "
                                            f"{staged.version}'s staging area")
@@ -392,26 +391,4 @@ def error_from_data(data: Mapping[str, Any], *, where: str) -> BaseException:
     if data.get("untouched"):
         mark_untouched(error)
     return error
-
-
-def report_from_data(data: Mapping[str, Any]) -> TransferReport:
-    from weightsync.api.types import StageTiming
-
-    fields = dict(data)
-    fields["stages"] = tuple(StageTiming(**stage) for stage in fields.get("stages", ()))
-    return TransferReport(**fields)
-
-
-def staged_to_data(staged: StagedUpdate) -> dict[str, Any]:
-    """A ``StagedUpdate`` as plain data, for vLLM's RPC (which carries no weightsync types)."""
-    fields = {item.name: getattr(staged, item.name) for item in dataclasses.fields(staged)}
-    fields["report"] = staged.report.to_dict() if staged.report is not None else None
-    return fields
-
-
-def staged_from_data(data: Mapping[str, Any]) -> StagedUpdate:
-    fields = dict(data)
-    report = fields.get("report")
-    fields["report"] = report_from_data(report) if report is not None else None
-    return StagedUpdate(**fields)
 

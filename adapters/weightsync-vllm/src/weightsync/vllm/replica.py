@@ -49,7 +49,7 @@ from weightsync.api.errors import ConfigError, LifecycleError, ReplicaTornError
 from weightsync.api.types import StagedUpdate, TransferReport
 from weightsync.core.control.host import EngineHost, is_untouched, ping_answer
 from weightsync.ray.group import RayStagingWorker, actor_options
-from weightsync.vllm.engine import BACKEND, error_from_data, report_from_data, staged_to_data
+from weightsync.vllm.engine import BACKEND, error_from_data
 
 __all__ = ["VllmEngineActor", "VllmRolloutReplica", "engine_args"]
 
@@ -190,7 +190,7 @@ class VllmEngineActor:
 
     async def apply_staged(self, *, version: int, staged: StagedUpdate) -> TransferReport:
         """A staged update's swap: vLLM's worker loads what this host staged, as an update's stream."""
-        return await self._update({"version": version, "copy": self._copy, "staged": staged_to_data(staged)})
+        return await self._update({"version": version, "copy": self._copy, "staged": staged.to_dict()})
 
     async def _update(self, update_info: dict[str, Any]) -> TransferReport:
         self._verified = None
@@ -203,7 +203,7 @@ class VllmEngineActor:
                 raise LifecycleError(f"{self.name}: vLLM's weight update failed: {exc}") from exc
             if "error" in outcome:
                 raise error_from_data(outcome["error"], where=self.name)
-            report = report_from_data(outcome["report"])
+            report = TransferReport.from_dict(outcome["report"])
             self._timings["load_seconds"] = float(outcome.get("load_seconds", 0.0))
             self._load_sums = outcome.get("load_checksums")
         except BaseException as exc:

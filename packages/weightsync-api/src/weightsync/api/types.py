@@ -145,6 +145,13 @@ class TransferReport:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TransferReport:
+        """The report ``to_dict`` gave (``stages`` as plain mappings)."""
+        fields = dict(data)
+        fields["stages"] = tuple(StageTiming(**stage) for stage in fields.get("stages", ()))
+        return cls(**fields)
+
 
 Received: TypeAlias = Literal["full", "changes"]
 """What an update sent a replica (``ReplicaOutcome.received``)."""
@@ -197,6 +204,26 @@ class StagedUpdate:
     """The stager's host."""
     report: TransferReport | None = None
     """The stager's receive: its digest is of the staged bytes, checked against the sender's."""
+    stripes: tuple[StagedUpdate, ...] = ()
+    """An update dealt into K stripes and staged by K stagers of the host, one stripe each, into an area each: every
+    stripe's ``StagedUpdate``, in stripe order (a swap reads them all, bucket by bucket in bucket order). The fields
+    above are then stripe 0's, except ``report``, the whole update's: its digest combines the stripes'. Empty for an
+    update staged whole."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (nested dicts, lists), for a channel that carries no weightsync types."""
+        return {**{item.name: getattr(self, item.name) for item in dataclasses.fields(self)},
+                "report": self.report.to_dict() if self.report is not None else None,
+                "stripes": [part.to_dict() for part in self.stripes]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StagedUpdate:
+        """The staged update ``to_dict`` gave."""
+        fields = dict(data)
+        report = fields.get("report")
+        fields["report"] = TransferReport.from_dict(report) if report is not None else None
+        fields["stripes"] = tuple(cls.from_dict(part) for part in fields.get("stripes", ()))
+        return cls(**fields)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -84,7 +84,7 @@ def choose(*, sender_node: str, rollout_nodes: Sequence[str], rdma: bool = False
     """The choice for a sender on ``sender_node`` and rollout workers on ``rollout_nodes``; ``rdma``: every
     worker's host has an RDMA device; ``sender_rails``: the rails of the actor ranks on the sender's host,
     ``rollout_rails``: each rollout worker's (None: all on rail 0); ``striping``: stripes may be used (not with
-    delta or staged updates, which stripes do not carry yet); ``lost_rails``: rails a striped update lost and no
+    delta updates, which stripes do not carry yet); ``lost_rails``: rails a striped update lost and no
     probe has reached since (:mod:`weightsync.core.control.rails`): only the stripes below the lowest are dealt."""
     usable = set(available())
     hosts = len({sender_node, *rollout_nodes})

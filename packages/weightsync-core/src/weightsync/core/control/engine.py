@@ -32,6 +32,7 @@ from weightsync.core.transports.device import accepted_devices
 from weightsync.core.transports.rules import CheckedReceiver, checked_sender
 from weightsync.core.transports.settings import EngineBase, default_node_id
 from weightsync.core.transports.stagearea import StageArea, StagedReceiver
+from weightsync.core.transports.stripes import StripedReceiver
 from weightsync.core.transports.transport import ReceiverTransport, SenderTransport, Transport
 from weightsync.core.wire.digest import StripedDigest, UpdateDigest
 
@@ -78,7 +79,10 @@ class BucketCheckpointEngine(EngineBase):
         self._role: RankRole | None = None
         self._sender_rank = 0
         self._stripe = (0, 1)
-        """(s, K): this epoch's stripe of a sender, or the stripes a receiver reads (s 0); (0, 1) unstriped."""
+        """(s, K): this epoch's stripe of a sender or of a stager that holds one stripe, or the stripes a receiver
+        reads (s 0); (0, 1) unstriped."""
+        self._one_stripe = False
+        """A stager of one stripe of a staged striped update (``rank_args["stripe"]`` on a receiver)."""
         self._sender: SenderTransport | None = None
         self._receiver: ReceiverTransport | None = None
         pack_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-pack")
@@ -120,6 +124,7 @@ class BucketCheckpointEngine(EngineBase):
         sender = rank_args.get("sender", 0)
         self._sender_rank = sender if isinstance(sender, int) else 0
         self._stripe = _stripe(rank_args)
+        self._one_stripe = role == "receiver" and rank_args.get("stripe") is not None
         base = rank_args.get("delta_base")  # the manager's: the version every receiver holds (delta updates)
         self._send.delta.allowed_base = base if isinstance(base, int) and not isinstance(base, bool) else None
         if role == "sender":
@@ -211,6 +216,9 @@ class BucketCheckpointEngine(EngineBase):
 
     def receive_weights(self) -> ReceivedWeights:
         self._require("receiver", "receive_weights")
+        if self._one_stripe:
+            raise LifecycleError(f"{self.name}: this rank holds stripe {self._stripe[0]} of {self._stripe[1]} of a "
+                                 "staged update: it stages its stripe (stage_weights), it cannot receive the update")
         if self._receiver is None or self._epoch is None:
             raise LifecycleError(f"{self.name}: receive_weights on a rank that is not connected as a receiver")
         hold = self._handover.hold_for_stream()
@@ -227,9 +235,10 @@ class BucketCheckpointEngine(EngineBase):
         staged bytes (:mod:`weightsync.core.pipeline.staged`); nothing reaches a model. Holds the engine until the
         receiving thread is done, even if the caller stops waiting."""
         self._require("receiver", "stage_weights")
-        if self._stripe[1] > 1:
-            raise ConfigError(f"{self.name}: a staged update is not read from {self._stripe[1]} stripes yet; stage "
-                              "it unstriped (one sender)")
+        if self._stripe[1] > 1 and not self._one_stripe:
+            raise ConfigError(f"{self.name}: this rank reads all {self._stripe[1]} stripes of an update; a staged "
+                              "update gives each of a host's stagers one stripe (build the topology from metadata "
+                              "that says staged)")
         receiver, epoch = self._receiver, self._epoch
         if receiver is None or epoch is None:
             raise LifecycleError(f"{self.name}: stage_weights on a rank that is not connected as a receiver")
@@ -246,21 +255,26 @@ class BucketCheckpointEngine(EngineBase):
     def _stage(self, receiver: ReceiverTransport, area: StageArea, *, epoch: str, version: int) -> StagedUpdate:
         try:
             return stage_update(receiver, area, settings=self.settings, epoch=epoch, version=version,
-                                peer=self.transport.peer_name(self._sender_rank), tables=self._receive.tables)
+                                peer=self.transport.peer_name(self._sender_rank), tables=self._receive.tables,
+                                stripe=self._stripe)
         except BaseException:
             receiver.close()  # tells the peers now, not at their deadline; the next update joins a new epoch
             raise
 
     def receive_staged(self, staged: StagedUpdate) -> ReceivedWeights:
-        """The update a host's stager staged (``staged``), as a stream read in place from the staging area: the
-        same receive pipeline as ``receive_weights`` (destinations, fallbacks, delta apply, the digest checked
-        again on what is read). Any role of the current epoch may read it."""
+        """The update a host's stager staged (``staged``), as a stream read in place from the staging area (a
+        striped update's: from its stagers' areas, ``staged.stripes``): the same receive pipeline as
+        ``receive_weights`` (destinations, fallbacks, delta apply, the digest checked again on what is read). Any
+        role of the current epoch may read it."""
         self._check_open()
         if self._epoch is None:
             raise LifecycleError(f"receive_staged before init_process_group on this {self.name} engine")
-        receiver = StagedReceiver(staged)
+        parts = staged.stripes
+        receiver: ReceiverTransport = StripedReceiver([StagedReceiver(part) for part in parts], epoch=staged.epoch) \
+            if parts else StagedReceiver(staged)
         hold = self._handover.hold_for_stream()
-        reader = BucketReader(UpdateDigest(), self._receive.plans)  # the staged bytes are on the host
+        # The staged bytes are on the host; a striped update's, one area per stripe, read in bucket order.
+        reader = BucketReader(StripedDigest(len(parts)) if parts else UpdateDigest(), self._receive.plans)
         return ReceiveStream(self._receive, receiver, hold, epoch=staged.epoch, release_early=False,
                              peer=f"{self.transport.peer_name(self._sender_rank)} (staged)", reader=reader)
 

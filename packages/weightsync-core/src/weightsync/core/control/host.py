@@ -84,6 +84,8 @@ def build_engine(spec: Mapping[str, Any], *, node_id: str, host_ip: str) -> Chec
     backend_options: dict[str, Any] = dict(config.backend_options)
     if config.delta:  # only then: an engine of another project need not know the keywords
         backend_options.update(delta=True, verify_every=config.verify_every)
+    if config.staged:
+        backend_options.update(staged=True)
     return engine_class(
         bucket_bytes=config.bucket_bytes, context=context, slots=config.slots, timeout=config.timeouts.transfer,
         verify_digest=config.verify_digest, **backend_options,

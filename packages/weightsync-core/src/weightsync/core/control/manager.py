@@ -220,12 +220,14 @@ class CheckpointEngineManager:
             plan = self._plan
             if plan is None:
                 raise LifecycleError("staged update without a stager plan (setup did not make one)")
+            round_.stripes = self._stripes
             errors = await run_staged(round_, actor_wg=self.actor_wg, plan=plan, timeouts=self.config.timeouts)
             if errors:
                 raise steps.root_cause(errors)
         except BaseException as exc:
             round_.failure = exc
             self._epoch = None
+            self._lost_rails.record(exc)
             raise
         finally:
             outcomes = round_.outcomes(self._states)
@@ -303,7 +305,7 @@ class CheckpointEngineManager:
         self.choice = choice = auto.choose(
             sender_node=nodes[0], rollout_nodes=nodes[actor_size:], rdma=rdma, rollout_rails=rails[actor_size:],
             sender_rails=[rail for node, rail in zip(nodes[:actor_size], rails) if node == nodes[0]],
-            striping=not (self.config.delta or self.config.staged), lost_rails=self._lost_rails.rails)
+            striping=not self.config.delta, lost_rails=self._lost_rails.rails)
         config = dataclasses.replace(self.config, backend_options={**choice.options, **self.config.backend_options})
         return choice.backend, config, load_engine_class(choice.backend)
 
@@ -336,9 +338,11 @@ class CheckpointEngineManager:
         metadata: list[WorkerMetadata] = await steps.gather("prepare", timeout, labelled)
         self._where = {label: host_of(entry) for (label, _), entry in zip(labelled, metadata)}
         rollout = metadata[actor_size:]
-        # Staged: only each host's stager joins the transport's world; the host's other workers read its area.
-        self._plan = plan = StagedPlan.of(rollout) if self.config.staged else None
-        members = list(plan.stagers.values()) if plan is not None else list(range(len(workers)))
+        # Staged: only each host's stagers join the transport's world (one, or one per stripe); the host's other
+        # workers read their areas.
+        world = WorldMetadata(actor=metadata[:actor_size], rollout=rollout)
+        self._plan = plan = StagedPlan.of(world) if self.config.staged else None
+        members = plan.members if plan is not None else list(range(len(workers)))
         topology = build_checked_topology(
             engine_class, backend=backend, actor_wg_world_size=actor_size, rollout_world_size=len(members),
             metadata=WorldMetadata(actor=metadata[:actor_size], rollout=[rollout[i] for i in members]),

@@ -2,7 +2,9 @@
 
 At setup the manager picks one rollout worker per host, its *stager* (:class:`StagedPlan`): only the stagers join
 the transport's world, so the update crosses to each host once, into the host's staging area; every other worker
-joins the epoch idle. Then, per update (:func:`run_staged`):
+joins the epoch idle. An update dealt into K stripes (``stripes_for``: rails) has K stagers per host, the host's
+first worker on each rail 0..K-1, each staging its stripe into an area of its own: the stripes' areas together are
+the host's staging. Then, per update (:func:`run_staged`):
 
 1. the actor ranks send and every stager stages (``StagingWorker.stage_weights``), the replicas serving;
 2. each replica, as soon as every host it spans holds a verified staged copy, is paused, every worker of it applies
@@ -19,38 +21,56 @@ joins the epoch idle. Then, per update (:func:`run_staged`):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from weightsync.api.config import StepTimeouts
-from weightsync.api.errors import ConfigError, DigestMismatchError
+from weightsync.api.errors import ConfigError, DigestMismatchError, TopologyError
 from weightsync.api.protocols import ActorWorkerGroup, LoadProvingReplica, RolloutWorker, StagingWorker
-from weightsync.api.types import StagedUpdate, TransferReport, WorkerMetadata
+from weightsync.api.types import StagedUpdate, TransferReport, WorldMetadata
 from weightsync.core.control import steps
 from weightsync.core.control.host import is_untouched
 from weightsync.core.control.round import Round, disowning, pause, resume, worker_label
+from weightsync.core.transports.stripes import stripes_for
+from weightsync.core.wire.digest import combine_stripes
 
-__all__ = ["StagedPlan", "check_staging", "run_staged"]
+__all__ = ["StagedPlan", "check_staging", "joined", "run_staged"]
 
 
 @dataclass(frozen=True)
 class StagedPlan:
-    """Who stages for whom: each rollout worker's host, and each host's stager (an index into the round's workers,
-    the host's first worker in replica order)."""
+    """Who stages for whom: each rollout worker's host, and each host's stagers (indices into the round's workers):
+    the host's first worker in replica order, or with K stripes its first worker on each rail 0..K-1 (stripe s's
+    stager at s)."""
 
     hosts: tuple[str, ...]
-    stagers: dict[str, int]
+    stagers: dict[str, tuple[int, ...]]
 
     @classmethod
-    def of(cls, metadata: Sequence[WorkerMetadata]) -> StagedPlan:
-        """From the rollout workers' ``prepare`` metadata (``node_id``: where each said it runs)."""
+    def of(cls, world: WorldMetadata) -> StagedPlan:
+        """From the workers' ``prepare`` metadata: where each rollout worker said it runs (``node_id``) and on which
+        rail (``rail``), and how many stripes the topology will deal the update into (:func:`stripes_for`)."""
+        metadata, stripes = world.rollout, stripes_for(world)
         hosts = tuple(str(entry.get("node_id") or f"unknown-{i}") for i, entry in enumerate(metadata))
-        stagers: dict[str, int] = {}
-        for index, host in enumerate(hosts):
-            stagers.setdefault(host, index)
+        stagers: dict[str, tuple[int, ...]] = {}
+        for host in dict.fromkeys(hosts):
+            on_host = [i for i, where in enumerate(hosts) if where == host]
+            rails = {i: metadata[i].get("rail", 0) for i in on_host}
+            chosen = [next((i for i in on_host if stripes == 1 or rails[i] == s), None) for s in range(stripes)]
+            if None in chosen:
+                raise TopologyError(f"a staged update dealt into {stripes} stripes needs a worker on each of rails "
+                                    f"0..{stripes - 1} of host {host}; its workers are on rails "
+                                    f"{sorted(set(map(str, rails.values())))}")
+            stagers[host] = tuple(i for i in chosen if i is not None)
         return cls(hosts, stagers)
+
+    @property
+    def members(self) -> list[int]:
+        """The workers that join the transport's world (every host's stagers), in the round's order."""
+        return sorted(index for indices in self.stagers.values() for index in indices)
 
 
 def check_staging(workers: Sequence[tuple[int, RolloutWorker]]) -> None:
@@ -73,11 +93,9 @@ async def run_staged(round_: Round, *, actor_wg: ActorWorkerGroup, plan: StagedP
     sending = asyncio.ensure_future(steps.gather(
         "transfer", timeouts.transfer, [(f"actor rank {rank}", call) for rank, call in enumerate(sends)],
         raise_first=False))
-    staging: dict[str, asyncio.Future[StagedUpdate]] = {}
-    for host, index in plan.stagers.items():
-        replica, worker = workers[index]
-        staging[host] = asyncio.ensure_future(_one(
-            "stage", timeouts.transfer, worker_label(replica, worker), _staging(worker).stage_weights(version=version)))
+    staging: dict[str, asyncio.Future[StagedUpdate]] = {
+        host: asyncio.ensure_future(_stage_host(round_, indices, timeouts.transfer))
+        for host, indices in plan.stagers.items()}
     swaps = [asyncio.ensure_future(_swap(round_, r, plan, staging, timeouts)) for r in range(len(round_.replicas))]
     results = await asyncio.gather(sending, *staging.values(), *swaps, return_exceptions=True)
     round_.stages["transfer"] = time.perf_counter() - started  # the stage and every swap, after any setup
@@ -96,6 +114,36 @@ async def run_staged(round_: Round, *, actor_wg: ActorWorkerGroup, plan: StagedP
 
 async def _one(step: str, timeout: float, label: str, call: Awaitable[Any]) -> Any:
     return (await steps.gather(step, timeout, [(label, call)]))[0]
+
+
+async def _stage_host(round_: Round, indices: Sequence[int], timeout: float) -> StagedUpdate:
+    """One host's stage: its stager's update, or each stripe's from its stager (joined into one, ``stripes``)."""
+    calls: list[Awaitable[Any]] = []
+    for index in indices:
+        replica, worker = round_.workers[index]
+        calls.append(_one("stage", timeout, worker_label(replica, worker),
+                          _staging(worker).stage_weights(version=round_.version)))
+    parts = await asyncio.gather(*calls, return_exceptions=True)
+    errors = [part for part in parts if isinstance(part, BaseException)]
+    if errors:
+        raise steps.root_cause(errors)
+    staged = [part for part in parts if isinstance(part, StagedUpdate)]
+    return staged[0] if len(staged) == 1 else joined(staged)
+
+
+def joined(parts: Sequence[StagedUpdate]) -> StagedUpdate:
+    """A host's stripes, each staged by a stager of its own (stripe order), as one ``StagedUpdate``: stripe 0's
+    fields, ``stripes`` every part, and a report of the whole update (its digest ``combine_stripes``'s)."""
+    reports = [part.report for part in parts]
+    first = reports[0]
+    if first is None or any(report is None for report in reports):
+        raise ConfigError("a stripe's stager staged without a report: its stripe's digest cannot be combined")
+    done = [report for report in reports if report is not None]
+    whole = dataclasses.replace(
+        first, digest=combine_stripes([report.digest for report in done]), nbytes=sum(r.nbytes for r in done),
+        tensors=sum(r.tensors for r in done), buckets=sum(r.buckets for r in done),
+        wire_bytes=sum(r.wire_bytes for r in done), seconds=max(r.seconds for r in done))
+    return dataclasses.replace(parts[0], report=whole, stripes=tuple(parts))
 
 
 def _staging(worker: RolloutWorker) -> StagingWorker:

@@ -22,15 +22,17 @@ __all__ = ["stage_update"]
 
 
 def stage_update(receiver: ReceiverTransport, area: StageArea, *, settings: EngineSettings, epoch: str, version: int,
-                 peer: str, tables: codec.TableCache) -> StagedUpdate:
+                 peer: str, tables: codec.TableCache, stripe: tuple[int, int] = (0, 1)) -> StagedUpdate:
     """Blocking (a thread of the engine's): receive one update from ``receiver`` into ``area`` and seal it once its
-    digest, taken over the staged bytes, equals the sender's. Raises ``TransferError`` (an abort, a lost peer, a
-    deadline) or ``DigestMismatchError``; the area is then left unsealed."""
+    digest, taken over the staged bytes, equals the sender's. ``stripe``: (s, K), this stager's stripe of a striped
+    update (buckets s, s + K, ..., and the stripe's own digest); (0, 1): the whole update. Raises ``TransferError``
+    (an abort, a lost peer, a deadline) or ``DigestMismatchError``; the area is then left unsealed."""
     started = time.perf_counter()
     deadline = time.monotonic() + settings.timeout
     digest = UpdateDigest()
     area.begin(version=version, epoch=epoch, capacity=receiver.capacity)
     nbytes = wire = buckets = tensors = 0
+    first, stripes = stripe
     while True:
         received = receiver.receive(deadline)
         try:
@@ -40,8 +42,8 @@ def stage_update(receiver: ReceiverTransport, area: StageArea, *, settings: Engi
                 raise TransferError(f"{peer} aborted the update: {header.abort}", peer=peer)
             if header.final:
                 break
-            if header.index != buckets:
-                raise WireError(f"bucket {header.index} arrived where bucket {buckets} was expected")
+            if header.index != first + buckets * stripes:
+                raise WireError(f"bucket {header.index} arrived where bucket {first + buckets * stripes} was expected")
             payload = received.payload[: header.nbytes]
             staged = area.append(received.header, payload if payload.is_cpu else payload.cpu())
             digest.update_bucket(table, staged)  # the bytes as they lie in the area, not as they arrived
@@ -52,6 +54,9 @@ def stage_update(receiver: ReceiverTransport, area: StageArea, *, settings: Engi
         wire += header.nbytes
         tensors += len(header.tensors)
         nbytes += sum(meta.nbytes for meta in header.tensors)
+    if len(range(first, header.index, stripes)) != buckets:
+        raise WireError(f"{peer}'s final header names {header.index} buckets, of which stripe {first} of {stripes} "
+                        f"holds {len(range(first, header.index, stripes))}; {buckets} arrived")
     hexdigest = digest.hexdigest()
     if settings.verify_digest and header.digest != hexdigest:
         raise DigestMismatchError(

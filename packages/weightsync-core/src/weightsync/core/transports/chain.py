@@ -41,6 +41,7 @@ import abc
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from typing import ClassVar
 
 import torch
@@ -61,7 +62,7 @@ from weightsync.core.transports.device import AcceleratorOps, AcceleratorPolicy,
 from weightsync.core.transports.hostring import HostRingReader, map_upstream_ring
 from weightsync.core.transports.rings import HOST_SHARED, BucketReady, RegisteredRing, RemoteRing, RingEndpoint, decode_ring
 from weightsync.core.transports.settings import EngineSettings
-from weightsync.core.transports.stripes import StripedReceiver, striped_topology
+from weightsync.core.transports.stripes import OneStripe, StripedReceiver, striped_topology
 from weightsync.core.transports.transport import HOST_POLICY, DevicePolicy, Transport
 from weightsync.core.wire.framing import accept_peers, recv_frame, send_frame
 
@@ -193,10 +194,9 @@ class ChainTransport(Transport):
             raise TopologyError(f"{cls.name}: actor rank 0 advertised fanout {fanout!r}")
         if layout not in LAYOUTS:
             raise TopologyError(f"{cls.name}: actor rank 0 advertised layout {layout!r}")
-        if layout == "two_level" and workers[0].get("stripes", 1) != 1:
-            striped = striped_topology(cls.library, metadata, fanout=fanout, addresses=addresses[1:])
-            if striped is not None:
-                return striped
+        striped = striped_topology(cls.library, metadata, fanout=fanout, addresses=addresses[1:])
+        if striped is not None:
+            return striped
         plan = plan_positions(nodes=[str(worker.get("node_id")) for worker in workers], fanout=fanout,
                               layout=str(layout))
         def in_place(position: int) -> list[JsonValue]:
@@ -231,16 +231,24 @@ class ChainTransport(Transport):
         downstream = self._accept_children(ring, rank_args, epoch)
         return ChainSender(ring, downstream)
 
-    def connect_receiver(self, rank_args: RankArgs) -> ChainReceiver | HostRingReader | StripedReceiver:
+    def connect_receiver(self, rank_args: RankArgs) -> ChainReceiver | HostRingReader | StripedReceiver | OneStripe:
         if isinstance(rank_args.get("sources"), list):
             return self._connect_stripes(rank_args)
+        stripe = rank_args.get("stripe")
+        if isinstance(stripe, list) and stripe and isinstance(stripe[0], int):
+            # A stager of one stripe (a staged striped update): its stripe's chain, failures named by its rail.
+            alone = self._connect_one(rank_args)
+            return OneStripe(alone, stripe[0], None if rank_args.get("local") is True else _route(stripe[0], rank_args))
+        return self._connect_one(rank_args)
+
+    def _connect_one(self, rank_args: RankArgs) -> ChainReceiver | HostRingReader:
         epoch = str(rank_args["epoch"])
         address, rank, upstream_position = (rank_args.get("upstream"), rank_args.get("rank"),
                                             rank_args.get("upstream_position"))
         if not isinstance(address, str) or not isinstance(rank, int) or not isinstance(upstream_position, int):
             raise TopologyError(f"{self.name}: receiver rank_args need upstream, upstream_position and rank, "
                                 f"got {rank_args}")
-        peer = position_name(upstream_position)
+        peer = str(rank_args.get("peer") or position_name(upstream_position))
         deadline = time.monotonic() + self.settings.timeout
         if rank_args.get("local") is True:
             return self._connect_in_place(address, peer=peer, rank=rank, epoch=epoch, deadline=deadline)
@@ -387,7 +395,7 @@ class _Accepting:
             self._downstream.close()
 
 
-def _route(stripe: int, source: dict[str, JsonValue]) -> tuple[int, list[str]] | None:
+def _route(stripe: int, source: Mapping[str, JsonValue]) -> tuple[int, list[str]] | None:
     """The rail a stripe is read over and the two hosts it crosses (``striped_topology``'s ``hosts``)."""
     ends = source.get("hosts")
     return (stripe, [str(host) for host in ends]) if isinstance(ends, list) and len(ends) == 2 else None

@@ -79,8 +79,8 @@ class EngineSettings:
     them once from its constructor's keywords (:class:`EngineBase`).
 
     Options common to every backend: ``context`` (``WorkerContext``, from the host), ``slots`` (buckets per side),
-    ``timeout`` (seconds any single blocking wait may take), ``verify_digest``, ``delta`` and ``verify_every``
-    (``SyncConfig``'s), ``hook`` (``transport_hook``, tests only).
+    ``timeout`` (seconds any single blocking wait may take), ``verify_digest``, ``delta``, ``verify_every`` and
+    ``staged`` (``SyncConfig``'s), ``hook`` (``transport_hook``, tests only).
     A backend's own options arrive in ``options``, checked against the names it declares (``option_names``).
     """
 
@@ -92,6 +92,9 @@ class EngineSettings:
     context: WorkerContext
     delta: bool = False
     verify_every: int = 1
+    staged: bool = False
+    """Part of staged updates: advertised in the metadata (``staged``), so a topology can give each host's stagers
+    their part of the update (:mod:`weightsync.core.transports.stripes`)."""
     options: dict[str, Any] = field(default_factory=dict)
     hook: TransportHook | None = None
     option_names: frozenset[str] = frozenset()
@@ -127,6 +130,7 @@ class EngineSettings:
             "bucket_bytes": self.bucket_bytes,
             "slots": self.slots,
             **local_rail(self.context.host_ip),
+            **({"staged": True} if self.staged else {}),
         }
 
     @property
@@ -153,13 +157,13 @@ class EngineBase:
 
     def __init__(self, *, bucket_bytes: int, context: WorkerContext | None = None, slots: int | None = None,
                  timeout: float = 600.0, verify_digest: bool = True, transport_hook: str | None = None,
-                 delta: bool = False, verify_every: int = 1, **options: Any) -> None:
+                 delta: bool = False, verify_every: int = 1, staged: bool = False, **options: Any) -> None:
         reject_renamed_keywords(type(self).__name__, options)
         self.settings = EngineSettings(
             name=self.name, bucket_bytes=bucket_bytes, slots=slots if slots is not None else self.default_slots,
             timeout=timeout, verify_digest=verify_digest,
             context=context or WorkerContext(role="actor", rank=0, node_id=default_node_id()), delta=delta,
-            verify_every=verify_every, options=options, hook=load_transport_hook(transport_hook),
+            verify_every=verify_every, staged=staged, options=options, hook=load_transport_hook(transport_hook),
             option_names=self.option_names)
         self._closed = False
 

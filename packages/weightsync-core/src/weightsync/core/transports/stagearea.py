@@ -45,6 +45,9 @@ _MAGIC = b"WSSTAGE1"
 _HEAD = struct.Struct("<8sQQQQQQ64s")  # magic, sealed, version, records, used, capacity, epoch length, epoch
 _RECORD = struct.Struct("<QQ")  # header bytes, payload bytes
 _FIRST = 4096
+_KEPT_AREAS = 8
+"""Mappings a reading process keeps between updates: a striped update's areas (one per stripe, at most one per
+rail) stay mapped."""
 
 
 def _aligned(offset: int, alignment: int) -> int:
@@ -208,9 +211,9 @@ class StagedReceiver:
     reads it (the manager stages the next update only after every swap of this one ended).
     """
 
-    _kept: _Mapping | None = None
-    """This process's mapping of the area it read last (a worker reads its own host's area): kept for the next
-    update while the area keeps its name and size."""
+    _kept: dict[str, _Mapping] = {}
+    """This process's mappings of the areas it read last (a worker reads its own host's area, or a striped update's
+    areas, one per stripe): each kept for the next update while its area keeps its name and size."""
     _kept_lock = threading.Lock()
 
     def __init__(self, staged: StagedUpdate) -> None:
@@ -233,9 +236,11 @@ class StagedReceiver:
         if own is not None and own.size == staged.size:
             return own  # the stager reads its own area through the mapping it wrote it with
         with cls._kept_lock:
-            kept = cls._kept
-            if kept is None or kept.name != staged.area or kept.size != staged.size:
-                kept = cls._kept = _Mapping(staged.area, staged.size)
+            kept = cls._kept.get(staged.area)
+            if kept is None or kept.size != staged.size:
+                if kept is None and len(cls._kept) >= _KEPT_AREAS:
+                    cls._kept.pop(next(iter(cls._kept)))  # the oldest: an area of an earlier membership
+                kept = cls._kept[staged.area] = _Mapping(staged.area, staged.size)
             return kept
 
     def receive(self, deadline: float) -> ReceivedBucket:

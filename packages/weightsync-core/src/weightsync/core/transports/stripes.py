@@ -25,7 +25,7 @@ from weightsync.core.transports.transport import ReceivedBucket, ReceiverTranspo
 from weightsync.core.wire import codec
 from weightsync.core.wire.digest import combine_stripes
 
-__all__ = ["StripedReceiver", "stripe_of", "striped_topology"]
+__all__ = ["OneStripe", "StripedReceiver", "on_rail", "stripe_of", "stripes_for", "striped_topology"]
 
 
 def stripe_of(index: int, stripes: int) -> int:
@@ -138,18 +138,7 @@ class _Ahead:
                 if received.token == 0:
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer's receive, which raises it
-            self._queue.put(self._on_rail(exc))
-
-    def _on_rail(self, error: BaseException) -> BaseException:
-        """A failure of a stripe read over the network, as a ``TransferError`` naming its rail and hosts."""
-        if self._route is None or not isinstance(error, Exception):
-            return error
-        rail, hosts = self._route
-        named = TransferError(f"stripe {self._stripe} over rail {rail} from host {hosts[0]} to host {hosts[1]} "
-                              f"failed: {error}", peer=str(getattr(error, "peer", f"stripe {self._stripe}")),
-                              closed=bool(getattr(error, "closed", False)), rail=rail, hosts=list(hosts))
-        named.__cause__ = error
-        return named
+            self._queue.put(on_rail(exc, self._stripe, self._route))
 
     def get(self, deadline: float) -> ReceivedBucket:
         try:
@@ -166,6 +155,44 @@ class _Ahead:
             self._thread.join(timeout)
 
 
+def on_rail(error: BaseException, stripe: int, route: tuple[int, list[str]] | None) -> BaseException:
+    """A failure reading stripe ``stripe`` over the network (``route``: its rail and the two hosts it crosses), as a
+    ``TransferError`` naming them (``rail``, ``hosts``); read in place (no route), the error as it is."""
+    if route is None or not isinstance(error, Exception):
+        return error
+    rail, hosts = route
+    named = TransferError(f"stripe {stripe} over rail {rail} from host {hosts[0]} to host {hosts[1]} failed: {error}",
+                          peer=str(getattr(error, "peer", f"stripe {stripe}")),
+                          closed=bool(getattr(error, "closed", False)), rail=rail, hosts=list(hosts))
+    named.__cause__ = error
+    return named
+
+
+class OneStripe:
+    """A stager's receiver in a staged striped update: stripe ``stripe`` alone, from its upstream (its buckets are
+    every K-th of the update, then the stripe's final header), failures named as :class:`StripedReceiver` names
+    them."""
+
+    def __init__(self, source: ReceiverTransport, stripe: int, route: tuple[int, list[str]] | None) -> None:
+        self._source, self.stripe, self._route = source, stripe, route
+        self.capacity = source.capacity
+
+    def receive(self, deadline: float) -> ReceivedBucket:
+        try:
+            return self._source.receive(deadline)
+        except Exception as exc:
+            named = on_rail(exc, self.stripe, self._route)
+            if named is exc:
+                raise
+            raise named from exc
+
+    def release(self, token: int) -> None:
+        self._source.release(token)
+
+    def close(self) -> None:
+        self._source.close()
+
+
 def _where(worker: WorkerMetadata) -> tuple[str, int]:
     rail = worker.get("rail", 0)
     return str(worker.get("node_id")), rail if isinstance(rail, int) and not isinstance(rail, bool) else 0
@@ -175,23 +202,40 @@ def _host_name(worker: WorkerMetadata) -> str:
     return str(worker.get("hostname") or worker.get("host_ip") or worker.get("node_id"))
 
 
+def stripes_for(metadata: WorldMetadata) -> int:
+    """How many stripes :func:`striped_topology` deals an update into, from the workers' metadata: 1 unless actor
+    rank 0 asks for stripes (``stripes``, two-level layout); then :func:`stripe_count` of the rails reported, at
+    most the stripes asked for. In a staged update (``staged``) each stager holds one stripe, so rollout workers on
+    the sender's host, if any, must also cover rails 0..K-1."""
+    actor, rollout = list(metadata.actor), list(metadata.rollout)
+    wanted = actor[0].get("stripes", 1)
+    if actor[0].get("layout") != "two_level" or wanted == 1:
+        return 1
+    sender_node = _where(actor[0])[0]
+    limit = None if wanted == "rails" else wanted if isinstance(wanted, int) else 1
+    where = [_where(worker) for worker in rollout]
+    count = stripe_count(sender_node=sender_node, rollout=where, limit=limit,
+                         sender_rails=[_where(worker)[1] for worker in actor if _where(worker)[0] == sender_node])
+    local = {rail for node, rail in where if node == sender_node}
+    if actor[0].get("staged") is True and local:
+        count = max(1, next((rail for rail in range(count) if rail not in local), count))
+    return count
+
+
 def striped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addresses: list[str]) -> Topology | None:
     """The two-level chain dealt into stripes over the rails the workers report (``rail``), or None where only one
-    stripe fits (a host with one rail, or one actor rank on the sender's host). ``addresses``: each rollout rank's
-    endpoint; actor rank 0's ``stripes`` option is the most stripes wanted (``"rails"``: as many as fit).
+    stripe fits (:func:`stripes_for`). ``addresses``: each rollout rank's endpoint.
 
-    Stripe s: its sender is the sender host's first actor rank on rail s, its plan :func:`plan_stripe`'s. A rollout
-    rank's ``rank_args["sources"]`` has one entry per stripe (its upstream, and for the stripe it leads its
-    children); an actor rank's ``stripe`` is [s, K]."""
-    actor, rollout = list(metadata.actor), list(metadata.rollout)
-    sender_node = _where(actor[0])[0]
-    wanted = actor[0].get("stripes", 1)
-    limit = None if wanted == "rails" else wanted if isinstance(wanted, int) else 1
-    sender_rails = [_where(worker)[1] for worker in actor if _where(worker)[0] == sender_node]
-    count = stripe_count(sender_node=sender_node, sender_rails=sender_rails,
-                         rollout=[_where(worker) for worker in rollout], limit=limit)
+    Stripe s: its sender is the sender host's first actor rank on rail s, its plan :func:`plan_stripe`'s. An actor
+    rank's ``stripe`` is [s, K]. A rollout rank's ``rank_args["sources"]`` has one entry per stripe (its upstream,
+    and for the stripe it leads its children). In a staged update (``staged``) every rollout rank is a stager on
+    rail s < K that takes part in stripe s alone: its ``rank_args`` are that stripe's entry and ``stripe`` [s, K]."""
+    count = stripes_for(metadata)
     if count == 1:
         return None
+    actor, rollout = list(metadata.actor), list(metadata.rollout)
+    staged = actor[0].get("staged") is True
+    sender_node = _where(actor[0])[0]
     senders = [next(rank for rank, worker in enumerate(actor) if _where(worker) == (sender_node, stripe))
                for stripe in range(count)]
     for rank in senders:
@@ -200,28 +244,40 @@ def striped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
     nodes = [sender_node, *(_where(worker)[0] for worker in rollout)]
     rails = [0, *(_where(worker)[1] for worker in rollout)]
     actor_args: list[RankArgs] = [{"role": "idle", "sender": senders[0]} for _ in actor]
+    rollout_args: list[RankArgs] = [{"role": "idle", "sender": senders[0]} for _ in rollout]
     sources: list[list[JsonValue]] = [[] for _ in rollout]
     for stripe, sender in enumerate(senders):
-        plan = plan_stripe(nodes=nodes, rails=rails, stripe=stripe, fanout=fanout)
+        # Positions taking part in this stripe: the sender, and every rollout rank (staged: those on its rail).
+        taking = [0, *(p for p in range(1, len(nodes)) if not staged or rails[p] == stripe)]
+        plan = plan_stripe(nodes=[nodes[p] for p in taking], rails=[rails[p] for p in taking], stripe=stripe,
+                           fanout=fanout)
         where = [str(actor[sender]["address"]), *addresses]
+        workers = [actor[sender], *rollout]
 
-        def in_place(position: int) -> list[JsonValue]:
-            return [child for child in plan.children[position] if plan.local[child]]  # noqa: B023 - used at once
+        def children(i: int) -> list[JsonValue]:
+            return [taking[child] for child in plan.children[i]]  # noqa: B023 - used at once
+
+        def in_place(i: int) -> list[JsonValue]:
+            return [taking[child] for child in plan.children[i] if plan.local[child]]  # noqa: B023 - used at once
 
         actor_args[sender] = {"role": "sender", "sender": sender, "stripe": [stripe, count],
-                              "children": list(plan.children[0]), "in_place": in_place(0)}
-        workers = [actor[sender], *rollout]
-        for position in range(1, len(nodes)):
-            upstream = plan.upstream[position]
+                              "children": children(0), "in_place": in_place(0)}
+        for i, position in enumerate(taking[1:], start=1):
+            upstream = taking[plan.upstream[i]]
             name = f"actor rank {sender}" if upstream == 0 else f"rollout rank {upstream - 1}"
             # Errors name the peer by this: which stripe, over which rail, between which hosts.
             ends: list[JsonValue] = [_host_name(workers[upstream]), _host_name(workers[position])]
-            route = "in place" if plan.local[position] else f"rail {stripe} from host {ends[0]} to host {ends[1]}"
-            sources[position - 1].append({
-                "upstream": where[upstream], "upstream_position": upstream, "local": plan.local[position],
-                "children": list(plan.children[position]), "in_place": in_place(position),
-                "peer": f"{name} (stripe {stripe}, {route})", "rail": stripe, "hosts": ends,
-            })
-    rollout_args: list[RankArgs] = [{"role": "receiver", "sender": senders[0], "rank": rank, "stripes": count,
-                                     "sources": mine} for rank, mine in enumerate(sources)]
+            route = "in place" if plan.local[i] else f"rail {stripe} from host {ends[0]} to host {ends[1]}"
+            entry: dict[str, JsonValue] = {
+                "upstream": where[upstream], "upstream_position": upstream, "local": plan.local[i],
+                "children": children(i), "in_place": in_place(i), "peer": f"{name} (stripe {stripe}, {route})",
+                "rail": stripe, "hosts": ends}
+            if staged:
+                rollout_args[position - 1] = {"role": "receiver", "sender": sender, "rank": position - 1,
+                                              "stripe": [stripe, count], **entry}
+            else:
+                sources[position - 1].append(entry)
+    if not staged:
+        rollout_args = [{"role": "receiver", "sender": senders[0], "rank": rank, "stripes": count, "sources": mine}
+                        for rank, mine in enumerate(sources)]
     return Topology(actor=actor_args, rollout=rollout_args, senders=tuple(senders))
