@@ -29,7 +29,8 @@ NUMEL = 500_000  # 12 fp32 tensors: 24 MB a model, far above Ray's own traffic o
 def main() -> None:
     nodes: dict[str, str] = json.loads(sys.argv[1])  # host index -> Ray node id
     backend = sys.argv[2] if len(sys.argv) > 2 else "auto"
-    # Another placement (the rails test): {"actor_ranks": A, "replicas": [[host of each worker], ...], "bucket_mb": B}.
+    # Another placement (the rails test): {"actor_ranks": A, "replicas": [[host of each worker], ...], "bucket_mb": B,
+    # "staged": whether the updates are staged}.
     placement: dict[str, Any] = (json.loads(sys.argv[3]) if len(sys.argv) > 3
                                  else {"actor_ranks": 1, "replicas": [["2", "3"]] * 2})
     channel = DriverChannel()
@@ -39,7 +40,8 @@ def main() -> None:
     replicas = [RayRolloutReplica.create(replica=r, sink_factory=RecordingSink, num_workers=len(hosts),
                                          node_id=[nodes[host] for host in hosts])
                 for r, hosts in enumerate(placement["replicas"])]
-    config = SyncConfig(bucket_bytes=placement.get("bucket_mb", 4) * MiB, timeouts=StepTimeouts(transfer=60, setup=60))
+    config = SyncConfig(bucket_bytes=placement.get("bucket_mb", 4) * MiB, staged=placement.get("staged", False),
+                        timeouts=StepTimeouts(transfer=60, setup=60))
     manager = CheckpointEngineManager(backend=backend, actor_wg=actor_wg, replicas=replicas, config=config)
     result: dict[str, Any] = {"first": asyncio.run(manager.update_weights()).ok}
     result["expected"] = ray.get(actor_wg.call("set_version", 3))[0]
@@ -47,6 +49,7 @@ def main() -> None:
     report = asyncio.run(manager.update_weights())
     channel.ask({"mark": "after"})
     result.update(ok=report.ok, chosen=report.chosen, backend=report.backend, nbytes=report.nbytes,
+                  swapped=[outcome.swap_seconds > 0 for outcome in report.replicas],
                   senders=len([sent for sent in report.transfers if sent.role == "actor" and sent.nbytes]),
                   digests=[digest for replica in replicas for digest in ray.get(replica.call("digest"))])
     channel.tell({"result": result})

@@ -4,7 +4,7 @@ Placement (hosts by index): an actor worker group of two ranks on host 1 (rails 
 workers on host 2; auto deals the update into two stripes. Mid-update the test cuts rail 1 of host 2 (as it is
 asked: drop or carrier); the driver reports what the update raised, how long it took, and each replica's state and
 pause/resume hooks; then the next update, the rail still down (reading the rails' counters around it); then, the
-rail restored, one more.
+rail restored, one more. With a third argument ``staged``, the updates are staged.
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ TRANSFER_TIMEOUT = 6.0
 def main() -> None:
     nodes: dict[str, str] = json.loads(sys.argv[1])  # host index -> Ray node id
     mode = sys.argv[2]
+    staged = sys.argv[3:] == ["staged"]
     channel = DriverChannel()
     ray.init(logging_level="ERROR", log_to_driver=False)
     actor_wg = RayActorWorkerGroup.create(world_size=2, source_factory=functools.partial(ModelSource, numel=250_000),
                                           node_id=nodes["1"])
     replica = RayRolloutReplica.create(replica=0, sink_factory=RecordingSink, num_workers=2, node_id=nodes["2"])
-    config = SyncConfig(bucket_bytes=256 * 1024, timeouts=StepTimeouts(transfer=TRANSFER_TIMEOUT, setup=60))
+    config = SyncConfig(bucket_bytes=256 * 1024, staged=staged,
+                        timeouts=StepTimeouts(transfer=TRANSFER_TIMEOUT, setup=60))
     manager = CheckpointEngineManager(actor_wg=actor_wg, replicas=[replica], config=config)
     first = asyncio.run(manager.update_weights())
     result: dict[str, Any] = {"first": first.ok, "chosen": first.chosen}

@@ -29,7 +29,10 @@ def cluster() -> Iterator[TestbedRay]:
         bed.close()
 
 
-def test_auto_sends_one_stripe_over_each_rail(cluster: TestbedRay) -> None:
+@pytest.mark.parametrize("staged", [False, True])
+def test_auto_sends_one_stripe_over_each_rail(cluster: TestbedRay, staged: bool) -> None:
+    """Staged too: the receiving host's two workers each stage the stripe of their rail into an area of their own,
+    and both swap from both areas (bit-exact in each worker's own process)."""
     marks: dict[str, tuple[tuple[LinkCounters, ...], ...]] = {}
 
     def on_request(message: dict[str, Any]) -> None:
@@ -37,13 +40,14 @@ def test_auto_sends_one_stripe_over_each_rail(cluster: TestbedRay) -> None:
 
     nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
     # 1 MiB buckets: 28 of them, dealt alternately over the two stripes.
-    placement = json.dumps({"actor_ranks": 2, "replicas": [["2", "2"]], "bucket_mb": 1})
+    placement = json.dumps({"actor_ranks": 2, "replicas": [["2", "2"]], "bucket_mb": 1, "staged": staged})
     result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.across_hosts_driver", nodes, "auto",
                              placement], on_request)
     assert result["first"] and result["ok"]
     assert result["digests"] == [result["expected"]] * 2  # what each worker holds, hashed in its own process
     assert "(two-level, 2 stripes)" in result["chosen"], result
     assert result["senders"] == 2  # both actor ranks sent a part
+    assert result["swapped"] == [staged], result  # the manager's staged path: stage, then a swap
     moved = [[after - before for before, after in zip(host_before, host_after)]
              for host_before, host_after in zip(marks["before"], marks["after"])]
     size = result["nbytes"]
@@ -52,11 +56,13 @@ def test_auto_sends_one_stripe_over_each_rail(cluster: TestbedRay) -> None:
         assert 0.45 * size <= moved[2][rail].ingress_bytes <= 0.65 * size, moved
 
 
-@pytest.mark.parametrize("mode", ["drop", "carrier"])
-def test_a_rail_lost_mid_update_is_named_and_left_out_until_it_answers_again(cluster: TestbedRay, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "staged"), [("drop", False), ("carrier", False), ("drop", True)])
+def test_a_rail_lost_mid_update_is_named_and_left_out_until_it_answers_again(cluster: TestbedRay, mode: str,
+                                                                             staged: bool) -> None:
     """Rail 1 of the receiving host cut mid-update (packets dropped, carrier kept; or carrier lost): the update
     raises a ``TransferError`` naming the stripe's rail and both hosts, within the transfer timeout and a second;
-    the replica, if its workers had taken part of the update, stays paused (torn). The next update, the rail still
+    the replica, if its workers had taken part of the update, stays paused (torn); a staged update's replica, whose
+    host never held both stripes, is never paused and serves its old version. The next update, the rail still
     down, completes whole over rail 0 alone (its probe of rail 1 fails: no stripes, rail 1 idle by its counters);
     once the rail is back, the probe reaches it and the update is dealt over both rails again."""
     marks: dict[str, tuple[tuple[LinkCounters, ...], ...]] = {}
@@ -71,8 +77,8 @@ def test_a_rail_lost_mid_update_is_named_and_left_out_until_it_answers_again(clu
 
     nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
     try:
-        result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.rail_fault_driver", nodes, mode],
-                       on_request)
+        result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.rail_fault_driver", nodes, mode,
+                                 *(["staged"] if staged else [])], on_request)
     finally:
         cluster.bed.link_up(2)
     assert result["first"] and "2 stripes" in result["chosen"], result
@@ -84,6 +90,8 @@ def test_a_rail_lost_mid_update_is_named_and_left_out_until_it_answers_again(clu
     # byte had reached it yet, on a loaded machine) resumes on its old weights.
     ((state, resumed),) = result["states"]
     assert (state, resumed) in (("torn", False), ("committed", True)), result
+    if staged:  # paused once, for the first update's swap: the failed stage never paused it
+        assert (state, resumed) == ("committed", True) and result["hooks"][0].count("abort_all_requests") == 1, result
     if state == "torn":
         assert result["hooks"][0][-2:] == ["abort_all_requests", "release_kv_cache"], result  # paused, never resumed
     down, restored = result["down"], result["restored"]

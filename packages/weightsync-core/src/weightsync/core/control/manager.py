@@ -57,13 +57,10 @@ from weightsync.core.control.round import (
     stripes_of,
     worker_label,
 )
-from weightsync.core.control.rails import LostRails
+from weightsync.core.control.rails import LostRails, rail_grace
 from weightsync.core.control.staged import StagedPlan, check_staging, run_staged
 
 __all__ = ["CheckpointEngineManager"]
-
-RAIL_GRACE_S = 1.0
-"""How long past the transfer timeout a striped update waits for its workers' own errors (see ``_transfer``)."""
 
 
 class CheckpointEngineManager:
@@ -251,10 +248,7 @@ class CheckpointEngineManager:
         sends = list(self.actor_wg.update_weights(version=version))
         receives = [worker.update_weights(version=version) for _, worker in workers]
         labels = [f"actor rank {rank}" for rank in range(len(sends))] + [worker_label(r, w) for r, w in workers]
-        # A striped update's workers report a lost rail at their own deadline: a second more lets their errors,
-        # which name the rail and its hosts, arrive instead of the step's timeout.
-        grace = RAIL_GRACE_S if self._stripes else 0.0
-        outcomes = await steps.gather("transfer", timeouts.transfer + grace, list(zip(labels, [*sends, *receives])),
+        outcomes = await steps.gather("transfer", timeouts.transfer + rail_grace(self._stripes), list(zip(labels, [*sends, *receives])),
                                       raise_first=False)
         round_.stages["transfer"] = time.perf_counter() - step_start
         round_.reports = outcomes[len(sends):]

@@ -17,7 +17,17 @@ from weightsync.api.protocols import RolloutWorker
 from weightsync.core.control import steps
 from weightsync.core.control.round import worker_label
 
-__all__ = ["LostRails"]
+__all__ = ["LostRails", "RAIL_GRACE_S", "rail_grace"]
+
+RAIL_GRACE_S = 1.0
+"""How long past the transfer timeout a striped update waits for its workers' own errors."""
+
+
+def rail_grace(stripes: dict[int, int]) -> float:
+    """Seconds added to a transfer step's timeout: a striped update's workers (``stripes``: actor rank → stripe)
+    report a lost rail at their own deadline, and a second more lets their errors, which name the rail and its hosts,
+    arrive instead of the step's timeout."""
+    return RAIL_GRACE_S if stripes else 0.0
 
 
 class LostRails:

@@ -33,6 +33,7 @@ from weightsync.api.protocols import ActorWorkerGroup, LoadProvingReplica, Rollo
 from weightsync.api.types import StagedUpdate, TransferReport, WorldMetadata
 from weightsync.core.control import steps
 from weightsync.core.control.host import is_untouched
+from weightsync.core.control.rails import rail_grace
 from weightsync.core.control.round import Round, disowning, pause, resume, worker_label
 from weightsync.core.transports.stripes import stripes_for
 from weightsync.core.wire.digest import combine_stripes
@@ -90,11 +91,12 @@ async def run_staged(round_: Round, *, actor_wg: ActorWorkerGroup, plan: StagedP
     round_.transfer_started = True
     round_.swapped = set()
     sends = list(actor_wg.update_weights(version=version))
+    timeout = timeouts.transfer + rail_grace(round_.stripes)
     sending = asyncio.ensure_future(steps.gather(
-        "transfer", timeouts.transfer, [(f"actor rank {rank}", call) for rank, call in enumerate(sends)],
+        "transfer", timeout, [(f"actor rank {rank}", call) for rank, call in enumerate(sends)],
         raise_first=False))
     staging: dict[str, asyncio.Future[StagedUpdate]] = {
-        host: asyncio.ensure_future(_stage_host(round_, indices, timeouts.transfer))
+        host: asyncio.ensure_future(_stage_host(round_, indices, timeout))
         for host, indices in plan.stagers.items()}
     swaps = [asyncio.ensure_future(_swap(round_, r, plan, staging, timeouts)) for r in range(len(round_.replicas))]
     results = await asyncio.gather(sending, *staging.values(), *swaps, return_exceptions=True)
