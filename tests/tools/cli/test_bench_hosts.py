@@ -201,7 +201,6 @@ def test_an_rtt_without_netem_says_why_in_one_line() -> None:
     (["--link-gbps", "2"], "need --hosts"),
     (["--rails", "2"], "need --hosts"),
     (["--hosts", "2", "--rails", "9"], "--rails must be 1..8"),
-    (["--hosts", "2", "--rails", "2", "--staged"], "--staged with --rails above 1 is not available yet"),
     (["--hosts", "3", "--plot", "x.png"], "do not apply with --hosts"),
 ])
 def test_bad_hosts_options_are_refused(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -217,18 +216,19 @@ def test_receivers_are_placed_host_by_host() -> None:
     assert local.receivers == 2 and [local.host_of(rank) for rank in range(3)] == [0, 0, 0]
 
 
-@pytest.mark.parametrize("actor_ranks", ["1", "2"])
+@pytest.mark.parametrize(("actor_ranks", "staged"), [("1", False), ("2", False), ("2", True)])
 def test_rails_are_counted_one_by_one_and_two_actor_ranks_stripe_over_them(tmp_path: pathlib.Path,
-                                                                            actor_ranks: str) -> None:
+                                                                            actor_ranks: str, staged: bool) -> None:
     """``--rails 2``: two links per host, the link limit is both of the sender host's, and every update's bytes are
     read per rail from the switch side; each rail's figures add up to the host's. With two actor ranks (the
     default: one per rail) auto deals the update into two stripes and each rail carries half of it; with one
-    (the control), one sender: rail 0 carries the update, rail 1 next to nothing."""
+    (the control), one sender: rail 0 carries the update, rail 1 next to nothing. ``--staged``: the staged entry
+    too (each receiver stages the stripe of its rail, both swap from both areas) carries half over each rail."""
     skip_unless_testbed()
     out = tmp_path / "rails.json"
     result = bench("--hosts", "2", "--receivers", "2", "--rails", "2", "--actor-ranks", actor_ranks, "--link-gbps",
                    str(LINK_GBPS), "--model-mb", "16", "--bucket-mb", "1", "--repeat", "2", "--backends", "auto",
-                   "--json", str(out))
+                   *(["--staged"] if staged else []), "--json", str(out))
     assert result.returncode == 0, result.stderr[-4000:]
     data = json.loads(out.read_text())
     assert data["scenario"]["rails"] == 2 and data["scenario"]["actor_ranks"] == int(actor_ranks)
@@ -240,6 +240,9 @@ def test_rails_are_counted_one_by_one_and_two_actor_ranks_stripe_over_them(tmp_p
         assert abs(sum(row["rail_egress_bytes"]) - row["sender_egress_bytes"]) <= 2
         assert abs(sum(row["rail_ingress_bytes"][0]) - row["host_ingress_bytes"][0]) <= 2
     auto = next(row for row in data["results"] if row["backend"] == "auto")
+    if staged:
+        auto = next(row for row in data["results"] if row["backend"] == "auto+staged")
+        assert auto["failed_requests"] == 0 and auto["stage_seconds"] > 0, auto
     if actor_ranks == "2":
         assert auto["chosen"].endswith("(two-level, 2 stripes)"), auto
         for rail in (0, 1):

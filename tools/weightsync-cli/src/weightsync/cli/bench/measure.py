@@ -20,13 +20,14 @@ from typing import Any, Protocol
 
 from weightsync.api.config import MiB
 from weightsync.api.registry import load_engine_class
-from weightsync.api.types import WorldMetadata
+from weightsync.api.types import StagedUpdate, WorldMetadata
 from weightsync.cli.bench.scenario import BASELINES, Case
 from weightsync.cli.bench.worker import Channel, c10d, serve
 from weightsync.cli.progress import Progress
 from weightsync.cli.testbed import LinkCounters
 from weightsync.core.control.auto import AUTO, choose, has_rdma
 from weightsync.core.control.engine import default_node_id
+from weightsync.core.control.staged import StagedPlan, joined
 
 __all__ = ["COPY_TRIES", "RAW_TRIES", "BenchResult", "LocalPlacement", "Placement", "ServingFigures", "Spawned",
            "Yardsticks", "cores", "measure_case"]
@@ -148,8 +149,10 @@ class _Workers:
                 self.store = c10d.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
                 common.update(store_host="127.0.0.1", store_port=int(self.store.port))
         else:
-            delta = {"delta": True, "verify_every": case.verify_every} if case.delta else {}
-            common.update(kind="engine", backend=case.backend, options=delta)
+            options: dict[str, Any] = {"delta": True, "verify_every": case.verify_every} if case.delta else {}
+            if case.staged:  # advertised in the metadata: a striped topology gives each stager its stripe
+                options["staged"] = True
+            common.update(kind="engine", backend=case.backend, options=options)
         self.backend, self.chosen = case.backend, ""
         if case.backend == AUTO:
             # What the manager's auto would pick for these workers: their hosts are the testbed's (or this one), whose
@@ -164,6 +167,8 @@ class _Workers:
         self.pipes: list[Channel] = []
         self.stops: list[Callable[[float], None]] = []
         self.actors = case.actors
+        self.plan: StagedPlan | None = None
+        """A staged entry's stagers, picked at ``connect``."""
         for group_rank in range(case.actors + case.receivers):
             role, rank = ("actor", group_rank) if group_rank < case.actors else ("rollout", group_rank - case.actors)
             spec = {**common, "role": role, "rank": rank, "group_rank": group_rank,
@@ -191,9 +196,9 @@ class _Workers:
         """``each`` for the receivers only (group ranks A..A+R-1)."""
         return self.all_do([{"op": op, **fields}] * (len(self.pipes) - self.actors), self.pipes[self.actors:])
 
-    def connect(self, receivers: int, stagers: list[int] | None = None) -> None:
-        """Join the workers; with ``stagers`` (group ranks) only they join the transport's world as receivers, the
-        other receivers the epoch, idle (a staged entry)."""
+    def connect(self, receivers: int, *, staged: bool = False) -> None:
+        """Join the workers; ``staged``: only each host's stagers (``StagedPlan``'s, as the manager picks them) join
+        the transport's world as receivers, the other receivers the epoch, idle."""
         if self.name in BASELINES:
             if self.placement.testbed:
                 # On a testbed the driver is unreachable: group rank 0 hosts the store on its host's address.
@@ -204,7 +209,10 @@ class _Workers:
             return
         metadata = self.each("prepare")
         actors = list(range(self.actors))
-        members = stagers if stagers is not None else list(range(self.actors, self.actors + receivers))
+        members = list(range(self.actors, self.actors + receivers))
+        if staged:
+            self.plan = StagedPlan.of(WorldMetadata(actor=metadata[:self.actors], rollout=metadata[self.actors:]))
+            members = [self.actors + index for index in self.plan.members]
         topology = load_engine_class(self.backend).build_topology(
             actor_wg_world_size=self.actors, rollout_world_size=len(members),
             metadata=WorldMetadata(actor=metadata[:self.actors], rollout=[metadata[rank] for rank in members]),
@@ -235,7 +243,7 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
     links = _LinkBytes()
     serving: ServingFigures | None = None
     try:
-        workers.connect(case.receivers, case.stagers() if case.staged else None)
+        workers.connect(case.receivers, staged=case.staged)
         if case.serving:
             serving = _start_serving(workers)
         workers.each("mark")
@@ -315,15 +323,20 @@ def _update(workers: _Workers, case: Case, serving: ServingFigures | None) -> fl
 
 
 def _staged_update(workers: _Workers, case: Case, serving: ServingFigures | None) -> float:
-    """Stage on each host's first receiver while every receiver serves, then every receiver swaps."""
-    receivers, stagers = case.receiving, case.stagers()
+    """Stage on each host's stagers (one, or one per stripe) while every receiver serves, then every receiver swaps
+    from its host's areas."""
+    plan, receivers = workers.plan, case.receiving
+    if plan is None:
+        raise RuntimeError(f"{case.name}: a staged update before the stagers were picked")
+    stagers = {case.actors + index for index in plan.members}
     started, stage_start = time.perf_counter(), time.monotonic()
     replies = workers.all_do([*[{"op": "run"}] * case.actors,
                               *({"op": "stage", "version": 0} if rank in stagers else {"op": "noop"}
                                 for rank in receivers)])
     stage_end = time.monotonic()
-    staged = {case.host_of(rank): replies[rank] for rank in stagers}
-    swaps = workers.all_do([{"op": "swap", "staged": staged[case.host_of(rank)]} for rank in receivers],
+    staged = {host: joined([StagedUpdate.from_dict(replies[case.actors + index]) for index in indices]).to_dict()
+              if len(indices) > 1 else replies[case.actors + indices[0]] for host, indices in plan.stagers.items()}
+    swaps = workers.all_do([{"op": "swap", "staged": staged[plan.hosts[rank - case.actors]]} for rank in receivers],
                            workers.pipes[case.actors:])
     seconds = time.perf_counter() - started
     if serving is not None:

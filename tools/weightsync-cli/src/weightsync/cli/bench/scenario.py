@@ -104,13 +104,6 @@ class Case:
         """The receivers' group ranks."""
         return range(self.actors, self.actors + self.receivers)
 
-    def stagers(self) -> list[int]:
-        """A staged entry's stagers: the first receiver (group rank) of each receiving host."""
-        first: dict[int, int] = {}
-        for group_rank in self.receiving:
-            first.setdefault(self.host_of(group_rank), group_rank)
-        return list(first.values())
-
     def host_of(self, group_rank: int) -> int:
         """The testbed host of group rank ``group_rank`` (actor ranks: the sender's, 0; rollout ranks host by
         host)."""

@@ -24,7 +24,7 @@ import torch
 from weightsync.api.types import StagedUpdate
 from weightsync.core.transports.stagearea import StageArea
 
-__all__ = ["PERIOD", "Server", "staged_from_json", "staged_to_json", "stage", "swap"]
+__all__ = ["PERIOD", "Server", "stage", "swap"]
 
 PERIOD = 0.02
 """Seconds between the starts of two forward passes of a serving receiver."""
@@ -115,22 +115,11 @@ class Server:
         self._thread.join(timeout=5.0)
 
 
-def staged_to_json(staged: StagedUpdate) -> dict[str, Any]:
-    """What crosses the driver's pipe (the stager's receive report stays behind: each receiver's stream checks the
-    sender's digest itself)."""
-    return {"area": staged.area, "size": staged.size, "version": staged.version, "epoch": staged.epoch,
-            "records": staged.records, "nbytes": staged.nbytes, "node_id": staged.node_id}
-
-
-def staged_from_json(data: dict[str, Any]) -> StagedUpdate:
-    return StagedUpdate(**data)
-
-
 def stage(engine: Any, area: StageArea, *, version: int) -> dict[str, Any]:
     """The stage phase on a host's stager."""
-    staged = asyncio.run(engine.stage_weights(area, version=version))
+    staged: StagedUpdate = asyncio.run(engine.stage_weights(area, version=version))
     engine.finalize()
-    return staged_to_json(staged)
+    return staged.to_dict()  # its report too: a host's stripes, staged by several stagers, are joined by it
 
 
 def swap(engine: Any, server: Server | None, destinations: dict[str, torch.Tensor], staged: dict[str, Any]
@@ -141,7 +130,7 @@ def swap(engine: Any, server: Server | None, destinations: dict[str, torch.Tenso
     started = time.perf_counter()
 
     async def apply() -> None:
-        await engine.receive_staged(staged_from_json(staged)).copy_into(destinations)
+        await engine.receive_staged(StagedUpdate.from_dict(staged)).copy_into(destinations)
 
     asyncio.run(apply())
     engine.finalize()
