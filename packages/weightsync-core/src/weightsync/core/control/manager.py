@@ -248,8 +248,8 @@ class CheckpointEngineManager:
         sends = list(self.actor_wg.update_weights(version=version))
         receives = [worker.update_weights(version=version) for _, worker in workers]
         labels = [f"actor rank {rank}" for rank in range(len(sends))] + [worker_label(r, w) for r, w in workers]
-        outcomes = await steps.gather("transfer", timeouts.transfer + rail_grace(self._stripes), list(zip(labels, [*sends, *receives])),
-                                      raise_first=False)
+        outcomes = await steps.gather("transfer", timeouts.transfer + rail_grace(self._stripes),
+                                      list(zip(labels, [*sends, *receives])), raise_first=False)
         round_.stages["transfer"] = time.perf_counter() - step_start
         round_.reports = outcomes[len(sends):]
         round_.senders = [outcome for outcome in outcomes[: len(sends)] if isinstance(outcome, TransferReport)]

@@ -136,13 +136,11 @@ async def _stage_host(round_: Round, indices: Sequence[int], timeout: float) -> 
 def joined(parts: Sequence[StagedUpdate]) -> StagedUpdate:
     """A host's stripes, each staged by a stager of its own (stripe order), as one ``StagedUpdate``: stripe 0's
     fields, ``stripes`` every part, and a report of the whole update (its digest ``combine_stripes``'s)."""
-    reports = [part.report for part in parts]
-    first = reports[0]
-    if first is None or any(report is None for report in reports):
+    done = [part.report for part in parts if part.report is not None]
+    if len(done) != len(parts):
         raise ConfigError("a stripe's stager staged without a report: its stripe's digest cannot be combined")
-    done = [report for report in reports if report is not None]
     whole = dataclasses.replace(
-        first, digest=combine_stripes([report.digest for report in done]), nbytes=sum(r.nbytes for r in done),
+        done[0], digest=combine_stripes([report.digest for report in done]), nbytes=sum(r.nbytes for r in done),
         tensors=sum(r.tensors for r in done), buckets=sum(r.buckets for r in done),
         wire_bytes=sum(r.wire_bytes for r in done), seconds=max(r.seconds for r in done))
     return dataclasses.replace(parts[0], report=whole, stripes=tuple(parts))
