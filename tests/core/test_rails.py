@@ -3,12 +3,15 @@ addresses, as a GPU node maps a GPU to its NIC; the metadata every worker gives 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from weightsync.api.errors import ConfigError, TransferError
 from weightsync.core.control.auto import AutoChoice, choose
 from weightsync.core.control.host import ping_answer
 from weightsync.core.control.rails import LostRails
+from weightsync.core.transports.chaintopology import stripe_rails
 from weightsync.core.transports.settings import LOCAL_RANK_ENV, RAIL_ADDRS_ENV, local_rail
 
 
@@ -40,7 +43,7 @@ def test_a_malformed_local_rank_is_a_config_error_naming_it(monkeypatch: pytest.
         local_rail("198.18.0.2")
 
 
-def test_a_failed_update_s_rail_is_recorded_and_auto_deals_only_the_stripes_below_it() -> None:
+def test_a_failed_update_s_rail_is_recorded_and_auto_deals_the_stripes_over_the_other_rails() -> None:
     lost = LostRails()
     lost.record(TransferError("stripe 1 failed", peer="p", rail=1, hosts=["a", "b"]))
     lost.record(TransferError("no rail named", peer="p"))
@@ -52,10 +55,27 @@ def test_a_failed_update_s_rail_is_recorded_and_auto_deals_only_the_stripes_belo
                       sender_rails=[0, 1, 2, 3], rollout_rails=[0, 1, 2, 3], lost_rails=lost_rails)
 
     assert dealt(set()).options["stripes"] == 4
-    choice = dealt({2})
-    assert choice.options["stripes"] == 2 and "rail 2 left out" in choice.reason
-    alone = dealt({1})
-    assert "stripes" not in alone.options and "rail 1 left out" in alone.reason
+    top = dealt({3})
+    assert top.options["stripes"] == 3 and "rail 3 left out" in top.reason
+    middle = dealt({1})  # a middle rail: the stripes go over the rails on either side of it
+    assert middle.options["stripes"] == [0, 2, 3] and "rail 1 left out" in middle.reason
+    assert middle.name == "tcp (two-level, 3 stripes: rails 0, 2, 3)"
+    alone = dealt({1, 2, 3})
+    assert "stripes" not in alone.options and "rails 1, 2, 3 left out" in alone.reason
+
+
+def test_stripes_go_over_the_rails_every_host_has_rail_0_first() -> None:
+    def rails(sender: list[int], rollout: list[tuple[str, int]], **options: Any) -> list[int]:
+        return stripe_rails(sender_node="a", sender_rails=sender, rollout=rollout, **options)
+
+    both = [("b", 0), ("b", 1), ("b", 3), ("c", 0), ("c", 1), ("c", 3)]
+    assert rails([0, 1, 2, 3], both) == [0, 1, 3]  # rail 2 has no worker on b or c
+    assert rails([0, 3], both) == [0, 3]  # the sender's host has actor ranks on rails 0 and 3 only
+    assert rails([0, 1, 2, 3], both, limit=2) == [0, 1]
+    assert rails([0, 1, 2, 3], both, wanted=[0, 3]) == [0, 3]
+    assert rails([0, 1, 2, 3], both, leaving_out=[0, 1]) == [0, 3]  # rail 0 carries the control plane: kept
+    assert rails([0, 1], [("b", 1), ("c", 0), ("c", 1)]) == [0]  # host b has no worker on rail 0
+    assert rails([0, 1], [("a", 0), ("a", 1)]) == [0]  # nobody on another host
 
 
 def test_a_probe_reaches_an_address_that_answers_even_with_a_refusal() -> None:

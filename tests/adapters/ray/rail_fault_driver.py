@@ -1,10 +1,10 @@
 """The driver of test_rails' rail fault, run inside the testbed's head host (``backend="auto"``).
 
-Placement (hosts by index): an actor worker group of two ranks on host 1 (rails 0 and 1), one replica of two
-workers on host 2; auto deals the update into two stripes. Mid-update the test cuts rail 1 of host 2 (as it is
-asked: drop or carrier); the driver reports what the update raised, how long it took, and each replica's state and
-pause/resume hooks; then the next update, the rail still down (reading the rails' counters around it); then, the
-rail restored, one more. With a third argument ``staged``, the updates are staged.
+Placement (hosts by index): an actor worker group of K ranks on host 1 (one per rail), one replica of K workers on
+host 2; auto deals the update into K stripes. Mid-update the test cuts a rail of host 2 (as it is asked: drop or
+carrier); the driver reports what the update raised, how long it took, and each replica's state and pause/resume
+hooks; then the next update, the rail still down (reading the rails' counters around it); then, the rail restored,
+one more. The third argument (JSON): ``rails`` (K, default 2), ``staged`` (the updates are staged).
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ TRANSFER_TIMEOUT = 6.0
 def main() -> None:
     nodes: dict[str, str] = json.loads(sys.argv[1])  # host index -> Ray node id
     mode = sys.argv[2]
-    staged = sys.argv[3:] == ["staged"]
+    options: dict[str, Any] = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    rails = options.get("rails", 2)
     channel = DriverChannel()
     ray.init(logging_level="ERROR", log_to_driver=False)
-    actor_wg = RayActorWorkerGroup.create(world_size=2, source_factory=functools.partial(ModelSource, numel=250_000),
+    actor_wg = RayActorWorkerGroup.create(world_size=rails, source_factory=functools.partial(ModelSource, numel=250_000),
                                           node_id=nodes["1"])
-    replica = RayRolloutReplica.create(replica=0, sink_factory=RecordingSink, num_workers=2, node_id=nodes["2"])
-    config = SyncConfig(bucket_bytes=256 * 1024, staged=staged,
+    replica = RayRolloutReplica.create(replica=0, sink_factory=RecordingSink, num_workers=rails, node_id=nodes["2"])
+    config = SyncConfig(bucket_bytes=256 * 1024, staged=options.get("staged", False),
                         timeouts=StepTimeouts(transfer=TRANSFER_TIMEOUT, setup=60))
     manager = CheckpointEngineManager(actor_wg=actor_wg, replicas=[replica], config=config)
     first = asyncio.run(manager.update_weights())
@@ -54,7 +55,7 @@ def main() -> None:
         report = asyncio.run(manager.update_weights())
         channel.ask({"mark": f"{step} after"})
         result[step] = {"ok": report.ok, "chosen": report.chosen, "nbytes": report.nbytes,
-                        "whole": list(ray.get(replica.call("digest"))) == [expected] * 2}
+                        "whole": list(ray.get(replica.call("digest"))) == [expected] * rails}
     channel.tell({"result": result})
     replica.shutdown()
     actor_wg.shutdown()

@@ -78,7 +78,7 @@ def test_a_rail_lost_mid_update_is_named_and_left_out_until_it_answers_again(clu
     nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
     try:
         result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.rail_fault_driver", nodes, mode,
-                                 *(["staged"] if staged else [])], on_request)
+                                 json.dumps({"staged": staged})], on_request)
     finally:
         cluster.bed.link_up(2)
     assert result["first"] and "2 stripes" in result["chosen"], result

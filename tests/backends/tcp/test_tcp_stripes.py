@@ -187,3 +187,68 @@ def test_a_staged_update_is_staged_one_stripe_per_stager_and_swapped_whole_from_
             engine.close()
         for area in areas:
             area.close()
+
+
+def test_stripes_over_rails_0_and_2_leave_rail_1_out() -> None:
+    """``stripes=[0, 2]`` (what auto asks for once rail 1 was lost): three rails per host, two stripes, sent by the
+    actor ranks on rails 0 and 2 and led on each host by its workers on those rails; the worker on rail 1 reads both
+    in place. Every worker ends bit-exact, and the peer each reads a stripe from names that stripe's rail."""
+    actor_hosts = [("A", 0), ("A", 1), ("A", 2)]
+    rollout_hosts = [("B", 0), ("B", 1), ("B", 2), ("C", 0), ("C", 1), ("C", 2)]
+    engine_class: Any = load_engine_class("tcp")
+    roles: list[tuple[Role, list[tuple[str, int]]]] = [("actor", actor_hosts), ("rollout", rollout_hosts)]
+    engines = [engine_class(bucket_bytes=BUCKET, timeout=30, context=WorkerContext(role=role, rank=rank, node_id=host),
+                            layout="two_level", stripes=[0, 2])
+               for role, hosts in roles for rank, (host, _) in enumerate(hosts)]
+    actors, rollouts = engines[:3], engines[3:]
+    try:
+        metadata = [dict(engine.prepare(), rail=rail, hostname=host)
+                    for engine, (host, rail) in zip(engines, [*actor_hosts, *rollout_hosts])]
+        topology = engine_class.build_topology(
+            actor_wg_world_size=3, rollout_world_size=6,
+            metadata=WorldMetadata(actor=metadata[:3], rollout=metadata[3:]))
+        assert topology.senders == (0, 2)  # the actor ranks on rails 0 and 2; rank 1 (rail 1) only drains
+        assert [args["role"] for args in topology.actor] == ["sender", "idle", "sender"]
+        assert [source["peer"] for source in topology.rollout[5]["sources"]] == [  # C's worker on rail 2
+            "rollout rank 3 (stripe 0, in place)", "rollout rank 2 (stripe 1, rail 2 from host B to host C)"]
+        assert [source["local"] for source in topology.rollout[4]["sources"]] == [True, True]  # C's rail 1 worker
+
+        def joining(engine: Any, args: dict[str, Any]) -> Callable[[], Any]:
+            return lambda: engine.init_process_group(rank_args={**args, "epoch": "e1"})
+
+        results = _in_threads([joining(engine, dict(args))
+                               for engine, args in zip(engines, [*topology.actor, *topology.rollout])])
+        assert not [r for r in results if isinstance(r, BaseException)], results
+        weights = case_tensors("mixed", 1, BUCKET)
+
+        def receive(engine: Any) -> Any:
+            into = {name: torch.zeros_like(tensor) for name, tensor in weights}
+
+            async def run() -> Any:
+                stream = engine.receive_weights()
+                await stream.copy_into(into)
+                return stream.report
+
+            return into, asyncio.run(run())
+
+        results = _in_threads([*(functools.partial(lambda e: asyncio.run(e.send_weights(weights, version=1)), engine)
+                                 for engine in actors), *(functools.partial(receive, engine) for engine in rollouts)])
+        assert not [r for r in results if isinstance(r, BaseException)], results
+        sent = results[:3]
+        assert sent[1].nbytes == 0 and sent[0].nbytes > 0 and sent[2].nbytes > 0
+        expected = combine_stripes([sent[0].digest, sent[2].digest])
+        for into, report in results[3:]:
+            assert report.digest == expected
+            for name, tensor in weights:
+                assert torch.equal(raw_bytes(into[name]), raw_bytes(tensor)), name
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+@pytest.mark.parametrize("stripes", [[1, 2], [0, 0], [0, -1], "all", 0, True])
+def test_a_malformed_stripes_option_is_a_config_error(stripes: Any) -> None:
+    from weightsync.api.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="stripes must be"):
+        load_engine_class("tcp")(bucket_bytes=BUCKET, layout="two_level", stripes=stripes)

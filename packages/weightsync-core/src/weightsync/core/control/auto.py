@@ -9,8 +9,9 @@
 
 Where a chain backend is picked and every host has several rails (NICs for weight traffic, ``rail`` in each
 worker's ping), the update is dealt into stripes, one per rail (``stripes``: see
-:mod:`weightsync.core.transports.stripes`): as many as there are rails 0..K-1 with an actor rank on the sender's
-host and a worker on every receiving host; one rail anywhere keeps the plain two-level layout.
+:mod:`weightsync.core.transports.stripes`): over every rail that has an actor rank on the sender's host and a
+worker on every receiving host, less any rail an update lost (:mod:`weightsync.core.control.rails`); one rail
+anywhere keeps the plain two-level layout.
 
 Where the workers are comes from a ``ping`` of each (its ``node_id``, its ``rail``, and whether its host has an RDMA
 device), so the choice needs no engine. It is made again whenever the topology is rebuilt (membership changed, or the last
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from weightsync.api.errors import BackendUnavailableError
 from weightsync.api.registry import KNOWN_BACKENDS, available_backends
 from weightsync.api.types import JsonValue
-from weightsync.core.transports.chaintopology import stripe_count
+from weightsync.core.transports.chaintopology import stripe_rails
 
 __all__ = [
     "AUTO", "RDMA_ORDER", "TCP_ORDER", "AutoChoice", "choose", "describe_rule", "has_rdma",
@@ -74,6 +75,8 @@ class AutoChoice:
         if self.options.get("layout") != "two_level":
             return self.backend
         stripes = self.options.get("stripes", 1)
+        if isinstance(stripes, list):  # rails past a gap (a rail left out)
+            return f"{self.backend} (two-level, {len(stripes)} stripes: rails {', '.join(map(str, stripes))})"
         return f"{self.backend} (two-level, {stripes} stripes)" if stripes != 1 else f"{self.backend} (two-level)"
 
 
@@ -85,7 +88,7 @@ def choose(*, sender_node: str, rollout_nodes: Sequence[str], rdma: bool = False
     worker's host has an RDMA device; ``sender_rails``: the rails of the actor ranks on the sender's host,
     ``rollout_rails``: each rollout worker's (None: all on rail 0); ``striping``: stripes may be used (not with
     delta updates, which stripes do not carry yet); ``lost_rails``: rails a striped update lost and no
-    probe has reached since (:mod:`weightsync.core.control.rails`): only the stripes below the lowest are dealt."""
+    probe has reached since (:mod:`weightsync.core.control.rails`): they are left out of the stripes."""
     usable = set(available())
     hosts = len({sender_node, *rollout_nodes})
     if hosts == 1 and "shm" in usable:
@@ -96,15 +99,19 @@ def choose(*, sender_node: str, rollout_nodes: Sequence[str], rdma: bool = False
             where = f"workers on {hosts} hosts" if hosts > 1 else "shm is not available"
             nics = "with RDMA devices" if rdma else "without RDMA devices on every host"
             reason = f"{where}: the fastest network transport installed {nics}"
-            stripes = stripe_count(sender_node=sender_node, sender_rails=sender_rails, rollout=list(
-                zip(rollout_nodes, rollout_rails or [0] * len(rollout_nodes)))) if options and striping else 1
-            if lost_rails and stripes > min(lost_rails):
-                stripes = max(1, min(lost_rails))
-                reason += f"; rail {min(lost_rails)} left out: it failed an update and no probe has reached it since"
-            if stripes > 1:
-                options["stripes"] = stripes
-                reason += (f"; dealt into {stripes} stripes, one per rail: rails 0..{stripes - 1} each have an actor "
-                           "rank on the sender's host and a worker on every receiving host")
+            where_rails = list(zip(rollout_nodes, rollout_rails or [0] * len(rollout_nodes)))
+            common = stripe_rails(sender_node=sender_node, sender_rails=sender_rails, rollout=where_rails)
+            rails = stripe_rails(sender_node=sender_node, sender_rails=sender_rails, rollout=where_rails,
+                                 leaving_out=lost_rails) if options and striping else [0]
+            left_out = sorted(set(common) & set(lost_rails)) if options and striping else []
+            if left_out:
+                reason += (f"; rail{'s' if len(left_out) > 1 else ''} {', '.join(map(str, left_out))} left out: "
+                           "failed an update and no probe has reached it since")
+            if len(rails) > 1:
+                # A count keeps the option readable where the rails are 0..K-1; a list names rails past a gap.
+                options["stripes"] = len(rails) if rails == list(range(len(rails))) else list(rails)
+                reason += (f"; dealt into {len(rails)} stripes, one per rail: rails {', '.join(map(str, rails))} each "
+                           "have an actor rank on the sender's host and a worker on every receiving host")
             return AutoChoice(name, options, reason=reason)
     wanted = ", ".join(f"{name} (pip install {KNOWN_BACKENDS[name]})" for name in network_order(rdma=rdma)
                        if name in KNOWN_BACKENDS)

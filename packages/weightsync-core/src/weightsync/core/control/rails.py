@@ -4,8 +4,8 @@ A striped update whose stripe failed on its rail raises a ``TransferError`` nami
 it here; before every update after that (and at every rebuild, before ``auto`` deals stripes), each rollout worker
 on that rail probes it (a ``ping`` with ``probe``: a TCP connection to the sender host's address on that rail,
 refused or accepted, within a second), the replicas serving; the rail comes back — and the topology is rebuilt with
-stripes over it — only when every probe reached it. Until then ``auto`` deals only the stripes below the lowest lost
-rail (rail 0 carries the control plane: losing it is losing the host).
+stripes over it — only when every probe reached it. Until then ``auto`` deals the stripes over the other rails only
+(rail 0 carries the control plane: losing it is losing the host).
 """
 
 from __future__ import annotations

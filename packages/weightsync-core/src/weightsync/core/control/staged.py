@@ -2,8 +2,8 @@
 
 At setup the manager picks one rollout worker per host, its *stager* (:class:`StagedPlan`): only the stagers join
 the transport's world, so the update crosses to each host once, into the host's staging area; every other worker
-joins the epoch idle. An update dealt into K stripes (``stripes_for``: rails) has K stagers per host, the host's
-first worker on each rail 0..K-1, each staging its stripe into an area of its own: the stripes' areas together are
+joins the epoch idle. An update dealt into K stripes (``stripes_for``: over K rails) has K stagers per host, the
+host's first worker on each of those rails, each staging its stripe into an area of its own: the stripes' areas together are
 the host's staging. Then, per update (:func:`run_staged`):
 
 1. the actor ranks send and every stager stages (``StagingWorker.stage_weights``), the replicas serving;
@@ -44,8 +44,8 @@ __all__ = ["StagedPlan", "check_staging", "joined", "run_staged"]
 @dataclass(frozen=True)
 class StagedPlan:
     """Who stages for whom: each rollout worker's host, and each host's stagers (indices into the round's workers):
-    the host's first worker in replica order, or with K stripes its first worker on each rail 0..K-1 (stripe s's
-    stager at s)."""
+    the host's first worker in replica order, or with K stripes its first worker on each of the K rails (stripe
+    s's stager at s)."""
 
     hosts: tuple[str, ...]
     stagers: dict[str, tuple[int, ...]]
@@ -54,17 +54,16 @@ class StagedPlan:
     def of(cls, world: WorldMetadata) -> StagedPlan:
         """From the workers' ``prepare`` metadata: where each rollout worker said it runs (``node_id``) and on which
         rail (``rail``), and how many stripes the topology will deal the update into (:func:`stripes_for`)."""
-        metadata, stripes = world.rollout, stripes_for(world)
+        metadata, used = world.rollout, stripes_for(world)
         hosts = tuple(str(entry.get("node_id") or f"unknown-{i}") for i, entry in enumerate(metadata))
         stagers: dict[str, tuple[int, ...]] = {}
         for host in dict.fromkeys(hosts):
             on_host = [i for i, where in enumerate(hosts) if where == host]
             rails = {i: metadata[i].get("rail", 0) for i in on_host}
-            chosen = [next((i for i in on_host if stripes == 1 or rails[i] == s), None) for s in range(stripes)]
+            chosen = [next((i for i in on_host if len(used) == 1 or rails[i] == rail), None) for rail in used]
             if None in chosen:
-                raise TopologyError(f"a staged update dealt into {stripes} stripes needs a worker on each of rails "
-                                    f"0..{stripes - 1} of host {host}; its workers are on rails "
-                                    f"{sorted(set(map(str, rails.values())))}")
+                raise TopologyError(f"a staged update dealt over rails {used} needs a worker on each of them on host "
+                                    f"{host}; its workers are on rails {sorted(set(map(str, rails.values())))}")
             stagers[host] = tuple(i for i in chosen if i is not None)
         return cls(hosts, stagers)
 

@@ -111,9 +111,9 @@ class ChainTransport(Transport):
             raise ConfigError(f"{self.name}: layout='two_level' shares a host ring between the workers of a host; "
                               f"it needs device='cpu' (tensors on any device are staged through it)")
         stripes = settings.options.get("stripes", 1)
-        if stripes != "rails" and (isinstance(stripes, bool) or not isinstance(stripes, int) or stripes < 1):
-            raise ConfigError(f"{self.name}: stripes must be an int >= 1 or 'rails' (as many as the rails allow), "
-                              f"got {stripes!r}")
+        if not _stripes_option(stripes):
+            raise ConfigError(f"{self.name}: stripes must be an int >= 1 (at most that many), 'rails' (as many as the "
+                              f"rails allow) or a list of distinct rails including 0 (over those), got {stripes!r}")
         if stripes != 1 and layout != "two_level":
             raise ConfigError(f"{self.name}: stripes need layout='two_level' (a stripe's leaders are per host)")
         piece = settings.options.get("relay_piece_bytes", RELAY_PIECE_BYTES)
@@ -121,7 +121,7 @@ class ChainTransport(Transport):
             raise ConfigError(f"{self.name}: relay_piece_bytes must be an int >= 4096, got {piece!r}")
         self.fanout: int = fanout
         self.layout: str = layout
-        self.stripes: int | str = stripes
+        self.stripes: JsonValue = stripes
         self.relay_piece_bytes: int = piece
         # A two-level ring is a shared segment: the other workers of this host may read it in place.
         self.ring_device: str = HOST_SHARED if layout == "two_level" else device
@@ -238,7 +238,7 @@ class ChainTransport(Transport):
         if isinstance(stripe, list) and stripe and isinstance(stripe[0], int):
             # A stager of one stripe (a staged striped update): its stripe's chain, failures named by its rail.
             alone = self._connect_one(rank_args)
-            return OneStripe(alone, stripe[0], None if rank_args.get("local") is True else _route(stripe[0], rank_args))
+            return OneStripe(alone, stripe[0], None if rank_args.get("local") is True else _route(rank_args))
         return self._connect_one(rank_args)
 
     def _connect_one(self, rank_args: RankArgs) -> ChainReceiver | HostRingReader:
@@ -320,7 +320,7 @@ class ChainTransport(Transport):
                 receiver.close()
             accepting.close()
             raise
-        return StripedReceiver(opened, epoch=epoch, routes=[_route(stripe, source) if stripe in leading else None
+        return StripedReceiver(opened, epoch=epoch, routes=[_route(source) if stripe in leading else None
                                                             for stripe, source in enumerate(sources)])
 
     def _connect_in_place(self, address: str, *, peer: str, rank: int, epoch: str, deadline: float
@@ -395,10 +395,21 @@ class _Accepting:
             self._downstream.close()
 
 
-def _route(stripe: int, source: Mapping[str, JsonValue]) -> tuple[int, list[str]] | None:
-    """The rail a stripe is read over and the two hosts it crosses (``striped_topology``'s ``hosts``)."""
-    ends = source.get("hosts")
-    return (stripe, [str(host) for host in ends]) if isinstance(ends, list) and len(ends) == 2 else None
+def _stripes_option(stripes: object) -> bool:
+    """Whether ``stripes`` is a valid option: an int >= 1, ``"rails"``, or distinct rails (ints >= 0) with 0."""
+    if isinstance(stripes, list):
+        return all(isinstance(rail, int) and not isinstance(rail, bool) and rail >= 0 for rail in stripes) and (
+            0 in stripes and len(set(stripes)) == len(stripes))
+    return stripes == "rails" or (isinstance(stripes, int) and not isinstance(stripes, bool) and stripes >= 1)
+
+
+def _route(source: Mapping[str, JsonValue]) -> tuple[int, list[str]] | None:
+    """The rail a stripe is read over and the two hosts it crosses (``striped_topology``'s ``rail`` and
+    ``hosts``)."""
+    rail, ends = source.get("rail"), source.get("hosts")
+    if not isinstance(rail, int) or not isinstance(ends, list) or len(ends) != 2:
+        return None
+    return rail, [str(host) for host in ends]
 
 
 def _connect(address: str, *, deadline: float, peer: str) -> socket.socket:

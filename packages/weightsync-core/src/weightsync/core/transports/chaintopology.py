@@ -13,17 +13,18 @@ leader's ring in place, through shared memory (``local``): the leader's receive 
 library transfer and no extra copy. Host identity is the workers' ``node_id`` (a Ray node, a testbed host).
 
 Striped (``two_level`` with K > 1 stripes, :mod:`weightsync.core.transports.stripes`): each stripe has a two-level
-plan of its own (:func:`plan_stripe`). Its sender is the sender host's actor rank on rail s; on every other host
-its leader is the first worker on rail s, which reads the stripe over that rail; every other worker of the host
-reads each stripe in place from that stripe's leader. So each rail of every host carries 1/K of the model.
+plan of its own (:func:`plan_stripe`), over a rail of its own (:func:`stripe_rails`: rails 0..K-1, less any rail
+left out). Its sender is the sender host's actor rank on that rail; on every other host its leader is the first
+worker on that rail, which reads the stripe over it; every other worker of the host reads each stripe in place from
+that stripe's leader. So each rail in use on every host carries 1/K of the model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-__all__ = ["LAYOUTS", "ChainPlan", "chain_positions", "plan_positions", "plan_stripe", "position_name", "stripe_count"]
+__all__ = ["LAYOUTS", "ChainPlan", "chain_positions", "plan_positions", "plan_stripe", "position_name", "stripe_rails"]
 
 LAYOUTS = ("chain", "two_level")
 
@@ -63,33 +64,37 @@ def plan_positions(*, nodes: list[str], fanout: int, layout: str) -> ChainPlan:
     return _two_level(nodes, fanout, leader_of)
 
 
-def plan_stripe(*, nodes: list[str], rails: list[int], stripe: int, fanout: int) -> ChainPlan:
-    """Stripe ``stripe``'s two-level plan: position 0 is the stripe's sender, and on every other host the leader
-    is its first rollout rank on rail ``stripe`` (``rails[p]``), which reads the stripe over that rail; the host's
-    other workers read the leader's ring in place."""
+def plan_stripe(*, nodes: list[str], rails: list[int], rail: int, fanout: int) -> ChainPlan:
+    """A stripe's two-level plan, the stripe carried by rail ``rail``: position 0 is the stripe's sender, and on
+    every other host the leader is its first rollout rank on that rail (``rails[p]``), which reads the stripe over
+    it; the host's other workers read the leader's ring in place."""
     leader_of: dict[str, int] = {nodes[0]: 0}
     for position in range(1, len(nodes)):
-        if rails[position] == stripe:
+        if rails[position] == rail:
             leader_of.setdefault(nodes[position], position)
     for position in range(1, len(nodes)):
         leader_of.setdefault(nodes[position], position)  # a host without that rail: its first worker leads
     return _two_level(nodes, fanout, leader_of)
 
 
-def stripe_count(*, sender_node: str, sender_rails: Sequence[int], rollout: Sequence[tuple[str, int]],
-                 limit: int | None = None) -> int:
-    """How many stripes a two-level update can use: the largest K for which rails 0..K-1 each have an actor rank on
-    the sender's host (``sender_rails``) and a worker on every other host (``rollout``: each rollout worker's host
-    and rail); at most ``limit``. One where any host has a single rail, or no worker is on another host."""
+def stripe_rails(*, sender_node: str, sender_rails: Sequence[int], rollout: Sequence[tuple[str, int]],
+                 limit: int | None = None, wanted: Sequence[int] | None = None,
+                 leaving_out: Collection[int] = ()) -> list[int]:
+    """The rails a two-level update can be dealt over, one stripe each, in rail order: rail 0 (the control plane's)
+    and every other rail that has an actor rank on the sender's host (``sender_rails``) and a worker on every other
+    host (``rollout``: each rollout worker's host and rail), less ``leaving_out`` (rails lost and not yet back),
+    only those in ``wanted`` when given, at most ``limit``. Just rail 0 (one stripe: unstriped) where rail 0 is not
+    common to every host, any host has a single rail, or no worker is on another host."""
     hosts: dict[str, set[int]] = {}
     for node, rail in rollout:
         if node != sender_node:
             hosts.setdefault(node, set()).add(rail)
-    count = 1
-    while hosts and (limit is None or count < limit) and count in sender_rails and all(
-            count in rails for rails in hosts.values()):
-        count += 1
-    return count
+    common = set(sender_rails).intersection(*hosts.values()) if hosts else set()
+    if 0 not in common:
+        return [0]
+    usable = [rail for rail in sorted(common) if rail == 0 or (
+        rail not in leaving_out and (wanted is None or rail in wanted))]
+    return usable[:limit] if limit is not None else usable
 
 
 def _two_level(nodes: list[str], fanout: int, leader_of: dict[str, int]) -> ChainPlan:

@@ -20,7 +20,7 @@ import msgspec
 
 from weightsync.api.errors import TopologyError, TransferError, WireError
 from weightsync.api.types import JsonValue, RankArgs, Topology, WorkerMetadata, WorldMetadata
-from weightsync.core.transports.chaintopology import plan_stripe, stripe_count
+from weightsync.core.transports.chaintopology import plan_stripe, stripe_rails
 from weightsync.core.transports.transport import ReceivedBucket, ReceiverTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.digest import combine_stripes
@@ -202,42 +202,45 @@ def _host_name(worker: WorkerMetadata) -> str:
     return str(worker.get("hostname") or worker.get("host_ip") or worker.get("node_id"))
 
 
-def stripes_for(metadata: WorldMetadata) -> int:
-    """How many stripes :func:`striped_topology` deals an update into, from the workers' metadata: 1 unless actor
-    rank 0 asks for stripes (``stripes``, two-level layout); then :func:`stripe_count` of the rails reported, at
-    most the stripes asked for. In a staged update (``staged``) each stager holds one stripe, so rollout workers on
-    the sender's host, if any, must also cover rails 0..K-1."""
+def stripes_for(metadata: WorldMetadata) -> list[int]:
+    """The rails :func:`striped_topology` deals an update over, one stripe each (stripe s on the s-th), from the
+    workers' metadata: just rail 0 unless actor rank 0 asks for stripes (``stripes``, two-level layout); then
+    :func:`stripe_rails` of the rails reported, as many as asked for (an int), or those listed (a list of rails).
+    In a staged update (``staged``) each stager holds one stripe, so rollout workers on the sender's host, if any,
+    must also be on each of the rails."""
     actor, rollout = list(metadata.actor), list(metadata.rollout)
-    wanted = actor[0].get("stripes", 1)
-    if actor[0].get("layout") != "two_level" or wanted == 1:
-        return 1
+    asked = actor[0].get("stripes", 1)
+    if actor[0].get("layout") != "two_level" or asked == 1:
+        return [0]
     sender_node = _where(actor[0])[0]
-    limit = None if wanted == "rails" else wanted if isinstance(wanted, int) else 1
     where = [_where(worker) for worker in rollout]
-    count = stripe_count(sender_node=sender_node, rollout=where, limit=limit,
+    rails = stripe_rails(sender_node=sender_node, rollout=where, limit=asked if isinstance(asked, int) else None,
+                         wanted=[rail for rail in asked if isinstance(rail, int)] if isinstance(asked, list) else None,
                          sender_rails=[_where(worker)[1] for worker in actor if _where(worker)[0] == sender_node])
     local = {rail for node, rail in where if node == sender_node}
     if actor[0].get("staged") is True and local:
-        count = max(1, next((rail for rail in range(count) if rail not in local), count))
-    return count
+        rails = [rail for rail in rails if rail in local] if 0 in local else [0]
+    return rails
 
 
 def striped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addresses: list[str]) -> Topology | None:
     """The two-level chain dealt into stripes over the rails the workers report (``rail``), or None where only one
     stripe fits (:func:`stripes_for`). ``addresses``: each rollout rank's endpoint.
 
-    Stripe s: its sender is the sender host's first actor rank on rail s, its plan :func:`plan_stripe`'s. An actor
-    rank's ``stripe`` is [s, K]. A rollout rank's ``rank_args["sources"]`` has one entry per stripe (its upstream,
-    and for the stripe it leads its children). In a staged update (``staged``) every rollout rank is a stager on
-    rail s < K that takes part in stripe s alone: its ``rank_args`` are that stripe's entry and ``stripe`` [s, K]."""
-    count = stripes_for(metadata)
+    Stripe s goes over the s-th of the rails (``stripes_for``): its sender is the sender host's first actor rank on
+    that rail, its plan :func:`plan_stripe`'s. An actor rank's ``stripe`` is [s, K]. A rollout rank's
+    ``rank_args["sources"]`` has one entry per stripe (its upstream, and for the stripe it leads its children). In a
+    staged update (``staged``) every rollout rank is a stager on the rail of one stripe s and takes part in that
+    stripe alone: its ``rank_args`` are that stripe's entry and ``stripe`` [s, K]."""
+    used = stripes_for(metadata)
+    count = len(used)
     if count == 1:
         return None
     actor, rollout = list(metadata.actor), list(metadata.rollout)
     staged = actor[0].get("staged") is True
     sender_node = _where(actor[0])[0]
-    senders = [next(rank for rank, worker in enumerate(actor) if _where(worker) == (sender_node, stripe))
-               for stripe in range(count)]
+    senders = [next(rank for rank, worker in enumerate(actor) if _where(worker) == (sender_node, rail))
+               for rail in used]
     for rank in senders:
         if not isinstance(actor[rank].get("address"), str) or actor[rank].get("library") != library:
             raise TopologyError(f"actor rank {rank} sends a stripe but did not advertise a {library} endpoint")
@@ -246,10 +249,10 @@ def striped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
     actor_args: list[RankArgs] = [{"role": "idle", "sender": senders[0]} for _ in actor]
     rollout_args: list[RankArgs] = [{"role": "idle", "sender": senders[0]} for _ in rollout]
     sources: list[list[JsonValue]] = [[] for _ in rollout]
-    for stripe, sender in enumerate(senders):
+    for stripe, (sender, rail) in enumerate(zip(senders, used)):
         # Positions taking part in this stripe: the sender, and every rollout rank (staged: those on its rail).
-        taking = [0, *(p for p in range(1, len(nodes)) if not staged or rails[p] == stripe)]
-        plan = plan_stripe(nodes=[nodes[p] for p in taking], rails=[rails[p] for p in taking], stripe=stripe,
+        taking = [0, *(p for p in range(1, len(nodes)) if not staged or rails[p] == rail)]
+        plan = plan_stripe(nodes=[nodes[p] for p in taking], rails=[rails[p] for p in taking], rail=rail,
                            fanout=fanout)
         where = [str(actor[sender]["address"]), *addresses]
         workers = [actor[sender], *rollout]
@@ -267,11 +270,11 @@ def striped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
             name = f"actor rank {sender}" if upstream == 0 else f"rollout rank {upstream - 1}"
             # Errors name the peer by this: which stripe, over which rail, between which hosts.
             ends: list[JsonValue] = [_host_name(workers[upstream]), _host_name(workers[position])]
-            route = "in place" if plan.local[i] else f"rail {stripe} from host {ends[0]} to host {ends[1]}"
+            route = "in place" if plan.local[i] else f"rail {rail} from host {ends[0]} to host {ends[1]}"
             entry: dict[str, JsonValue] = {
                 "upstream": where[upstream], "upstream_position": upstream, "local": plan.local[i],
                 "children": children(i), "in_place": in_place(i), "peer": f"{name} (stripe {stripe}, {route})",
-                "rail": stripe, "hosts": ends}
+                "rail": rail, "hosts": ends}
             if staged:
                 rollout_args[position - 1] = {"role": "receiver", "sender": sender, "rank": position - 1,
                                               "stripe": [stripe, count], **entry}
