@@ -1,6 +1,7 @@
 """Stripes: an update's buckets dealt over K senders, each on a rail of its own, and read back in bucket order.
 
-Bucket i of an update belongs to stripe i mod K. Stripe s is sent by a sender of its own (an actor rank on rail s
+Bucket i of an update belongs to stripe i mod K. Stripe s goes over a rail of its own (the s-th of
+:func:`stripes_for`'s, rail s unless a rail is left out), sent by a sender of its own (the actor rank on that rail
 of the sender's host) that packs, hashes and publishes only its stripe's buckets, then a final header of its own:
 its stripe's digest, and the update's bucket count N. A receiver reads the stripes from K sources (its own stripe
 over its rail, the host's other stripes in place from the workers that lead them) through :class:`StripedReceiver`,
