@@ -8,11 +8,12 @@ from typing import Any
 import pytest
 
 from weightsync.api.errors import ConfigError, TransferError
+from weightsync.api.types import WorkerContext
 from weightsync.core.control.auto import AutoChoice, choose
 from weightsync.core.control.host import ping_answer
 from weightsync.core.control.rails import LostRails
 from weightsync.core.transports.chaintopology import stripe_rails
-from weightsync.core.transports.settings import LOCAL_RANK_ENV, RAIL_ADDRS_ENV, local_rail
+from weightsync.core.transports.settings import LOCAL_RANK_ENV, RAIL_ADDRS_ENV, EngineSettings, devices_of, local_rail
 
 
 def test_without_rail_addresses_every_worker_is_on_rail_0_at_its_host_address(
@@ -82,3 +83,19 @@ def test_a_probe_reaches_an_address_that_answers_even_with_a_refusal() -> None:
     answer = ping_answer(node_id="n", host_ip="127.0.0.1", probe=["127.0.0.1"])
     assert answer["reachable"] == {"127.0.0.1": True}  # nothing listens on the discard port: refused, so reached
     assert "reachable" not in ping_answer(node_id="n", host_ip="127.0.0.1")
+
+
+def test_a_rail_s_devices_are_the_interface_holding_its_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a library that picks its own interfaces (nixl's UCX) is held to on a host of rails: the interface that
+    holds the worker's rail address; nothing for an address no interface holds, or without rail addresses."""
+    assert devices_of("127.0.0.1") == ["lo"]
+    assert devices_of("203.0.113.9") == []  # TEST-NET-3: on no interface here
+    settings = EngineSettings(name="t", bucket_bytes=1 << 20, slots=2, timeout=1.0, verify_digest=True,
+                              context=WorkerContext(role="rollout", rank=0, node_id="n", host_ip="127.0.0.1"))
+    monkeypatch.delenv(RAIL_ADDRS_ENV, raising=False)
+    assert settings.rail_devices == []
+    monkeypatch.setenv(RAIL_ADDRS_ENV, "127.0.0.1,203.0.113.9")
+    monkeypatch.setenv(LOCAL_RANK_ENV, "0")
+    assert settings.rail_devices == ["lo"]
+    monkeypatch.setenv(LOCAL_RANK_ENV, "1")
+    assert settings.rail_devices == []

@@ -30,7 +30,7 @@ def main() -> None:
     nodes: dict[str, str] = json.loads(sys.argv[1])  # host index -> Ray node id
     backend = sys.argv[2] if len(sys.argv) > 2 else "auto"
     # Another placement (the rails test): {"actor_ranks": A, "replicas": [[host of each worker], ...], "bucket_mb": B,
-    # "staged": whether the updates are staged}.
+    # "staged": whether the updates are staged, "options": the backend's options}.
     placement: dict[str, Any] = (json.loads(sys.argv[3]) if len(sys.argv) > 3
                                  else {"actor_ranks": 1, "replicas": [["2", "3"]] * 2})
     channel = DriverChannel()
@@ -41,6 +41,7 @@ def main() -> None:
                                          node_id=[nodes[host] for host in hosts])
                 for r, hosts in enumerate(placement["replicas"])]
     config = SyncConfig(bucket_bytes=placement.get("bucket_mb", 4) * MiB, staged=placement.get("staged", False),
+                        backend_options=placement.get("options", {}),
                         timeouts=StepTimeouts(transfer=60, setup=60))
     manager = CheckpointEngineManager(backend=backend, actor_wg=actor_wg, replicas=replicas, config=config)
     result: dict[str, Any] = {"first": asyncio.run(manager.update_weights()).ok}

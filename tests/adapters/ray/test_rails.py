@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from weightsync.api.registry import available_backends
 from weightsync.cli.testbed import LinkCounters, Testbed, TestbedRay
 
 from tests.tools.testbed.driving import steer
@@ -29,10 +30,13 @@ def cluster() -> Iterator[TestbedRay]:
         bed.close()
 
 
-@pytest.mark.parametrize("staged", [False, True])
-def test_auto_sends_one_stripe_over_each_rail(cluster: TestbedRay, staged: bool) -> None:
+@pytest.mark.parametrize(("backend", "staged"), [("auto", False), ("auto", True), ("nixl", False)])
+def test_each_stripe_crosses_its_own_rail(cluster: TestbedRay, backend: str, staged: bool) -> None:
     """Staged too: the receiving host's two workers each stage the stripe of their rail into an area of their own,
-    and both swap from both areas (bit-exact in each worker's own process)."""
+    and both swap from both areas (bit-exact in each worker's own process). nixl named with stripes: each ring's
+    UCX is held to its worker's rail (left alone, UCX read both stripes over rail 0: rail 1 carried nothing)."""
+    if backend != "auto" and backend not in available_backends():
+        pytest.skip(f"{backend} is not installed")
     marks: dict[str, tuple[tuple[LinkCounters, ...], ...]] = {}
 
     def on_request(message: dict[str, Any]) -> None:
@@ -40,12 +44,14 @@ def test_auto_sends_one_stripe_over_each_rail(cluster: TestbedRay, staged: bool)
 
     nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
     # 1 MiB buckets: 28 of them, dealt alternately over the two stripes.
-    placement = json.dumps({"actor_ranks": 2, "replicas": [["2", "2"]], "bucket_mb": 1, "staged": staged})
-    result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.across_hosts_driver", nodes, "auto",
+    options = {"layout": "two_level", "stripes": "rails"} if backend != "auto" else {}
+    placement = json.dumps({"actor_ranks": 2, "replicas": [["2", "2"]], "bucket_mb": 1, "staged": staged,
+                            "options": options})
+    result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.across_hosts_driver", nodes, backend,
                              placement], on_request)
     assert result["first"] and result["ok"]
     assert result["digests"] == [result["expected"]] * 2  # what each worker holds, hashed in its own process
-    assert "(two-level, 2 stripes)" in result["chosen"], result
+    assert "(two-level, 2 stripes)" in result["chosen"] or backend != "auto", result
     assert result["senders"] == 2  # both actor ranks sent a part
     assert result["swapped"] == [staged], result  # the manager's staged path: stage, then a swap
     moved = [[after - before for before, after in zip(host_before, host_after)]

@@ -13,6 +13,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -139,19 +140,35 @@ IDLE_PROGRESS_INTERVAL = 0.01
 ACTIVE_WINDOW = 2.0
 
 
+UCX_NET_DEVICES = "UCX_NET_DEVICES"
+_AGENT_LOCK = threading.Lock()
+
+
 class NixlRing(RegisteredRing):
     library: ClassVar[str] = "nixl"
 
-    def __init__(self, *, slots: int, slot_bytes: int, device: str, agent_name: str) -> None:
+    def __init__(self, *, slots: int, slot_bytes: int, device: str, agent_name: str,
+                 net_devices: Sequence[str] = ()) -> None:
+        """``net_devices``: the only network devices UCX may use (a rail's: ``UCX_NET_DEVICES`` while the agent is
+        made), unless the user set ``UCX_NET_DEVICES``; none: what UCX finds."""
         super().__init__(slots=slots, slot_bytes=slot_bytes, device=device)
         api = _nixl_api()
         self.agent_name = agent_name
         # nixl's own progress thread runs with a zero delay: a core spinning for as long as the agent lives. Ours
         # sleeps between rounds (see ``_progress``); the agent is then called from two threads, hence the strict
         # thread-sync mode.
-        self.agent = api.nixl_agent(agent_name, api.nixl_agent_config(
+        config = api.nixl_agent_config(
             enable_prog_thread=False, backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-        ))
+        )
+        with _AGENT_LOCK:  # UCX reads its devices from the environment as the agent's context is made
+            chosen = os.environ.get(UCX_NET_DEVICES)
+            if net_devices and chosen is None:
+                os.environ[UCX_NET_DEVICES] = ",".join(net_devices)
+            try:
+                self.agent = api.nixl_agent(agent_name, config)
+            finally:
+                if chosen is None:
+                    os.environ.pop(UCX_NET_DEVICES, None)
         self.kind = _memory_kind(self.memory)
         # One registration for the whole ring, reused by every update and epoch.
         self._registration: Any = self.agent.register_memory(self.tensor)
@@ -209,7 +226,8 @@ class NixlRing(RegisteredRing):
 
 
 class NixlTransport(ChainTransport):
-    """NIXL chain. Own options: ``fanout``, ``device`` (see the chain transport)."""
+    """NIXL chain. Own options: ``fanout``, ``device`` (see the chain transport). With stripes on a host of rails,
+    each ring's UCX context uses only its worker's rail (``UCX_NET_DEVICES``, unless the user set it)."""
 
     name: ClassVar[str] = "nixl"
     library: ClassVar[str] = "nixl"
@@ -218,8 +236,10 @@ class NixlTransport(ChainTransport):
         settings = self.settings
         agent_name = (f"weightsync-{settings.context.role}{settings.context.rank}-{os.getpid()}-"
                       f"{secrets.token_hex(4)}")
+        # Stripes: each stripe's bytes must cross its own rail, and UCX left alone reads over the host's first
+        # interface whatever the rail of the address it was given (the testbed's counters showed it).
         return NixlRing(slots=settings.slots, slot_bytes=settings.bucket_bytes, device=self.ring_device,
-                        agent_name=agent_name)
+                        agent_name=agent_name, net_devices=settings.rail_devices if self.stripes != 1 else ())
 
 
 NixlCheckpointEngine = engine_class(NixlTransport)

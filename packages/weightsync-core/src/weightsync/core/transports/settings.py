@@ -6,10 +6,12 @@ The engine (``weightsync.core.control.engine``) and engines that implement the `
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import importlib
 import os
 import socket
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -58,6 +60,34 @@ def local_rail(host_ip: str) -> dict[str, Any]:
         raise ConfigError(f"{LOCAL_RANK_ENV}={text!r}: a worker's local rank must be a non-negative int")
     rail = local_rank % len(addresses)
     return {"rail": rail, "rail_address": addresses[rail], "rails": len(addresses)}
+
+
+def devices_of(address: str) -> list[str]:
+    """The network devices that carry IPv4 ``address`` on this host: each RDMA port behind the interface it is
+    assigned to (``mlx5_0:1``: a RoCE NIC), then the interface itself (``eth1``); none when no interface has it."""
+    for _, name in socket.if_nameindex():
+        if _ipv4_of(name) != address:
+            continue
+        ports: list[str] = []
+        rdma = f"/sys/class/net/{name}/device/infiniband"
+        for device in sorted(os.listdir(rdma)) if os.path.isdir(rdma) else []:
+            listed = os.path.join(rdma, device, "ports")
+            ports += [f"{device}:{port}" for port in sorted(os.listdir(listed))] if os.path.isdir(listed) else []
+        return [*ports, name]
+    return []
+
+
+def _ipv4_of(interface: str) -> str | None:
+    """The IPv4 address of ``interface`` (SIOCGIFADDR), None when it has none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", interface[:15].encode()))
+        except OSError:
+            return None
+    return socket.inet_ntoa(answer[20:24])
+
+
+_SIOCGIFADDR = 0x8915
 
 
 def load_transport_hook(spec: str | None) -> TransportHook | None:
@@ -138,6 +168,15 @@ class EngineSettings:
         """Where this worker's weight traffic goes out and comes in: its rail's address (``local_rail``), its
         ``host_ip`` on a host of one rail."""
         return str(local_rail(self.context.host_ip)["rail_address"])
+
+    @property
+    def rail_devices(self) -> list[str]:
+        """The devices of this worker's rail, as UCX's ``UCX_NET_DEVICES`` names them (:func:`devices_of` its rail
+        address), for a library that picks its own interfaces; none on a host without rail addresses (a library
+        then uses what it finds)."""
+        if not os.environ.get(RAIL_ADDRS_ENV, "").strip():
+            return []
+        return devices_of(self.rail_address)
 
     @property
     def self_name(self) -> str:
