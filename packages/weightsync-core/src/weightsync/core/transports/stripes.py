@@ -224,6 +224,15 @@ def stripes_for(metadata: WorldMetadata) -> list[int]:
     return rails
 
 
+def _senders(library: str, actor: list[WorkerMetadata], places: list[tuple[str, int]]) -> list[int]:
+    """Each stripe's sender: the first actor rank at its (host, rail), which must have advertised an endpoint."""
+    senders = [next(rank for rank, worker in enumerate(actor) if _where(worker) == place) for place in places]
+    for rank in senders:
+        if not isinstance(actor[rank].get("address"), str) or actor[rank].get("library") != library:
+            raise TopologyError(f"actor rank {rank} sends a stripe but did not advertise a {library} endpoint")
+    return senders
+
+
 def striped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addresses: list[str]) -> Topology | None:
     """The two-level chain dealt into stripes over the rails the workers report (``rail``), or None where only one
     stripe fits (:func:`stripes_for`). ``addresses``: each rollout rank's endpoint.
@@ -240,11 +249,7 @@ def striped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
     actor, rollout = list(metadata.actor), list(metadata.rollout)
     staged = actor[0].get("staged") is True
     sender_node = _where(actor[0])[0]
-    senders = [next(rank for rank, worker in enumerate(actor) if _where(worker) == (sender_node, rail))
-               for rail in used]
-    for rank in senders:
-        if not isinstance(actor[rank].get("address"), str) or actor[rank].get("library") != library:
-            raise TopologyError(f"actor rank {rank} sends a stripe but did not advertise a {library} endpoint")
+    senders = _senders(library, actor, [(sender_node, rail) for rail in used])
     nodes = [sender_node, *(_where(worker)[0] for worker in rollout)]
     rails = [0, *(_where(worker)[1] for worker in rollout)]
     actor_args: list[RankArgs] = [{"role": "idle", "sender": senders[0]} for _ in actor]
