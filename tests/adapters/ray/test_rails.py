@@ -14,20 +14,15 @@ from typing import Any
 
 import pytest
 from weightsync.api.registry import available_backends
-from weightsync.cli.testbed import LinkCounters, Testbed, TestbedRay
+from weightsync.cli.testbed import LinkCounters, TestbedRay
 
+from tests.adapters.ray.railbed import rail_cluster, rail_fault
 from tests.tools.testbed.driving import steer
-from tests.tools.testbed.support import start_or_skip
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[TestbedRay]:
-    bed = start_or_skip(Testbed(3, link_gbps=2.0, rails=2))
-    try:
-        with TestbedRay(bed) as ray_cluster:
-            yield ray_cluster
-    finally:
-        bed.close()
+    yield from rail_cluster(2)
 
 
 @pytest.mark.parametrize(("backend", "staged"), [("auto", False), ("auto", True), ("nixl", False)])
@@ -71,22 +66,7 @@ def test_a_rail_lost_mid_update_is_named_and_left_out_until_it_answers_again(clu
     host never held both stripes, is never paused and serves its old version. The next update, the rail still
     down, completes whole over rail 0 alone (its probe of rail 1 fails: no stripes, rail 1 idle by its counters);
     once the rail is back, the probe reaches it and the update is dealt over both rails again."""
-    marks: dict[str, tuple[tuple[LinkCounters, ...], ...]] = {}
-
-    def on_request(message: dict[str, Any]) -> None:
-        if "cut" in message:
-            cluster.bed.link_down(2, rail=1, mode=message["cut"])
-        elif "restore" in message:
-            cluster.bed.link_up(2, rail=1)
-        else:
-            marks[message["mark"]] = cluster.bed.rail_counters()
-
-    nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
-    try:
-        result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.rail_fault_driver", nodes, mode,
-                                 json.dumps({"staged": staged})], on_request)
-    finally:
-        cluster.bed.link_up(2)
+    result, moved = rail_fault(cluster, mode, {"staged": staged})
     assert result["first"] and "2 stripes" in result["chosen"], result
     faulted = result["faulted"]
     assert faulted["error"] == "TransferError", faulted
@@ -103,7 +83,5 @@ def test_a_rail_lost_mid_update_is_named_and_left_out_until_it_answers_again(clu
     down, restored = result["down"], result["restored"]
     assert down["ok"] and down["whole"] and "stripes" not in down["chosen"].split(":")[0], down
     assert "rail 1 left out" in down["chosen"], down
-    moved = [[after - before for before, after in zip(then, now)]
-             for then, now in zip(marks["down before"], marks["down after"])]
     assert moved[2][0].ingress_bytes >= 0.95 * down["nbytes"] and moved[2][1].ingress_bytes < 0.05 * down["nbytes"]
     assert restored["ok"] and restored["whole"] and "(two-level, 2 stripes)" in restored["chosen"], restored

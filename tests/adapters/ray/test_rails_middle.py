@@ -7,53 +7,27 @@ three.
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
-from weightsync.cli.testbed import LinkCounters, Testbed, TestbedRay
+from weightsync.cli.testbed import TestbedRay
 
-from tests.tools.testbed.driving import steer
-from tests.tools.testbed.support import start_or_skip
+from tests.adapters.ray.railbed import rail_cluster, rail_fault
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[TestbedRay]:
-    bed = start_or_skip(Testbed(3, link_gbps=2.0, rails=3))
-    try:
-        with TestbedRay(bed) as ray_cluster:
-            yield ray_cluster
-    finally:
-        bed.close()
+    yield from rail_cluster(3)
 
 
 def test_a_lost_middle_rail_leaves_the_stripes_on_either_side_of_it(cluster: TestbedRay) -> None:
-    marks: dict[str, tuple[tuple[LinkCounters, ...], ...]] = {}
-
-    def on_request(message: dict[str, Any]) -> None:
-        if "cut" in message:
-            cluster.bed.link_down(2, rail=1, mode=message["cut"])
-        elif "restore" in message:
-            cluster.bed.link_up(2, rail=1)
-        else:
-            marks[message["mark"]] = cluster.bed.rail_counters()
-
-    nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
-    try:
-        result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.rail_fault_driver", nodes, "drop",
-                                 json.dumps({"rails": 3})], on_request)
-    finally:
-        cluster.bed.link_up(2)
+    result, moved = rail_fault(cluster, "drop", {"rails": 3})
     assert result["first"] and "(two-level, 3 stripes)" in result["chosen"], result
     faulted = result["faulted"]
     assert faulted["error"] == "TransferError" and "over rail 1 from host wst-h1 to host wst-h2" in faulted["message"]
     down, restored = result["down"], result["restored"]
     assert down["ok"] and down["whole"], down
     assert "(two-level, 2 stripes: rails 0, 2)" in down["chosen"] and "rail 1 left out" in down["chosen"], down
-    moved = [[after - before for before, after in zip(then, now)]
-             for then, now in zip(marks["down before"], marks["down after"])]
     size = down["nbytes"]
     for rail in (0, 2):  # the two stripes, half the model each, into the receiving host and out of the sender's
         assert 0.4 * size <= moved[2][rail].ingress_bytes <= 0.65 * size, moved

@@ -17,14 +17,18 @@ from typing import Any
 import pytest
 import torch
 
+from weightsync.api.errors import ConfigError, WeightsyncError
 from weightsync.api.registry import load_engine_class
 from weightsync.api.testing import case_tensors, raw_bytes
 from weightsync.api.types import Role, WorkerContext, WorldMetadata
+from weightsync.core.control.staged import joined
+from weightsync.core.transports.stagearea import StageArea
 from weightsync.core.wire.digest import combine_stripes
 
 BUCKET = 1 << 16
 ACTOR = [("A", 0), ("A", 1)]  # (host, rail) of each actor rank
 ROLLOUT = [("B", 0), ("B", 1), ("C", 0), ("C", 1)]
+WEIGHTS = case_tensors("mixed", 1, BUCKET)
 
 
 def _in_threads(calls: list[Callable[[], Any]], timeout: float = 60) -> list[Any]:
@@ -45,65 +49,89 @@ def _in_threads(calls: list[Callable[[], Any]], timeout: float = 60) -> list[Any
     return results
 
 
+def _succeeded(calls: list[Callable[[], Any]], what: object = None) -> list[Any]:
+    """``_in_threads``, every call having succeeded."""
+    results = _in_threads(calls)
+    assert not [r for r in results if isinstance(r, BaseException)], (what, results)
+    return results
+
+
+def _engines(actor: list[tuple[str, int]], rollout: list[tuple[str, int]], **options: Any) -> list[Any]:
+    """A tcp engine per actor rank and per rollout rank, on the host each (host, rail) names."""
+    engine_class: Any = load_engine_class("tcp")
+    roles: list[tuple[Role, list[tuple[str, int]]]] = [("actor", actor), ("rollout", rollout)]
+    return [engine_class(bucket_bytes=BUCKET, timeout=30, context=WorkerContext(role=role, rank=rank, node_id=host),
+                         **options) for role, hosts in roles for rank, (host, _) in enumerate(hosts)]
+
+
+def _topology(engines: list[Any], actor: list[tuple[str, int]], rollout: list[tuple[str, int]]
+              ) -> tuple[list[dict[str, Any]], Any]:
+    """Every engine's metadata (its rail and host set as ``local_rail`` would), and the topology built from it."""
+    metadata = [dict(engine.prepare(), rail=rail, hostname=host)
+                for engine, (host, rail) in zip(engines, [*actor, *rollout])]
+    topology = load_engine_class("tcp").build_topology(
+        actor_wg_world_size=len(actor), rollout_world_size=len(rollout),
+        metadata=WorldMetadata(actor=metadata[:len(actor)], rollout=metadata[len(actor):]))
+    return metadata, topology
+
+
+def _join(engines: list[Any], topology: Any) -> None:
+    def joining(engine: Any, args: dict[str, Any]) -> Callable[[], Any]:
+        return lambda: engine.init_process_group(rank_args={**args, "epoch": "e1"})
+
+    _succeeded([joining(engine, dict(args)) for engine, args in zip(engines, [*topology.actor, *topology.rollout])])
+
+
+def _send(engine: Any, version: int) -> Callable[[], Any]:
+    return lambda: asyncio.run(engine.send_weights(WEIGHTS, version=version))
+
+
+def _load(stream_of: Callable[[], Any]) -> tuple[dict[str, torch.Tensor], Any]:
+    """What a stream (``stream_of()``: a receive, or a swap from staging) leaves in fresh destinations, and its
+    report."""
+    into = {name: torch.zeros_like(tensor) for name, tensor in WEIGHTS}
+
+    async def run() -> Any:
+        stream = stream_of()
+        await stream.copy_into(into)
+        return stream.report
+
+    return into, asyncio.run(run())
+
+
+def _check_whole(loaded: list[tuple[dict[str, torch.Tensor], Any]], expected: str) -> None:
+    for into, report in loaded:
+        assert report.digest == expected
+        for name, tensor in WEIGHTS:
+            assert torch.equal(raw_bytes(into[name]), raw_bytes(tensor)), name
+
+
 @pytest.mark.parametrize("stripes", ["rails", 1])
 def test_two_stripes_over_two_rails_arrive_whole_at_every_worker(stripes: Any) -> None:
-    engine_class: Any = load_engine_class("tcp")
-    options = {"layout": "two_level", "stripes": stripes}
-    actors = [engine_class(bucket_bytes=BUCKET, timeout=30, context=WorkerContext(role="actor", rank=rank,
-                                                                                  node_id=host), **options)
-              for rank, (host, _) in enumerate(ACTOR)]
-    rollouts = [engine_class(bucket_bytes=BUCKET, timeout=30, context=WorkerContext(role="rollout", rank=rank,
-                                                                                    node_id=host), **options)
-                for rank, (host, _) in enumerate(ROLLOUT)]
-    engines = [*actors, *rollouts]
+    engines = _engines(ACTOR, ROLLOUT, layout="two_level", stripes=stripes)
+    actors, rollouts = engines[:len(ACTOR)], engines[len(ACTOR):]
     try:
-        metadata = [dict(engine.prepare(), rail=rail, hostname=host)
-                    for engine, (host, rail) in zip(engines, [*ACTOR, *ROLLOUT])]
-        topology = engine_class.build_topology(
-            actor_wg_world_size=len(actors), rollout_world_size=len(rollouts),
-            metadata=WorldMetadata(actor=metadata[:len(actors)], rollout=metadata[len(actors):]))
+        _, topology = _topology(engines, ACTOR, ROLLOUT)
         count = 2 if stripes == "rails" else 1
         assert len(topology.senders) == count
         if count == 2:  # an error reading a stripe names it, its rail and the two hosts (the peer in errors)
             peers = [source["peer"] for source in topology.rollout[2]["sources"]]
             assert peers == ["rollout rank 0 (stripe 0, rail 0 from host B to host C)",
                              "rollout rank 3 (stripe 1, in place)"]
-        def joining(engine: Any, args: dict[str, Any]) -> Callable[[], Any]:
-            return lambda: engine.init_process_group(rank_args={**args, "epoch": "e1"})
-
-        results = _in_threads([joining(engine, dict(args))
-                               for engine, args in zip(engines, [*topology.actor, *topology.rollout])])
-        assert not [r for r in results if isinstance(r, BaseException)], results
-        weights = case_tensors("mixed", 1, BUCKET)
-
-        def receive(engine: Any) -> Any:
-            into = {name: torch.zeros_like(tensor) for name, tensor in weights}
-
-            async def run() -> Any:
-                stream = engine.receive_weights()
-                await stream.copy_into(into)
-                return stream.report
-
-            return into, asyncio.run(run())
-
+        _join(engines, topology)
         for version in (1, 2):  # the connections of one epoch carry update after update
-            results = _in_threads([*(lambda e=engine: asyncio.run(e.send_weights(weights, version=version))
-                                     for engine in actors),
-                                   *(lambda e=engine: receive(e) for engine in rollouts)])
-            assert not [r for r in results if isinstance(r, BaseException)], (version, results)
+            results = _succeeded([*(_send(engine, version) for engine in actors),
+                                  *(functools.partial(_load, engine.receive_weights) for engine in rollouts)],
+                                 version)
         sent, received = results[:len(actors)], results[len(actors):]
-        expected = combine_stripes([report.digest for report in sent[:count]])
-        total = sum(raw_bytes(tensor).numel() for _, tensor in weights)
+        total = sum(raw_bytes(tensor).numel() for _, tensor in WEIGHTS)
         if count == 2:
             # Each stripe's sender carried part of the model, together all of it.
             assert 0 < sent[0].nbytes < total and 0 < sent[1].nbytes < total
             assert sent[0].nbytes + sent[1].nbytes == total
         else:
             assert sent[0].nbytes == total and sent[1].nbytes == 0  # control: one sender, the other drains
-        for into, report in received:
-            assert report.digest == expected
-            for name, tensor in weights:
-                assert torch.equal(raw_bytes(into[name]), raw_bytes(tensor)), name
+        _check_whole(received, combine_stripes([report.digest for report in sent[:count]]))
     finally:
         for engine in engines:
             engine.close()
@@ -114,44 +142,24 @@ def test_a_staged_update_is_staged_one_stripe_per_stager_and_swapped_whole_from_
     stages that stripe alone into an area of its own, and each worker's swap reads both areas of its host in
     bucket order. Checked from outside: which tensor names each area's bytes hold (each name in exactly one area of
     a host), the bytes each destination holds after the swap, and the digest against the senders' own."""
-    from weightsync.api.errors import WeightsyncError
-    from weightsync.core.control.staged import joined
-    from weightsync.core.transports.stagearea import StageArea
-
-    engine_class: Any = load_engine_class("tcp")
-    options = {"layout": "two_level", "stripes": "rails", "staged": True}
-    roles: list[tuple[Role, list[tuple[str, int]]]] = [("actor", ACTOR), ("rollout", ROLLOUT)]
-    engines = [engine_class(bucket_bytes=BUCKET, timeout=30, context=WorkerContext(role=role, rank=rank, node_id=host),
-                            **options) for role, hosts in roles for rank, (host, _) in enumerate(hosts)]
+    engines = _engines(ACTOR, ROLLOUT, layout="two_level", stripes="rails", staged=True)
     actors, rollouts = engines[:len(ACTOR)], engines[len(ACTOR):]
     areas = [StageArea() for _ in rollouts]
     try:
-        metadata = [dict(engine.prepare(), rail=rail, hostname=host)
-                    for engine, (host, rail) in zip(engines, [*ACTOR, *ROLLOUT])]
+        metadata, topology = _topology(engines, ACTOR, ROLLOUT)
         assert all(entry["staged"] is True for entry in metadata)
-        topology = engine_class.build_topology(
-            actor_wg_world_size=len(actors), rollout_world_size=len(rollouts),
-            metadata=WorldMetadata(actor=metadata[:len(actors)], rollout=metadata[len(actors):]))
         assert topology.senders == (0, 1)
         assert [args["stripe"] for args in topology.rollout] == [[0, 2], [1, 2], [0, 2], [1, 2]]
         assert not any("sources" in args for args in topology.rollout)  # nobody reads another's stripe
         assert topology.rollout[2]["peer"] == "rollout rank 0 (stripe 0, rail 0 from host B to host C)"
-        def joining(engine: Any, args: dict[str, Any]) -> Callable[[], Any]:
-            return lambda: engine.init_process_group(rank_args={**args, "epoch": "e1"})
-
-        results = _in_threads([joining(engine, dict(args))
-                               for engine, args in zip(engines, [*topology.actor, *topology.rollout])])
-        assert not [r for r in results if isinstance(r, BaseException)], results
-        weights = case_tensors("mixed", 1, BUCKET)
+        _join(engines, topology)
         for version in (1, 2):
-            results = _in_threads([*(lambda e=engine: asyncio.run(e.send_weights(weights, version=version))
-                                     for engine in actors),
-                                   *(lambda e=engine, a=area: asyncio.run(e.stage_weights(a, version=version))
-                                     for engine, area in zip(rollouts, areas))])
-            assert not [r for r in results if isinstance(r, BaseException)], (version, results)
+            results = _succeeded([*(_send(engine, version) for engine in actors),
+                                  *(lambda e=engine, a=area: asyncio.run(e.stage_weights(a, version=version))
+                                    for engine, area in zip(rollouts, areas))], version)
         sent, staged = results[:len(actors)], results[len(actors):]
-        names = [name for name, _ in weights]
-        larger = [name for name, tensor in weights if raw_bytes(tensor).numel() > BUCKET]  # split over buckets
+        names = [name for name, _ in WEIGHTS]
+        larger = [name for name, tensor in WEIGHTS if raw_bytes(tensor).numel() > BUCKET]  # split over buckets
         assert larger == ["lm_head.weight"]
         for host in (0, 2):  # B's areas, then C's: each tensor's name in one of the host's two, a split one in both
             held = [open(area.path, "rb").read()[: part.nbytes] for area, part in zip(areas[host:host + 2],
@@ -161,27 +169,13 @@ def test_a_staged_update_is_staged_one_stripe_per_stager_and_swapped_whole_from_
         expected = combine_stripes([report.digest for report in sent])
         hosts = {0: joined(staged[0:2]), 2: joined(staged[2:4])}
         assert [getattr(whole.report, "digest", "") for whole in hosts.values()] == [expected, expected]
-
-        def swap(engine: Any, whole: Any) -> Any:
-            into = {name: torch.zeros_like(tensor) for name, tensor in weights}
-
-            async def run() -> Any:
-                stream = engine.receive_staged(whole)
-                await stream.copy_into(into)
-                return stream.report
-
-            return into, asyncio.run(run())
-
-        results = _in_threads([functools.partial(swap, engine, hosts[rank - rank % 2])
-                               for rank, engine in enumerate(rollouts)])
-        for into, report in results:
-            assert report.digest == expected
-            for name, tensor in weights:
-                assert torch.equal(raw_bytes(into[name]), raw_bytes(tensor)), name
+        _check_whole(_in_threads([functools.partial(_load, functools.partial(engine.receive_staged,
+                                                                             hosts[rank - rank % 2]))
+                                  for rank, engine in enumerate(rollouts)]), expected)
         # Negative control: the host's areas handed over in the wrong stripe order are refused, not applied.
         backwards = joined([staged[1], staged[0]])
-        refused = _in_threads([lambda: swap(rollouts[0], backwards)])[0]
-        assert isinstance(refused, WeightsyncError), refused
+        refused = _in_threads([functools.partial(_load, functools.partial(rollouts[0].receive_staged, backwards))])
+        assert isinstance(refused[0], WeightsyncError), refused
     finally:
         for engine in engines:
             engine.close()
@@ -195,52 +189,21 @@ def test_stripes_over_rails_0_and_2_leave_rail_1_out() -> None:
     in place. Every worker ends bit-exact, and the peer each reads a stripe from names that stripe's rail."""
     actor_hosts = [("A", 0), ("A", 1), ("A", 2)]
     rollout_hosts = [("B", 0), ("B", 1), ("B", 2), ("C", 0), ("C", 1), ("C", 2)]
-    engine_class: Any = load_engine_class("tcp")
-    roles: list[tuple[Role, list[tuple[str, int]]]] = [("actor", actor_hosts), ("rollout", rollout_hosts)]
-    engines = [engine_class(bucket_bytes=BUCKET, timeout=30, context=WorkerContext(role=role, rank=rank, node_id=host),
-                            layout="two_level", stripes=[0, 2])
-               for role, hosts in roles for rank, (host, _) in enumerate(hosts)]
+    engines = _engines(actor_hosts, rollout_hosts, layout="two_level", stripes=[0, 2])
     actors, rollouts = engines[:3], engines[3:]
     try:
-        metadata = [dict(engine.prepare(), rail=rail, hostname=host)
-                    for engine, (host, rail) in zip(engines, [*actor_hosts, *rollout_hosts])]
-        topology = engine_class.build_topology(
-            actor_wg_world_size=3, rollout_world_size=6,
-            metadata=WorldMetadata(actor=metadata[:3], rollout=metadata[3:]))
+        _, topology = _topology(engines, actor_hosts, rollout_hosts)
         assert topology.senders == (0, 2)  # the actor ranks on rails 0 and 2; rank 1 (rail 1) only drains
         assert [args["role"] for args in topology.actor] == ["sender", "idle", "sender"]
         assert [source["peer"] for source in topology.rollout[5]["sources"]] == [  # C's worker on rail 2
             "rollout rank 3 (stripe 0, in place)", "rollout rank 2 (stripe 1, rail 2 from host B to host C)"]
         assert [source["local"] for source in topology.rollout[4]["sources"]] == [True, True]  # C's rail 1 worker
-
-        def joining(engine: Any, args: dict[str, Any]) -> Callable[[], Any]:
-            return lambda: engine.init_process_group(rank_args={**args, "epoch": "e1"})
-
-        results = _in_threads([joining(engine, dict(args))
-                               for engine, args in zip(engines, [*topology.actor, *topology.rollout])])
-        assert not [r for r in results if isinstance(r, BaseException)], results
-        weights = case_tensors("mixed", 1, BUCKET)
-
-        def receive(engine: Any) -> Any:
-            into = {name: torch.zeros_like(tensor) for name, tensor in weights}
-
-            async def run() -> Any:
-                stream = engine.receive_weights()
-                await stream.copy_into(into)
-                return stream.report
-
-            return into, asyncio.run(run())
-
-        results = _in_threads([*(functools.partial(lambda e: asyncio.run(e.send_weights(weights, version=1)), engine)
-                                 for engine in actors), *(functools.partial(receive, engine) for engine in rollouts)])
-        assert not [r for r in results if isinstance(r, BaseException)], results
+        _join(engines, topology)
+        results = _succeeded([*(_send(engine, 1) for engine in actors),
+                              *(functools.partial(_load, engine.receive_weights) for engine in rollouts)])
         sent = results[:3]
         assert sent[1].nbytes == 0 and sent[0].nbytes > 0 and sent[2].nbytes > 0
-        expected = combine_stripes([sent[0].digest, sent[2].digest])
-        for into, report in results[3:]:
-            assert report.digest == expected
-            for name, tensor in weights:
-                assert torch.equal(raw_bytes(into[name]), raw_bytes(tensor)), name
+        _check_whole(results[3:], combine_stripes([sent[0].digest, sent[2].digest]))
     finally:
         for engine in engines:
             engine.close()
@@ -248,7 +211,5 @@ def test_stripes_over_rails_0_and_2_leave_rail_1_out() -> None:
 
 @pytest.mark.parametrize("stripes", [[1, 2], [0, 0], [0, -1], "all", 0, True])
 def test_a_malformed_stripes_option_is_a_config_error(stripes: Any) -> None:
-    from weightsync.api.errors import ConfigError
-
     with pytest.raises(ConfigError, match="stripes must be"):
         load_engine_class("tcp")(bucket_bytes=BUCKET, layout="two_level", stripes=stripes)
