@@ -13,7 +13,7 @@ from tests.plugins import backends_on_path
 from weightsync.api.protocols import copy_stream_into
 from weightsync.api.testing import ConformanceFailure, EngineConformance, EngineHarness, WorkerFailed, checked_options
 from weightsync.core.transports.rules import CheckedReceiver, CheckedSender, TransportRuleError
-from weightsync.core.transports.transport import ReceivedBucket
+from weightsync.core.transports.seam import ReceivedBucket
 from weightsync.core.wire.codec import UpdateHeaders
 
 

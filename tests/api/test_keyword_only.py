@@ -65,7 +65,7 @@ def test_every_definition_takes_actor_wg_keyword_only() -> None:
     sites = _sites()
     expected = {
         "weightsync.core.control.manager.CheckpointEngineManager.__init__(actor_wg)",
-        "weightsync.core.control.engine.BucketCheckpointEngine.build_topology(actor_wg_world_size)",
+        "weightsync.core.worker.engine.BucketCheckpointEngine.build_topology(actor_wg_world_size)",
         # A backend's topology lives on its transport (the engine class delegates to it).
         "weightsync.core.transports.transport.Transport.build_topology(actor_wg_world_size)",
         "weightsync.core.transports.collective.CollectiveTransport.build_topology(actor_wg_world_size)",

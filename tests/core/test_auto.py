@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 from weightsync.api.errors import BackendUnavailableError
-from weightsync.core.control.auto import choose, describe_rule, has_rdma
+from weightsync.core.control.auto import choose, describe_rule
+from weightsync.core.transports.place import has_rdma
 
 
 def installed(*names: str) -> Callable[[], list[str]]:

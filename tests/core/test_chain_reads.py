@@ -1,4 +1,4 @@
-"""How a chain receiver reads a bucket (weightsync.core.transports.chainends): in pieces, several in flight, announcing pieces
+"""How a chain receiver reads a bucket (weightsync.core.transports.chain.ends): in pieces, several in flight, announcing pieces
 downstream only when a child reads over the network. In one process: the upstream is a socket pair the test writes
 announcements into, its ring a tensor read by a RemoteRing that records every read it is asked for."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from weightsync.api.errors import TransferError
-from weightsync.core.transports.chainends import READS_IN_FLIGHT, ChainReceiver, Downstream, Upstream
-from weightsync.core.transports.rings import BucketReady, PendingRead, RegisteredRing, RemoteRing, RingEndpoint, decode_ready
+from weightsync.core.transports.chain.ends import READS_IN_FLIGHT, ChainReceiver, Downstream, Upstream
+from weightsync.core.transports.chain.rings import BucketReady, PendingRead, RegisteredRing, RemoteRing, RingEndpoint, decode_ready
 from weightsync.core.wire import codec
 from weightsync.core.wire.framing import recv_frame, send_frame
 

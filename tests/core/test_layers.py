@@ -1,7 +1,7 @@
 """weightsync-core's sub-packages lie in one order along the data path, and no module imports a layer above its own;
 no private name crosses a sub-package or a distribution. Both computed from the AST of every source module.
 
-The order, top to bottom: control → pipeline → delta → transports → wire → native. ``weightsync.core`` itself and
+The order, top to bottom: control → worker → pipeline → delta → transports → wire → native. ``weightsync.core`` itself and
 ``weightsync.core.backend`` are facades over all of them (what users and backends import): no layer imports them.
 """
 
@@ -16,7 +16,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CORE = ROOT / "packages" / "weightsync-core" / "src" / "weightsync" / "core"
-LAYERS = ("control", "pipeline", "delta", "transports", "wire", "native")
+LAYERS = ("control", "worker", "pipeline", "delta", "transports", "wire", "native")
 FACADES = frozenset({"weightsync.core", "weightsync.core.backend"})
 
 
@@ -131,6 +131,68 @@ def test_no_module_imports_a_layer_above_its_own() -> None:
 def test_no_private_name_crosses_a_sub_package_or_a_distribution() -> None:
     bad = [line for path in sources() for line in private_crossings(module_name(path), path.read_text())]
     assert bad == []
+
+
+def import_graph(modules: dict[str, str]) -> dict[str, set[str]]:
+    """Module → the modules of ``modules`` (name → source) it imports, inside functions and ``TYPE_CHECKING`` blocks
+    too (a package's ``__init__`` counts as its own module)."""
+    graph: dict[str, set[str]] = {}
+    for module, source in modules.items():
+        reached: set[str] = set()
+        for _, base, names in imported(ast.parse(source), module):
+            reached |= {f"{base}.{name}" if f"{base}.{name}" in modules else base for name in names or [""]}
+        graph[module] = {other for other in reached if other in modules and other != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (an import circle), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circle_in_core() -> None:
+    modules = {module_name(path): path.read_text() for path in CORE.rglob("*.py")}
+    assert cycles(import_graph(modules)) == []
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    # Negative control: three modules that import each other in a ring, one only for type checking.
+    modules = {
+        "weightsync.core.transports.a": "from weightsync.core.transports.b import B",
+        "weightsync.core.transports.b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                        "    from weightsync.core.transports import c",
+        "weightsync.core.transports.c": "import weightsync.core.transports.a",
+        "weightsync.core.transports.d": "from weightsync.core.transports.a import A",
+    }
+    assert cycles(import_graph(modules)) == [["weightsync.core.transports.a", "weightsync.core.transports.b",
+                                              "weightsync.core.transports.c"]]
 
 
 @pytest.mark.parametrize("source", [

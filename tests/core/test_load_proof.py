@@ -11,7 +11,7 @@ import pytest
 from weightsync.api.errors import LoadVerificationError
 from weightsync.api.protocols import LoadProvingReplica
 from weightsync.core import CheckpointEngineManager
-from weightsync.core.control.round import disagreeing
+from weightsync.core.control.replicas import disagreeing
 
 
 def test_a_replica_that_differs_from_the_majority_is_named_with_its_first_parameter() -> None:

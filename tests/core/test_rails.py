@@ -1,4 +1,4 @@
-"""A worker's rail (``weightsync.core.transports.settings.local_rail``): its local rank picks one of its host's rail
+"""A worker's rail (``weightsync.core.transports.place.local_rail``): its local rank picks one of its host's rail
 addresses, as a GPU node maps a GPU to its NIC; the metadata every worker gives (ping and prepare) carries it."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 from weightsync.api.errors import ConfigError, TransferError
 from weightsync.api.types import WorkerContext
 from weightsync.core.control.auto import AutoChoice, choose
-from weightsync.core.control.host import ping_answer
 from weightsync.core.control.rails import LostRails
-from weightsync.core.transports.chaintopology import stripe_rails
-from weightsync.core.transports.settings import LOCAL_RANK_ENV, RAIL_ADDRS_ENV, EngineSettings, devices_of, local_rail
+from weightsync.core.transports.chain.topology import stripe_rails
+from weightsync.core.transports.place import LOCAL_RANK_ENV, RAIL_ADDRS_ENV, devices_of, local_rail, ping_answer
+from weightsync.core.transports.settings import EngineSettings
 
 
 def test_without_rail_addresses_every_worker_is_on_rail_0_at_its_host_address(

@@ -1,4 +1,4 @@
-"""Stripes through the real pipeline (:mod:`weightsync.core.transports.stripes`): K sender engines each send stripe
+"""Stripes through the real pipeline (:mod:`weightsync.core.transports.chain.stripes`): K sender engines each send stripe
 s of K (bucket i in stripe i mod K), and receivers read the K stripes back through a ``StripedReceiver`` in bucket
 order, checking one digest that combines the senders' (``combine_stripes``).
 
@@ -25,8 +25,8 @@ from weightsync.api.testing import case_tensors, raw_bytes
 from weightsync.api.types import RankArgs, Topology, TransferReport, WorkerContext, WorldMetadata
 from weightsync.core.backend import Transport, engine_class
 from weightsync.core.control.round import Round
-from weightsync.core.transports.stripes import StripedReceiver
-from weightsync.core.transports.transport import ReceivedBucket
+from weightsync.core.transports.chain.stripes import StripedReceiver
+from weightsync.core.transports.seam import ReceivedBucket
 from weightsync.core.wire.digest import combine_stripes
 
 BUCKET = 1 << 14

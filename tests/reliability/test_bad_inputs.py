@@ -28,7 +28,8 @@ from weightsync.api.errors import (
     WeightStreamError,
 )
 from weightsync.api.types import WorkerContext, WorldMetadata
-from weightsync.core.control.engine import BucketCheckpointEngine, default_node_id
+from weightsync.core.transports.place import default_node_id
+from weightsync.core.worker.engine import BucketCheckpointEngine
 from weightsync.shm.engine import ShmCheckpointEngine
 
 BUCKET = 64 * 1024

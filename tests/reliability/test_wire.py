@@ -17,7 +17,7 @@ import torch
 
 from tests.reliability.test_bad_inputs import Pair, good
 from weightsync.api.types import WorkerContext
-from weightsync.core.control.engine import default_node_id
+from weightsync.core.transports.place import default_node_id
 from weightsync.core.wire import codec
 from weightsync.gloo.collective import GlooCheckpointEngine
 from weightsync.shm.engine import ShmCheckpointEngine

@@ -18,7 +18,7 @@ What to carry, and how to build it (on a machine with network, from the reposito
 On the GPU machine (no network)::
 
     python -m pip install --no-index --no-deps gpu-wheels/*.whl      # never reinstalls torch
-    python tools/gpu-check/gpu_check.py           # or: --quick, --json out.json, --only staging,shm/device
+    python tools/gpu-check/gpu_check.py           # or: --quick, --json out.json, --only bounce,shm/device
 
 A backend whose library is not installed there (nixl, mooncake) is reported as skipped, with the reason.
 
@@ -28,8 +28,8 @@ Checks, in this order, each in a bounded time (``--check-budget``; all of them t
 2. ``copy``     — the device's own copy bandwidth (device-to-device ``copy_`` of a bucket), the yardstick.
 3. ``legs``     — the pipeline's legs: pack (D2D from scattered parameters into a bucket, on a copy stream), H2D and
    D2H between pinned host memory and a bucket, D2H into pageable memory; each as GB/s and as a fraction of (2).
-4. ``staging``  — weightsync's own staging path between device tensors and a host bucket: D2H through
-   ``weightsync.core.pipeline.staging.SendStaging.stage`` (what a sender does for a host transport) and H2D through the
+4. ``bounce``   — weightsync's own host bounce between device tensors and a host bucket: D2H through
+   ``weightsync.core.pipeline.bounce.HostBounce.bounce`` (what a sender does for a host transport) and H2D through the
    receiver's unpack (``weightsync.core.pipeline.unpack.BucketReader.copy_out`` into device destinations), each in GB/s and
    as a ratio to a raw pinned ``non_blocking`` copy of the same bytes; the bytes are compared both ways.
 5. ``overlap``  — an H2D and a D2H bucket copy one after the other on one stream, then at once on a copy stream and
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
               "to install it", file=sys.stderr)
         return EXIT_NO_WHEELS
     if args.dry_run:
-        for module in ("torch", "weightsync.api.testing", "weightsync.core.pipeline.staging", "weightsync.core.pipeline.unpack"):
+        for module in ("torch", "weightsync.api.testing", "weightsync.core.pipeline.bounce", "weightsync.core.pipeline.unpack"):
             try:
                 importlib.import_module(module)
             except ImportError as exc:

@@ -25,7 +25,7 @@ from gpucheck_kit import (
     Context,
     Result,
 )
-from gpucheck_measure import check_buckets, check_copy, check_ipc, check_legs, check_overlap, check_staging
+from gpucheck_measure import check_buckets, check_copy, check_ipc, check_legs, check_bounce, check_overlap
 
 # -- conformance ------------------------------------------------------------------------------------------------------
 
@@ -134,7 +134,7 @@ def plan(ctx: Context) -> list[Check]:
     measure = args.check_budget or MEASURE_BUDGET_S
     conformance = args.check_budget or CONFORMANCE_BUDGET_S
     checks = [Check("buckets", check_buckets, measure), Check("copy", check_copy, measure),
-              Check("legs", check_legs, measure), Check("staging", check_staging, measure),
+              Check("legs", check_legs, measure), Check("bounce", check_bounce, measure),
               Check("overlap", check_overlap, measure)]
     checks.append(Check("ipc", None, 0, skip="needs CUDA") if ctx.emulated
                   else Check("ipc", check_ipc, args.check_budget or IPC_BUDGET_S))

@@ -1,5 +1,5 @@
 """gpu-check's device measurements (``tools/gpu-check/gpu_check.py`` is the script): ``buckets``, ``copy``,
-``legs``, ``staging``, ``overlap``, ``ipc``, and ``hang`` (the budget's self-test). Each takes the checks' context
+``legs``, ``bounce``, ``overlap``, ``ipc``, and ``hang`` (the budget's self-test). Each takes the checks' context
 and returns its result; the script's child process runs them, one at a time, under their budgets.
 
 ``check_ipc`` spawns its second process (``multiprocessing``, spawn) with ``_ipc_child`` as its target: that process
@@ -132,18 +132,18 @@ def check_legs(ctx: Context) -> Result:
     figures.update({f"{key[:-5]}_of_d2d": value / yardstick for key, value in list(figures.items())})
     figures["d2d_gbps"] = yardstick
     return Result("legs", "ok", figures=figures,
-                  note="pack is the copy stream's work per bucket; the staging check times weightsync's own path")
+                  note="pack is the copy stream's work per bucket; the bounce check times weightsync's own path")
 
 
-def check_staging(ctx: Context) -> Result:
-    """Weightsync's staging path against a raw pinned copy of the same bytes, both ways; the bytes compared."""
+def check_bounce(ctx: Context) -> Result:
+    """Weightsync's host bounce against a raw pinned copy of the same bytes, both ways; the bytes compared."""
     torch = ctx.torch
     from weightsync.api.config import BUCKET_ALIGNMENT
     from weightsync.api.testing import raw_bytes
     from weightsync.core.pipeline.planner import plan_buckets
-    from weightsync.core.pipeline.staging import SendStaging
+    from weightsync.core.pipeline.bounce import HostBounce
     from weightsync.core.pipeline.unpack import BucketReader, BulkPlans
-    from weightsync.core.transports.transport import Arrived
+    from weightsync.core.transports.seam import Arrived
     from weightsync.core.wire.codec import WIRE_VERSION, BucketHeader
     from weightsync.core.wire.digest import UpdateDigest
 
@@ -152,24 +152,24 @@ def check_staging(ctx: Context) -> Result:
     weights = [(f"layers.{index}.weight", param) for index, param in enumerate(params)]
     buckets = list(plan_buckets(weights, bucket_bytes=nbytes, devices=frozenset({"cpu", ctx.device.type})))
     if len(buckets) != 1 or not buckets[0].on_device:
-        return Result("staging", "failed", note=f"planned {len(buckets)} buckets for one bucket of device tensors")
+        return Result("bounce", "failed", note=f"planned {len(buckets)} buckets for one bucket of device tensors")
     bucket = buckets[0]
     payload = bucket.payload_bytes
-    staging = SendStaging(ctx.device, bucket_bytes=nbytes)
+    bounce = HostBounce(ctx.device, bucket_bytes=nbytes)
 
     def stage() -> None:
-        staging.begin()  # as the planning thread does for an update's first device bucket
-        staging.stage(bucket, time.monotonic() + 60)
+        bounce.begin()  # as the planning thread does for an update's first device bucket
+        bounce.bounce(bucket, time.monotonic() + 60)
 
     d2h = _wall(ctx, stage, repeats)
     # A raw copy of the same bytes: one contiguous device buffer into pinned memory, non-blocking, then waited for.
     flat = torch.zeros(payload, dtype=torch.uint8, device=ctx.device)
     raw_host = torch.empty(payload, dtype=torch.uint8, pin_memory=True)
     raw_d2h = _wall(ctx, lambda: raw_host.copy_(flat, non_blocking=True), repeats)
-    staging.host.zero_()
+    bounce.host.zero_()
     stage()  # read right after it returns, no synchronize: stage() must have waited for its copies itself
     problems = [f"{name}: staged bytes differ" for (name, param), (meta, _, _) in zip(weights, bucket.items)
-                if not torch.equal(staging.host[meta.bucket_offset:meta.bucket_offset + meta.nbytes],
+                if not torch.equal(bounce.host[meta.bucket_offset:meta.bucket_offset + meta.nbytes],
                                    raw_bytes(param))]
 
     # H2D: the receiver's unpack of that host bucket into device destinations (each through its typed view and
@@ -177,7 +177,7 @@ def check_staging(ctx: Context) -> Result:
     header = BucketHeader(wire=WIRE_VERSION, epoch="gpu-check", version=1, sender=0, index=0, slot=0,
                           nbytes=bucket.nbytes, tensors=[meta for meta, _, _ in bucket.items])
     destinations = {name: torch.empty_like(param) for name, param in weights}
-    host_bucket = staging.host[:bucket.nbytes]
+    host_bucket = bounce.host[:bucket.nbytes]
 
     def unpack() -> None:
         reader = BucketReader(UpdateDigest(), BulkPlans())
@@ -197,9 +197,9 @@ def check_staging(ctx: Context) -> Result:
         "tensors": float(len(weights)),
     }
     note = (f"{len(weights)} device tensors ({payload / 2**20:.0f} MiB, {BUCKET_ALIGNMENT}-byte aligned) staged to "
-            "a pinned bucket by SendStaging.stage and unpacked back by BucketReader.copy_out; ratio = raw pinned "
+            "a pinned bucket by HostBounce.bounce and unpacked back by BucketReader.copy_out; ratio = raw pinned "
             "non_blocking copy's time / weightsync's")
-    return Result("staging", "failed" if problems else "ok", figures=figures,
+    return Result("bounce", "failed" if problems else "ok", figures=figures,
                   note="; ".join(problems[:5]) if problems else note)
 
 

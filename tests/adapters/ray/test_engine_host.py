@@ -12,7 +12,7 @@ from weightsync.api.config import SyncConfig
 from weightsync.api.errors import ConfigError
 from weightsync.api.registry import BackendSpec, register_backend
 from weightsync.api.types import RankArgs, Topology, WorldMetadata
-from weightsync.core.control.host import EngineHost, build_engine, engine_spec
+from weightsync.core.worker.host import EngineHost, build_engine, engine_spec
 
 
 class DuckEngine:

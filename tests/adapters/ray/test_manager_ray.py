@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -273,6 +274,94 @@ def check_phase_order(clocks: list[list[tuple[str, float]]], first: str, second:
         raise AssertionError(f"expected one {first} and one {second} per worker: {clocks}")
     if max(firsts) >= min(seconds):
         raise AssertionError(f"a worker ran {second} before every worker ran {first}: {clocks}")
+
+
+class _ClockedWorker:
+    """A rollout worker whose ``init_process_group`` calls are timed as they return (this host's CLOCK_MONOTONIC,
+    as the sinks' own hook clocks)."""
+
+    def __init__(self, inner: Any, returned: list[float]) -> None:
+        self._inner, self._returned = inner, returned
+
+    @property
+    def name(self) -> str:
+        return str(self._inner.name)
+
+    def execute_checkpoint_engine(self, method: str, /, **kwargs: Any) -> Any:
+        return _clocked(self._inner.execute_checkpoint_engine(method, **kwargs), method, self._returned)
+
+    def update_weights(self, *, version: int) -> Any:
+        return self._inner.update_weights(version=version)
+
+
+class _ClockedReplica:
+    """A ``RayRolloutReplica`` seen through :class:`_ClockedWorker`s; its pause and resume go to it unchanged."""
+
+    def __init__(self, inner: RayRolloutReplica, returned: list[float]) -> None:
+        self._inner = inner
+        self.workers = [_ClockedWorker(worker, returned) for worker in inner.workers]
+
+    async def pause(self) -> None:
+        await self._inner.pause()
+
+    async def resume(self) -> None:
+        await self._inner.resume()
+
+    async def abort_all_requests(self) -> None:
+        await self._inner.abort_all_requests()
+
+    async def release_kv_cache(self) -> None:
+        await self._inner.release_kv_cache()
+
+    async def resume_kv_cache(self) -> None:
+        await self._inner.resume_kv_cache()
+
+    async def resume_generation(self) -> None:
+        await self._inner.resume_generation()
+
+
+async def _clocked(call: Any, method: str, returned: list[float]) -> Any:
+    result = await call
+    if method == "init_process_group":
+        returned.append(time.monotonic())
+    return result
+
+
+def check_setup_before_pause(setup_returned: list[float], clocks: list[list[tuple[str, float]]]) -> None:
+    """Every replica's own pause (its sinks' first ``abort_all_requests``) came after every worker's
+    ``init_process_group`` had returned."""
+    pauses = [at for clock in clocks for hook, at in clock if hook == "abort_all_requests"]
+    if not setup_returned or len(pauses) != len(clocks):
+        raise AssertionError(f"expected setup calls and one pause per worker: {setup_returned}, {clocks}")
+    if min(pauses) <= max(setup_returned):
+        raise AssertionError(f"a replica was paused at {min(pauses):.3f}, before setup ended at "
+                             f"{max(setup_returned):.3f}")
+
+
+def test_setup_runs_before_any_replica_is_paused(world: World) -> None:
+    """An update that builds its epoch does so while the replicas serve: each replica's own pause log starts after
+    the last worker's ``init_process_group`` returned, and its ``pause_seconds`` leave the setup out."""
+    returned: list[float] = []
+    clocked = [_ClockedReplica(replica, returned) for replica in world.replicas]
+    manager = CheckpointEngineManager(backend="shm", actor_wg=world.actor_wg, replicas=clocked,
+                                      config=SyncConfig(bucket_bytes=BUCKET))
+    before = [len(ray.get(replica.call("hook_clock")[0])) for replica in world.replicas]
+    world.set_version(31)
+    report = asyncio.run(manager.update_weights())
+    assert report.rebuilt and len(returned) == 2  # both rollout workers joined the new epoch
+    clocks = [list(ray.get(replica.call("hook_clock")[0]))[seen:] for replica, seen in zip(world.replicas, before)]
+    check_setup_before_pause(returned, clocks)
+    for outcome, clock in zip(report.replicas, clocks):
+        times = dict(clock)
+        assert outcome.resumed and times["resume_generation"] - times["abort_all_requests"] <= outcome.pause_seconds
+        assert outcome.pause_seconds < report.seconds - report.stages["setup"]
+
+
+def test_setup_before_pause_check_can_fail() -> None:
+    # Negative control: the pause came first (as when the epoch was built inside the pause).
+    with pytest.raises(AssertionError, match="before setup ended"):
+        check_setup_before_pause([2.0, 2.5], [[("abort_all_requests", 1.0)], [("abort_all_requests", 3.0)]])
+    check_setup_before_pause([2.0, 2.5], [[("abort_all_requests", 2.6)], [("abort_all_requests", 3.0)]])
 
 
 def test_phase_order_check_can_fail() -> None:

@@ -14,7 +14,7 @@ from verl.checkpoint_engine import CheckpointEngineManager as VerlManager  # noq
 from verl.checkpoint_engine.base import CheckpointEngineRegistry  # noqa: E402
 from weightsync.api.errors import ConfigError  # noqa: E402
 from weightsync.core.control.auto import choose  # noqa: E402
-from weightsync.core.transports.settings import default_node_id  # noqa: E402
+from weightsync.core.transports.place import default_node_id  # noqa: E402
 from weightsync.verl import CheckpointEngineManager  # noqa: E402
 from weightsync.verl.config import read_checkpoint_config  # noqa: E402
 

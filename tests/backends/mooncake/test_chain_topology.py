@@ -14,8 +14,8 @@ from weightsync.api.errors import TopologyError
 from weightsync.api.testing import EngineHarness
 from weightsync.api.types import WorkerMetadata, WorldMetadata
 from weightsync.core.backend import BucketCheckpointEngine
-from weightsync.core.transports.chain import chain_positions
-from weightsync.core.transports.chaintopology import plan_positions
+from weightsync.core.transports.chain.transport import chain_positions
+from weightsync.core.transports.chain.topology import plan_positions
 from weightsync.mooncake.engine import MooncakeCheckpointEngine
 from weightsync.nixl.engine import NixlCheckpointEngine
 

@@ -71,14 +71,14 @@ def test_quick_run_on_the_emulated_device_passes(tmp_path: pathlib.Path) -> None
     assert summary.group(1) == "emu" and summary.group(3) == "0"
     results = {result["check"]: result for result in json.loads(report.read_text())["results"]}
     # Every backend runs on the device (this environment installs nixl and mooncake); only CUDA's lines skip.
-    for check in ("buckets", "copy", "legs", "staging", "overlap", "shm/mixed", "gloo/mixed", "tcp/mixed", "nixl/mixed",
+    for check in ("buckets", "copy", "legs", "bounce", "overlap", "shm/mixed", "gloo/mixed", "tcp/mixed", "nixl/mixed",
                   "mooncake/mixed", "accel-gloo/mixed"):
         assert results[check]["status"] == "ok", results[check]
     for check in ("ipc", "nixl/cuda-ring/mixed", "mooncake/cuda-ring/mixed", "nccl/device"):
         assert results[check]["status"] == "skipped" and results[check]["reason"] == "needs CUDA", results[check]
     assert results["shm/mixed"]["figures"]["tests"] >= 8
-    staging = results["staging"]["figures"]
-    assert staging["d2h_gbps"] > 0 and staging["h2d_gbps"] > 0 and staging["d2h_ratio"] > 0
+    bounce = results["bounce"]["figures"]
+    assert bounce["d2h_gbps"] > 0 and bounce["h2d_gbps"] > 0 and bounce["d2h_ratio"] > 0
 
 
 @pytest.mark.device

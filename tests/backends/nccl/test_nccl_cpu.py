@@ -23,9 +23,9 @@ from weightsync.api.registry import get_backend_spec, load_engine_class
 from weightsync.api.testing import EngineConformance, case_tensors, place, raw_bytes
 from weightsync.api.types import Topology, TransferReport, WorkerContext, WorldMetadata
 from weightsync.core.backend import BucketCheckpointEngine, node_local_plan
-from weightsync.core.pipeline import staging
+from weightsync.core.pipeline import bounce
 from weightsync.core.transports import device as device_module
-from weightsync.core.transports import devicecollective
+from weightsync.core.transports.collective import device as devicecollective
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -231,13 +231,13 @@ def test_host_weights_are_uploaded_into_device_buckets_and_hashed_on_the_host(mo
                                                                               ) -> None:
     """Host sources reach the device ring through pinned host buckets (one non-blocking copy each)."""
     uploads: list[int] = []
-    real_send = staging.Upload.send
+    real_send = bounce.Upload.send
 
-    def counting_send(self: staging.Upload, buffer: torch.Tensor, bucket: Any, stream: Any) -> None:
+    def counting_send(self: bounce.Upload, buffer: torch.Tensor, bucket: Any, stream: Any) -> None:
         uploads.append(bucket.nbytes)
         real_send(self, buffer, bucket, stream)
 
-    monkeypatch.setattr(staging.Upload, "send", counting_send)
+    monkeypatch.setattr(bounce.Upload, "send", counting_send)
     _, senders, receivers = _run_world(GlooAcceleratorEngine, ["a"], ["a", "a"], relays="none", case="many_small",
                                        on_device=False)
     assert len(uploads) == senders[0].buckets >= 2

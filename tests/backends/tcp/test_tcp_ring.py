@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from weightsync.api.errors import TransferError, WireError
-from weightsync.core.transports.rings import RingEndpoint
+from weightsync.core.transports.chain.rings import RingEndpoint
 from weightsync.tcp.engine import TcpRing
 
 SLOTS, SLOT_BYTES = 2, 1 << 20

@@ -14,7 +14,7 @@ import sys
 import time
 
 from weightsync.cli.testbed import ENV_RAIL_ADDRS, HostProcess, LinkMode, Testbed
-from weightsync.core.transports.settings import RAIL_ADDRS_ENV
+from weightsync.core.transports.place import RAIL_ADDRS_ENV
 
 from tests.tools.testbed.support import netprobe, read_line, start_or_skip, switch_counters
 
@@ -104,7 +104,7 @@ def test_each_rail_is_a_network_of_its_own_shaped_counted_and_cut_alone() -> Non
 def test_a_worker_in_a_host_finds_its_rail_from_its_local_rank() -> None:
     """What a weightsync worker started in a host of a two-rail testbed reports: the host's environment gives the
     rail addresses, ``LOCAL_RANK`` picks one."""
-    script = ("import json; from weightsync.core.control.host import ping_answer; "
+    script = ("import json; from weightsync.core.transports.place import ping_answer; "
               "print(json.dumps(ping_answer(node_id='n', host_ip='198.18.0.2')))")
     with start_or_skip(Testbed(2, link_gbps=LINK_GBPS, rails=2)) as bed:
         for local_rank in (0, 1, 2):

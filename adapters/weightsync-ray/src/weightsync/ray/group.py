@@ -13,8 +13,8 @@ import ray
 from weightsync.api.errors import ConfigError
 from weightsync.api.protocols import WeightSink, WeightSource
 from weightsync.api.types import StagedUpdate, TransferReport
-from weightsync.core.control.host import EngineHost
-from weightsync.core.transports.settings import LOCAL_RANK_ENV
+from weightsync.core.transports.place import LOCAL_RANK_ENV
+from weightsync.core.worker.host import EngineHost
 
 __all__ = ["ActorRankHost", "RolloutWorkerHost", "RayActorWorkerGroup", "RayRolloutWorker", "RayRolloutReplica",
            "RayStagingWorker", "actor_options"]

@@ -38,10 +38,10 @@ from weightsync.api.errors import (
 from weightsync.api.protocols import CheckpointEngine
 from weightsync.api.registry import installed_backends, load_engine_class
 from weightsync.api.topology import build_checked_topology, with_epoch
-from weightsync.api.types import RankArgs, Role, StageTiming, TransferReport, WorkerMetadata, WorldMetadata
+from weightsync.api.types import RankArgs, Role, PhaseTiming, TransferReport, WorkerMetadata, WorldMetadata
 from weightsync.core.control.auto import AUTO
-from weightsync.core.control.engine import default_node_id
-from weightsync.core.control.host import EngineSlot, build_engine, engine_spec, ping_answer
+from weightsync.core.transports.place import default_node_id, ping_answer
+from weightsync.core.worker.host import EngineSlot, build_engine, engine_spec
 
 __all__ = [
     "REGISTRY_PREFIX",
@@ -87,7 +87,7 @@ def report_from_dict(data: Mapping[str, Any]) -> TransferReport:
     if not isinstance(data, Mapping):
         raise LifecycleError(f"expected a transfer report, got {type(data).__name__}")
     values = dict(data)
-    values["stages"] = tuple(StageTiming(**dict(stage)) for stage in values.get("stages", ()))
+    values["stages"] = tuple(PhaseTiming(**dict(stage)) for stage in values.get("stages", ()))
     try:
         return TransferReport(**values)
     except TypeError as exc:
@@ -268,7 +268,7 @@ class VerlCheckpointEngine(_VerlCheckpointEngineABC):  # type: ignore[misc]  # v
             "weightsync/send_seconds": report.seconds,
             "weightsync/send_buckets": float(report.buckets),
         }
-        metrics.update({f"weightsync/send_{stage.stage}_seconds": stage.seconds for stage in report.stages})
+        metrics.update({f"weightsync/send_{phase.phase}_seconds": phase.seconds for phase in report.phases})
         return metrics
 
     def receive_weights(self, global_steps: int | None = None) -> _ReceiveStream:

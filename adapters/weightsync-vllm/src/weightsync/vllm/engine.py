@@ -69,7 +69,7 @@ from weightsync.api.config import SyncConfig
 from weightsync.api.errors import ConfigError, LifecycleError, LoadVerificationError, WeightsyncError
 from weightsync.api.protocols import next_batch
 from weightsync.api.types import StagedUpdate, WorkerMetadata
-from weightsync.core.control.host import EngineHost, is_untouched, mark_untouched
+from weightsync.core.worker.host import EngineHost, is_untouched, mark_untouched
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -123,7 +123,7 @@ class LoadClock:
 class WeightsyncInitInfo(WeightTransferInitInfo):
     """What ``init_weight_transfer_engine`` carries for a weightsync rollout worker (plain data throughout).
 
-    ``engine``: the spec it was prepared with (``weightsync.core.control.host.engine_spec``: backend name, ``SyncConfig``
+    ``engine``: the spec it was prepared with (``weightsync.core.worker.host.engine_spec``: backend name, ``SyncConfig``
     as a dict, role, rank); ``rank_args``: this worker's entry of the topology; ``epoch``: the membership epoch's
     token, which must be the one in ``rank_args``.
     """

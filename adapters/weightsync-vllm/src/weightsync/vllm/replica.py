@@ -47,7 +47,8 @@ import ray
 
 from weightsync.api.errors import ConfigError, LifecycleError, ReplicaTornError
 from weightsync.api.types import StagedUpdate, TransferReport
-from weightsync.core.control.host import EngineHost, is_untouched, ping_answer
+from weightsync.core.transports.place import ping_answer
+from weightsync.core.worker.host import EngineHost, is_untouched
 from weightsync.ray.group import RayStagingWorker, actor_options
 from weightsync.vllm.engine import BACKEND, error_from_data
 

@@ -44,7 +44,14 @@ __all__ = [
 
 
 class WeightsyncError(Exception):
-    """Base class of every error weightsync raises on purpose."""
+    """Base class of every error weightsync raises on purpose.
+
+    ``details`` holds the error's facts as keywords (each also an attribute of that name). One fact any error may
+    carry: ``untouched`` — a worker's update failed before any byte reached its model, which still holds what it
+    held (the manager then counts its replica untouched, not torn).
+    """
+
+    untouched: bool = False
 
     def __init__(self, message: str, **details: Any) -> None:
         super().__init__(message)
@@ -134,6 +141,9 @@ class TransferError(WeightsyncError, RuntimeError):
 
     peer: str
     closed: bool = False
+    rail: int | None = None
+    """A stripe read over the network failed on this rail (its sender's and its reader's hosts: ``hosts``)."""
+    hosts: Sequence[str] = ()
 
 
 class DigestMismatchError(WeightsyncError, RuntimeError):

@@ -25,7 +25,7 @@ __all__ = [
     "WorldMetadata",
     "Topology",
     "TransferReport",
-    "StageTiming",
+    "PhaseTiming",
     "Received",
     "ReplicaState",
     "ReplicaOutcome",
@@ -102,10 +102,11 @@ class Topology:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StageTiming:
-    """Seconds spent in one stage on one worker (busy time, not wall time, for pack/transfer/unpack)."""
+class PhaseTiming:
+    """Seconds spent in one phase of the pipeline on one worker (busy time, not wall time: pack, publish, receive,
+    and for a staged update's stager its staging)."""
 
-    stage: str
+    phase: str
     seconds: float
 
 
@@ -127,7 +128,7 @@ class TransferReport:
     digest: str
     sender: int = 0
     """For a receiver: the actor rank whose stream this report covers."""
-    stages: tuple[StageTiming, ...] = ()
+    phases: tuple[PhaseTiming, ...] = ()
     finalized: bool = False
     """The worker already ran the engine's ``finalize`` after this transfer (a host that does so in the same call
     spares the manager a round trip); False: the manager calls ``finalize`` on it."""
@@ -147,9 +148,9 @@ class TransferReport:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TransferReport:
-        """The report ``to_dict`` gave (``stages`` as plain mappings)."""
+        """The report ``to_dict`` gave (``phases`` as plain mappings)."""
         fields = dict(data)
-        fields["stages"] = tuple(StageTiming(**stage) for stage in fields.get("stages", ()))
+        fields["phases"] = tuple(PhaseTiming(**phase) for phase in fields.get("phases", ()))
         return cls(**fields)
 
 

@@ -1,7 +1,7 @@
 """weightsync's engine: one bucket pipeline for every backend, the wire codec, digests and the manager.
 
 The sub-packages follow the data path, top to bottom (``docs/ARCHITECTURE.md`` walks them): ``control`` (the
-manager, the worker's host and engine), ``pipeline`` (plan, pack, stage, send; receive, unpack), ``delta`` (changes
+manager and its update flows), ``worker`` (a worker's host and engine), ``pipeline`` (plan, pack, stage, send; receive, unpack), ``delta`` (changes
 against a base), ``transports`` (the seam and the ways buckets move), ``wire`` (what crosses: codec, framing,
 digest, tensors as bytes) and ``native`` (the compiled helper). A module imports only its own layer and those below.
 Backends import ``weightsync.core.backend`` alone. The names below are imported on first use, not with the package.
@@ -13,17 +13,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names as mypy sees them (re-exported)
-    from weightsync.core.control.engine import BucketCheckpointEngine as BucketCheckpointEngine
-    from weightsync.core.control.host import EngineHost as EngineHost
-    from weightsync.core.control.host import engine_spec as engine_spec
+    from weightsync.core.worker.engine import BucketCheckpointEngine as BucketCheckpointEngine
+    from weightsync.core.worker.host import EngineHost as EngineHost
+    from weightsync.core.worker.host import engine_spec as engine_spec
     from weightsync.core.control.manager import CheckpointEngineManager as CheckpointEngineManager
     from weightsync.core.pipeline.planner import plan_buckets as plan_buckets
-    from weightsync.core.transports.settings import default_node_id as default_node_id
-    from weightsync.core.transports.transport import NO_SLOT as NO_SLOT
-    from weightsync.core.transports.transport import ReceivedBucket as ReceivedBucket
-    from weightsync.core.transports.transport import ReceiverTransport as ReceiverTransport
-    from weightsync.core.transports.transport import SenderTransport as SenderTransport
-    from weightsync.core.transports.transport import TransportHook as TransportHook
+    from weightsync.core.transports.place import default_node_id as default_node_id
+    from weightsync.core.transports.seam import NO_SLOT as NO_SLOT
+    from weightsync.core.transports.seam import ReceivedBucket as ReceivedBucket
+    from weightsync.core.transports.seam import ReceiverTransport as ReceiverTransport
+    from weightsync.core.transports.seam import SenderTransport as SenderTransport
+    from weightsync.core.transports.settings import TransportHook as TransportHook
     from weightsync.core.wire.codec import BucketHeader as BucketHeader
     from weightsync.core.wire.codec import WIRE_VERSION as WIRE_VERSION
     from weightsync.core.wire.digest import UpdateDigest as UpdateDigest
@@ -32,12 +32,12 @@ if TYPE_CHECKING:  # the names as mypy sees them (re-exported)
 
 _WHERE = {
     "WIRE_VERSION": "wire.codec", "BucketHeader": "wire.codec", "UpdateDigest": "wire.digest",
-    "BucketCheckpointEngine": "control.engine", "default_node_id": "transports.settings",
-    "EngineHost": "control.host", "engine_spec": "control.host", "CheckpointEngineManager": "control.manager",
+    "BucketCheckpointEngine": "worker.engine", "default_node_id": "transports.place",
+    "EngineHost": "worker.host", "engine_spec": "worker.host", "CheckpointEngineManager": "control.manager",
     "PackItem": "wire.layout", "PlannedBucket": "wire.layout", "plan_buckets": "pipeline.planner",
-    "NO_SLOT": "transports.transport", "ReceivedBucket": "transports.transport",
-    "ReceiverTransport": "transports.transport", "SenderTransport": "transports.transport",
-    "TransportHook": "transports.transport",
+    "NO_SLOT": "transports.seam", "ReceivedBucket": "transports.seam",
+    "ReceiverTransport": "transports.seam", "SenderTransport": "transports.seam",
+    "TransportHook": "transports.settings",
 }
 
 __all__ = list(_WHERE)

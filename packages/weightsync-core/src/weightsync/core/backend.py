@@ -8,7 +8,7 @@ form on device streams (:class:`AcceleratorCollectiveTransport`, nccl and hccl) 
 ``CheckpointEngine`` Protocol itself on the pieces below (kimi). ``docs/ARCHITECTURE.md`` walks through it.
 """
 
-from weightsync.core.transports.chain import (
+from weightsync.core.transports.chain.transport import (
     DEFAULT_FANOUT,
     ChainTransport,
     RegisteredRing,
@@ -16,8 +16,8 @@ from weightsync.core.transports.chain import (
     RingEndpoint,
     chain_positions,
 )
-from weightsync.core.transports.collective import CollectiveTransport, Group, c10d
-from weightsync.core.transports.rings import PendingRead
+from weightsync.core.transports.collective.host import CollectiveTransport, Group, c10d
+from weightsync.core.transports.chain.rings import PendingRead
 from weightsync.core.wire.codec import WIRE_VERSION, Ack, Hello, encode
 from weightsync.core.transports.device import (
     AcceleratorOps,
@@ -26,24 +26,19 @@ from weightsync.core.transports.device import (
     process_accelerator,
     wait_event,
 )
-from weightsync.core.control.engine import BucketCheckpointEngine, engine_class, guard_build_topology
+from weightsync.core.worker.engine import BucketCheckpointEngine, engine_class, guard_build_topology
 from weightsync.core.pipeline.handover import Handover, Hold
 from weightsync.core.pipeline.planner import validate_pair
-from weightsync.core.transports.devicecollective import AcceleratorCollectiveTransport, node_local_plan
-from weightsync.core.transports.settings import EngineBase, EngineSettings, default_node_id
+from weightsync.core.transports.collective.device import AcceleratorCollectiveTransport, node_local_plan
+from weightsync.core.transports.place import default_node_id
+from weightsync.core.transports.settings import EngineBase, EngineSettings
 from weightsync.core.transports.sharedmem import SharedSegment, new_segment_prefix, sweep_orphan_segments
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.framing import accept_peers, recv_frame, send_frame
 from weightsync.core.wire.tensors import as_byte_view, dtype_name, memoryview_of
-from weightsync.core.transports.transport import (
-    NO_SLOT,
-    BufferPlace,
-    DevicePolicy,
-    ReceivedBucket,
-    ReceiverTransport,
-    SenderTransport,
-    Transport,
-)
+from weightsync.core.transports.device import DevicePolicy
+from weightsync.core.transports.seam import BufferPlace, NO_SLOT, ReceivedBucket, ReceiverTransport, SenderTransport
+from weightsync.core.transports.transport import Transport
 from weightsync.core.transports.waiting import AckedPeers, FreeSlots, SlotSequence, poll_until
 
 __all__ = [

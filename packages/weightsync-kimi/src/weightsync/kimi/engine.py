@@ -75,7 +75,7 @@ from weightsync.api.errors import (
 )
 from weightsync.api.types import (
     RankArgs,
-    StageTiming,
+    PhaseTiming,
     Topology,
     TransferReport,
     WorkerMetadata,
@@ -199,8 +199,8 @@ class KimiCheckpointEngine(EngineBase):
         return TransferReport(
             role="actor", rank=rank, version=version, nbytes=digest.nbytes, tensors=digest.tensors, buckets=0,
             seconds=time.perf_counter() - started, digest=exchange.digest, sender=rank,
-            stages=(StageTiming(stage="offload", seconds=collected - started),
-                    StageTiming(stage="update", seconds=time.perf_counter() - collected)),
+            phases=(PhaseTiming(phase="offload", seconds=collected - started),
+                    PhaseTiming(phase="update", seconds=time.perf_counter() - collected)),
         )
 
     def receive_weights(self) -> KimiStream:

@@ -1,4 +1,4 @@
-"""The ``mooncake`` engine: the one-sided chain of :mod:`weightsync.core.transports.chain` over Mooncake's TransferEngine.
+"""The ``mooncake`` engine: the one-sided chain of :mod:`weightsync.core.transports.chain.transport` over Mooncake's TransferEngine.
 
 Each engine starts one ``TransferEngine`` with ``P2PHANDSHAKE`` metadata (no metadata server: a peer is addressed by
 its ``host:rpc_port`` session id), protocol ``tcp`` — or ``rdma`` where the engine option ``protocol`` asks for it

@@ -1,4 +1,4 @@
-"""The ``nixl`` engine: the one-sided chain of :mod:`weightsync.core.transports.chain` over NIXL (UCX backend).
+"""The ``nixl`` engine: the one-sided chain of :mod:`weightsync.core.transports.chain.transport` over NIXL (UCX backend).
 
 Each engine creates one NIXL agent (a unique name per process and engine) and registers its ring with it once.
 A downstream receives the upstream's agent metadata in a typed :class:`~weightsync.core.transports.chain.RingEndpoint`

@@ -1,4 +1,4 @@
-"""The ``tcp`` engine: the chain of :mod:`weightsync.core.transports.chain` with reads served over plain TCP sockets.
+"""The ``tcp`` engine: the chain of :mod:`weightsync.core.transports.chain.transport` with reads served over plain TCP sockets.
 
 Each engine's ring listens on a data port of its own (besides the chain's control listener). A downstream opens one
 data connection to its upstream per epoch, presents the ring's secret (a random token the upstream sends in its

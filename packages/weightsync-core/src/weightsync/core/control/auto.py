@@ -3,13 +3,13 @@
 - Every rollout worker on the sender's host (same ``node_id`` as actor rank 0): ``shm``, one copy in shared memory.
 - Workers on other hosts: the fastest network transport installed here, a chain backend in the two-level layout
   (one reader per host over the network, the host's other workers reading its ring in place; see
-  :mod:`weightsync.core.transports.chaintopology`), else gloo's broadcast. Which is fastest depends on the NICs: where every
+  :mod:`weightsync.core.transports.chain.topology`), else gloo's broadcast. Which is fastest depends on the NICs: where every
   worker's host has an RDMA device, ``RDMA_ORDER`` (nixl, whose UCX then bypasses the kernel, first); elsewhere
   ``TCP_ORDER`` (the plain-socket ``tcp`` chain first: UCX would fall back to TCP too, for more CPU per byte).
 
 Where a chain backend is picked and every host has several rails (NICs for weight traffic, ``rail`` in each
 worker's ping), the update is dealt into stripes, one per rail (``stripes``: see
-:mod:`weightsync.core.transports.stripes`): over every rail that has an actor rank on the sender's host and a
+:mod:`weightsync.core.transports.chain.stripes`): over every rail that has an actor rank on the sender's host and a
 worker on every receiving host, less any rail an update lost (:mod:`weightsync.core.control.rails`); one rail
 anywhere keeps the plain two-level layout.
 
@@ -21,18 +21,17 @@ whichever backend is chosen.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from weightsync.api.errors import BackendUnavailableError
 from weightsync.api.registry import KNOWN_BACKENDS, available_backends
 from weightsync.api.types import JsonValue
-from weightsync.core.transports.chaintopology import stripe_rails
+from weightsync.core.transports.chain.topology import stripe_rails
+from weightsync.core.transports.place import has_rdma
 
 __all__ = [
-    "AUTO", "RDMA_ORDER", "TCP_ORDER", "AutoChoice", "choose", "describe_rule", "has_rdma",
-    "network_order",
+    "AUTO", "RDMA_ORDER", "TCP_ORDER", "AutoChoice", "choose", "describe_rule", "network_order",
 ]
 
 AUTO = "auto"
@@ -45,15 +44,6 @@ RDMA_ORDER = ("nixl", "mooncake", "tcp", "gloo")
 measured here: no machine of ours has an RDMA device)."""
 
 _TWO_LEVEL = frozenset({"nixl", "mooncake", "tcp"})
-_RDMA_CLASS = "/sys/class/infiniband"
-
-
-def has_rdma(root: str = _RDMA_CLASS) -> bool:
-    """Whether this host has an RDMA device (InfiniBand, RoCE or iWARP: the kernel lists each under ``root``)."""
-    try:
-        return any(True for _ in os.scandir(root))
-    except OSError:
-        return False
 
 
 def network_order(*, rdma: bool) -> tuple[str, ...]:

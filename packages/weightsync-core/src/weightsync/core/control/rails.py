@@ -1,4 +1,4 @@
-"""Rails a striped update lost (:mod:`weightsync.core.transports.stripes`), left out until a probe shows them back.
+"""Rails a striped update lost (:mod:`weightsync.core.transports.chain.stripes`), left out until a probe shows them back.
 
 A striped update whose stripe failed on its rail raises a ``TransferError`` naming the ``rail``. The manager records
 it here; before every update after that (and at every rebuild, before ``auto`` deals stripes), each rollout worker
@@ -15,7 +15,7 @@ from typing import Any
 
 from weightsync.api.protocols import RolloutWorker
 from weightsync.core.control import steps
-from weightsync.core.control.round import worker_label
+from weightsync.core.control.steps import worker_label
 
 __all__ = ["LostRails", "RAIL_GRACE_S", "rail_grace"]
 

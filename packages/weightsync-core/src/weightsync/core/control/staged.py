@@ -1,21 +1,24 @@
-"""A staged update (``SyncConfig(staged=True)``) as the manager drives it: stage while serving, pause only to swap.
+"""The staged flow (``SyncConfig(staged=True)``): stage while serving, pause each replica only for its swap.
 
 At setup the manager picks one rollout worker per host, its *stager* (:class:`StagedPlan`): only the stagers join
 the transport's world, so the update crosses to each host once, into the host's staging area; every other worker
 joins the epoch idle. An update dealt into K stripes (``stripes_for``: over K rails) has K stagers per host, the
 host's first worker on each of those rails, each staging its stripe into an area of its own: the stripes' areas together are
-the host's staging. Then, per update (:func:`run_staged`):
+the host's staging. Then, per update (:meth:`Staged.run`):
 
 1. the actor ranks send and every stager stages (``StagingWorker.stage_weights``), the replicas serving;
 2. each replica, as soon as every host it spans holds a verified staged copy, is paused, every worker of it applies
    from its host's staging area (``apply_staged``: the sink's usual path), the digests are compared with what was
    staged, a ``LoadProvingReplica`` gives its checksums (still paused: they are of what it applied), and it is
-   resumed — replicas swap independently, each in a task of its own;
+   resumed unless torn (the replica steps every flow shares) — replicas swap independently, each in a task of its
+   own;
 3. a replica one of whose hosts failed to stage is never paused: it keeps serving its old version (``untouched``).
    A swap that wrote some bytes and failed leaves its replica torn and paused, as an unstaged update does;
-4. once every swap has ended, the checksums are compared (the proof of load, as after an unstaged transfer): a
-   replica that holds another value than the majority is paused again and torn. Unlike an unstaged update, it
-   has served between its own resume and the last swap; what it applied had passed the digest check.
+4. once every swap has ended and the senders have reported, each host's staged digest is compared with what was
+   sent, and the checksums with each other (the proof of load, as after an unstaged transfer): a replica that
+   staged other bytes than were sent or holds another value than the majority is disowned, paused again and torn.
+   Unlike an unstaged update, it has served between its own resume and the last swap; what it applied had passed
+   the digest check on its host.
 """
 
 from __future__ import annotations
@@ -24,21 +27,21 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.api.config import StepTimeouts
 from weightsync.api.errors import ConfigError, DigestMismatchError, TopologyError
 from weightsync.api.protocols import ActorWorkerGroup, LoadProvingReplica, RolloutWorker, StagingWorker
-from weightsync.api.types import StagedUpdate, TransferReport, WorldMetadata
-from weightsync.core.control import steps
-from weightsync.core.control.host import is_untouched
+from weightsync.api.types import ReplicaOutcome, StagedUpdate, TransferReport, WorldMetadata
+from weightsync.core.control import replicas, steps
 from weightsync.core.control.rails import rail_grace
-from weightsync.core.control.round import Round, disowning, pause, resume, worker_label
-from weightsync.core.transports.stripes import stripes_for
+from weightsync.core.control.round import Round
+from weightsync.core.control.setup import Epoch
+from weightsync.core.transports.chain.stripes import stripes_for
 from weightsync.core.wire.digest import combine_stripes
 
-__all__ = ["StagedPlan", "check_staging", "joined", "run_staged"]
+__all__ = ["Staged", "StagedPlan", "joined"]
 
 
 @dataclass(frozen=True)
@@ -73,63 +76,158 @@ class StagedPlan:
         return sorted(index for indices in self.stagers.values() for index in indices)
 
 
-def check_staging(workers: Sequence[tuple[int, RolloutWorker]]) -> None:
-    """``ConfigError`` naming the first rollout worker that cannot take part in a staged update."""
-    for replica, worker in workers:
-        if not isinstance(worker, StagingWorker):
-            raise ConfigError(f"SyncConfig(staged=True): {worker_label(replica, worker)} is a "
-                              f"{type(worker).__name__}, which cannot stage an update (it has no stage_weights / "
-                              "apply_staged); use an unstaged update with it")
+@dataclass
+class _Log:
+    """What the staged flow records besides the round: each host's staging, and the checksums each swapped
+    ``LoadProvingReplica`` gave while paused for its swap (they are of what it applied)."""
+
+    plan: StagedPlan
+    staging: dict[str, asyncio.Future[StagedUpdate]] = field(default_factory=dict)
+    loads: dict[int, dict[str, str]] = field(default_factory=dict)
 
 
-async def run_staged(round_: Round, *, actor_wg: ActorWorkerGroup, plan: StagedPlan, timeouts: StepTimeouts
-                     ) -> list[BaseException]:
-    """One staged update: send, stage, and every replica's swap; returns the errors, every task having ended."""
-    version, workers = round_.version, round_.workers
-    started = time.perf_counter()
-    round_.transfer_started = True
-    round_.swapped = set()
-    sends = list(actor_wg.update_weights(version=version))
-    timeout = timeouts.transfer + rail_grace(round_.stripes)
-    sending = asyncio.ensure_future(steps.gather(
-        "transfer", timeout, [(f"actor rank {rank}", call) for rank, call in enumerate(sends)],
-        raise_first=False))
-    staging: dict[str, asyncio.Future[StagedUpdate]] = {
-        host: asyncio.ensure_future(_stage_host(round_, indices, timeout))
-        for host, indices in plan.stagers.items()}
-    swaps = [asyncio.ensure_future(_swap(round_, r, plan, staging, timeouts)) for r in range(len(round_.replicas))]
-    results = await asyncio.gather(sending, *staging.values(), *swaps, return_exceptions=True)
-    round_.stages["transfer"] = time.perf_counter() - started  # the stage and every swap, after any setup
-    errors = [result for result in results if isinstance(result, BaseException)]
-    wrong = await _prove_loads(round_, timeouts)
-    if wrong is not None:
-        errors.append(wrong)
-    sent = results[0]
-    if isinstance(sent, list):
-        round_.senders = [outcome for outcome in sent if isinstance(outcome, TransferReport)]
-        labels = [f"actor rank {rank}" for rank in range(len(sends))]
-        errors += [steps.typed_error(outcome, step="transfer", worker=label) for outcome, label in zip(sent, labels)
-                   if isinstance(outcome, BaseException)]
-    return errors
+class Staged:
+    """Stage on each host while serving; pause each replica only to swap its host's staged copy in."""
+
+    def __init__(self, *, actor_wg: ActorWorkerGroup, timeouts: StepTimeouts) -> None:
+        self.actor_wg = actor_wg
+        self.timeouts = timeouts
+
+    def check(self, workers: Sequence[tuple[int, RolloutWorker]]) -> None:
+        """``ConfigError`` naming the first rollout worker that cannot take part in a staged update."""
+        for replica, worker in workers:
+            if not isinstance(worker, StagingWorker):
+                raise ConfigError(f"SyncConfig(staged=True): {steps.worker_label(replica, worker)} is a "
+                                  f"{type(worker).__name__}, which cannot stage an update (it has no stage_weights / "
+                                  "apply_staged); use an unstaged update with it")
+
+    def members(self, world: WorldMetadata) -> list[int]:
+        """Only each host's stagers join the transport's world (one, or one per stripe); the host's other workers
+        read their areas."""
+        return StagedPlan.of(world).members
+
+    async def run(self, round_: Round, epoch: Epoch, previous: Sequence[ReplicaOutcome]) -> None:
+        """Send, stage, and every replica's swap; raises the root cause of what failed, every task having ended."""
+        log = _Log(StagedPlan.of(epoch.world))
+        started = time.perf_counter()
+        timeout = self.timeouts.transfer + rail_grace(epoch.stripes)
+        sends = list(self.actor_wg.update_weights(version=round_.version))
+        sending = asyncio.ensure_future(steps.gather(
+            "transfer", timeout, [(steps.actor_label(rank), call) for rank, call in enumerate(sends)],
+            raise_first=False))
+        log.staging = {host: asyncio.ensure_future(self._stage_host(round_, indices, timeout))
+                       for host, indices in log.plan.stagers.items()}
+        swaps = [asyncio.ensure_future(self._swap(round_, r, log, previous)) for r in range(len(round_.replicas))]
+        results = await asyncio.gather(sending, *log.staging.values(), *swaps, return_exceptions=True)
+        round_.stages["transfer"] = time.perf_counter() - started  # the stage and every swap
+        errors = [result for result in results if isinstance(result, BaseException)]
+        sent = results[0]
+        if isinstance(sent, list):
+            round_.senders = [outcome for outcome in sent if isinstance(outcome, TransferReport)]
+            errors += [steps.typed_error(outcome, step="transfer", worker=steps.actor_label(rank))
+                       for rank, outcome in enumerate(sent) if isinstance(outcome, BaseException)]
+        wrong = await self._disown(round_, log)
+        if wrong is not None:
+            errors.append(wrong)
+        if errors:
+            round_.failure = steps.root_cause(errors)
+            raise round_.failure
+
+    async def _stage_host(self, round_: Round, indices: Sequence[int], timeout: float) -> StagedUpdate:
+        """One host's stage: its stager's update, or each stripe's from its stager (joined into one, ``stripes``)."""
+        calls: list[Awaitable[Any]] = []
+        for index in indices:
+            replica, worker = round_.workers[index]
+            calls.append(_one("stage", timeout, steps.worker_label(replica, worker),
+                              _staging(worker).stage_weights(version=round_.version)))
+        parts = await asyncio.gather(*calls, return_exceptions=True)
+        errors = [part for part in parts if isinstance(part, BaseException)]
+        if errors:
+            raise steps.root_cause(errors)
+        staged = [part for part in parts if isinstance(part, StagedUpdate)]
+        return staged[0] if len(staged) == 1 else joined(staged)
+
+    async def _swap(self, round_: Round, r: int, log: _Log, previous: Sequence[ReplicaOutcome]) -> None:
+        """Replica ``r``: wait for its hosts' staging; if all staged, pause, apply on every worker, check, resume
+        unless torn. A failed staging leaves it serving; its error is the stager's, raised by ``run``."""
+        mine = round_.workers_of(r)
+        hosts = {log.plan.hosts[i] for i in mine}
+        staged: dict[str, StagedUpdate] = {}
+        try:
+            for host in hosts:
+                staged[host] = await asyncio.shield(log.staging[host])
+        except Exception:  # noqa: BLE001 - the stager's error, raised by run; a cancellation goes on
+            return  # never paused: it serves its old version
+        finally:
+            round_.timing.setdefault(r, {})["stage"] = time.perf_counter() - round_.started
+        failure: BaseException | None = None
+        try:
+            await replicas.pause(round_, [r], self.timeouts.pause)
+            round_.reached.add(r)  # from here on, bytes may reach its model
+            failure = await self._apply(round_, r, staged, log)
+        except BaseException as exc:  # the pause, the gather itself or the checksums
+            failure = exc
+        resume_failure = await replicas.settle(round_, [r], previous, self.timeouts, cause=failure)
+        failure = failure if failure is not None else resume_failure
+        if failure is not None:
+            raise failure
+
+    async def _apply(self, round_: Round, r: int, staged: dict[str, StagedUpdate], log: _Log
+                     ) -> BaseException | None:
+        """Every worker of replica ``r`` applies its host's staged copy; each must hold what its host staged.
+        The workers' failure, or None (then a ``LoadProvingReplica`` gives its checksums, still paused)."""
+        mine = round_.workers_of(r)
+        applied = time.perf_counter()
+        results = await steps.gather("swap", self.timeouts.transfer, [
+            (steps.worker_label(r, round_.workers[i][1]), _staging(round_.workers[i][1]).apply_staged(
+                version=round_.version, staged=staged[log.plan.hosts[i]])) for i in mine], raise_first=False)
+        round_.timing.setdefault(r, {})["swap"] = time.perf_counter() - applied
+        for i, result in zip(mine, results):
+            report = staged[log.plan.hosts[i]].report
+            round_.expected[i] = report.digest if report is not None else ""
+            round_.reports[i] = result
+        errors = [steps.typed_error(result, step="swap", worker=f"replica{r}") for result in results
+                  if isinstance(result, BaseException)]
+        if errors:
+            return steps.root_cause(errors)
+        try:
+            round_.check_digests(mine)
+        except DigestMismatchError as exc:
+            return exc
+        replica = round_.replicas[r]
+        if isinstance(replica, LoadProvingReplica):
+            log.loads.update(await replicas.checksums(round_, [r], self.timeouts.resume))
+        return None
+
+    async def _disown(self, round_: Round, log: _Log) -> BaseException | None:
+        """After every swap: a host whose staged digest is not what was sent, or a replica whose checksums disagree
+        with the majority's, is disowned (torn) and paused again. The error, or None."""
+        sent = set(round_.sent().values())
+        error: BaseException | None = None
+        for host, future in log.staging.items():
+            staged = future.result() if future.done() and not future.cancelled() and future.exception() is None \
+                else None
+            digest = staged.report.digest if staged is not None and staged.report is not None else None
+            if digest is None or not sent or digest in sent:
+                continue
+            error = error or DigestMismatchError(f"host {host} staged digest {digest[:16]}, which no sender sent",
+                                                 worker=f"host {host}")
+            round_.disowned.update(r for r in round_.reached
+                                   if any(log.plan.hosts[i] == host for i in round_.workers_of(r)))
+        error = error or replicas.disowning(round_, log.loads)
+        again = [r for r in sorted(round_.disowned) if round_.resumed.get(r)]
+        if error is None or not again:
+            return error
+        results = await replicas.pause(round_, again, self.timeouts.pause, raise_first=False)
+        for r, result in zip(again, results):
+            if isinstance(result, BaseException):
+                error.add_note(f"replica{r} could not be paused again: {type(result).__name__}: {result}")
+        await replicas.tell_torn(round_, again, self.timeouts.resume)
+        return error
 
 
 async def _one(step: str, timeout: float, label: str, call: Awaitable[Any]) -> Any:
     return (await steps.gather(step, timeout, [(label, call)]))[0]
-
-
-async def _stage_host(round_: Round, indices: Sequence[int], timeout: float) -> StagedUpdate:
-    """One host's stage: its stager's update, or each stripe's from its stager (joined into one, ``stripes``)."""
-    calls: list[Awaitable[Any]] = []
-    for index in indices:
-        replica, worker = round_.workers[index]
-        calls.append(_one("stage", timeout, worker_label(replica, worker),
-                          _staging(worker).stage_weights(version=round_.version)))
-    parts = await asyncio.gather(*calls, return_exceptions=True)
-    errors = [part for part in parts if isinstance(part, BaseException)]
-    if errors:
-        raise steps.root_cause(errors)
-    staged = [part for part in parts if isinstance(part, StagedUpdate)]
-    return staged[0] if len(staged) == 1 else joined(staged)
 
 
 def joined(parts: Sequence[StagedUpdate]) -> StagedUpdate:
@@ -146,95 +244,6 @@ def joined(parts: Sequence[StagedUpdate]) -> StagedUpdate:
 
 
 def _staging(worker: RolloutWorker) -> StagingWorker:
-    if not isinstance(worker, StagingWorker):  # check_staging ran before the update started
+    if not isinstance(worker, StagingWorker):  # Staged.check ran before the update started
         raise ConfigError(f"{type(worker).__name__} cannot stage an update")
     return worker
-
-
-async def _swap(round_: Round, r: int, plan: StagedPlan, staging: dict[str, asyncio.Future[StagedUpdate]],
-                timeouts: StepTimeouts) -> None:
-    """Replica ``r``: wait for its hosts' staging; if all staged, pause, apply on every worker, check, resume (or
-    leave it paused when torn). A failed staging leaves it serving; its error is the stager's, raised elsewhere."""
-    mine = [(i, worker) for i, (owner, worker) in enumerate(round_.workers) if owner == r]
-    hosts = {plan.hosts[i] for i, _ in mine}
-    timing = round_.timing.setdefault(r, {})
-    staged: dict[str, StagedUpdate] = {}
-    try:
-        for host in hosts:
-            staged[host] = await asyncio.shield(staging[host])
-    except Exception:  # noqa: BLE001 - the stager's error, raised by run_staged; a cancellation goes on
-        return  # never paused: it serves its old version
-    finally:
-        timing["stage"] = time.perf_counter() - round_.started
-    paused = time.perf_counter()
-    failure: BaseException | None = None
-    try:
-        await _one("pause", timeouts.pause, f"replica{r}", pause(round_.replicas[r]))
-        swapped = round_.swapped
-        if swapped is not None:
-            swapped.add(r)  # from here on, bytes may reach its model
-        applied = time.perf_counter()
-        results = await steps.gather("swap", timeouts.transfer, [
-            (worker_label(r, worker), _staging(worker).apply_staged(version=round_.version,
-                                                                     staged=staged[plan.hosts[i]]))
-            for i, worker in mine], raise_first=False)
-        timing["swap"] = time.perf_counter() - applied
-        for (i, worker), result in zip(mine, results):
-            round_.reports[i] = _checked(result, staged[plan.hosts[i]], worker_label(r, worker))
-        errors = [steps.typed_error(report, step="swap", worker=f"replica{r}")
-                  for report in (round_.reports[i] for i, _ in mine) if isinstance(report, BaseException)]
-        replica = round_.replicas[r]
-        if errors:
-            failure = steps.root_cause(errors)
-        elif isinstance(replica, LoadProvingReplica):
-            sums = await _one("verify_load", timeouts.resume, f"replica{r}", replica.weight_checksums())
-            round_.loads[r] = dict(sums)
-    except BaseException as exc:  # the pause, the gather itself or the checksums
-        failure = exc
-    resume_failure = await _settle(round_, r, [i for i, _ in mine], timeouts, paused)
-    failure = failure if failure is not None else resume_failure
-    if failure is not None:
-        raise failure
-
-
-async def _prove_loads(round_: Round, timeouts: StepTimeouts) -> BaseException | None:
-    """After every swap: the checksums the swapped replicas gave, compared; those that disagree with the majority
-    are disowned and paused again (their outcome: torn). The ``LoadVerificationError``, or None."""
-    error = disowning(sorted(round_.loads.items()), round_.disowned)
-    if error is None:
-        return None
-    again = [r for r in sorted(round_.disowned) if round_.resumed.get(r)]
-    results = await steps.gather("pause", timeouts.pause, [(f"replica{r}", pause(round_.replicas[r])) for r in again],
-                                 raise_first=False)
-    for r, result in zip(again, results):
-        round_.resumed[r] = False
-        if isinstance(result, BaseException):
-            error.add_note(f"replica{r} could not be paused again: {type(result).__name__}: {result}")
-    return error
-
-
-def _checked(result: Any, staged: StagedUpdate, label: str) -> Any:
-    """A worker's apply result, a ``DigestMismatchError`` when it applied other bytes than its host staged."""
-    expected = staged.report.digest if staged.report is not None else ""
-    if isinstance(result, TransferReport) and result.digest != expected:
-        return DigestMismatchError(f"{label} applied digest {result.digest[:16]} from its host's staging area, which "
-                                   f"was staged with {expected[:16]}", worker=label)
-    return result
-
-
-async def _settle(round_: Round, r: int, indices: list[int], timeouts: StepTimeouts, paused: float
-                  ) -> BaseException | None:
-    """After replica ``r``'s swap: resume it unless it is torn (a worker failed after bytes may have reached it);
-    the resume's error, if it failed."""
-    swapped = round_.swapped is not None and r in round_.swapped
-    torn = swapped and any(not isinstance(report, TransferReport) and not (
-        isinstance(report, BaseException) and is_untouched(report)) for report in (round_.reports[i] for i in indices))
-    failure: BaseException | None = None
-    if not torn:
-        try:
-            await _one("resume", timeouts.resume, f"replica{r}", resume(round_.replicas[r]))
-        except BaseException as exc:  # it stays paused, and its outcome says so
-            failure = exc
-    round_.resumed[r] = not torn and failure is None
-    round_.timing.setdefault(r, {})["pause"] = time.perf_counter() - paused
-    return failure

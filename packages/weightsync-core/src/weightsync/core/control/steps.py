@@ -9,21 +9,52 @@ the worker and the step.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
-from weightsync.api.errors import HostUnreachableError, StepTimeoutError, WeightsyncError, WorkerError
+from weightsync.api.errors import HostUnreachableError, StepTimeoutError, TransferError, WeightsyncError, WorkerError
+from weightsync.api.protocols import ActorWorkerGroup, RolloutWorker
+from weightsync.core.worker.host import unwrap
 
-__all__ = ["PROBE_TIMEOUT_S", "gather", "root_cause", "timeout_of", "typed_error", "unreachable", "unwrap"]
+__all__ = [
+    "PROBE_TIMEOUT_S", "Labelled", "actor_calls", "actor_label", "gather", "root_cause", "timed", "timeout_of",
+    "typed_error", "unreachable", "worker_calls", "worker_label",
+]
+
+Labelled = list[tuple[str, Awaitable[Any]]]
+"""One step's calls, each with the worker it went to, as people read it (``actor rank 0``, ``replica1/w0``)."""
 
 PROBE_TIMEOUT_S = 0.5
 """How long a worker that missed a deadline has to answer a ping before its host counts as unreachable."""
 
 
-def unwrap(error: BaseException) -> BaseException:
-    """Ray wraps a remote exception; its ``cause`` is the one the worker raised."""
-    cause = getattr(error, "cause", None)
-    return cause if isinstance(cause, BaseException) else error
+def actor_label(rank: int) -> str:
+    return f"actor rank {rank}"
+
+
+def worker_label(replica: int, worker: RolloutWorker) -> str:
+    """A rollout worker as errors name it: its replica, and its own name when it has one."""
+    try:
+        name = worker.name
+    except Exception:  # noqa: BLE001 - a name is for people; a worker without one is still a worker
+        name = ""
+    return f"replica{replica}/{name}" if name else f"replica{replica}"
+
+
+def actor_calls(method: str, /, *, actor_wg: ActorWorkerGroup, **per_rank: Sequence[Any]) -> Labelled:
+    """``execute_checkpoint_engine(method, **per_rank)`` on every actor rank, labelled."""
+    return [(actor_label(rank), call)
+            for rank, call in enumerate(actor_wg.execute_checkpoint_engine(method, **per_rank))]
+
+
+def worker_calls(workers: Sequence[tuple[int, RolloutWorker]], method: str, /,
+                 per_worker: Sequence[Mapping[str, Any]] | None = None) -> Labelled:
+    """``execute_checkpoint_engine(method, **per_worker[i])`` on every rollout worker (``(replica, worker)``),
+    labelled."""
+    kwargs = per_worker if per_worker is not None else [{}] * len(workers)
+    return [(worker_label(r, worker), worker.execute_checkpoint_engine(method, **own))
+            for (r, worker), own in zip(workers, kwargs)]
 
 
 def typed_error(error: BaseException, *, step: str, worker: str) -> BaseException:
@@ -46,14 +77,15 @@ def root_cause(errors: list[BaseException]) -> BaseException:
     # A timeout is a symptom when another worker actually failed; it is the cause only when nothing else went wrong.
     causes = [error for error in errors if not isinstance(error, StepTimeoutError)] or errors
     chosen = next((error for error in causes if isinstance(error, WorkerError)),
-                  next((error for error in causes if "rail" in getattr(error, "details", {})), causes[0]))
+                  next((error for error in causes if isinstance(error, TransferError) and error.rail is not None),
+                       causes[0]))
     for error in errors:
         if error is not chosen:
             chosen.add_note(f"also: {type(error).__name__}: {error}")
     return chosen
 
 
-async def gather(step: str, timeout: float, labelled: list[tuple[str, Awaitable[Any]]],
+async def gather(step: str, timeout: float, labelled: Labelled,
                  *, raise_first: bool = True) -> list[Any]:
     """Await every labelled awaitable under one timeout; the results in order.
 
@@ -96,13 +128,22 @@ async def gather(step: str, timeout: float, labelled: list[tuple[str, Awaitable[
     return results
 
 
+async def timed(stages: dict[str, float], step: str, timeout: float, labelled: Labelled) -> list[Any]:
+    """:func:`gather` one step, recording its wall seconds in ``stages`` (also when it fails)."""
+    started = time.perf_counter()
+    try:
+        return await gather(step, timeout, labelled)
+    finally:
+        stages[step] = time.perf_counter() - started
+
+
 def timeout_of(labels: Sequence[str], outcomes: Sequence[Any]) -> StepTimeoutError | None:
     """``gather(raise_first=False)``'s own timeout error among its outcomes (None if nothing timed out)."""
     return next((outcome for label, outcome in zip(labels, outcomes)
                  if isinstance(outcome, StepTimeoutError) and label in outcome.workers), None)
 
 
-async def unreachable(timed_out: StepTimeoutError, timeout: float, pings: list[tuple[str, Awaitable[Any]]],
+async def unreachable(timed_out: StepTimeoutError, timeout: float, pings: Labelled,
                       where: Mapping[str, str]) -> HostUnreachableError | None:
     """After ``timed_out``: ping every worker (``pings``: one ``ping`` call each; ``where``: worker → host, from
     setup). A host none of whose workers answers within ``PROBE_TIMEOUT_S`` cannot be reached: an error naming

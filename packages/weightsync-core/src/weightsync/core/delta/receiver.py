@@ -12,7 +12,7 @@ from weightsync.api.errors import DestinationError, DigestMismatchError, Transfe
 from weightsync.core import native
 from weightsync.core.delta.copies import BaseCopies
 from weightsync.core.delta.encoding import Held, ModelDigest, applied_sum, apply, held_sum, piece_key, unit_of
-from weightsync.core.transports.transport import Arrived, ReceiverTransport
+from weightsync.core.transports.seam import Arrived, ReceiverTransport
 from weightsync.core.wire import codec, tensors
 from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.destinations import Fallback, check_destination, destination_fits, typed_view

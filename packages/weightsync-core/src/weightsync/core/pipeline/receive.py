@@ -17,14 +17,14 @@ from collections.abc import Mapping
 import torch
 
 from weightsync.api.errors import DigestMismatchError, TransferError, WireError
-from weightsync.api.types import StageTiming, TransferReport
+from weightsync.api.types import PhaseTiming, TransferReport
 from weightsync.core.delta.receiver import ReceiverDelta
 from weightsync.core.pipeline.handover import Hold
 from weightsync.core.pipeline.trace import Tracer
 from weightsync.core.pipeline.unpack import BucketReader, BulkPlans
 from weightsync.core.transports.settings import EngineSettings
-from weightsync.core.transports.transport import Arrived
-from weightsync.core.transports.transport import ReceivedBucket, ReceiverTransport
+from weightsync.core.transports.seam import Arrived
+from weightsync.core.transports.seam import ReceivedBucket, ReceiverTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.destinations import Fallback
 
@@ -274,7 +274,7 @@ class ReceiveStream:
                 role="rollout", rank=settings.context.rank, version=header.version, nbytes=self._nbytes,
                 tensors=self._reader.tensors, buckets=self._buckets, seconds=time.perf_counter() - self._started,
                 digest=digest, sender=header.sender,
-                stages=(StageTiming(stage="receive", seconds=self._receive_seconds),),
+                phases=(PhaseTiming(phase="receive", seconds=self._receive_seconds),),
                 wire_bytes=self._wire, base=header.base, delta_buckets=self._delta_buckets,
             )
         finally:

@@ -18,17 +18,18 @@ from typing import Any
 import torch
 
 from weightsync.api.errors import WeightStreamError
-from weightsync.api.types import StageTiming, TransferReport
+from weightsync.api.types import PhaseTiming, TransferReport
 from weightsync.core import native
 from weightsync.core.delta.sender import DeltaUpdate, SenderDelta
 from weightsync.core.native import copy_stream
 from weightsync.core.pipeline.planner import plan_buckets, validate_pair
-from weightsync.core.pipeline.staging import SendStaging, Upload
+from weightsync.core.pipeline.bounce import HostBounce, Upload
 from weightsync.core.pipeline.trace import Tracer
 from weightsync.core.transports.device import AcceleratorOps
 from weightsync.core.transports.settings import EngineSettings
-from weightsync.core.transports.stripes import stripe_of
-from weightsync.core.transports.transport import NO_SLOT, DevicePolicy, SenderTransport
+from weightsync.core.transports.chain.stripes import stripe_of
+from weightsync.core.transports.device import DevicePolicy
+from weightsync.core.transports.seam import NO_SLOT, SenderTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.layout import PlannedBucket, pack_hashing, piece_bytes
@@ -63,7 +64,7 @@ class Sending:
     """This update's delta bookkeeping, or None when the sender keeps no version."""
     stripe: int = 0
     stripes: int = 1
-    """This sender sends stripe ``stripe`` of ``stripes`` (:mod:`weightsync.core.transports.stripes`): it plans every
+    """This sender sends stripe ``stripe`` of ``stripes`` (:mod:`weightsync.core.transports.chain.stripes`): it plans every
     bucket (the stream is drained whole) and packs and publishes only its stripe's."""
     buckets: int = 0
     """Buckets planned so far (every stripe's): the next bucket's index."""
@@ -87,8 +88,8 @@ class Sending:
         return TransferReport(
             role="actor", rank=self.sender, version=self.version, nbytes=self.nbytes, tensors=self.tensors,
             buckets=self.buckets, seconds=time.perf_counter() - started, digest=self.digest.hexdigest(),
-            sender=self.sender, stages=(StageTiming(stage="pack", seconds=self.pack_seconds),
-                                        StageTiming(stage="publish", seconds=self.publish_seconds)),
+            sender=self.sender, phases=(PhaseTiming(phase="pack", seconds=self.pack_seconds),
+                                        PhaseTiming(phase="publish", seconds=self.publish_seconds)),
             wire_bytes=self.wire, changed_bytes=delta.changed if delta is not None else 0,
             base=delta.base if delta is not None else -1,
         )
@@ -107,7 +108,7 @@ class SendPipeline:
     digest_pool: concurrent.futures.ThreadPoolExecutor
     """Delta updates: compares half of each large bucket beside the pack thread, and sums a kept bucket rewritten
     whole while the pack thread packs the next one."""
-    staging: SendStaging | None = None
+    bounce: HostBounce | None = None
     """Made at the first bucket with accelerator pieces bound for a host transport, then kept with the engine."""
     uploads: Upload | None = None
     """Made at the first bucket with host pieces bound for a device transport, then kept with the engine."""
@@ -148,7 +149,7 @@ class SendPipeline:
         """Plan, pack and publish every bucket of the update (at most one in flight per slot)."""
         loop, transport = asyncio.get_running_loop(), sending.transport
         planned = time.perf_counter()
-        staging_begun = False
+        bounce_begun = False
         for bucket in plan_buckets(weights, bucket_bytes=self.settings.bucket_bytes, devices=self.devices):
             index = sending.buckets
             sending.planned += bucket.completed
@@ -156,9 +157,9 @@ class SendPipeline:
                 sending.buckets = index + 1
                 continue
             self.tracer.span("plan", index, planned, time.perf_counter())
-            if bucket.on_device and not staging_begun and transport.buffer(0).is_cpu:
-                self.begin_staging(bucket)
-                staging_begun = True
+            if bucket.on_device and not bounce_begun and transport.buffer(0).is_cpu:
+                self.begin_bounce(bucket)
+                bounce_begun = True
             slot = (index // sending.stripes) % transport.slots
             previous = in_flight.pop(slot, None)
             if previous is not None:
@@ -186,12 +187,12 @@ class SendPipeline:
             self.transfer_pool, _timed, sending.transport.publish, NO_SLOT, 0, final, sending.deadline)
         return model
 
-    def begin_staging(self, bucket: PlannedBucket) -> None:
+    def begin_bounce(self, bucket: PlannedBucket) -> None:
         """On the planning thread (whose current stream produced the weights), at an update's first device bucket."""
         device = next(source.device for _, source, _ in bucket.items if not source.is_cpu)
-        if self.staging is None:
-            self.staging = SendStaging(device, bucket_bytes=self.settings.bucket_bytes)
-        self.staging.begin()
+        if self.bounce is None:
+            self.bounce = HostBounce(device, bucket_bytes=self.settings.bucket_bytes)
+        self.bounce.begin()
 
     def publish(self, transport: SenderTransport, index: int, slot: int, nbytes: int, header: bytes,
                 deadline: float) -> float:
@@ -209,8 +210,8 @@ class SendPipeline:
             transport.wait_slot(slot, sending.deadline)
             started = time.perf_counter()
             buffer = transport.buffer(slot)
-            if bucket.on_device and buffer.is_cpu and self.staging is not None:
-                bucket = self.staging.stage(bucket, sending.deadline)
+            if bucket.on_device and buffer.is_cpu and self.bounce is not None:
+                bucket = self.bounce.bounce(bucket, sending.deadline)
             table = codec.encode_tensors([item[0] for item in bucket.items])
             after_pack = self.settings.after_pack
             length, dense = bucket.nbytes, -1
@@ -237,7 +238,7 @@ class SendPipeline:
 
     def upload(self, device: tuple[AcceleratorOps, Any], buffer: torch.Tensor, bucket: PlannedBucket, table: bytes,
                sending: Sending) -> None:
-        """Host pieces into a device bucket through a pinned host bucket (:class:`~weightsync.core.pipeline.staging.Upload`):
+        """Host pieces into a device bucket through a pinned host bucket (:class:`~weightsync.core.pipeline.bounce.Upload`):
         a bucket wholly from the host is hashed from the pinned bytes as they are copied, a mixed one afterwards."""
         ops, stream = device
         if self.uploads is None:

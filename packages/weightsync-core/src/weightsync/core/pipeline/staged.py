@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 
 from weightsync.api.errors import DigestMismatchError, TransferError, WireError
-from weightsync.api.types import StagedUpdate, StageTiming, TransferReport
+from weightsync.api.types import StagedUpdate, PhaseTiming, TransferReport
 from weightsync.core.transports.settings import EngineSettings
 from weightsync.core.transports.stagearea import StageArea
-from weightsync.core.transports.transport import ReceiverTransport
+from weightsync.core.transports.seam import ReceiverTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.digest import UpdateDigest
 
@@ -68,6 +68,6 @@ def stage_update(receiver: ReceiverTransport, area: StageArea, *, settings: Engi
     report = TransferReport(
         role="rollout", rank=settings.context.rank, version=header.version, nbytes=nbytes, tensors=tensors,
         buckets=buckets, seconds=seconds, digest=hexdigest, sender=header.sender,
-        stages=(StageTiming(stage="stage", seconds=seconds),), wire_bytes=wire, base=header.base)
+        phases=(PhaseTiming(phase="stage", seconds=seconds),), wire_bytes=wire, base=header.base)
     return area.seal(version=version, epoch=epoch, capacity=receiver.capacity, node_id=settings.context.node_id,
                      report=report)

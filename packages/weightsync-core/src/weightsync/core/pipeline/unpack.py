@@ -20,7 +20,7 @@ import torch
 
 from weightsync.api.errors import DestinationError
 from weightsync.core.native import copy_batch, copy_columns, copy_stream
-from weightsync.core.transports.transport import Arrived
+from weightsync.core.transports.seam import Arrived
 from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.destinations import Fallback, check_destination, destination_fits, typed_view
 from weightsync.core.wire.digest import UpdateDigest

@@ -24,15 +24,50 @@ from typing import Any
 
 import torch
 
-from weightsync.core.transports.transport import DevicePolicy, OrdersPackedSlots, SenderTransport
+from weightsync.core.transports.seam import OrdersPackedSlots, SenderTransport
 from weightsync.core.transports.waiting import poll_until
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.layout import PlannedBucket
 
 __all__ = [
-    "AcceleratorOps", "AcceleratorPolicy", "wait_event", "process_accelerator",
-    "accepted_devices",
+    "HOST_POLICY", "AcceleratorOps", "AcceleratorPolicy", "DevicePolicy", "accepted_devices", "process_accelerator",
+    "wait_event",
 ]
+
+
+class DevicePolicy:
+    """How the pipeline orders its copies around a transport's buffers. This one, for host buffers, adds nothing.
+
+    A device transport returns its own (see :mod:`weightsync.core.transports.device`): packing then runs on a copy stream that
+    waits for the stream that produced the weights, and a bucket's digest stages device bytes to the host.
+    """
+
+    def begin_send(self) -> None:
+        """On the caller's thread as ``send_weights`` starts (a device policy notes the producer's stream)."""
+
+    def end_send(self) -> None:
+        """As ``send_weights`` ends, however it ends."""
+
+    @contextlib.contextmanager
+    def packing(self, transport: SenderTransport, slot: int, bucket: PlannedBucket) -> Iterator[None]:
+        """Around the packing of ``bucket`` into ``slot`` (on the pack thread)."""
+        yield
+
+    def new_digest(self) -> UpdateDigest:
+        """The digest one update's buckets are folded into, on either side."""
+        return UpdateDigest()
+
+    def accelerator(self) -> tuple[AcceleratorOps, Any] | None:
+        """For device buffers: the accelerator's operations and the stream packing copies run on (the pipeline
+        uploads host pieces into a device bucket on it); None for host buffers."""
+        return None
+
+
+HOST_POLICY = DevicePolicy()
+
+
+HOST_POLICY = DevicePolicy()
+"""The policy of a transport whose buffers are on the host: nothing to order."""
 
 
 class AcceleratorOps:

@@ -22,8 +22,12 @@ import time
 import torch
 import xxhash
 
-from weightsync.core.transports.transport import (
-    NO_SLOT, OrdersPackedSlots, ReceivedBucket, ReceiverTransport, SenderTransport,
+from weightsync.core.transports.seam import (
+    NO_SLOT,
+    OrdersPackedSlots,
+    ReceivedBucket,
+    ReceiverTransport,
+    SenderTransport,
 )
 from weightsync.core.wire import codec
 from weightsync.core.wire.tensors import memoryview_of

@@ -1,93 +1,47 @@
 """What every engine is built with: its settings, parsed and validated once, and the metadata every worker shares.
 
-The engine (``weightsync.core.control.engine``) and engines that implement the ``CheckpointEngine`` Protocol themselves
+The engine (``weightsync.core.worker.engine``) and engines that implement the ``CheckpointEngine`` Protocol themselves
 (kimi) both start here, so option checking and the common metadata are written once.
 """
 
 from __future__ import annotations
 
-import fcntl
-import functools
 import importlib
 import os
 import socket
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import ConfigError, LifecycleError, reject_renamed_keywords
 from weightsync.api.types import WorkerContext, WorkerMetadata
-from weightsync.core.transports.transport import PackHook, ReceiveHook, TransportHook
+from weightsync.core.transports.place import default_node_id, local_rail, rail_devices
 
-__all__ = ["LOCAL_RANK_ENV", "RAIL_ADDRS_ENV", "EngineSettings", "EngineBase", "default_node_id", "load_transport_hook",
-           "local_rail"]
-
-RAIL_ADDRS_ENV = "WEIGHTSYNC_RAIL_ADDRS"
-"""This host's address on each of its rails (its NICs for weight traffic), comma-separated, rail 0 first; unset: one
-rail, the worker's ``host_ip``."""
-LOCAL_RANK_ENV = "LOCAL_RANK"
-"""This process's rank among the workers of its host (torchrun's name; the bench and the Ray adapter set it)."""
+__all__ = ["EngineSettings", "EngineBase", "PackHook", "ReceiveHook", "TransportHook", "load_transport_hook"]
 
 
-@functools.cache
-def default_node_id() -> str:
-    """Identity of this host: hostname plus kernel boot id (two containers on one host differ by hostname)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as handle:
-            boot = handle.read().strip()
-    except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}/{boot}"
+@runtime_checkable
+class PackHook(Protocol):
+    def after_pack(self, index: int, payload: torch.Tensor) -> None:
+        """On the sender after a bucket is packed and before it is hashed (a fault the digest cannot see: only a
+        byte-level comparison catches it). May mutate ``payload``."""
+        ...
 
 
-def local_rail(host_ip: str) -> dict[str, Any]:
-    """This worker's rail, as a GPU node maps a GPU to its NIC: local rank ``LOCAL_RANK`` takes rail ``LOCAL_RANK
-    mod K`` of the K addresses in ``WEIGHTSYNC_RAIL_ADDRS``. The metadata keys ``rail``, ``rail_address`` and
-    ``rails`` (K); without rail addresses, rail 0 at ``host_ip`` of one."""
-    addresses = [address.strip() for address in os.environ.get(RAIL_ADDRS_ENV, "").split(",") if address.strip()]
-    if not addresses:
-        return {"rail": 0, "rail_address": host_ip, "rails": 1}
-    text = os.environ.get(LOCAL_RANK_ENV, "0")
-    try:
-        local_rank = int(text)
-    except ValueError:
-        local_rank = -1
-    if local_rank < 0:
-        raise ConfigError(f"{LOCAL_RANK_ENV}={text!r}: a worker's local rank must be a non-negative int")
-    rail = local_rank % len(addresses)
-    return {"rail": rail, "rail_address": addresses[rail], "rails": len(addresses)}
+@runtime_checkable
+class ReceiveHook(Protocol):
+    def after_receive(self, index: int, payload: torch.Tensor) -> None:
+        """On a receiver after the bucket arrived and before it is hashed (corruption in transit: the digest
+        catches it). May mutate ``payload``."""
+        ...
 
 
-def devices_of(address: str) -> list[str]:
-    """The network devices that carry IPv4 ``address`` on this host: each RDMA port behind the interface it is
-    assigned to (``mlx5_0:1``: a RoCE NIC), then the interface itself (``eth1``); none when no interface has it."""
-    for _, name in socket.if_nameindex():
-        if _ipv4_of(name) != address:
-            continue
-        ports: list[str] = []
-        rdma = f"/sys/class/net/{name}/device/infiniband"
-        for device in sorted(os.listdir(rdma)) if os.path.isdir(rdma) else []:
-            listed = os.path.join(rdma, device, "ports")
-            ports += [f"{device}:{port}" for port in sorted(os.listdir(listed))] if os.path.isdir(listed) else []
-        return [*ports, name]
-    return []
-
-
-def _ipv4_of(interface: str) -> str | None:
-    """The IPv4 address of ``interface`` (SIOCGIFADDR), None when it has none."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", interface[:15].encode()))
-        except OSError:
-            return None
-    return socket.inet_ntoa(answer[20:24])
-
-
-_SIOCGIFADDR = 0x8915
+TransportHook = PackHook | ReceiveHook
+"""Test hook (engine option ``transport_hook="module:attribute"``) to corrupt buckets deliberately: either hook, or
+both; the settings give the pipeline each one it has (``EngineSettings.after_pack`` / ``after_receive``)."""
 
 
 def load_transport_hook(spec: str | None) -> TransportHook | None:
@@ -124,7 +78,7 @@ class EngineSettings:
     verify_every: int = 1
     staged: bool = False
     """Part of staged updates: advertised in the metadata (``staged``), so a topology can give each host's stagers
-    their part of the update (:mod:`weightsync.core.transports.stripes`)."""
+    their part of the update (:mod:`weightsync.core.transports.chain.stripes`)."""
     options: dict[str, Any] = field(default_factory=dict)
     hook: TransportHook | None = None
     option_names: frozenset[str] = frozenset()
@@ -171,12 +125,8 @@ class EngineSettings:
 
     @property
     def rail_devices(self) -> list[str]:
-        """The devices of this worker's rail, as UCX's ``UCX_NET_DEVICES`` names them (:func:`devices_of` its rail
-        address), for a library that picks its own interfaces; none on a host without rail addresses (a library
-        then uses what it finds)."""
-        if not os.environ.get(RAIL_ADDRS_ENV, "").strip():
-            return []
-        return devices_of(self.rail_address)
+        """The devices of this worker's rail (:func:`~weightsync.core.transports.place.rail_devices`)."""
+        return rail_devices(self.context.host_ip)
 
     @property
     def self_name(self) -> str:

@@ -33,7 +33,7 @@ from weightsync.api.errors import TransferError, WireError
 from weightsync.api.types import StagedUpdate, TransferReport
 from weightsync.core.native import copy_bytes
 from weightsync.core.transports.sharedmem import SHM_DIR, new_segment_prefix
-from weightsync.core.transports.transport import ReceivedBucket
+from weightsync.core.transports.seam import ReceivedBucket
 
 __all__ = ["StageArea", "StagedReceiver", "GROWTH", "PAYLOAD_ALIGN"]
 

@@ -50,7 +50,7 @@ class PlannedBucket:
     """The other pieces (larger ones, and every piece of an accelerator tensor), in bucket order."""
     on_device: bool = False
     """Whether any piece's source lives on the accelerator (the bucket is staged before a host transport packs it,
-    :mod:`weightsync.core.pipeline.staging`)."""
+    :mod:`weightsync.core.pipeline.bounce`)."""
 
     def __len__(self) -> int:
         return len(self.items)

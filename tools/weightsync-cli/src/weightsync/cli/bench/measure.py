@@ -25,8 +25,8 @@ from weightsync.cli.bench.scenario import BASELINES, Case
 from weightsync.cli.bench.worker import Channel, c10d, serve
 from weightsync.cli.progress import Progress
 from weightsync.cli.testbed import LinkCounters
-from weightsync.core.control.auto import AUTO, choose, has_rdma
-from weightsync.core.control.engine import default_node_id
+from weightsync.core.control.auto import AUTO, choose
+from weightsync.core.transports.place import default_node_id, has_rdma
 from weightsync.core.control.staged import StagedPlan, joined
 
 __all__ = ["COPY_TRIES", "RAW_TRIES", "BenchResult", "LocalPlacement", "Placement", "ServingFigures", "Spawned",

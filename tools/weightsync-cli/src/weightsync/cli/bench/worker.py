@@ -32,7 +32,7 @@ from weightsync.cli.bench.rl import load_version
 from weightsync.cli.bench.serving import Server, stage, swap
 from weightsync.cli.testbed import ENV_ADDR, ENV_NODE_ID
 from weightsync.core.native import copy_stream
-from weightsync.core.transports.settings import LOCAL_RANK_ENV
+from weightsync.core.transports.place import LOCAL_RANK_ENV
 from weightsync.core.transports.stagearea import StageArea
 from weightsync.core.wire.layout import PIECE_BYTES
 
@@ -346,7 +346,7 @@ class _Worker:
         started = time.perf_counter()
         if method == "engine":
             # What the engines do with large tensors: ``copy_stream`` in the pieces the digest follows (see
-            # weightsync.core.control.engine).
+            # weightsync.core.worker.engine).
             to, frm, nbytes = destination.data_ptr(), source.data_ptr(), source.numel()
             for _ in range(times):
                 for offset in range(0, nbytes, PIECE_BYTES):

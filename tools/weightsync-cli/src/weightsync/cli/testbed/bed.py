@@ -56,7 +56,7 @@ ENV_HOSTS = "WEIGHTSYNC_TESTBED_HOSTS"  # H
 ENV_NODE_ID = "WEIGHTSYNC_TESTBED_NODE_ID"  # unique per host and run: the host's network namespace name
 ENV_ADDR = "WEIGHTSYNC_TESTBED_ADDR"  # the host's address on the testbed (rail 0's)
 # The host's address on each rail, comma-separated, rail 0 first: what weightsync's workers read to find their rail
-# (weightsync.core.transports.settings.RAIL_ADDRS_ENV), as a deployment would set it.
+# (weightsync.core.transports.place.RAIL_ADDRS_ENV), as a deployment would set it.
 ENV_RAIL_ADDRS = "WEIGHTSYNC_RAIL_ADDRS"
 ENV_RUN = "WEIGHTSYNC_TESTBED_RUN"  # the run's name
 

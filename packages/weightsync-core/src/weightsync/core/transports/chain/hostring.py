@@ -1,6 +1,6 @@
 """A chain position that shares its upstream's host: it reads each bucket in place from the upstream's ring.
 
-The two-level layout (:mod:`weightsync.core.transports.chaintopology`) gives every host one leader that receives over the
+The two-level layout (:mod:`weightsync.core.transports.chain.topology`) gives every host one leader that receives over the
 network into a ring in shared memory (``HOST_SHARED``); the host's other workers map that ring and hand its slots
 straight to their consumers: no transfer library, no copy of their own. The upstream announces buckets exactly as
 to any child (``BucketReady`` on the control connection); a local reader acknowledges a bucket once its consumer
@@ -16,9 +16,9 @@ import time
 import torch
 
 from weightsync.api.errors import TopologyError, WireError
-from weightsync.core.transports.rings import RingEndpoint, decode_ready
+from weightsync.core.transports.chain.rings import RingEndpoint, decode_ready
 from weightsync.core.transports.sharedmem import SharedSegment
-from weightsync.core.transports.transport import NO_SLOT, ReceivedBucket
+from weightsync.core.transports.seam import NO_SLOT, ReceivedBucket
 from weightsync.core.wire import codec
 from weightsync.core.wire.framing import recv_frame, send_frame
 

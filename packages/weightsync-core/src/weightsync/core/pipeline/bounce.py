@@ -1,21 +1,21 @@
-"""Staging: a sender's tensors into a transport whose buffers live on another device.
+"""The host bounce: a sender's tensors into a transport whose buffers live on another device.
 
 Every engine takes tensors on the host or on the process's accelerator, whatever its transport's buffers are. For a
 transport with host buffers (shm, gloo, nixl and mooncake with host rings), the pieces of a bucket that live on the
-accelerator are staged by :class:`SendStaging`:
+accelerator are bounced through pinned host memory by :class:`HostBounce`:
 
 * **One pinned host bucket, asynchronous copies, one event.** The device pieces are copied to a page-locked host
-  buffer, at their offsets in the bucket, with non-blocking copies queued on a *copy stream* of the staging's own.
+  buffer, at their offsets in the bucket, with non-blocking copies queued on a *copy stream* of the bounce's own.
   That stream first waits for the stream that produced the weights (the caller's current stream when the bucket was
   planned: an FSDP all-gather, say), device-side. The packing thread then waits for one event recorded after the
   copies — polled against the update's deadline, never a device-wide synchronize.
-* **Overlap.** Staging runs on the pipeline's packing thread, so the device-to-host copies of bucket k+1 run while
+* **Overlap.** The bounce runs on the pipeline's packing thread, so the device-to-host copies of bucket k+1 run while
   the transfer thread publishes bucket k.
-* **The digest reads host bytes only.** The staged bucket is packed like any host bucket: its pieces' sources are
-  replaced by the staged bytes, so the pipeline's copy into the transport's buffer hashes them as it goes
+* **The digest reads host bytes only.** The bounced bucket is packed like any host bucket: its pieces' sources are
+  replaced by the bounced bytes, so the pipeline's copy into the transport's buffer hashes them as it goes
   (:func:`weightsync.core.wire.layout.pack_hashing`); no device memory is ever read from Python or by the hash. The cost is
   one host copy of the device pieces, which the hash reads anyway (docs/performance.md explains the choice).
-* **Lifetime.** The bucket holds a reference to every source until the staging event has completed on the host, so
+* **Lifetime.** The bucket holds a reference to every source until the bounce's event has completed on the host, so
   the caching allocator cannot reuse a source's memory while a copy still reads it (no ``record_stream`` needed).
 
 For a transport with device buffers (nccl, hccl, device rings), :class:`Upload` does the reverse for host pieces:
@@ -24,7 +24,7 @@ read back for the digest) into one of two pinned host buckets, which is copied t
 non-blocking copy on the policy's copy stream; the bucket's device pieces are copied after it on the same stream. A
 pinned bucket is refilled only once the event recorded after its copy has completed.
 
-The receiving side needs no staging of its own: a host bucket's pieces are copied into device destinations with
+The receiving side needs no bounce of its own: a host bucket's pieces are copied into device destinations with
 ``Tensor.copy_`` (:mod:`weightsync.core.pipeline.unpack`), which returns once the bytes have left the bucket, and the bucket
 is released only after that.
 """
@@ -39,11 +39,11 @@ from weightsync.api.errors import UnsupportedDeviceError
 from weightsync.core.transports.device import AcceleratorOps, wait_event
 from weightsync.core.wire.layout import PIECE_BYTES, PackItem, PlannedBucket, piece_bytes
 
-__all__ = ["SendStaging", "Upload"]
+__all__ = ["HostBounce", "Upload"]
 
 
-class SendStaging:
-    """Stages the device pieces of a sender's buckets into pinned host memory (see the module docstring)."""
+class HostBounce:
+    """Bounces the device pieces of a sender's buckets through pinned host memory (see the module docstring)."""
 
     def __init__(self, device: torch.device, *, bucket_bytes: int) -> None:
         self.ops = AcceleratorOps(device)
@@ -58,10 +58,10 @@ class SendStaging:
         """On the planning thread as an update's first device bucket is planned: note the producer's stream."""
         self.producer = self.ops.current_stream()
 
-    def stage(self, bucket: PlannedBucket, deadline: float) -> PlannedBucket:
-        """``bucket`` with its device pieces copied to the staging buffer, ready to pack from host memory."""
+    def bounce(self, bucket: PlannedBucket, deadline: float) -> PlannedBucket:
+        """``bucket`` with its device pieces copied to the pinned host bucket, ready to pack from host memory."""
         ops, host = self.ops, self.host
-        staged = PlannedBucket(nbytes=bucket.nbytes, payload_bytes=bucket.payload_bytes, completed=bucket.completed)
+        bounced = PlannedBucket(nbytes=bucket.nbytes, payload_bytes=bucket.payload_bytes, completed=bucket.completed)
         with ops.use(self.copy_stream):
             if self.producer is not None:
                 ops.stream_wait_stream(self.copy_stream, self.producer)
@@ -77,15 +77,15 @@ class SendStaging:
                     if meta.nbytes:
                         host[at:at + meta.nbytes].copy_(piece_bytes(item), non_blocking=True)
                     piece = (meta, host, at)
-                staged.items.append(piece)
+                bounced.items.append(piece)
                 if meta.nbytes <= PIECE_BYTES:
-                    staged.copies += (meta.bucket_offset, piece[1].data_ptr() + piece[2], meta.nbytes)
+                    bounced.copies += (meta.bucket_offset, piece[1].data_ptr() + piece[2], meta.nbytes)
                 else:
-                    staged.large.append(piece)
+                    bounced.large.append(piece)
             copied = ops.new_event()
             ops.record(copied, self.copy_stream)
-        wait_event(ops, copied, deadline, peer="local device", what="staging a bucket to the host")
-        return staged
+        wait_event(ops, copied, deadline, peer="local device", what="bouncing a bucket to the host")
+        return bounced
 
 
 class Upload:

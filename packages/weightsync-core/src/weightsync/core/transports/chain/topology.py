@@ -1,4 +1,4 @@
-"""Who reads from whom in the chain (:mod:`weightsync.core.transports.chain`): the rank-order tree, and the two-level layout.
+"""Who reads from whom in the chain (:mod:`weightsync.core.transports.chain.transport`): the rank-order tree, and the two-level layout.
 
 Positions: 0 is actor rank 0 (the only sender), position p >= 1 is rollout rank p - 1.
 
@@ -12,7 +12,7 @@ out, every other host's link one model in and at most ``fanout`` out. Every othe
 leader's ring in place, through shared memory (``local``): the leader's receive buffer is its host's ring, no
 library transfer and no extra copy. Host identity is the workers' ``node_id`` (a Ray node, a testbed host).
 
-Striped (``two_level`` with K > 1 stripes, :mod:`weightsync.core.transports.stripes`): each stripe has a two-level
+Striped (``two_level`` with K > 1 stripes, :mod:`weightsync.core.transports.chain.stripes`): each stripe has a two-level
 plan of its own (:func:`plan_stripe`), over a rail of its own (:func:`stripe_rails`: rails 0..K-1, less any rail
 left out). Its sender is the sender host's actor rank on that rail; on every other host its leader is the first
 worker on that rail, which reads the stripe over it; every other worker of the host reads each stripe in place from

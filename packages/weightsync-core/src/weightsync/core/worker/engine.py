@@ -30,13 +30,14 @@ from weightsync.core.pipeline.trace import Tracer
 from weightsync.core.pipeline.unpack import BucketReader
 from weightsync.core.transports.device import accepted_devices
 from weightsync.core.transports.rules import CheckedReceiver, checked_sender
-from weightsync.core.transports.settings import EngineBase, default_node_id
+from weightsync.core.transports.settings import EngineBase
 from weightsync.core.transports.stagearea import StageArea, StagedReceiver
-from weightsync.core.transports.stripes import StripedReceiver
-from weightsync.core.transports.transport import ReceiverTransport, SenderTransport, Transport
+from weightsync.core.transports.chain.stripes import StripedReceiver
+from weightsync.core.transports.seam import ReceiverTransport, SenderTransport
+from weightsync.core.transports.transport import Transport
 from weightsync.core.wire.digest import StripedDigest, UpdateDigest
 
-__all__ = ["BucketCheckpointEngine", "engine_class", "RankRole", "guard_build_topology", "default_node_id"]
+__all__ = ["BucketCheckpointEngine", "engine_class", "RankRole", "guard_build_topology"]
 
 RankRole = Literal["sender", "receiver", "idle"]
 _ROLES: dict[str, RankRole] = {"sender": "sender", "receiver": "receiver", "idle": "idle"}
@@ -280,7 +281,7 @@ class BucketCheckpointEngine(EngineBase):
 
 
 def _stripe(rank_args: RankArgs) -> tuple[int, int]:
-    """A rank's stripe from its ``rank_args`` (:mod:`weightsync.core.transports.stripes`): a sender's ``stripe`` [s, K],
+    """A rank's stripe from its ``rank_args`` (:mod:`weightsync.core.transports.chain.stripes`): a sender's ``stripe`` [s, K],
     a receiver's ``stripes`` K; (0, 1) without either."""
     stripe, stripes = rank_args.get("stripe"), rank_args.get("stripes", 1)
     if stripe is not None:

@@ -1,7 +1,7 @@
 """A pipelined chain (or tree) of one-sided reads: the transport and topology shared by ``nixl`` and ``mooncake``.
 
 Why it lives in core: both backends move buckets the same way and differ only in the library that registers memory
-and performs a one-sided read (:mod:`weightsync.core.transports.rings`), so each backend adds only its ``make_ring``.
+and performs a one-sided read (:mod:`weightsync.core.transports.chain.rings`), so each backend adds only its ``make_ring``.
 
 Topology
 --------
@@ -10,9 +10,9 @@ Positions: 0 is the sender (actor rank 0, or a stripe's own), position p >= 1 is
 d = 1 is the chain rank0 → r0 → r1 → … (the sender's egress is one model's bytes whatever the number of receivers),
 larger d a d-ary tree (shorter, but each inner node serves d readers); ``"two_level"`` is host-aware: one leader per
 host on that tree, the host's other workers reading its ring in place through shared memory (see
-:mod:`weightsync.core.transports.chaintopology`). Fan-out and layout are engine options, read from actor rank 0's metadata.
+:mod:`weightsync.core.transports.chain.topology`). Fan-out and layout are engine options, read from actor rank 0's metadata.
 With ``stripes`` (two-level only) the update is dealt over the hosts' rails, one chain per stripe, each with a
-sender of its own (:mod:`weightsync.core.transports.stripes`); listeners and rings bind to each worker's rail
+sender of its own (:mod:`weightsync.core.transports.chain.stripes`); listeners and rings bind to each worker's rail
 address.
 
 Data path
@@ -49,7 +49,7 @@ import torch
 from weightsync.api.errors import ConfigError, LifecycleError, TopologyError, TransferError
 from weightsync.api.types import JsonValue, RankArgs, Topology, WorkerMetadata, WorldMetadata
 from weightsync.core.wire import codec
-from weightsync.core.transports.chainends import (
+from weightsync.core.transports.chain.ends import (
     MAX_CONTROL_FRAME,
     RELAY_PIECE_BYTES,
     ChainReceiver,
@@ -57,13 +57,14 @@ from weightsync.core.transports.chainends import (
     Downstream,
     Upstream,
 )
-from weightsync.core.transports.chaintopology import LAYOUTS, chain_positions, plan_positions, position_name
+from weightsync.core.transports.chain.topology import LAYOUTS, chain_positions, plan_positions, position_name
 from weightsync.core.transports.device import AcceleratorOps, AcceleratorPolicy, process_accelerator
-from weightsync.core.transports.hostring import HostRingReader, map_upstream_ring
-from weightsync.core.transports.rings import HOST_SHARED, BucketReady, RegisteredRing, RemoteRing, RingEndpoint, decode_ring
+from weightsync.core.transports.chain.hostring import HostRingReader, map_upstream_ring
+from weightsync.core.transports.chain.rings import HOST_SHARED, BucketReady, RegisteredRing, RemoteRing, RingEndpoint, decode_ring
 from weightsync.core.transports.settings import EngineSettings
-from weightsync.core.transports.stripes import OneStripe, StripedReceiver, striped_topology
-from weightsync.core.transports.transport import HOST_POLICY, DevicePolicy, Transport
+from weightsync.core.transports.chain.stripes import OneStripe, StripedReceiver, striped_topology
+from weightsync.core.transports.device import DevicePolicy, HOST_POLICY
+from weightsync.core.transports.transport import Transport
 from weightsync.core.wire.framing import accept_peers, recv_frame, send_frame
 
 __all__ = [

@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
-import os
-import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -22,41 +20,15 @@ from weightsync.api.errors import ConfigError, LifecycleError, WeightsyncError, 
 from weightsync.api.protocols import CheckpointEngine, ReceivedWeights, WeightSink, next_batch
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import RankArgs, Role, StagedUpdate, TransferReport, WorkerContext, WorkerMetadata
-from weightsync.core.control.auto import has_rdma
-from weightsync.core.control.steps import unwrap
-from weightsync.core.transports.settings import local_rail
+from weightsync.core.transports.place import ping_answer
 from weightsync.core.transports.stagearea import StageArea
 
 __all__ = ["EngineHost", "EngineSlot", "StagingEngine", "build_engine", "engine_spec", "is_untouched", "mark_untouched",
-           "ping_answer"]
+           "unwrap"]
 
 _METHODS = ("prepare", "init_process_group", "finalize", "close", "ping")
 # What build_engine requires of an engine class: the CheckpointEngine Protocol's methods, build_topology class-level.
 _ENGINE_METHODS = ("prepare", "init_process_group", "send_weights", "receive_weights", "finalize", "close")
-
-
-def ping_answer(*, node_id: str, host_ip: str, probe: Sequence[str] = ()) -> dict[str, Any]:
-    """What a worker answers ``execute_checkpoint_engine("ping")`` with: where it runs (its host, RDMA devices and
-    rail). The manager's ``auto`` picks a backend from it; after a timeout, hosts none of whose workers answer are
-    reported unreachable. ``probe``: addresses to try to reach (``reachable``: :func:`reaches` of each) — a lost rail
-    is probed so before stripes use it again."""
-    answer = {"hostname": socket.gethostname(), "host_ip": host_ip, "node_id": node_id, "pid": os.getpid(),
-              "rdma": has_rdma(), **local_rail(host_ip)}
-    if probe:
-        answer["reachable"] = {address: reaches(address) for address in probe}
-    return answer
-
-
-def reaches(address: str, *, timeout: float = 1.0) -> bool:
-    """Whether packets get to ``address`` and back: a TCP connection to its discard port, refused or accepted, within
-    ``timeout`` (a cut link times out or has no route)."""
-    try:
-        socket.create_connection((address, 9), timeout=timeout).close()
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-    return True
 
 
 def engine_spec(*, backend: str, config: SyncConfig, role: Role, rank: int) -> dict[str, Any]:
@@ -258,15 +230,24 @@ class EngineHost:
 
 
 def mark_untouched(error: BaseException) -> None:
-    """Record on ``error`` (surviving pickling through Ray) that the failed update wrote nothing to the model."""
+    """Record on ``error`` (surviving pickling through Ray) that the failed update wrote nothing to the model: the
+    fact ``WeightsyncError.untouched`` declares; any other exception carries it as an attribute of that name
+    (:func:`is_untouched` reads both)."""
     if isinstance(error, WeightsyncError):
         error.details["untouched"] = True
     error.untouched = True  # type: ignore[attr-defined]
 
 
+def unwrap(error: BaseException) -> BaseException:
+    """Ray wraps a remote exception; its ``cause`` is the one the worker raised."""
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) else error
+
+
 def is_untouched(error: BaseException) -> bool:
-    """Whether ``error`` (or the worker's error inside Ray's wrapper) carries ``mark_untouched``'s mark."""
-    return bool(getattr(error, "untouched", False) or getattr(unwrap(error), "untouched", False))
+    """Whether ``error`` (or the worker's error inside Ray's wrapper) carries :func:`mark_untouched`'s mark."""
+    return any(candidate.untouched if isinstance(candidate, WeightsyncError)
+               else getattr(candidate, "untouched", False) is True for candidate in (error, unwrap(error)))
 
 
 class _CountingStream:

@@ -30,10 +30,11 @@ import torch
 
 from weightsync.api.errors import BackendUnavailableError, ConfigError, TopologyError, TransferError
 from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
-from weightsync.core.transports.collective import MAX_HEADER_BYTES, CollectiveTransport, Group, c10d
+from weightsync.core.transports.collective.host import MAX_HEADER_BYTES, CollectiveTransport, Group, c10d
 from weightsync.core.transports.device import AcceleratorOps, AcceleratorPolicy, wait_event
 from weightsync.core.transports.settings import EngineSettings
-from weightsync.core.transports.transport import NO_SLOT, BufferPlace, DevicePolicy, ReceivedBucket
+from weightsync.core.transports.device import DevicePolicy
+from weightsync.core.transports.seam import BufferPlace, NO_SLOT, ReceivedBucket
 from weightsync.core.transports.waiting import FreeSlots
 from weightsync.core.wire.tensors import memoryview_of
 

@@ -1,4 +1,5 @@
-"""Staging between accelerator tensors and host transports, on the emulated accelerator, checked from outside.
+"""The host bounce between accelerator tensors and host transports (and the upload the other way), on the emulated
+accelerator, checked from outside.
 
 Sender and receiver run in threads of this process (gloo's host buffers, shm's shared memory, and the accelerator
 collective engine's device rings), with a delay in
@@ -22,7 +23,7 @@ from weightsync.api.errors import ConfigError
 from weightsync.api.registry import load_engine_class, register_backend
 from weightsync.api.testing import case_tensors, place, raw_bytes
 from weightsync.api.types import WorkerContext, WorldMetadata
-from weightsync.core.pipeline import staging
+from weightsync.core.pipeline import bounce
 from weightsync.emuaccel import synchronizations
 
 BUCKET = 1 << 16
@@ -95,9 +96,9 @@ def test_device_sources_reach_device_destinations_without_a_device_wide_sync(bac
     assert _mismatches(weights, destinations) == []
 
 
-def test_a_missing_staging_wait_is_caught_by_the_bytes(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control: packing before the device-to-host copies have run sends the staging buffer's old bytes."""
-    monkeypatch.setattr(staging, "wait_event", lambda *args, **kwargs: None)
+def test_a_missing_bounce_wait_is_caught_by_the_bytes(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: packing before the device-to-host copies have run sends the pinned host bucket's old bytes."""
+    monkeypatch.setattr(bounce, "wait_event", lambda *args, **kwargs: None)
     weights = place(case_tensors("mixed", 2, BUCKET), device, "device")
     destinations = {name: torch.zeros(tensor.shape, dtype=tensor.dtype) for name, tensor in weights}
     with slow_copies():

@@ -21,8 +21,8 @@ import msgspec
 
 from weightsync.api.errors import TopologyError, TransferError, WireError
 from weightsync.api.types import JsonValue, RankArgs, Topology, WorkerMetadata, WorldMetadata
-from weightsync.core.transports.chaintopology import plan_stripe, stripe_rails
-from weightsync.core.transports.transport import ReceivedBucket, ReceiverTransport
+from weightsync.core.transports.chain.topology import plan_stripe, stripe_rails
+from weightsync.core.transports.seam import ReceivedBucket, ReceiverTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.digest import combine_stripes
 

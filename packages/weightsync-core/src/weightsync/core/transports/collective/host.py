@@ -6,7 +6,7 @@ trainer (FSDP) or an inference worker already exists and belongs to someone else
 in actor rank 0's engine for the engine's lifetime; each membership epoch gets a fresh prefix and group.
 
 Backends supply the device and the group: ``gloo`` (CPU tensors, a gloo group) uses it as it is; the accelerator
-form (:mod:`weightsync.core.transports.devicecollective`, NCCL and HCCL) sets ``device_type`` and ``new_group``.
+form (:mod:`weightsync.core.transports.collective.device`, NCCL and HCCL) sets ``device_type`` and ``new_group``.
 
 Per bucket, two broadcasts: a control block of ``CONTROL_BYTES`` (slot, nbytes, header length, and the header
 itself when it fits, as it does up to about a thousand tensors), then the payload; a longer header takes one more
@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from weightsync.api.errors import LifecycleError, TopologyError, TransferError
 from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
-from weightsync.core.transports.transport import NO_SLOT, ReceivedBucket, Transport
+from weightsync.core.transports.seam import NO_SLOT, ReceivedBucket
+from weightsync.core.transports.transport import Transport
 from weightsync.core.transports.waiting import FreeSlots
 from weightsync.core.wire.tensors import memoryview_of
 

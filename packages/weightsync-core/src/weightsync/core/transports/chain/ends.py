@@ -1,4 +1,4 @@
-"""The chain's two kinds of position (:mod:`weightsync.core.transports.chain`): the sender, and a receiver that reads from its
+"""The chain's two kinds of position (:mod:`weightsync.core.transports.chain.transport`): the sender, and a receiver that reads from its
 upstream and, as a relay, lets its children read from it.
 
 A receiver reads each bucket in pieces with several reads in flight (:meth:`RemoteRing.start_read`), so the link
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.api.errors import TransferError, WeightsyncError, WireError
-from weightsync.core.transports.rings import BucketReady, PendingRead, RegisteredRing, RemoteRing, RingEndpoint, decode_ready
-from weightsync.core.transports.transport import NO_SLOT, ReceivedBucket
+from weightsync.core.transports.chain.rings import BucketReady, PendingRead, RegisteredRing, RemoteRing, RingEndpoint, decode_ready
+from weightsync.core.transports.seam import NO_SLOT, ReceivedBucket
 from weightsync.core.transports.waiting import AckedPeers, SlotSequence
 from weightsync.core.wire import codec
 from weightsync.core.wire.framing import recv_frame, send_frame

@@ -1,0 +1,148 @@
+"""Setup of a membership epoch: prepare → build_topology → init_process_group on every worker, with ``auto``'s
+choice of backend first, run whenever the manager has no epoch (first update, membership changed, the last update
+failed) and always before any replica is paused: the replicas serve while it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from weightsync.api.config import SyncConfig
+from weightsync.api.errors import ConfigError
+from weightsync.api.protocols import ActorWorkerGroup, CheckpointEngine, RolloutWorker
+from weightsync.api.registry import load_engine_class
+from weightsync.api.topology import build_checked_topology, with_epoch
+from weightsync.api.types import RankArgs, WorkerMetadata, WorldMetadata
+from weightsync.core.control import auto, steps
+from weightsync.core.control.auto import AutoChoice
+from weightsync.core.control.rails import LostRails
+from weightsync.core.control.replicas import host_of
+from weightsync.core.worker.host import engine_spec
+
+__all__ = ["Epoch", "Members", "Setup"]
+
+
+class Members(Protocol):
+    """What a flow decides at setup: which rollout workers (indices into the round's) join the transport's world;
+    the others join the epoch idle."""
+
+    def members(self, world: WorldMetadata) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One membership epoch, as setup left it."""
+
+    token: str
+    world: WorldMetadata
+    """Every worker's ``prepare`` metadata."""
+    where: dict[str, str]
+    """Worker label → its host, for people (errors name unreachable hosts by it)."""
+    stripes: dict[int, int]
+    """Actor rank → the stripe it sends, when the topology dealt updates into stripes (empty: one sender)."""
+
+
+class Setup:
+    """Builds epochs for one manager: its worker group, backend (or ``auto``) and configuration."""
+
+    def __init__(self, *, actor_wg: ActorWorkerGroup, backend: str, engine_class: type[CheckpointEngine] | None,
+                 config: SyncConfig) -> None:
+        self.actor_wg = actor_wg
+        self.backend = backend
+        self.engine_class = engine_class
+        self.config = config
+        self.choice: AutoChoice | None = None
+        """What ``auto`` picked at the last setup (None for a named backend, or before the first)."""
+        self.lost_rails = LostRails()
+
+    def pings(self, workers: Sequence[tuple[int, RolloutWorker]]) -> steps.Labelled:
+        """A ``ping`` call to every worker, actor ranks first; none if the worker group cannot even start one."""
+        try:
+            return [*steps.actor_calls("ping", actor_wg=self.actor_wg), *steps.worker_calls(workers, "ping")]
+        except Exception:  # noqa: BLE001 - an adapter without ping: no diagnosis, the step's own error stands
+            return []
+
+    async def rails_back(self, workers: Sequence[tuple[int, RolloutWorker]]) -> bool:
+        """Whether a rail an earlier update lost answers its probes again (then the epoch is rebuilt with stripes
+        over it); probed, the replicas serving, only with ``auto`` and a lost rail."""
+        if not self.lost_rails.rails or self.engine_class is not None:
+            return False
+        return await self.lost_rails.recheck(workers, self.pings(workers), self.actor_wg.world_size,
+                                             self.config.timeouts.setup)
+
+    async def build(self, stages: dict[str, float], workers: Sequence[tuple[int, RolloutWorker]], flow: Members,
+                    *, delta_base: int | None) -> Epoch:
+        """prepare → build_topology → init_process_group for a new epoch (``delta_base``: the version every
+        receiver holds, which the senders may send changes against)."""
+        started = time.perf_counter()
+        try:
+            return await self._build(workers, flow, delta_base)
+        finally:
+            stages["setup"] = time.perf_counter() - started
+
+    async def _build(self, workers: Sequence[tuple[int, RolloutWorker]], flow: Members, delta_base: int | None
+                     ) -> Epoch:
+        timeout = self.config.timeouts.setup
+        actor_size = self.actor_wg.world_size
+        backend, config, engine_class = await self._resolve(workers, timeout)
+        specs = [engine_spec(backend=backend, config=config, role="actor", rank=rank) for rank in range(actor_size)]
+        labelled = steps.actor_calls("prepare", actor_wg=self.actor_wg, engine=specs)
+        labelled += steps.worker_calls(workers, "prepare", [
+            {"engine": engine_spec(backend=backend, config=config, role="rollout", rank=rank)}
+            for rank in range(len(workers))])
+        metadata: list[WorkerMetadata] = await steps.gather("prepare", timeout, labelled)
+        world = WorldMetadata(actor=metadata[:actor_size], rollout=metadata[actor_size:])
+        members = flow.members(world)
+        topology = with_epoch(build_checked_topology(  # our engines stamp the epoch; any other gets one here
+            engine_class, backend=backend, actor_wg_world_size=actor_size, rollout_world_size=len(members),
+            metadata=WorldMetadata(actor=world.actor, rollout=[world.rollout[i] for i in members])))
+        token = str(topology.actor[0]["epoch"])
+        actor_args = list(topology.actor)
+        stripes = _stripes_of(actor_args)
+        if delta_base is not None:  # the senders may send only what changed since it
+            actor_args = [{**args, "delta_base": delta_base} for args in actor_args]
+        rollout_args: list[RankArgs] = [{"role": "idle", "epoch": token} for _ in workers]
+        for member, args in zip(members, topology.rollout):
+            rollout_args[member] = args
+        labelled = steps.actor_calls("init_process_group", actor_wg=self.actor_wg, rank_args=actor_args)
+        labelled += steps.worker_calls(workers, "init_process_group", [{"rank_args": args} for args in rollout_args])
+        await steps.gather("init_process_group", timeout, labelled)
+        where = {label: host_of(entry) for (label, _), entry in zip(labelled, metadata)}
+        return Epoch(token=token, world=world, where=where, stripes=stripes)
+
+    async def _resolve(self, workers: Sequence[tuple[int, RolloutWorker]], timeout: float
+                       ) -> tuple[str, SyncConfig, type[CheckpointEngine]]:
+        """The backend, configuration and engine class of this setup: the named backend's, or what ``auto`` picks
+        from the nodes the workers answer a ping with (actor rank 0 is the sender)."""
+        if self.engine_class is not None:
+            return self.backend, self.config, self.engine_class
+        pings = self.pings(workers)
+        if not pings:
+            raise ConfigError("backend='auto' needs workers that answer execute_checkpoint_engine('ping'); name a "
+                              "backend instead")
+        answers: list[Any] = await steps.gather("setup", timeout, pings)
+        actor_size = self.actor_wg.world_size
+        await self.lost_rails.probe(workers, answers, actor_size, timeout)
+        nodes = [str(answer.get("node_id")) if isinstance(answer, dict) else "" for answer in answers]
+        rdma = all(isinstance(answer, dict) and answer.get("rdma") is True for answer in answers)
+        rails = [answer.get("rail", 0) if isinstance(answer, dict) else 0 for answer in answers]
+        self.choice = choice = auto.choose(
+            sender_node=nodes[0], rollout_nodes=nodes[actor_size:], rdma=rdma, rollout_rails=rails[actor_size:],
+            sender_rails=[rail for node, rail in zip(nodes[:actor_size], rails) if node == nodes[0]],
+            striping=not self.config.delta, lost_rails=self.lost_rails.rails)
+        config = dataclasses.replace(self.config, backend_options={**choice.options, **self.config.backend_options})
+        return choice.backend, config, load_engine_class(choice.backend)
+
+
+def _stripes_of(actor_args: Sequence[RankArgs]) -> dict[int, int]:
+    """Actor rank → the stripe its ``rank_args`` deal it (``"stripe": [s, K]``); empty for an unstriped topology."""
+    stripes: dict[int, int] = {}
+    for rank, args in enumerate(actor_args):
+        stripe = args.get("stripe")
+        if isinstance(stripe, list) and stripe and isinstance(stripe[0], int):
+            stripes[rank] = stripe[0]
+    return stripes

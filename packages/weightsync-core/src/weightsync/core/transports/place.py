@@ -1,0 +1,126 @@
+"""Where this worker runs: its host's identity, its rail (the NIC its weight traffic uses) and that rail's devices,
+whether the host has RDMA devices, and what a worker answers a ``ping`` with — the facts ``auto``, the stripes and
+the libraries that pick their own interfaces (UCX) read, in one place.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import os
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from weightsync.api.errors import ConfigError
+
+__all__ = [
+    "LOCAL_RANK_ENV", "RAIL_ADDRS_ENV", "RDMA_CLASS", "default_node_id", "devices_of", "has_rdma", "local_rail",
+    "ping_answer", "rail_devices", "reaches",
+]
+
+RAIL_ADDRS_ENV = "WEIGHTSYNC_RAIL_ADDRS"
+"""This host's address on each of its rails (its NICs for weight traffic), comma-separated, rail 0 first; unset: one
+rail, the worker's ``host_ip``."""
+LOCAL_RANK_ENV = "LOCAL_RANK"
+"""This process's rank among the workers of its host (torchrun's name; the bench and the Ray adapter set it)."""
+RDMA_CLASS = "/sys/class/infiniband"
+
+
+@functools.cache
+def default_node_id() -> str:
+    """Identity of this host: hostname plus kernel boot id (two containers on one host differ by hostname)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def has_rdma(root: str = RDMA_CLASS) -> bool:
+    """Whether this host has an RDMA device (InfiniBand, RoCE or iWARP: the kernel lists each under ``root``)."""
+    try:
+        return any(True for _ in os.scandir(root))
+    except OSError:
+        return False
+
+
+def local_rail(host_ip: str) -> dict[str, Any]:
+    """This worker's rail, as a GPU node maps a GPU to its NIC: local rank ``LOCAL_RANK`` takes rail ``LOCAL_RANK
+    mod K`` of the K addresses in ``WEIGHTSYNC_RAIL_ADDRS``. The metadata keys ``rail``, ``rail_address`` and
+    ``rails`` (K); without rail addresses, rail 0 at ``host_ip`` of one."""
+    addresses = [address.strip() for address in os.environ.get(RAIL_ADDRS_ENV, "").split(",") if address.strip()]
+    if not addresses:
+        return {"rail": 0, "rail_address": host_ip, "rails": 1}
+    text = os.environ.get(LOCAL_RANK_ENV, "0")
+    try:
+        local_rank = int(text)
+    except ValueError:
+        local_rank = -1
+    if local_rank < 0:
+        raise ConfigError(f"{LOCAL_RANK_ENV}={text!r}: a worker's local rank must be a non-negative int")
+    rail = local_rank % len(addresses)
+    return {"rail": rail, "rail_address": addresses[rail], "rails": len(addresses)}
+
+
+def rail_devices(host_ip: str) -> list[str]:
+    """The devices of this worker's rail, as UCX's ``UCX_NET_DEVICES`` names them (:func:`devices_of` its rail
+    address), for a library that picks its own interfaces; none on a host without rail addresses (a library then
+    uses what it finds)."""
+    if not os.environ.get(RAIL_ADDRS_ENV, "").strip():
+        return []
+    return devices_of(str(local_rail(host_ip)["rail_address"]))
+
+
+def devices_of(address: str) -> list[str]:
+    """The network devices that carry IPv4 ``address`` on this host: each RDMA port behind the interface it is
+    assigned to (``mlx5_0:1``: a RoCE NIC), then the interface itself (``eth1``); none when no interface has it."""
+    for _, name in socket.if_nameindex():
+        if _ipv4_of(name) != address:
+            continue
+        ports: list[str] = []
+        rdma = f"/sys/class/net/{name}/device/infiniband"
+        for device in sorted(os.listdir(rdma)) if os.path.isdir(rdma) else []:
+            listed = os.path.join(rdma, device, "ports")
+            ports += [f"{device}:{port}" for port in sorted(os.listdir(listed))] if os.path.isdir(listed) else []
+        return [*ports, name]
+    return []
+
+
+def _ipv4_of(interface: str) -> str | None:
+    """The IPv4 address of ``interface`` (SIOCGIFADDR), None when it has none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", interface[:15].encode()))
+        except OSError:
+            return None
+    return socket.inet_ntoa(answer[20:24])
+
+
+_SIOCGIFADDR = 0x8915
+
+
+def ping_answer(*, node_id: str, host_ip: str, probe: Sequence[str] = ()) -> dict[str, Any]:
+    """What a worker answers ``execute_checkpoint_engine("ping")`` with: where it runs (its host, RDMA devices and
+    rail). The manager's ``auto`` picks a backend from it; after a timeout, hosts none of whose workers answer are
+    reported unreachable. ``probe``: addresses to try to reach (``reachable``: :func:`reaches` of each) — a lost rail
+    is probed so before stripes use it again."""
+    answer = {"hostname": socket.gethostname(), "host_ip": host_ip, "node_id": node_id, "pid": os.getpid(),
+              "rdma": has_rdma(), **local_rail(host_ip)}
+    if probe:
+        answer["reachable"] = {address: reaches(address) for address in probe}
+    return answer
+
+
+def reaches(address: str, *, timeout: float = 1.0) -> bool:
+    """Whether packets get to ``address`` and back: a TCP connection to its discard port, refused or accepted, within
+    ``timeout`` (a cut link times out or has no route)."""
+    try:
+        socket.create_connection((address, 9), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return True
