@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 from weightsync.api.registry import BackendSpec, module_importable
-from weightsync.api.types import RankArgs
 from weightsync.core.backend import ReceivedBucket, ReceiverTransport, engine_class
+from weightsync.core.transports.collective.host import GroupReceive
 from weightsync.gloo.collective import GlooTransport
-from weightsync.shm.engine import ShmTransport
+from weightsync.shm.engine import ShmReceive, ShmTransport
 
 
 class _FreedOnArrival:
@@ -38,15 +38,15 @@ class _FreedOnArrival:
 class EarlyFreeGlooTransport(GlooTransport):
     name: ClassVar[str] = "test-early-free-gloo"
 
-    def connect_receiver(self, rank_args: RankArgs) -> _FreedOnArrival:  # type: ignore[override]
-        return _FreedOnArrival(super().connect_receiver(rank_args))
+    def connect_receiver(self, plan: GroupReceive) -> _FreedOnArrival:  # type: ignore[override]
+        return _FreedOnArrival(super().connect_receiver(plan))
 
 
 class EarlyAckShmTransport(ShmTransport):
     name: ClassVar[str] = "test-early-ack-shm"
 
-    def connect_receiver(self, rank_args: RankArgs) -> _FreedOnArrival:  # type: ignore[override]
-        return _FreedOnArrival(super().connect_receiver(rank_args))
+    def connect_receiver(self, plan: ShmReceive) -> _FreedOnArrival:  # type: ignore[override]
+        return _FreedOnArrival(super().connect_receiver(plan))
 
 
 EarlyFreeGlooEngine = engine_class(EarlyFreeGlooTransport)

@@ -12,7 +12,7 @@ from weightsync.api.types import WorkerContext
 from weightsync.core.control.auto import AutoChoice, choose
 from weightsync.core.control.rails import LostRails
 from weightsync.core.transports.chain.topology import stripe_rails
-from weightsync.core.transports.place import LOCAL_RANK_ENV, RAIL_ADDRS_ENV, devices_of, local_rail, ping_answer
+from weightsync.core.transports.place import LOCAL_RANK_ENV, RAIL_ADDRS_ENV, Rail, devices_of, local_rail, ping_answer
 from weightsync.core.transports.settings import EngineSettings
 
 
@@ -20,7 +20,7 @@ def test_without_rail_addresses_every_worker_is_on_rail_0_at_its_host_address(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(RAIL_ADDRS_ENV, raising=False)
     monkeypatch.setenv(LOCAL_RANK_ENV, "5")
-    assert local_rail("10.0.0.7") == {"rail": 0, "rail_address": "10.0.0.7", "rails": 1}
+    assert local_rail("10.0.0.7") == Rail(rail=0, rail_address="10.0.0.7", rails=1)
 
 
 @pytest.mark.parametrize(("local_rank", "rail"), [(None, 0), ("0", 0), ("1", 1), ("2", 0), ("7", 1)])
@@ -31,7 +31,7 @@ def test_the_local_rank_picks_a_rail_round_robin(monkeypatch: pytest.MonkeyPatch
         monkeypatch.delenv(LOCAL_RANK_ENV, raising=False)
     else:
         monkeypatch.setenv(LOCAL_RANK_ENV, local_rank)
-    assert local_rail("198.18.0.2") == {"rail": rail, "rail_address": f"198.18.{rail}.2", "rails": 2}
+    assert local_rail("198.18.0.2") == Rail(rail=rail, rail_address=f"198.18.{rail}.2", rails=2)
     answer = ping_answer(node_id="n", host_ip="198.18.0.2")
     assert (answer["rail"], answer["rail_address"], answer["rails"]) == (rail, f"198.18.{rail}.2", 2)
 
@@ -82,7 +82,7 @@ def test_stripes_go_over_the_rails_every_host_has_rail_0_first() -> None:
 def test_a_probe_reaches_an_address_that_answers_even_with_a_refusal() -> None:
     answer = ping_answer(node_id="n", host_ip="127.0.0.1", probe=["127.0.0.1"])
     assert answer["reachable"] == {"127.0.0.1": True}  # nothing listens on the discard port: refused, so reached
-    assert "reachable" not in ping_answer(node_id="n", host_ip="127.0.0.1")
+    assert ping_answer(node_id="n", host_ip="127.0.0.1")["reachable"] == {}  # nothing asked, nothing probed
 
 
 def test_a_rail_s_devices_are_the_interface_holding_its_address(monkeypatch: pytest.MonkeyPatch) -> None:

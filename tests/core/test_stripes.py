@@ -15,15 +15,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Union
 
 import pytest
 import torch
 
 from weightsync.api.errors import DigestMismatchError, WireError
 from weightsync.api.testing import case_tensors, raw_bytes
-from weightsync.api.types import RankArgs, Topology, TransferReport, WorkerContext, WorldMetadata
-from weightsync.core.backend import Transport, engine_class
+from weightsync.api.types import Topology, TransferReport, WorkerContext, WorldMetadata
+from weightsync.core.backend import RankPlan, RankRole, Transport, encode_plan, engine_class
 from weightsync.core.control.round import Round
 from weightsync.core.transports.chain.stripes import StripedReceiver
 from weightsync.core.transports.seam import ReceivedBucket
@@ -87,29 +87,47 @@ class _World:
         self.tamper: Callable[[int, int, torch.Tensor], None] = lambda stripe, token, payload: None
 
 
+class _MemorySend(RankPlan, tag="memory-send", frozen=True):
+    role: ClassVar[RankRole] = "sender"
+    stripes: int
+
+    @property
+    def striping(self) -> tuple[int, int]:
+        return self.sender, self.stripes
+
+
+class _MemoryReceive(RankPlan, tag="memory-receive", frozen=True):
+    role: ClassVar[RankRole] = "receiver"
+    stripes: int
+
+    @property
+    def striping(self) -> tuple[int, int]:
+        return 0, self.stripes
+
+
 class _MemoryTransport(Transport):
     name = "memory-stripes"
     world: ClassVar[_World]
+    plans: ClassVar[Any] = Union[_MemorySend, _MemoryReceive]
 
     @classmethod
     def build_topology(cls, *, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata
                        ) -> Topology:
-        actor: list[RankArgs] = [{"role": "sender", "sender": rank, "stripe": [rank, actor_wg_world_size]}
-                                 for rank in range(actor_wg_world_size)]
-        rollout: list[RankArgs] = [{"role": "receiver", "sender": 0, "stripes": actor_wg_world_size, "rank": rank}
-                                   for rank in range(rollout_world_size)]
-        return Topology(actor=actor, rollout=rollout, senders=tuple(range(actor_wg_world_size)))
+        actor = [_MemorySend(sender=rank, stripes=actor_wg_world_size) for rank in range(actor_wg_world_size)]
+        rollout = [_MemoryReceive(stripes=actor_wg_world_size) for _ in range(rollout_world_size)]
+        return Topology(actor=[encode_plan(plan) for plan in actor], rollout=[encode_plan(plan) for plan in rollout],
+                        senders=tuple(range(actor_wg_world_size)), stripes=actor_wg_world_size)
 
-    def connect_sender(self, rank_args: RankArgs) -> _Sender:
+    def connect_sender(self, plan: _MemorySend) -> _Sender:
         stripe = self.settings.context.rank
         return _Sender(self.world.queues[stripe], self.settings.bucket_bytes, self.world.published[stripe])
 
-    def connect_receiver(self, rank_args: RankArgs) -> StripedReceiver:
+    def connect_receiver(self, plan: _MemoryReceive) -> StripedReceiver:
         rank, world = self.settings.context.rank, self.world
         order = world.order or list(range(len(world.queues)))
         sources = [_Receiver(world.queues[stripe][rank], self.settings.bucket_bytes, _tampering(world, stripe))
                    for stripe in order]
-        return StripedReceiver(sources, epoch=str(rank_args["epoch"]))
+        return StripedReceiver(sources, epoch=plan.epoch)
 
 
 def _tampering(world: _World, stripe: int) -> Callable[[int, torch.Tensor], None]:

@@ -225,10 +225,12 @@ class _ShortTopologyEngine:
 def test_topology_not_matching_world_sizes_is_rejected(world: World) -> None:
     manager = world.manager("shm")
     manager.engine_class = cast(Any, _ShortTopologyEngine)
+    seen = [len(world.hooks(r)) for r in range(2)]
     with pytest.raises(TopologyError, match="1 rollout entries but rollout_world_size is 2"):
         asyncio.run(manager.update_weights())
-    # Nothing moved: the replicas were resumed, untouched.
-    assert world.hooks(1)[-2:] == ["resume_kv_cache", "resume_generation"]
+    # Nothing moved: the topology is built before any replica is paused, so they served throughout.
+    assert [len(world.hooks(r)) for r in range(2)] == seen
+    assert [state.state for state in manager.status()] == ["untouched", "untouched"]
 
 
 def test_corrupted_bucket_is_caught_by_digest_and_repaired(world: World) -> None:

@@ -14,6 +14,8 @@ from weightsync.api.errors import TopologyError
 from weightsync.api.testing import EngineHarness
 from weightsync.api.types import WorkerMetadata, WorldMetadata
 from weightsync.core.backend import BucketCheckpointEngine
+from weightsync.core.transports.chain.plan import ChainPlans
+from weightsync.core.transports.plan import decode_plan
 from weightsync.core.transports.chain.transport import chain_positions
 from weightsync.core.transports.chain.topology import plan_positions
 from weightsync.mooncake.engine import MooncakeCheckpointEngine
@@ -44,10 +46,12 @@ def test_build_topology_is_a_chain_by_rank(engine: type[BucketCheckpointEngine])
                                      metadata=_metadata(_library(engine), 3))
     topology.check(actor_wg_world_size=2, rollout_world_size=3)
     assert topology.senders == (0,)
-    assert [args["role"] for args in topology.actor] == ["sender", "idle"]
-    assert topology.actor[0]["children"] == [1]
-    assert [args["upstream"] for args in topology.rollout] == ["10.0.0.1:100", "10.0.0.2:100", "10.0.0.3:100"]
-    assert [args["children"] for args in topology.rollout] == [[2], [3], []]
+    actor = [decode_plan(args, ChainPlans, who="test") for args in topology.actor]
+    rollout = [decode_plan(args, ChainPlans, who="test") for args in topology.rollout]
+    assert [plan.role for plan in actor] == ["sender", "idle"]
+    assert actor[0].children == (1,)
+    assert [plan.source.upstream for plan in rollout] == ["10.0.0.1:100", "10.0.0.2:100", "10.0.0.3:100"]
+    assert [plan.source.children for plan in rollout] == [(2,), (3,), ()]
 
 
 @pytest.mark.parametrize("engine", [NixlCheckpointEngine, MooncakeCheckpointEngine])
@@ -77,8 +81,8 @@ try:
     receiver.prepare()
     try:
         receiver.init_process_group(rank_args={{
-            "role": "receiver", "epoch": "e" * 32, "rank": 1, "upstream": f"127.0.0.1:{{port}}",
-            "upstream_position": 1, "children": [],
+            "kind": "chain-receive", "epoch": "e" * 32, "rank": 1,
+            "source": {{"upstream": f"127.0.0.1:{{port}}", "upstream_position": 1}},
         }})
     except TransferError as exc:
         outcome = {{"type": type(exc).__name__, "peer": exc.peer, "message": str(exc)}}
@@ -142,6 +146,8 @@ def test_two_level_topology_names_the_children_that_read_in_place(engine: type[B
         actor=[{**metadata.actor[0], "layout": "two_level", "node_id": nodes[0]}, {}],
         rollout=[{**worker, "node_id": node} for worker, node in zip(metadata.rollout, nodes[1:])])
     topology = engine.build_topology(actor_wg_world_size=2, rollout_world_size=4, metadata=metadata)
-    assert topology.actor[0]["children"] == [1] and topology.actor[0]["in_place"] == []
-    assert [args["children"] for args in topology.rollout] == [[2, 3], [], [4], []]
-    assert [args["in_place"] for args in topology.rollout] == [[2], [], [4], []]
+    sender = decode_plan(topology.actor[0], ChainPlans, who="test")
+    rollout = [decode_plan(args, ChainPlans, who="test") for args in topology.rollout]
+    assert sender.children == (1,) and sender.in_place == ()
+    assert [plan.source.children for plan in rollout] == [(2, 3), (), (4,), ()]
+    assert [plan.source.in_place for plan in rollout] == [(2,), (), (4,), ()]

@@ -26,6 +26,8 @@ from weightsync.core.backend import BucketCheckpointEngine, node_local_plan
 from weightsync.core.pipeline import bounce
 from weightsync.core.transports import device as device_module
 from weightsync.core.transports.collective import device as devicecollective
+from weightsync.core.transports.collective.host import GroupPlans, GroupSend
+from weightsync.core.transports.plan import Idle, decode_plan
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -86,12 +88,14 @@ def test_build_topology_with_node_relays() -> None:
         actor_wg_world_size=3, rollout_world_size=3, metadata=_metadata(["a", "a", "b"], ["b", "a", "b"]))
     topology.check(actor_wg_world_size=3, rollout_world_size=3)
     assert topology.senders == (0, 2)
-    assert topology.actor[1]["role"] == "idle"
-    assert topology.actor[2] == {**topology.actor[2], "role": "sender", "group_rank": 0, "group_size": 3,
-                                 "store_port": 2002}
-    assert [args["sender"] for args in topology.rollout] == [2, 0, 2]
-    assert [args["group_rank"] for args in topology.rollout] == [1, 1, 2]
-    epochs = {args["epoch"] for args in [*topology.actor, *topology.rollout]}
+    actor = [decode_plan(args, GroupPlans, who="test") for args in topology.actor]
+    rollout = [decode_plan(args, GroupPlans, who="test") for args in topology.rollout]
+    assert actor[1].role == "idle"
+    assert isinstance(actor[2], GroupSend) and (actor[2].group_rank, actor[2].group_size, actor[2].store_port) == (
+        0, 3, 2002)
+    assert [plan.sender for plan in rollout] == [2, 0, 2]
+    assert [plan.group_rank for plan in rollout] == [1, 1, 2]
+    epochs = {plan.epoch for plan in [*actor, *rollout]}
     assert len(epochs) == 1  # one membership-epoch token for everyone
 
 
@@ -99,8 +103,10 @@ def test_build_topology_without_relays_is_the_single_broadcast_group() -> None:
     topology = GlooAcceleratorEngine.build_topology(
         actor_wg_world_size=2, rollout_world_size=2, metadata=_metadata(["a", "b"], ["a", "b"], relays="none"))
     assert topology.senders == (0,)
-    assert [args["group_rank"] for args in topology.rollout] == [1, 2]
-    assert topology.actor[1] == {"epoch": topology.actor[0]["epoch"], "role": "idle"}
+    rollout = [decode_plan(args, GroupPlans, who="test") for args in topology.rollout]
+    assert [plan.group_rank for plan in rollout] == [1, 2]
+    actor = [decode_plan(args, GroupPlans, who="test") for args in topology.actor]
+    assert actor[1] == Idle(epoch=actor[0].epoch)
 
 
 def test_build_topology_rejects_inconsistent_metadata_and_old_keywords() -> None:
@@ -214,7 +220,7 @@ def test_node_local_senders_deliver_the_whole_model_to_every_node() -> None:
     digests = {report.rank: report.digest for report in senders if report.buckets}
     assert set(digests) == {0, 2} and senders[1].buckets == 0  # actor rank 1 drained its stream, sent nothing
     for (report, same), args in zip(receivers, topology.rollout):
-        assert report is not None and report.sender == args["sender"]
+        assert report is not None and report.sender == decode_plan(args, GroupPlans, who="test").sender
         assert report.digest == digests[report.sender]
         assert same and all(same.values()) and len(same) == len(case_tensors("mixed", 1, 1 << 16))
 

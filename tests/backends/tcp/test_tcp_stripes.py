@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -20,12 +20,21 @@ import torch
 from weightsync.api.errors import ConfigError, WeightsyncError
 from weightsync.api.registry import load_engine_class
 from weightsync.api.testing import case_tensors, raw_bytes
-from weightsync.api.types import Role, WorkerContext, WorldMetadata
+from weightsync.api.types import RankArgs, Role, WorkerContext, WorldMetadata
 from weightsync.core.control.staged import joined
+from weightsync.core.transports.chain.plan import ChainPlans, ChainReceive
+from weightsync.core.transports.plan import decode_metadata, decode_plan
+from weightsync.core.transports.settings import EngineMetadata
 from weightsync.core.transports.stagearea import StageArea
 from weightsync.core.wire.digest import combine_stripes
 
 BUCKET = 1 << 16
+
+
+def _plans(entries: Sequence[RankArgs]) -> list[Any]:
+    """Each rank's plan, decoded as the engine decodes it."""
+    return [decode_plan(args, ChainPlans, who="test") for args in entries]
+
 ACTOR = [("A", 0), ("A", 1)]  # (host, rail) of each actor rank
 ROLLOUT = [("B", 0), ("B", 1), ("C", 0), ("C", 1)]
 WEIGHTS = case_tensors("mixed", 1, BUCKET)
@@ -115,7 +124,7 @@ def test_two_stripes_over_two_rails_arrive_whole_at_every_worker(stripes: Any) -
         count = 2 if stripes == "rails" else 1
         assert len(topology.senders) == count
         if count == 2:  # an error reading a stripe names it, its rail and the two hosts (the peer in errors)
-            peers = [source["peer"] for source in topology.rollout[2]["sources"]]
+            peers = [source.peer for source in _plans(topology.rollout)[2].sources]
             assert peers == ["rollout rank 0 (stripe 0, rail 0 from host B to host C)",
                              "rollout rank 3 (stripe 1, in place)"]
         _join(engines, topology)
@@ -147,11 +156,12 @@ def test_a_staged_update_is_staged_one_stripe_per_stager_and_swapped_whole_from_
     areas = [StageArea() for _ in rollouts]
     try:
         metadata, topology = _topology(engines, ACTOR, ROLLOUT)
-        assert all(entry["staged"] is True for entry in metadata)
-        assert topology.senders == (0, 1)
-        assert [args["stripe"] for args in topology.rollout] == [[0, 2], [1, 2], [0, 2], [1, 2]]
-        assert not any("sources" in args for args in topology.rollout)  # nobody reads another's stripe
-        assert topology.rollout[2]["peer"] == "rollout rank 0 (stripe 0, rail 0 from host B to host C)"
+        assert all(decode_metadata(entry, EngineMetadata, who="test").staged for entry in metadata)
+        assert topology.senders == (0, 1) and topology.stripes == 2
+        rollout = _plans(topology.rollout)
+        assert [plan.striping for plan in rollout] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+        assert all(isinstance(plan, ChainReceive) for plan in rollout)  # nobody reads another's stripe
+        assert rollout[2].source.peer == "rollout rank 0 (stripe 0, rail 0 from host B to host C)"
         _join(engines, topology)
         for version in (1, 2):
             results = _succeeded([*(_send(engine, version) for engine in actors),
@@ -194,10 +204,11 @@ def test_stripes_over_rails_0_and_2_leave_rail_1_out() -> None:
     try:
         _, topology = _topology(engines, actor_hosts, rollout_hosts)
         assert topology.senders == (0, 2)  # the actor ranks on rails 0 and 2; rank 1 (rail 1) only drains
-        assert [args["role"] for args in topology.actor] == ["sender", "idle", "sender"]
-        assert [source["peer"] for source in topology.rollout[5]["sources"]] == [  # C's worker on rail 2
+        actor, rollout = _plans(topology.actor), _plans(topology.rollout)
+        assert [plan.role for plan in actor] == ["sender", "idle", "sender"]
+        assert [source.peer for source in rollout[5].sources] == [  # C's worker on rail 2
             "rollout rank 3 (stripe 0, in place)", "rollout rank 2 (stripe 1, rail 2 from host B to host C)"]
-        assert [source["local"] for source in topology.rollout[4]["sources"]] == [True, True]  # C's rail 1 worker
+        assert [source.local for source in rollout[4].sources] == [True, True]  # C's rail 1 worker
         _join(engines, topology)
         results = _succeeded([*(_send(engine, 1) for engine in actors),
                               *(functools.partial(_load, engine.receive_weights) for engine in rollouts)])

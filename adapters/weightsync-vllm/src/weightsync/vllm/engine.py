@@ -68,6 +68,7 @@ from weightsync.api import errors
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import ConfigError, LifecycleError, LoadVerificationError, WeightsyncError
 from weightsync.api.protocols import next_batch
+from weightsync.api.topology import epoch_of
 from weightsync.api.types import StagedUpdate, WorkerMetadata
 from weightsync.core.worker.host import EngineHost, is_untouched, mark_untouched
 
@@ -182,9 +183,9 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         host = self._require_host("init_weight_transfer_engine")
-        if not init_info.epoch or init_info.rank_args.get("epoch") != init_info.epoch:
+        if not init_info.epoch or epoch_of(init_info.rank_args) != init_info.epoch:
             raise ConfigError(f"init_info's epoch {init_info.epoch!r} is not the one in its rank_args "
-                              f"({init_info.rank_args.get('epoch')!r})")
+                              f"({epoch_of(init_info.rank_args)!r})")
         if host.spec != dict(init_info.engine):
             raise LifecycleError("init_weight_transfer_engine for another engine than the one prepared; prepare again")
         host.execute_sync("init_process_group", rank_args=init_info.rank_args)

@@ -47,7 +47,9 @@ import ray
 
 from weightsync.api.errors import ConfigError, LifecycleError, ReplicaTornError
 from weightsync.api.types import StagedUpdate, TransferReport
+from weightsync.api.topology import epoch_of
 from weightsync.core.transports.place import ping_answer
+from weightsync.core.transports.plan import Idle, encode_plan
 from weightsync.core.worker.host import EngineHost, is_untouched
 from weightsync.ray.group import RayStagingWorker, actor_options
 from weightsync.vllm.engine import BACKEND, error_from_data
@@ -155,10 +157,10 @@ class VllmEngineActor:
             from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
             rank_args = dict(kwargs["rank_args"])
-            epoch = str(rank_args.get("epoch", ""))
+            epoch = epoch_of(rank_args)
             if self._stager is not None:  # it takes this rank's place in the world; vLLM's engine reads staging
                 await self._stager.execute("init_process_group", rank_args=rank_args)
-                rank_args = {"role": "idle", "epoch": epoch}
+                rank_args = encode_plan(Idle(epoch=epoch))
             await self._engine().init_weight_transfer_engine(WeightTransferInitRequest(init_info={
                 "engine": self._spec, "rank_args": rank_args, "epoch": epoch,
             }))

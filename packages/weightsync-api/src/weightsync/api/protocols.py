@@ -210,9 +210,11 @@ class CheckpointEngine(Protocol):
     (send only what changed, see ``weightsync.core.delta``); an engine that cannot raises ``ConfigError`` for them.
     Backends document their own ``options``.
 
-    Class attributes (data, read without constructing an engine): ``name`` (the registry name) and ``devices``
+    Class attributes (data, read without constructing an engine): ``name`` (the registry name), ``devices``
     (where the backend's own buffers can live, e.g. ``frozenset({"cpu"})``; ``{"cuda"}`` for a backend that needs
-    CUDA).
+    CUDA), and its capabilities: ``supports_delta`` (whether it takes ``delta=True``) and ``checks_transport_rules``
+    (whether it takes ``check_transport=True``: the conformance kit then builds it so, and every case also checks
+    the rules between its pipeline and its transport).
 
     Devices: every engine accepts source tensors on the host or on the calling process's accelerator (its current
     device), mixed within one update, and loads into destinations on either; where a tensor's device differs from
@@ -226,6 +228,8 @@ class CheckpointEngine(Protocol):
 
     name: ClassVar[str]
     devices: ClassVar[frozenset[str]]
+    supports_delta: ClassVar[bool]
+    checks_transport_rules: ClassVar[bool]
 
     def __init__(
         self, *, bucket_bytes: int, context: WorkerContext | None = None, slots: int | None = None,

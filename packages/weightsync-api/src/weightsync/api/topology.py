@@ -10,12 +10,16 @@ starts. Plain data only: no torch, no ray.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
 
 from weightsync.api.errors import TopologyError, WeightsyncError
 from weightsync.api.protocols import CheckpointEngine
 from weightsync.api.types import Topology, WorldMetadata
 
-__all__ = ["build_checked_topology", "check_sizes", "with_epoch"]
+__all__ = ["build_checked_topology", "check_sizes", "epoch_of", "with_epoch"]
+
+EPOCH = "epoch"
+"""The key of ``rank_args`` that carries the membership epoch's token (``with_epoch`` writes it)."""
 
 
 def with_epoch(topology: Topology) -> Topology:
@@ -26,10 +30,17 @@ def with_epoch(topology: Topology) -> Topology:
     """
     token = secrets.token_hex(16)
     return Topology(
-        actor=[{"epoch": token, **args} for args in topology.actor],
-        rollout=[{"epoch": token, **args} for args in topology.rollout],
-        senders=topology.senders,
+        actor=[{EPOCH: token, **args} for args in topology.actor],
+        rollout=[{EPOCH: token, **args} for args in topology.rollout],
+        senders=topology.senders, stripes=topology.stripes,
     )
+
+
+def epoch_of(rank_args: Mapping[str, object]) -> str:
+    """The membership epoch's token in one rank's ``rank_args`` ("" when it carries none): what a driver or an
+    adapter that relays ``rank_args`` needs of them without knowing the engine's plan."""
+    token = rank_args.get(EPOCH)
+    return token if isinstance(token, str) else ""
 
 
 def check_sizes(*, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata) -> None:

@@ -78,11 +78,14 @@ class Topology:
     ``actor[i]`` goes to actor rank i and ``rollout[j]`` to rollout rank j. ``senders`` lists the actor ranks
     whose ``send_weights`` actually transmits; every other actor rank still drains its weights stream (gathering a
     sharded model is collective) and sends nothing. With several senders each sends a disjoint part of the model.
+    ``stripes``: the update is dealt into this many stripes, stripe s sent by ``senders[s]`` (bucket i in stripe
+    i mod K) and every receiver reading them all; 1 (the default): each sender's part goes whole to its receivers.
     """
 
     actor: Sequence[RankArgs]
     rollout: Sequence[RankArgs]
     senders: tuple[int, ...] = (0,)
+    stripes: int = 1
 
     def check(self, *, actor_wg_world_size: int, rollout_world_size: int) -> None:
         """Raise :class:`TopologyError` unless the lists match the world sizes and the senders are actor ranks."""
@@ -99,6 +102,15 @@ class Topology:
         bad = [rank for rank in self.senders if not 0 <= rank < actor_wg_world_size]
         if bad or len(set(self.senders)) != len(self.senders):
             raise TopologyError(f"topology senders {list(self.senders)} are not distinct actor ranks")
+        if isinstance(self.stripes, bool) or not isinstance(self.stripes, int) or self.stripes < 1 or (
+                self.stripes > 1 and self.stripes != len(self.senders)):
+            raise TopologyError(f"topology deals {self.stripes!r} stripes over senders {list(self.senders)}: a striped "
+                                "update has one sender per stripe")
+
+    @property
+    def stripe_of(self) -> dict[int, int]:
+        """Actor rank → the stripe it sends (empty when the update is not dealt into stripes)."""
+        return {rank: stripe for stripe, rank in enumerate(self.senders)} if self.stripes > 1 else {}
 
 
 @dataclass(frozen=True, kw_only=True)

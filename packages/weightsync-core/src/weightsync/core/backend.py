@@ -31,7 +31,8 @@ from weightsync.core.pipeline.handover import Handover, Hold
 from weightsync.core.pipeline.planner import validate_pair
 from weightsync.core.transports.collective.device import AcceleratorCollectiveTransport, node_local_plan
 from weightsync.core.transports.place import default_node_id
-from weightsync.core.transports.settings import EngineBase, EngineSettings
+from weightsync.core.transports.plan import Idle, RankPlan, RankRole, decode_metadata, decode_plan, encode_plan
+from weightsync.core.transports.settings import EngineBase, EngineMetadata, EngineSettings
 from weightsync.core.transports.sharedmem import SharedSegment, new_segment_prefix, sweep_orphan_segments
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.framing import accept_peers, recv_frame, send_frame
@@ -47,6 +48,8 @@ __all__ = [
     "default_node_id",
     # the transport interface
     "Transport", "SenderTransport", "ReceiverTransport", "ReceivedBucket", "NO_SLOT", "BufferPlace", "DevicePolicy",
+    # the typed plan: what build_topology hands each rank, and what a worker advertises
+    "RankPlan", "RankRole", "Idle", "encode_plan", "decode_plan", "decode_metadata", "EngineMetadata",
     # shared transports
     "ChainTransport", "RegisteredRing", "RemoteRing", "PendingRead", "RingEndpoint", "chain_positions", "DEFAULT_FANOUT",
     "CollectiveTransport", "Group", "c10d",

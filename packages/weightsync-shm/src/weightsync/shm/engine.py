@@ -15,17 +15,18 @@ import os
 import secrets
 import socket
 import time
-from typing import ClassVar
+from typing import Any, ClassVar, Union
 
 import msgspec
 import torch
 
 from weightsync.api.errors import LifecycleError, TopologyError, TransferError, WireError
 from weightsync.api.registry import KNOWN_BACKENDS, get_backend_spec, installed_backends
-from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
+from weightsync.api.types import Topology, WorkerMetadata, WorldMetadata
 from weightsync.core.backend import (
-    NO_SLOT, WIRE_VERSION, Ack, AckedPeers, Hello, ReceivedBucket, SharedSegment, SlotSequence, Transport,
-    accept_peers, encode, engine_class, new_segment_prefix, recv_frame, send_frame, sweep_orphan_segments,
+    NO_SLOT, WIRE_VERSION, Ack, AckedPeers, EngineMetadata, Hello, Idle, RankPlan, RankRole, ReceivedBucket,
+    SharedSegment, SlotSequence, Transport, accept_peers, decode_metadata, encode, encode_plan, engine_class,
+    new_segment_prefix, recv_frame, send_frame, sweep_orphan_segments,
 )
 
 __all__ = ["ShmCheckpointEngine", "ShmTransport", "SharedSegment"]
@@ -107,6 +108,31 @@ class _Receiver:
         self._segments = []
 
 
+class ShmMetadata(EngineMetadata, kw_only=True, frozen=True):
+    """What an shm worker advertises: actor rank 0 its control socket's (abstract) address."""
+
+    address: str = ""
+
+
+class ShmSend(RankPlan, tag="shm-send", frozen=True):
+    """The sender: how many receivers connect to it."""
+
+    role: ClassVar[RankRole] = "sender"
+    receivers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.receivers < 0:
+            raise ValueError(f"a receiver count is >= 0, got {self.receivers}")
+
+
+class ShmReceive(RankPlan, tag="shm-receive", frozen=True):
+    """A receiver: its rank and where the sender listens."""
+
+    role: ClassVar[RankRole] = "receiver"
+    rank: int
+    address: str
+
+
 class ShmTransport(Transport):
     """Shared-memory ring. Sender: actor rank 0; receivers: every rollout worker, all on the sender's host."""
 
@@ -115,6 +141,7 @@ class ShmTransport(Transport):
     # Four buckets: the sender packs ahead while the receivers, each at its own pace, consume the others (two made
     # it wait for the slower receiver at every bucket). The ring is one copy in /dev/shm for every receiver.
     default_slots: ClassVar[int] = 4
+    plans: ClassVar[Any] = Union[Idle, ShmSend, ShmReceive]
 
     _listener: socket.socket | None = None
     _segments: list[SharedSegment] | None = None
@@ -136,30 +163,24 @@ class ShmTransport(Transport):
     def build_topology(
         cls, *, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata
     ) -> Topology:
-        sender = metadata.actor[0]
-        sender_node = sender.get("node_id")
-        address = sender.get("address")
-        if not isinstance(address, str):
+        sender = decode_metadata(metadata.actor[0], ShmMetadata, who="shm actor rank 0")
+        if not sender.address:
             raise TopologyError("shm: actor rank 0 did not advertise a control address (was prepare() called?)")
-        for rank, worker in enumerate(metadata.rollout):
-            if worker.get("node_id") != sender_node:
+        for rank, entry in enumerate(metadata.rollout):
+            worker = decode_metadata(entry, ShmMetadata, who=f"shm rollout rank {rank}")
+            if worker.node_id != sender.node_id:
                 raise TopologyError(
-                    f"shm moves weights within one host, but actor rank 0 is on node {sender_node} and rollout "
-                    f"rank {rank} is on node {worker.get('node_id')}; use a backend that crosses nodes: "
+                    f"shm moves weights within one host, but actor rank 0 is on node {sender.node_id} and rollout "
+                    f"rank {rank} is on node {worker.node_id}; use a backend that crosses nodes: "
                     f"{_cross_node_backends()}"
                 )
-        actor: list[RankArgs] = [{"role": "sender", "receivers": rollout_world_size}]
-        actor += [{"role": "idle"} for _ in range(actor_wg_world_size - 1)]
-        rollout: list[RankArgs] = [
-            {"role": "receiver", "rank": rank, "address": address, "sender": 0} for rank in range(rollout_world_size)
-        ]
-        return Topology(actor=actor, rollout=rollout, senders=(0,))
+        actor = [ShmSend(receivers=rollout_world_size), *[Idle() for _ in range(actor_wg_world_size - 1)]]
+        rollout = [ShmReceive(rank=rank, address=sender.address) for rank in range(rollout_world_size)]
+        return Topology(actor=[encode_plan(plan) for plan in actor], rollout=[encode_plan(plan) for plan in rollout],
+                        senders=(0,))
 
-    def connect_sender(self, rank_args: RankArgs) -> _Sender:
-        receivers = rank_args.get("receivers")
-        epoch = str(rank_args["epoch"])
-        if not isinstance(receivers, int) or receivers < 0:
-            raise TopologyError(f"shm: bad receiver count {receivers!r}")
+    def connect_sender(self, plan: ShmSend) -> _Sender:
+        receivers, epoch = plan.receivers, plan.epoch
         if self._listener is None:
             raise LifecycleError("shm: init_process_group before prepare on the sender")
         if self._segments is None:
@@ -175,10 +196,8 @@ class ShmTransport(Transport):
                              reply=lambda hello: info, what="shm sender")
         return _Sender(self._segments, peers, self.settings.bucket_bytes, epoch)
 
-    def connect_receiver(self, rank_args: RankArgs) -> _Receiver:
-        address, rank, epoch = rank_args.get("address"), rank_args.get("rank"), str(rank_args["epoch"])
-        if not isinstance(address, str) or not isinstance(rank, int):
-            raise TopologyError(f"shm: receiver rank_args need address and rank, got {rank_args}")
+    def connect_receiver(self, plan: ShmReceive) -> _Receiver:
+        address, rank, epoch = plan.address, plan.rank, plan.epoch
         deadline = time.monotonic() + self.settings.timeout
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

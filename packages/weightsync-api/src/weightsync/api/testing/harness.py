@@ -19,7 +19,7 @@ from typing import Any
 
 from weightsync.api.registry import load_engine_class
 from weightsync.api.testing.cases import PLACEMENTS
-from weightsync.api.topology import build_checked_topology, with_epoch
+from weightsync.api.topology import build_checked_topology, epoch_of, with_epoch
 from weightsync.api.types import Role, Topology, WorkerContext, WorldMetadata
 
 __all__ = ["ConformanceFailure", "EngineHarness", "WorkerFailed", "checked_options"]
@@ -44,7 +44,7 @@ class WorkerFailed(RuntimeError):
 def checked_options(backend: str, options: dict[str, Any]) -> dict[str, Any]:
     """``options`` with ``check_transport=True`` for an engine that checks the rules between its pipeline and its
     transport (weightsync's bucket engines: ``checks_transport_rules``), so every case of the kit also checks them."""
-    if getattr(load_engine_class(backend), "checks_transport_rules", False):
+    if load_engine_class(backend).checks_transport_rules:
         return {"check_transport": True, **options}
     return dict(options)
 
@@ -326,7 +326,7 @@ class EngineHarness:
         )
         # Engines normally stamp the epoch token themselves; the kit supplies one for those that do not.
         topology = with_epoch(topology)
-        self.epoch = str(topology.actor[0]["epoch"])
+        self.epoch = epoch_of(topology.actor[0])
         self._all("init", [{"rank_args": args} for args in [*topology.actor, *topology.rollout]])
         return topology
 

@@ -10,12 +10,14 @@ stripes over it — only when every probe reached it. Until then ``auto`` deals 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
+from weightsync.api.errors import TransferError
 from weightsync.api.protocols import RolloutWorker
 from weightsync.core.control import steps
 from weightsync.core.control.steps import worker_label
+from weightsync.core.transports.place import PingAnswer
+from weightsync.core.transports.plan import decode_metadata
 
 __all__ = ["LostRails", "RAIL_GRACE_S", "rail_grace"]
 
@@ -38,33 +40,36 @@ class LostRails:
 
     def record(self, error: BaseException) -> None:
         """Note the rail ``error`` names (a stripe's ``TransferError``), if any."""
-        rail = getattr(error, "details", {}).get("rail")
-        if isinstance(rail, int) and not isinstance(rail, bool) and rail > 0:
-            self.rails.add(rail)
+        if isinstance(error, TransferError) and error.rail is not None and error.rail > 0:
+            self.rails.add(error.rail)
 
-    async def recheck(self, workers: Sequence[tuple[int, RolloutWorker]],
-                      pings: list[tuple[str, Awaitable[Any]]], actor_size: int, timeout: float) -> bool:
+    async def recheck(self, workers: Sequence[tuple[int, RolloutWorker]], pings: steps.Labelled, actor_size: int,
+                      timeout: float) -> bool:
         """Ping every worker (``pings``, actor ranks first) and probe the lost rails; whether one came back."""
         lost = set(self.rails)
         answers = await steps.gather("setup", timeout, pings, raise_first=False)
-        await self.probe(workers, answers, actor_size, timeout)
+        places = [decode_metadata(answer, PingAnswer, who=label) if isinstance(answer, dict) else None
+                  for (label, _), answer in zip(pings, answers)]
+        await self.probe(workers, places, actor_size, timeout)
         return self.rails != lost
 
-    async def probe(self, workers: Sequence[tuple[int, RolloutWorker]], answers: Sequence[Any], actor_size: int,
-                    timeout: float) -> None:
+    async def probe(self, workers: Sequence[tuple[int, RolloutWorker]], answers: Sequence[PingAnswer | None],
+                    actor_size: int, timeout: float) -> None:
         """Probe every lost rail from the rollout workers on it (``answers``: every worker's ping, actor ranks
-        first); a rail every probe reached is no longer lost."""
-        sender_node = answers[0].get("node_id") if isinstance(answers[0], dict) else None
+        first; None where a worker did not answer); a rail every probe reached is no longer lost."""
+        sender = answers[0]
+        if sender is None:
+            return
         for rail in sorted(self.rails):
-            targets = [answer.get("rail_address") for answer in answers[:actor_size]
-                       if isinstance(answer, dict) and answer.get("node_id") == sender_node and answer.get("rail") == rail]
+            targets = [answer.rail_address for answer in answers[:actor_size]
+                       if answer is not None and answer.node_id == sender.node_id and answer.rail == rail]
             probers = [(r, worker) for (r, worker), answer in zip(workers, answers[actor_size:])
-                       if isinstance(answer, dict) and answer.get("rail") == rail]
-            if not targets or not isinstance(targets[0], str) or not probers:
+                       if answer is not None and answer.rail == rail]
+            if not targets or not targets[0] or not probers:
                 continue
             results = await steps.gather("setup", timeout, [
                 (worker_label(r, worker), worker.execute_checkpoint_engine("ping", probe=[targets[0]]))
                 for r, worker in probers], raise_first=False)
-            if all(isinstance(result, dict) and result.get("reachable", {}).get(targets[0]) is True
-                   for result in results):
+            if all(isinstance(result, dict) and decode_metadata(result, PingAnswer, who="a probe").reachable.get(
+                    targets[0]) is True for result in results):
                 self.rails.discard(rail)

@@ -10,11 +10,11 @@ from collections.abc import Mapping, Sequence
 from weightsync.api.config import StepTimeouts
 from weightsync.api.errors import LoadVerificationError
 from weightsync.api.protocols import LoadProvingReplica, PausableReplica, RolloutReplica, TornAwareReplica
-from weightsync.api.types import ReplicaOutcome, WorkerMetadata
+from weightsync.api.types import ReplicaOutcome
 from weightsync.core.control import steps
 from weightsync.core.control.round import Round
 
-__all__ = ["checksums", "disagreeing", "disowning", "host_of", "pause", "resume", "settle"]
+__all__ = ["checksums", "disagreeing", "disowning", "pause", "settle", "tell_torn"]
 
 
 async def _pause(replica: RolloutReplica) -> None:
@@ -142,11 +142,3 @@ def disowning(round_: Round, held: Mapping[int, Mapping[str, str]]) -> LoadVerif
         f"replica{first}'s engine holds another {parameter!r} than "
         f"{'the other replicas' if len(wrong) < len(held) else 'the replica(s) it was compared with'}"
         f" after the update (replicas disagreeing: {sorted(wrong)})", replica=f"replica{first}", parameter=parameter)
-
-
-def host_of(metadata: WorkerMetadata) -> str:
-    """A worker's host for people: "name (address)" from its prepare() metadata, or whichever of them it gave."""
-    name, address = metadata.get("hostname"), metadata.get("host_ip")
-    if name and address:
-        return f"{name} ({address})"
-    return str(name or address or metadata.get("node_id") or "of unknown name")

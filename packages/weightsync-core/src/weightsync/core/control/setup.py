@@ -12,15 +12,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from weightsync.api.config import SyncConfig
-from weightsync.api.errors import ConfigError
+from weightsync.api.errors import ConfigError, TopologyError
 from weightsync.api.protocols import ActorWorkerGroup, CheckpointEngine, RolloutWorker
 from weightsync.api.registry import load_engine_class
-from weightsync.api.topology import build_checked_topology, with_epoch
+from weightsync.api.topology import build_checked_topology, epoch_of, with_epoch
 from weightsync.api.types import RankArgs, WorkerMetadata, WorldMetadata
 from weightsync.core.control import auto, steps
 from weightsync.core.control.auto import AutoChoice
 from weightsync.core.control.rails import LostRails
-from weightsync.core.control.replicas import host_of
+from weightsync.core.transports.place import PingAnswer, Place
+from weightsync.core.transports.plan import Idle, decode_metadata, encode_plan, with_delta_base
 from weightsync.core.worker.host import engine_spec
 
 __all__ = ["Epoch", "Members", "Setup"]
@@ -100,19 +101,18 @@ class Setup:
         topology = with_epoch(build_checked_topology(  # our engines stamp the epoch; any other gets one here
             engine_class, backend=backend, actor_wg_world_size=actor_size, rollout_world_size=len(members),
             metadata=WorldMetadata(actor=world.actor, rollout=[world.rollout[i] for i in members])))
-        token = str(topology.actor[0]["epoch"])
+        token = epoch_of(topology.actor[0])
         actor_args = list(topology.actor)
-        stripes = _stripes_of(actor_args)
         if delta_base is not None:  # the senders may send only what changed since it
-            actor_args = [{**args, "delta_base": delta_base} for args in actor_args]
-        rollout_args: list[RankArgs] = [{"role": "idle", "epoch": token} for _ in workers]
+            actor_args = [with_delta_base(args, delta_base) for args in actor_args]
+        rollout_args: list[RankArgs] = [encode_plan(Idle(epoch=token)) for _ in workers]
         for member, args in zip(members, topology.rollout):
             rollout_args[member] = args
         labelled = steps.actor_calls("init_process_group", actor_wg=self.actor_wg, rank_args=actor_args)
         labelled += steps.worker_calls(workers, "init_process_group", [{"rank_args": args} for args in rollout_args])
         await steps.gather("init_process_group", timeout, labelled)
-        where = {label: host_of(entry) for (label, _), entry in zip(labelled, metadata)}
-        return Epoch(token=token, world=world, where=where, stripes=stripes)
+        where = {label: decode_metadata(entry, Place, who=label).host for (label, _), entry in zip(labelled, metadata)}
+        return Epoch(token=token, world=world, where=where, stripes=topology.stripe_of)
 
     async def _resolve(self, workers: Sequence[tuple[int, RolloutWorker]], timeout: float
                        ) -> tuple[str, SyncConfig, type[CheckpointEngine]]:
@@ -124,25 +124,25 @@ class Setup:
         if not pings:
             raise ConfigError("backend='auto' needs workers that answer execute_checkpoint_engine('ping'); name a "
                               "backend instead")
-        answers: list[Any] = await steps.gather("setup", timeout, pings)
+        answers = decoded_pings(pings, await steps.gather("setup", timeout, pings))
         actor_size = self.actor_wg.world_size
         await self.lost_rails.probe(workers, answers, actor_size, timeout)
-        nodes = [str(answer.get("node_id")) if isinstance(answer, dict) else "" for answer in answers]
-        rdma = all(isinstance(answer, dict) and answer.get("rdma") is True for answer in answers)
-        rails = [answer.get("rail", 0) if isinstance(answer, dict) else 0 for answer in answers]
+        sender = answers[0]
         self.choice = choice = auto.choose(
-            sender_node=nodes[0], rollout_nodes=nodes[actor_size:], rdma=rdma, rollout_rails=rails[actor_size:],
-            sender_rails=[rail for node, rail in zip(nodes[:actor_size], rails) if node == nodes[0]],
+            sender_node=sender.node_id, rollout_nodes=[answer.node_id for answer in answers[actor_size:]],
+            rdma=all(answer.rdma for answer in answers), rollout_rails=[answer.rail for answer in answers[actor_size:]],
+            sender_rails=[answer.rail for answer in answers[:actor_size] if answer.node_id == sender.node_id],
             striping=not self.config.delta, lost_rails=self.lost_rails.rails)
         config = dataclasses.replace(self.config, backend_options={**choice.options, **self.config.backend_options})
         return choice.backend, config, load_engine_class(choice.backend)
 
 
-def _stripes_of(actor_args: Sequence[RankArgs]) -> dict[int, int]:
-    """Actor rank → the stripe its ``rank_args`` deal it (``"stripe": [s, K]``); empty for an unstriped topology."""
-    stripes: dict[int, int] = {}
-    for rank, args in enumerate(actor_args):
-        stripe = args.get("stripe")
-        if isinstance(stripe, list) and stripe and isinstance(stripe[0], int):
-            stripes[rank] = stripe[0]
-    return stripes
+def decoded_pings(pings: steps.Labelled, answers: Sequence[Any]) -> list[PingAnswer]:
+    """Every worker's ``ping`` answer (``pings``' order), decoded; a ``TopologyError`` naming a worker whose answer
+    is not one."""
+    decoded = []
+    for (label, _), answer in zip(pings, answers):
+        if not isinstance(answer, dict):
+            raise TopologyError(f"{label} answered ping with a {type(answer).__name__}, not a mapping")
+        decoded.append(decode_metadata(answer, PingAnswer, who=label))
+    return decoded

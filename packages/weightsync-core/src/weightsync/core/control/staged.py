@@ -39,6 +39,8 @@ from weightsync.core.control.rails import rail_grace
 from weightsync.core.control.round import Round
 from weightsync.core.control.setup import Epoch
 from weightsync.core.transports.chain.stripes import stripes_for
+from weightsync.core.transports.place import Place
+from weightsync.core.transports.plan import decode_metadata
 from weightsync.core.wire.digest import combine_stripes
 
 __all__ = ["Staged", "StagedPlan", "joined"]
@@ -57,12 +59,13 @@ class StagedPlan:
     def of(cls, world: WorldMetadata) -> StagedPlan:
         """From the workers' ``prepare`` metadata: where each rollout worker said it runs (``node_id``) and on which
         rail (``rail``), and how many stripes the topology will deal the update into (:func:`stripes_for`)."""
-        metadata, used = world.rollout, stripes_for(world)
-        hosts = tuple(str(entry.get("node_id") or f"unknown-{i}") for i, entry in enumerate(metadata))
+        places = [decode_metadata(entry, Place, who=f"rollout rank {i}") for i, entry in enumerate(world.rollout)]
+        used = stripes_for(world)
+        hosts = tuple(place.node_id or f"unknown-{i}" for i, place in enumerate(places))
         stagers: dict[str, tuple[int, ...]] = {}
         for host in dict.fromkeys(hosts):
             on_host = [i for i, where in enumerate(hosts) if where == host]
-            rails = {i: metadata[i].get("rail", 0) for i in on_host}
+            rails = {i: places[i].rail for i in on_host}
             chosen = [next((i for i in on_host if len(used) == 1 or rails[i] == rail), None) for rail in used]
             if None in chosen:
                 raise TopologyError(f"a staged update dealt over rails {used} needs a worker on each of them on host "

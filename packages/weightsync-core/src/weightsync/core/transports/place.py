@@ -13,11 +13,13 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from weightsync.api.errors import ConfigError
 
 __all__ = [
-    "LOCAL_RANK_ENV", "RAIL_ADDRS_ENV", "RDMA_CLASS", "default_node_id", "devices_of", "has_rdma", "local_rail",
-    "ping_answer", "rail_devices", "reaches",
+    "LOCAL_RANK_ENV", "RAIL_ADDRS_ENV", "RDMA_CLASS", "PingAnswer", "Place", "Rail", "default_node_id", "devices_of",
+    "has_rdma", "here", "local_rail", "ping_answer", "rail_devices", "reaches",
 ]
 
 RAIL_ADDRS_ENV = "WEIGHTSYNC_RAIL_ADDRS"
@@ -26,6 +28,48 @@ rail, the worker's ``host_ip``."""
 LOCAL_RANK_ENV = "LOCAL_RANK"
 """This process's rank among the workers of its host (torchrun's name; the bench and the Ray adapter set it)."""
 RDMA_CLASS = "/sys/class/infiniband"
+
+
+class Rail(msgspec.Struct, kw_only=True, frozen=True):
+    """A worker's rail: the NIC its weight traffic uses (``rail`` of the host's ``rails``, at ``rail_address``)."""
+
+    rail: int = 0
+    rail_address: str = ""
+    rails: int = 1
+
+
+class Place(Rail, kw_only=True, frozen=True):
+    """Where a worker runs: what every worker's ``prepare`` metadata and ``ping`` answer say about it (decoded from
+    either with :func:`weightsync.core.transports.plan.decode_metadata`; their other keys are left to their readers).
+    """
+
+    node_id: str = ""
+    """Its host's identity: workers with the same ``node_id`` share memory."""
+    host_ip: str = ""
+    """The address peers on other hosts reach it at."""
+    hostname: str = ""
+    pid: int = 0
+
+    @property
+    def host(self) -> str:
+        """The host, for people: "name (address)", or whichever of them it gave."""
+        if self.hostname and self.host_ip:
+            return f"{self.hostname} ({self.host_ip})"
+        return self.host_name or "of unknown name"
+
+    @property
+    def host_name(self) -> str:
+        """The host's name, else its address, else its identity."""
+        return self.hostname or self.host_ip or self.node_id
+
+
+class PingAnswer(Place, kw_only=True, frozen=True):
+    """What a worker answers a ``ping`` with (:func:`ping_answer`)."""
+
+    rdma: bool = False
+    """Its host has an RDMA device."""
+    reachable: dict[str, bool] = {}
+    """Each address it was asked to probe: whether it reached it."""
 
 
 @functools.cache
@@ -47,13 +91,12 @@ def has_rdma(root: str = RDMA_CLASS) -> bool:
         return False
 
 
-def local_rail(host_ip: str) -> dict[str, Any]:
+def local_rail(host_ip: str) -> Rail:
     """This worker's rail, as a GPU node maps a GPU to its NIC: local rank ``LOCAL_RANK`` takes rail ``LOCAL_RANK
-    mod K`` of the K addresses in ``WEIGHTSYNC_RAIL_ADDRS``. The metadata keys ``rail``, ``rail_address`` and
-    ``rails`` (K); without rail addresses, rail 0 at ``host_ip`` of one."""
+    mod K`` of the K addresses in ``WEIGHTSYNC_RAIL_ADDRS``; without rail addresses, rail 0 at ``host_ip`` of one."""
     addresses = [address.strip() for address in os.environ.get(RAIL_ADDRS_ENV, "").split(",") if address.strip()]
     if not addresses:
-        return {"rail": 0, "rail_address": host_ip, "rails": 1}
+        return Rail(rail=0, rail_address=host_ip, rails=1)
     text = os.environ.get(LOCAL_RANK_ENV, "0")
     try:
         local_rank = int(text)
@@ -62,7 +105,7 @@ def local_rail(host_ip: str) -> dict[str, Any]:
     if local_rank < 0:
         raise ConfigError(f"{LOCAL_RANK_ENV}={text!r}: a worker's local rank must be a non-negative int")
     rail = local_rank % len(addresses)
-    return {"rail": rail, "rail_address": addresses[rail], "rails": len(addresses)}
+    return Rail(rail=rail, rail_address=addresses[rail], rails=len(addresses))
 
 
 def rail_devices(host_ip: str) -> list[str]:
@@ -71,7 +114,7 @@ def rail_devices(host_ip: str) -> list[str]:
     uses what it finds)."""
     if not os.environ.get(RAIL_ADDRS_ENV, "").strip():
         return []
-    return devices_of(str(local_rail(host_ip)["rail_address"]))
+    return devices_of(local_rail(host_ip).rail_address)
 
 
 def devices_of(address: str) -> list[str]:
@@ -102,16 +145,21 @@ def _ipv4_of(interface: str) -> str | None:
 _SIOCGIFADDR = 0x8915
 
 
+def here(*, node_id: str, host_ip: str) -> Place:
+    """This worker's :class:`Place`."""
+    return Place(node_id=node_id, host_ip=host_ip, hostname=socket.gethostname(), pid=os.getpid(),
+                 **msgspec.structs.asdict(local_rail(host_ip)))
+
+
 def ping_answer(*, node_id: str, host_ip: str, probe: Sequence[str] = ()) -> dict[str, Any]:
     """What a worker answers ``execute_checkpoint_engine("ping")`` with: where it runs (its host, RDMA devices and
     rail). The manager's ``auto`` picks a backend from it; after a timeout, hosts none of whose workers answer are
     reported unreachable. ``probe``: addresses to try to reach (``reachable``: :func:`reaches` of each) — a lost rail
     is probed so before stripes use it again."""
-    answer = {"hostname": socket.gethostname(), "host_ip": host_ip, "node_id": node_id, "pid": os.getpid(),
-              "rdma": has_rdma(), **local_rail(host_ip)}
-    if probe:
-        answer["reachable"] = {address: reaches(address) for address in probe}
-    return answer
+    answer = PingAnswer(rdma=has_rdma(), reachable={address: reaches(address) for address in probe},
+                        **msgspec.structs.asdict(here(node_id=node_id, host_ip=host_ip)))
+    encoded: dict[str, Any] = msgspec.to_builtins(answer)
+    return encoded
 
 
 def reaches(address: str, *, timeout: float = 1.0) -> bool:

@@ -7,20 +7,20 @@ The engine (``weightsync.core.worker.engine``) and engines that implement the ``
 from __future__ import annotations
 
 import importlib
-import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import msgspec
 import torch
 
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import ConfigError, LifecycleError, reject_renamed_keywords
 from weightsync.api.types import WorkerContext, WorkerMetadata
-from weightsync.core.transports.place import default_node_id, local_rail, rail_devices
+from weightsync.core.transports.place import Place, default_node_id, here, local_rail, rail_devices
 
-__all__ = ["EngineSettings", "EngineBase", "PackHook", "ReceiveHook", "TransportHook", "load_transport_hook"]
+__all__ = ["EngineBase", "EngineMetadata", "EngineSettings", "PackHook", "ReceiveHook", "TransportHook",
+           "load_transport_hook"]
 
 
 @runtime_checkable
@@ -42,6 +42,21 @@ class ReceiveHook(Protocol):
 TransportHook = PackHook | ReceiveHook
 """Test hook (engine option ``transport_hook="module:attribute"``) to corrupt buckets deliberately: either hook, or
 both; the settings give the pipeline each one it has (``EngineSettings.after_pack`` / ``after_receive``)."""
+
+
+class EngineMetadata(Place, kw_only=True, frozen=True):
+    """What every worker of every backend advertises in ``prepare`` (:meth:`EngineSettings.metadata`): where it runs
+    (:class:`~weightsync.core.transports.place.Place`), which engine it is and how it is configured; a transport
+    adds keys of its own, read by a struct derived from this one."""
+
+    backend: str = ""
+    role: str = ""
+    rank: int = 0
+    bucket_bytes: int = 0
+    slots: int = 0
+    staged: bool = False
+    """Part of staged updates: a topology may give each host's stagers their part of the update
+    (:mod:`weightsync.core.transports.chain.stripes`)."""
 
 
 def load_transport_hook(spec: str | None) -> TransportHook | None:
@@ -102,26 +117,19 @@ class EngineSettings:
         object.__setattr__(self, "timeout", float(timeout))
 
     def metadata(self) -> WorkerMetadata:
-        """What every worker of every backend advertises in ``prepare()``; a backend adds its own keys."""
-        return {
-            "backend": self.name,
-            "role": self.context.role,
-            "rank": self.context.rank,
-            "node_id": self.context.node_id,
-            "host_ip": self.context.host_ip,
-            "hostname": socket.gethostname(),  # for people: errors name a worker's host by it
-            "pid": os.getpid(),
-            "bucket_bytes": self.bucket_bytes,
-            "slots": self.slots,
-            **local_rail(self.context.host_ip),
-            **({"staged": True} if self.staged else {}),
-        }
+        """What every worker of every backend advertises in ``prepare()`` (:class:`EngineMetadata`); a backend adds
+        its own keys."""
+        place = here(node_id=self.context.node_id, host_ip=self.context.host_ip)
+        metadata: WorkerMetadata = msgspec.to_builtins(EngineMetadata(
+            backend=self.name, role=self.context.role, rank=self.context.rank, bucket_bytes=self.bucket_bytes,
+            slots=self.slots, staged=self.staged, **msgspec.structs.asdict(place)))
+        return metadata
 
     @property
     def rail_address(self) -> str:
         """Where this worker's weight traffic goes out and comes in: its rail's address (``local_rail``), its
         ``host_ip`` on a host of one rail."""
-        return str(local_rail(self.context.host_ip)["rail_address"])
+        return local_rail(self.context.host_ip).rail_address
 
     @property
     def rail_devices(self) -> list[str]:
@@ -143,6 +151,8 @@ class EngineBase:
     default_slots: ClassVar[int] = 2
     supports_delta: ClassVar[bool] = True
     """Whether ``delta=True`` is accepted (bucket engines: yes; an engine without buckets to encode: no)."""
+    checks_transport_rules: ClassVar[bool] = False
+    """Whether ``check_transport=True`` is accepted (bucket engines: yes)."""
 
     def __init__(self, *, bucket_bytes: int, context: WorkerContext | None = None, slots: int | None = None,
                  timeout: float = 600.0, verify_digest: bool = True, transport_hook: str | None = None,

@@ -6,10 +6,11 @@ once per membership epoch.
 from __future__ import annotations
 
 import abc
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
+from weightsync.api.types import Topology, WorkerMetadata, WorldMetadata
 from weightsync.core.transports.device import HOST_POLICY, DevicePolicy
+from weightsync.core.transports.plan import Idle
 from weightsync.core.transports.seam import BufferPlace, ReceiverTransport, SenderTransport
 from weightsync.core.transports.settings import EngineSettings
 
@@ -21,8 +22,9 @@ class Transport(abc.ABC):
 
     The engine builds one per worker (``Transport(settings)``) and calls, in the lifecycle's order: ``prepare``
     (allocate or reuse buffers and endpoints; return the metadata peers need), ``build_topology`` (class-level, on
-    the driver), ``connect_sender`` / ``connect_receiver`` once per membership epoch (``rank_args["epoch"]`` is its
-    token: every connection must present it), and ``release`` when the engine closes.
+    the driver: each rank's plan, a struct of ``plans`` encoded with ``encode_plan``), ``connect_sender`` /
+    ``connect_receiver`` once per membership epoch with the rank's plan decoded (its ``epoch`` is the epoch's token:
+    every connection must present it), and ``release`` when the engine closes.
     """
 
     name: ClassVar[str]
@@ -34,6 +36,8 @@ class Transport(abc.ABC):
     """Buckets per side when ``slots`` is not given."""
     buffers: BufferPlace = "host"
     """Where this transport's ring lives; a device ring comes with a device policy."""
+    plans: ClassVar[Any] = Idle
+    """The plans (:mod:`weightsync.core.transports.plan` structs, or a union of them) its topology hands ranks."""
 
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
@@ -50,10 +54,12 @@ class Transport(abc.ABC):
         """Who sends to whom, from every worker's metadata (see the ``CheckpointEngine`` Protocol)."""
 
     @abc.abstractmethod
-    def connect_sender(self, rank_args: RankArgs) -> SenderTransport: ...
+    def connect_sender(self, plan: Any) -> SenderTransport:
+        """This epoch's sender end, for a rank whose plan (one of ``plans``) makes it a sender."""
 
     @abc.abstractmethod
-    def connect_receiver(self, rank_args: RankArgs) -> ReceiverTransport: ...
+    def connect_receiver(self, plan: Any) -> ReceiverTransport:
+        """This epoch's receiver end, for a rank whose plan makes it a receiver."""
 
     def release(self) -> None:
         """Free what ``prepare`` allocated (segments, registrations, listening endpoints). Idempotent."""

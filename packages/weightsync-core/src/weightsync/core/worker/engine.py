@@ -14,7 +14,7 @@ import concurrent.futures
 import functools
 import time
 from collections.abc import Iterable
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 
@@ -29,6 +29,7 @@ from weightsync.core.pipeline.staged import stage_update
 from weightsync.core.pipeline.trace import Tracer
 from weightsync.core.pipeline.unpack import BucketReader
 from weightsync.core.transports.device import accepted_devices
+from weightsync.core.transports.plan import RankPlan, RankRole, decode_plan
 from weightsync.core.transports.rules import CheckedReceiver, checked_sender
 from weightsync.core.transports.settings import EngineBase
 from weightsync.core.transports.stagearea import StageArea, StagedReceiver
@@ -39,8 +40,6 @@ from weightsync.core.wire.digest import StripedDigest, UpdateDigest
 
 __all__ = ["BucketCheckpointEngine", "engine_class", "RankRole", "guard_build_topology"]
 
-RankRole = Literal["sender", "receiver", "idle"]
-_ROLES: dict[str, RankRole] = {"sender": "sender", "receiver": "receiver", "idle": "idle"}
 
 
 class BucketCheckpointEngine(EngineBase):
@@ -83,7 +82,7 @@ class BucketCheckpointEngine(EngineBase):
         """(s, K): this epoch's stripe of a sender or of a stager that holds one stripe, or the stripes a receiver
         reads (s 0); (0, 1) unstriped."""
         self._one_stripe = False
-        """A stager of one stripe of a staged striped update (``rank_args["stripe"]`` on a receiver)."""
+        """A stager of one stripe of a staged striped update (``its plan's ``stripe```` on a receiver)."""
         self._sender: SenderTransport | None = None
         self._receiver: ReceiverTransport | None = None
         pack_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-pack")
@@ -116,27 +115,24 @@ class BucketCheckpointEngine(EngineBase):
 
     def init_process_group(self, *, rank_args: RankArgs) -> None:
         self._check_open()
-        role = _ROLES.get(str(rank_args.get("role")))
-        epoch = rank_args.get("epoch")
-        if role is None or not isinstance(epoch, str) or not epoch:
-            raise TopologyError(f"{self.name}: rank_args need role sender/receiver/idle and an epoch, got {rank_args}")
+        plan: RankPlan = decode_plan(rank_args, self.transport_class.plans, who=f"{self.name} {self.settings.self_name}")
+        if not plan.epoch:
+            raise TopologyError(f"{self.name}: rank_args carry no membership epoch", field="$.epoch")
         self._abandon_in_flight()
         self._disconnect()
-        sender = rank_args.get("sender", 0)
-        self._sender_rank = sender if isinstance(sender, int) else 0
-        self._stripe = _stripe(rank_args)
-        self._one_stripe = role == "receiver" and rank_args.get("stripe") is not None
-        base = rank_args.get("delta_base")  # the manager's: the version every receiver holds (delta updates)
-        self._send.delta.allowed_base = base if isinstance(base, int) and not isinstance(base, bool) else None
-        if role == "sender":
-            connected = self.transport.connect_sender(rank_args)
+        self._sender_rank = plan.sender
+        self._stripe = plan.striping
+        self._one_stripe = plan.one_stripe
+        self._send.delta.allowed_base = plan.delta_base  # the manager's: the version every receiver holds
+        if plan.role == "sender":
+            connected = self.transport.connect_sender(plan)
             self._sender = checked_sender(connected) if self._check_transport else connected
-        elif role == "receiver":
-            receiver = self.transport.connect_receiver(rank_args)
+        elif plan.role == "receiver":
+            receiver = self.transport.connect_receiver(plan)
             self._receiver = CheckedReceiver(receiver, stable=self.settings.after_receive is None,
                                              hold=self._check_hold) if self._check_transport else receiver
-        self._role = role
-        self._epoch = epoch
+        self._role = plan.role
+        self._epoch = plan.epoch
 
     def _abandon_in_flight(self) -> None:
         """A new epoch supersedes an update still in flight here (its manager gave up on it: timeout, cancellation,
@@ -278,21 +274,6 @@ class BucketCheckpointEngine(EngineBase):
         reader = BucketReader(StripedDigest(len(parts)) if parts else UpdateDigest(), self._receive.plans)
         return ReceiveStream(self._receive, receiver, hold, epoch=staged.epoch, release_early=False,
                              peer=f"{self.transport.peer_name(self._sender_rank)} (staged)", reader=reader)
-
-
-def _stripe(rank_args: RankArgs) -> tuple[int, int]:
-    """A rank's stripe from its ``rank_args`` (:mod:`weightsync.core.transports.chain.stripes`): a sender's ``stripe`` [s, K],
-    a receiver's ``stripes`` K; (0, 1) without either."""
-    stripe, stripes = rank_args.get("stripe"), rank_args.get("stripes", 1)
-    if stripe is not None:
-        s, k = stripe if isinstance(stripe, list) and len(stripe) == 2 else (None, None)
-        if not isinstance(s, int) or not isinstance(k, int) or isinstance(s, bool) or isinstance(k, bool) \
-                or not 0 <= s < k:
-            raise TopologyError(f"rank_args' stripe must be [s, K] with 0 <= s < K, got {stripe!r}")
-        return s, k
-    if isinstance(stripes, bool) or not isinstance(stripes, int) or stripes < 1:
-        raise TopologyError(f"rank_args' stripes must be an int >= 1, got {stripes!r}")
-    return 0, stripes
 
 
 def engine_class(transport: type[Transport], *, name: str | None = None) -> type[BucketCheckpointEngine]:

@@ -117,7 +117,7 @@ def run_bench(options: BenchOptions) -> int:
 def _supports_delta(backend: str) -> bool:
     """Whether ``backend`` takes ``delta=True`` (auto picks among bucket backends, which all do); one that does not is
     said so and measured full only."""
-    if backend == AUTO or getattr(load_engine_class(backend), "supports_delta", True):
+    if backend == AUTO or load_engine_class(backend).supports_delta:
         return True
     print(f"weightsync bench --delta: {backend} sends full updates only: no {backend}{DELTA} entry", file=sys.stderr)
     return False

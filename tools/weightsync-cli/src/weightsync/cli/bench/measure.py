@@ -20,13 +20,15 @@ from typing import Any, Protocol
 
 from weightsync.api.config import MiB
 from weightsync.api.registry import load_engine_class
-from weightsync.api.types import StagedUpdate, WorldMetadata
+from weightsync.api.topology import epoch_of, with_epoch
+from weightsync.api.types import RankArgs, StagedUpdate, WorldMetadata
 from weightsync.cli.bench.scenario import BASELINES, Case
 from weightsync.cli.bench.worker import Channel, c10d, serve
 from weightsync.cli.progress import Progress
 from weightsync.cli.testbed import LinkCounters
 from weightsync.core.control.auto import AUTO, choose
 from weightsync.core.transports.place import default_node_id, has_rdma
+from weightsync.core.transports.plan import Idle, encode_plan
 from weightsync.core.control.staged import StagedPlan, joined
 
 __all__ = ["COPY_TRIES", "RAW_TRIES", "BenchResult", "LocalPlacement", "Placement", "ServingFigures", "Spawned",
@@ -213,15 +215,15 @@ class _Workers:
         if staged:
             self.plan = StagedPlan.of(WorldMetadata(actor=metadata[:self.actors], rollout=metadata[self.actors:]))
             members = [self.actors + index for index in self.plan.members]
-        topology = load_engine_class(self.backend).build_topology(
+        topology = with_epoch(load_engine_class(self.backend).build_topology(
             actor_wg_world_size=self.actors, rollout_world_size=len(members),
             metadata=WorldMetadata(actor=metadata[:self.actors], rollout=[metadata[rank] for rank in members]),
-        )
-        epoch = str(topology.actor[0].get("epoch") or secrets.token_hex(16))
-        rank_args: list[dict[str, Any]] = [{"role": "idle"}] * (self.actors + receivers)
+        ))
+        idle = encode_plan(Idle(epoch=epoch_of(topology.actor[0])))
+        rank_args: list[RankArgs] = [idle] * (self.actors + receivers)
         for rank, args in zip([*actors, *members], [*topology.actor, *topology.rollout]):
             rank_args[rank] = args
-        self.all_do([{"op": "init", "rank_args": {"epoch": epoch, **args}} for args in rank_args])
+        self.all_do([{"op": "init", "rank_args": args} for args in rank_args])
 
     def close(self) -> None:
         try:

@@ -20,8 +20,18 @@ from collections.abc import Sequence
 import msgspec
 
 from weightsync.api.errors import TopologyError, TransferError, WireError
-from weightsync.api.types import JsonValue, RankArgs, Topology, WorkerMetadata, WorldMetadata
+from weightsync.api.types import Topology, WorkerMetadata, WorldMetadata
+from weightsync.core.transports.chain.plan import (
+    ChainMetadata,
+    ChainReceive,
+    ChainSend,
+    Route,
+    Source,
+    Stripe,
+    StripesReceive,
+)
 from weightsync.core.transports.chain.topology import plan_stripe, stripe_rails
+from weightsync.core.transports.plan import Idle, RankPlan, decode_metadata, encode_plan
 from weightsync.core.transports.seam import ReceivedBucket, ReceiverTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.digest import combine_stripes
@@ -194,13 +204,12 @@ class OneStripe:
         self._source.close()
 
 
-def _where(worker: WorkerMetadata) -> tuple[str, int]:
-    rail = worker.get("rail", 0)
-    return str(worker.get("node_id")), rail if isinstance(rail, int) and not isinstance(rail, bool) else 0
+def _chain_metadata(metadata: WorldMetadata) -> tuple[list[ChainMetadata], list[ChainMetadata]]:
+    """Every worker's metadata as the chain reads it, actor ranks and rollout ranks."""
+    def decoded(entries: Sequence[WorkerMetadata], side: str) -> list[ChainMetadata]:
+        return [decode_metadata(entry, ChainMetadata, who=f"{side} rank {rank}") for rank, entry in enumerate(entries)]
 
-
-def _host_name(worker: WorkerMetadata) -> str:
-    return str(worker.get("hostname") or worker.get("host_ip") or worker.get("node_id"))
+    return decoded(metadata.actor, "actor"), decoded(metadata.rollout, "rollout")
 
 
 def stripes_for(metadata: WorldMetadata) -> list[int]:
@@ -209,26 +218,29 @@ def stripes_for(metadata: WorldMetadata) -> list[int]:
     :func:`stripe_rails` of the rails reported, as many as asked for (an int), or those listed (a list of rails).
     In a staged update (``staged``) each stager holds one stripe, so rollout workers on the sender's host, if any,
     must also be on each of the rails."""
-    actor, rollout = list(metadata.actor), list(metadata.rollout)
-    asked = actor[0].get("stripes", 1)
-    if actor[0].get("layout") != "two_level" or asked == 1:
+    actor, rollout = _chain_metadata(metadata)
+    asked = actor[0].stripes
+    if actor[0].layout != "two_level" or asked == 1:
         return [0]
-    sender_node = _where(actor[0])[0]
-    where = [_where(worker) for worker in rollout]
+    sender_node = actor[0].node_id
+    where = [(worker.node_id, worker.rail) for worker in rollout]
     rails = stripe_rails(sender_node=sender_node, rollout=where, limit=asked if isinstance(asked, int) else None,
-                         wanted=[rail for rail in asked if isinstance(rail, int)] if isinstance(asked, list) else None,
-                         sender_rails=[_where(worker)[1] for worker in actor if _where(worker)[0] == sender_node])
+                         wanted=asked if isinstance(asked, list) else None,
+                         sender_rails=[worker.rail for worker in actor if worker.node_id == sender_node])
     local = {rail for node, rail in where if node == sender_node}
-    if actor[0].get("staged") is True and local:
+    if actor[0].staged and local:
         rails = [rail for rail in rails if rail in local] if 0 in local else [0]
     return rails
 
 
-def _senders(library: str, actor: list[WorkerMetadata], places: list[tuple[str, int]]) -> list[int]:
-    """Each stripe's sender: the first actor rank at its (host, rail), which must have advertised an endpoint."""
-    senders = [next(rank for rank, worker in enumerate(actor) if _where(worker) == place) for place in places]
+def _senders(library: str, actor: list[ChainMetadata], rails: list[int]) -> list[int]:
+    """Each stripe's sender: the first actor rank on its rail of the sender's host, which must have advertised an
+    endpoint."""
+    sender_node = actor[0].node_id
+    senders = [next(rank for rank, worker in enumerate(actor) if (worker.node_id, worker.rail) == (sender_node, rail))
+               for rail in rails]
     for rank in senders:
-        if not isinstance(actor[rank].get("address"), str) or actor[rank].get("library") != library:
+        if not actor[rank].address or actor[rank].library != library:
             raise TopologyError(f"actor rank {rank} sends a stripe but did not advertise a {library} endpoint")
     return senders
 
@@ -238,55 +250,54 @@ def striped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
     stripe fits (:func:`stripes_for`). ``addresses``: each rollout rank's endpoint.
 
     Stripe s goes over the s-th of the rails (``stripes_for``): its sender is the sender host's first actor rank on
-    that rail, its plan :func:`plan_stripe`'s. An actor rank's ``stripe`` is [s, K]. A rollout rank's
-    ``rank_args["sources"]`` has one entry per stripe (its upstream, and for the stripe it leads its children). In a
-    staged update (``staged``) every rollout rank is a stager on the rail of one stripe s and takes part in that
-    stripe alone: its ``rank_args`` are that stripe's entry and ``stripe`` [s, K]."""
+    that rail, its plan :func:`plan_stripe`'s. An actor rank's plan says its ``stripe``. A rollout rank's plan
+    (:class:`StripesReceive`) has one source per stripe (its upstream, and for the stripe it leads its children). In
+    a staged update (``staged``) every rollout rank is a stager on the rail of one stripe s and takes part in that
+    stripe alone: its plan is a :class:`ChainReceive` of that stripe's source, with its ``stripe``."""
     used = stripes_for(metadata)
     count = len(used)
     if count == 1:
         return None
-    actor, rollout = list(metadata.actor), list(metadata.rollout)
-    staged = actor[0].get("staged") is True
-    sender_node = _where(actor[0])[0]
-    senders = _senders(library, actor, [(sender_node, rail) for rail in used])
-    nodes = [sender_node, *(_where(worker)[0] for worker in rollout)]
-    rails = [0, *(_where(worker)[1] for worker in rollout)]
-    actor_args: list[RankArgs] = [{"role": "idle", "sender": senders[0]} for _ in actor]
-    rollout_args: list[RankArgs] = [{"role": "idle", "sender": senders[0]} for _ in rollout]
-    sources: list[list[JsonValue]] = [[] for _ in rollout]
+    actor, rollout = _chain_metadata(metadata)
+    staged = actor[0].staged
+    senders = _senders(library, actor, used)
+    nodes = [actor[0].node_id, *(worker.node_id for worker in rollout)]
+    rails = [0, *(worker.rail for worker in rollout)]
+    actor_plans: list[RankPlan] = [Idle(sender=senders[0]) for _ in actor]
+    rollout_plans: list[RankPlan] = [Idle(sender=senders[0]) for _ in rollout]
+    sources: list[list[Source]] = [[] for _ in rollout]
     for stripe, (sender, rail) in enumerate(zip(senders, used)):
         # Positions taking part in this stripe: the sender, and every rollout rank (staged: those on its rail).
         taking = [0, *(p for p in range(1, len(nodes)) if not staged or rails[p] == rail)]
         plan = plan_stripe(nodes=[nodes[p] for p in taking], rails=[rails[p] for p in taking], rail=rail,
                            fanout=fanout)
-        where = [str(actor[sender]["address"]), *addresses]
+        where = [actor[sender].address, *addresses]
         workers = [actor[sender], *rollout]
+        dealt = Stripe(stripe, count)
 
-        def children(i: int) -> list[JsonValue]:
-            return [taking[child] for child in plan.children[i]]  # noqa: B023 - used at once
+        def children(i: int) -> tuple[int, ...]:
+            return tuple(taking[child] for child in plan.children[i])  # noqa: B023 - used at once
 
-        def in_place(i: int) -> list[JsonValue]:
-            return [taking[child] for child in plan.children[i] if plan.local[child]]  # noqa: B023 - used at once
+        def in_place(i: int) -> tuple[int, ...]:
+            return tuple(taking[child] for child in plan.children[i] if plan.local[child])  # noqa: B023 - used at once
 
-        actor_args[sender] = {"role": "sender", "sender": sender, "stripe": [stripe, count],
-                              "children": children(0), "in_place": in_place(0)}
+        actor_plans[sender] = ChainSend(sender=sender, stripe=dealt, children=children(0), in_place=in_place(0))
         for i, position in enumerate(taking[1:], start=1):
             upstream = taking[plan.upstream[i]]
             name = f"actor rank {sender}" if upstream == 0 else f"rollout rank {upstream - 1}"
             # Errors name the peer by this: which stripe, over which rail, between which hosts.
-            ends: list[JsonValue] = [_host_name(workers[upstream]), _host_name(workers[position])]
-            route = "in place" if plan.local[i] else f"rail {rail} from host {ends[0]} to host {ends[1]}"
-            entry: dict[str, JsonValue] = {
-                "upstream": where[upstream], "upstream_position": upstream, "local": plan.local[i],
-                "children": children(i), "in_place": in_place(i), "peer": f"{name} (stripe {stripe}, {route})",
-                "rail": rail, "hosts": ends}
+            ends = (workers[upstream].host_name, workers[position].host_name)
+            how = "in place" if plan.local[i] else f"rail {rail} from host {ends[0]} to host {ends[1]}"
+            source = Source(upstream=where[upstream], upstream_position=upstream, local=plan.local[i],
+                            children=children(i), in_place=in_place(i), peer=f"{name} (stripe {stripe}, {how})",
+                            route=Route(rail=rail, hosts=ends))
             if staged:
-                rollout_args[position - 1] = {"role": "receiver", "sender": sender, "rank": position - 1,
-                                              "stripe": [stripe, count], **entry}
+                rollout_plans[position - 1] = ChainReceive(sender=sender, rank=position - 1, source=source,
+                                                           stripe=dealt)
             else:
-                sources[position - 1].append(entry)
+                sources[position - 1].append(source)
     if not staged:
-        rollout_args = [{"role": "receiver", "sender": senders[0], "rank": rank, "stripes": count, "sources": mine}
-                        for rank, mine in enumerate(sources)]
-    return Topology(actor=actor_args, rollout=rollout_args, senders=tuple(senders))
+        rollout_plans = [StripesReceive(sender=senders[0], rank=rank, sources=tuple(mine))
+                         for rank, mine in enumerate(sources)]
+    return Topology(actor=[encode_plan(plan) for plan in actor_plans],
+                    rollout=[encode_plan(plan) for plan in rollout_plans], senders=tuple(senders), stripes=count)

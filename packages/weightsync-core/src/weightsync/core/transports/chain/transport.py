@@ -41,13 +41,12 @@ import abc
 import socket
 import threading
 import time
-from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from weightsync.api.errors import ConfigError, LifecycleError, TopologyError, TransferError
-from weightsync.api.types import JsonValue, RankArgs, Topology, WorkerMetadata, WorldMetadata
+from weightsync.api.types import JsonValue, Topology, WorkerMetadata, WorldMetadata
 from weightsync.core.wire import codec
 from weightsync.core.transports.chain.ends import (
     MAX_CONTROL_FRAME,
@@ -59,7 +58,16 @@ from weightsync.core.transports.chain.ends import (
 )
 from weightsync.core.transports.chain.topology import LAYOUTS, chain_positions, plan_positions, position_name
 from weightsync.core.transports.device import AcceleratorOps, AcceleratorPolicy, process_accelerator
+from weightsync.core.transports.plan import Idle, decode_metadata, encode_plan
 from weightsync.core.transports.chain.hostring import HostRingReader, map_upstream_ring
+from weightsync.core.transports.chain.plan import (
+    ChainMetadata,
+    ChainPlans,
+    ChainReceive,
+    ChainSend,
+    Source,
+    StripesReceive,
+)
 from weightsync.core.transports.chain.rings import HOST_SHARED, BucketReady, RegisteredRing, RemoteRing, RingEndpoint, decode_ring
 from weightsync.core.transports.settings import EngineSettings
 from weightsync.core.transports.chain.stripes import OneStripe, StripedReceiver, striped_topology
@@ -93,6 +101,7 @@ class ChainTransport(Transport):
     option_names: ClassVar[frozenset[str]] = frozenset({"fanout", "device", "layout", "relay_piece_bytes",
                                                         "stripes"})
     library: ClassVar[str]
+    plans: ClassVar[Any] = ChainPlans
 
     def __init__(self, settings: EngineSettings) -> None:
         super().__init__(settings)
@@ -148,7 +157,7 @@ class ChainTransport(Transport):
 
     def prepare(self) -> WorkerMetadata:
         if not self._serves():
-            return {}
+            return {}  # ChainMetadata's defaults: no endpoint
         if self._ring is None and self.layout == "chain":
             self._ring = self.make_ring()  # two-level: made at connect, by the positions that need one
         if self._listener is None:
@@ -182,40 +191,33 @@ class ChainTransport(Transport):
         if len(metadata.rollout) != rollout_world_size:
             raise TopologyError(f"{cls.name}: metadata for {len(metadata.rollout)} rollout ranks, "
                                 f"rollout_world_size is {rollout_world_size}")
-        workers = [metadata.actor[0], *metadata.rollout]
-        addresses: list[str] = []
+        workers = [decode_metadata(entry, ChainMetadata, who=f"{cls.name} {position_name(position)}")
+                   for position, entry in enumerate([metadata.actor[0], *metadata.rollout])]
         for position, worker in enumerate(workers):
-            address = worker.get("address")
-            if not isinstance(address, str) or worker.get("library") != cls.library:
+            if not worker.address or worker.library != cls.library:
                 raise TopologyError(f"{cls.name}: {position_name(position)} did not advertise a {cls.library} "
                                     f"endpoint (was prepare() called with this backend?)")
-            addresses.append(address)
-        fanout, layout = workers[0].get("fanout", DEFAULT_FANOUT), workers[0].get("layout", "chain")
-        if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
-            raise TopologyError(f"{cls.name}: actor rank 0 advertised fanout {fanout!r}")
+        fanout, layout = workers[0].fanout, workers[0].layout
+        if fanout < 1:
+            raise TopologyError(f"{cls.name}: actor rank 0 advertised fanout {fanout!r}", field="$.fanout")
         if layout not in LAYOUTS:
-            raise TopologyError(f"{cls.name}: actor rank 0 advertised layout {layout!r}")
+            raise TopologyError(f"{cls.name}: actor rank 0 advertised layout {layout!r}", field="$.layout")
+        addresses = [worker.address for worker in workers]
         striped = striped_topology(cls.library, metadata, fanout=fanout, addresses=addresses[1:])
         if striped is not None:
             return striped
-        plan = plan_positions(nodes=[str(worker.get("node_id")) for worker in workers], fanout=fanout,
-                              layout=str(layout))
-        def in_place(position: int) -> list[JsonValue]:
-            return [child for child in plan.children[position] if plan.local[child]]
+        plan = plan_positions(nodes=[worker.node_id for worker in workers], fanout=fanout, layout=layout)
 
-        actor: list[RankArgs] = [{"role": "sender", "sender": 0, "children": list(plan.children[0]),
-                                  "in_place": in_place(0)}]
-        actor += [{"role": "idle", "sender": 0} for _ in range(actor_wg_world_size - 1)]
-        rollout: list[RankArgs] = []
-        for position in range(1, rollout_world_size + 1):
-            upstream = plan.upstream[position]
-            rollout.append({
-                "role": "receiver", "sender": 0, "rank": position - 1, "upstream": addresses[upstream],
-                "upstream_position": upstream, "children": list(plan.children[position]),
-                "in_place": in_place(position),
-                "local": plan.local[position],
-            })
-        return Topology(actor=actor, rollout=rollout, senders=(0,))
+        def in_place(position: int) -> tuple[int, ...]:
+            return tuple(child for child in plan.children[position] if plan.local[child])
+
+        actor = [ChainSend(children=tuple(plan.children[0]), in_place=in_place(0))]
+        rollout = [ChainReceive(rank=position - 1, source=Source(
+            upstream=addresses[plan.upstream[position]], upstream_position=plan.upstream[position],
+            local=plan.local[position], children=tuple(plan.children[position]), in_place=in_place(position)))
+            for position in range(1, rollout_world_size + 1)]
+        return Topology(actor=[encode_plan(args) for args in [*actor, *[Idle()] * (actor_wg_world_size - 1)]],
+                        rollout=[encode_plan(args) for args in rollout], senders=(0,))
 
     # -- step 3 --------------------------------------------------------------------------------------------------------
 
@@ -226,37 +228,31 @@ class ChainTransport(Transport):
             self._ring = self.make_ring()
         return self._ring
 
-    def connect_sender(self, rank_args: RankArgs) -> ChainSender:
+    def connect_sender(self, plan: ChainSend) -> ChainSender:
         ring = self._ready_ring()
-        epoch = str(rank_args["epoch"])
-        downstream = self._accept_children(ring, rank_args, epoch)
+        downstream = self._accept_children(ring, plan.children, plan.in_place, plan.epoch)
         return ChainSender(ring, downstream)
 
-    def connect_receiver(self, rank_args: RankArgs) -> ChainReceiver | HostRingReader | StripedReceiver | OneStripe:
-        if isinstance(rank_args.get("sources"), list):
-            return self._connect_stripes(rank_args)
-        stripe = rank_args.get("stripe")
-        if isinstance(stripe, list) and stripe and isinstance(stripe[0], int):
+    def connect_receiver(self, plan: ChainReceive | StripesReceive
+                         ) -> ChainReceiver | HostRingReader | StripedReceiver | OneStripe:
+        if isinstance(plan, StripesReceive):
+            return self._connect_stripes(plan)
+        alone = self._connect_one(plan.source, rank=plan.rank, epoch=plan.epoch)
+        if plan.stripe is not None:
             # A stager of one stripe (a staged striped update): its stripe's chain, failures named by its rail.
-            alone = self._connect_one(rank_args)
-            return OneStripe(alone, stripe[0], None if rank_args.get("local") is True else _route(rank_args))
-        return self._connect_one(rank_args)
+            return OneStripe(alone, plan.stripe.index, None if plan.source.local else _route(plan.source))
+        return alone
 
-    def _connect_one(self, rank_args: RankArgs) -> ChainReceiver | HostRingReader:
-        epoch = str(rank_args["epoch"])
-        address, rank, upstream_position = (rank_args.get("upstream"), rank_args.get("rank"),
-                                            rank_args.get("upstream_position"))
-        if not isinstance(address, str) or not isinstance(rank, int) or not isinstance(upstream_position, int):
-            raise TopologyError(f"{self.name}: receiver rank_args need upstream, upstream_position and rank, "
-                                f"got {rank_args}")
-        peer = str(rank_args.get("peer") or position_name(upstream_position))
+    def _connect_one(self, source: Source, *, rank: int, epoch: str) -> ChainReceiver | HostRingReader:
+        peer = source.peer or position_name(source.upstream_position)
         deadline = time.monotonic() + self.settings.timeout
-        if rank_args.get("local") is True:
-            return self._connect_in_place(address, peer=peer, rank=rank, epoch=epoch, deadline=deadline)
+        if source.local:
+            return self._connect_in_place(source.upstream, peer=peer, rank=rank, epoch=epoch, deadline=deadline)
         ring = self._ready_ring()
-        upstream = self._connect_upstream(ring, address, peer=peer, rank=rank, epoch=epoch, deadline=deadline)
+        upstream = self._connect_upstream(ring, source.upstream, peer=peer, rank=rank, epoch=epoch,
+                                          deadline=deadline)
         try:
-            downstream = self._accept_children(ring, rank_args, epoch)
+            downstream = self._accept_children(ring, source.children, source.in_place, epoch)
         except BaseException:
             upstream.close()
             raise
@@ -281,34 +277,29 @@ class ChainTransport(Transport):
             raise
         return Upstream(sock, peer, remote, endpoint)
 
-    def _connect_stripes(self, rank_args: RankArgs) -> StripedReceiver:
-        """A receiver of a striped update: every stripe's source (``rank_args["sources"]``, one per stripe) — over
-        the network for the stripe it leads (its rail's), in place from the host's leader for every other. Its
-        children are accepted while it connects: two workers of a host each lead a stripe the other reads in place,
-        so each must answer the other's hello before its own connections are done."""
-        epoch, rank, listed = str(rank_args["epoch"]), rank_args.get("rank"), rank_args.get("sources")
-        listed = listed if isinstance(listed, list) else []
-        sources = [source for source in listed if isinstance(source, dict)]
-        if not isinstance(rank, int) or not sources or len(sources) != len(listed):
-            raise TopologyError(f"{self.name}: striped receiver rank_args need rank and sources, got {rank_args}")
+    def _connect_stripes(self, plan: StripesReceive) -> StripedReceiver:
+        """A receiver of a striped update: every stripe's source (``plan.sources``, one per stripe) — over the
+        network for the stripe it leads (its rail's), in place from the host's leader for every other. Its children
+        are accepted while it connects: two workers of a host each lead a stripe the other reads in place, so each
+        must answer the other's hello before its own connections are done."""
+        epoch, rank, sources = plan.epoch, plan.rank, plan.sources
         deadline = time.monotonic() + self.settings.timeout
-        leading = [stripe for stripe, source in enumerate(sources) if source.get("local") is not True]
+        leading = [stripe for stripe, source in enumerate(sources) if not source.local]
         if len(leading) > 1:
-            raise TopologyError(f"{self.name}: rollout rank {rank} leads stripes {leading}; a worker leads one")
-        accepting = _Accepting(self, leading, sources, epoch)
+            raise TopologyError(f"{self.name}: rollout rank {rank} leads stripes {leading}; a worker leads one",
+                                field="$.sources")
+        accepting = _Accepting(self, [sources[stripe] for stripe in leading], epoch)
         opened: list[ChainReceiver | HostRingReader] = []
         try:
             for stripe, source in enumerate(sources):
-                address, upstream_position, peer = (source.get("upstream"), source.get("upstream_position"),
-                                                    str(source.get("peer", f"stripe {stripe}'s upstream")))
-                if not isinstance(address, str) or not isinstance(upstream_position, int):
-                    raise TopologyError(f"{self.name}: stripe {stripe}'s source needs upstream and upstream_position")
+                peer = source.peer or f"stripe {stripe}'s upstream"
                 if stripe not in leading:
-                    opened.append(self._connect_in_place(address, peer=peer, rank=rank, epoch=epoch,
+                    opened.append(self._connect_in_place(source.upstream, peer=peer, rank=rank, epoch=epoch,
                                                          deadline=deadline))
                     continue
                 ring = self._ready_ring()
-                upstream = self._connect_upstream(ring, address, peer=peer, rank=rank, epoch=epoch, deadline=deadline)
+                upstream = self._connect_upstream(ring, source.upstream, peer=peer, rank=rank, epoch=epoch,
+                                                  deadline=deadline)
                 try:
                     downstream = accepting.result(deadline)
                 except BaseException:
@@ -340,40 +331,39 @@ class ChainTransport(Transport):
         return HostRingReader(sock=sock, peer=peer, ring=ring, endpoint=endpoint, epoch=epoch, rank=rank,
                               timeout=self.settings.timeout)
 
-    def _accept_children(self, ring: RegisteredRing, rank_args: RankArgs, epoch: str) -> Downstream:
-        """Accept a connection from every child position; each must present this epoch's token and its position."""
+    def _accept_children(self, ring: RegisteredRing, children: tuple[int, ...], in_place: tuple[int, ...],
+                         epoch: str) -> Downstream:
+        """Accept a connection from every child position; each must present this epoch's token and its position
+        (``in_place``: those of them that read this ring in place)."""
         listener = self._listener
-        expected = rank_args.get("children", [])
-        if listener is None or not isinstance(expected, list) or not all(isinstance(p, int) for p in expected):
-            raise TopologyError(f"{self.name}: bad children {expected!r} in rank_args")
-        positions = sorted(p for p in expected if isinstance(p, int))
+        if listener is None:
+            raise LifecycleError(f"{self.name}: init_process_group before prepare on {self.settings.self_name}")
+        positions = sorted(children)
         endpoint = codec.encode(ring.endpoint(epoch=epoch))
         socks = accept_peers(listener, ranks=positions, epoch=epoch, deadline=time.monotonic() + self.settings.timeout,
                              reply=lambda hello: endpoint, what=self.settings.self_name)
         for sock in socks:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        listed = rank_args.get("in_place", [])
-        in_place = frozenset(position_name(p) for p in (listed if isinstance(listed, list) else [])
-                             if isinstance(p, int))
-        return Downstream([(position_name(p), sock) for p, sock in zip(positions, socks)], epoch, in_place=in_place)
+        reading_in_place = frozenset(position_name(p) for p in in_place)
+        return Downstream([(position_name(p), sock) for p, sock in zip(positions, socks)], epoch,
+                          in_place=reading_in_place)
 
 
 class _Accepting:
     """A striped receiver's children (of the stripe it leads, if any), accepted on a thread of their own."""
 
-    def __init__(self, transport: ChainTransport, leading: list[int], sources: list[dict[str, JsonValue]],
-                 epoch: str) -> None:
+    def __init__(self, transport: ChainTransport, leading: list[Source], epoch: str) -> None:
         self._downstream: Downstream | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         if not leading:
             return
-        args: RankArgs = dict(sources[leading[0]])
+        source = leading[0]
         ring = transport._ready_ring()
 
         def accept() -> None:
             try:
-                self._downstream = transport._accept_children(ring, args, epoch)
+                self._downstream = transport._accept_children(ring, source.children, source.in_place, epoch)
             except BaseException as exc:  # noqa: BLE001 - raised on the connecting thread (``result``)
                 self._error = exc
 
@@ -404,13 +394,9 @@ def _stripes_option(stripes: object) -> bool:
     return stripes == "rails" or (isinstance(stripes, int) and not isinstance(stripes, bool) and stripes >= 1)
 
 
-def _route(source: Mapping[str, JsonValue]) -> tuple[int, list[str]] | None:
-    """The rail a stripe is read over and the two hosts it crosses (``striped_topology``'s ``rail`` and
-    ``hosts``)."""
-    rail, ends = source.get("rail"), source.get("hosts")
-    if not isinstance(rail, int) or not isinstance(ends, list) or len(ends) != 2:
-        return None
-    return rail, [str(host) for host in ends]
+def _route(source: Source) -> tuple[int, list[str]] | None:
+    """The rail a stripe is read over and the two hosts it crosses (``striped_topology``'s ``route``)."""
+    return (source.route.rail, list(source.route.hosts)) if source.route is not None else None
 
 
 def _connect(address: str, *, deadline: float, peer: str) -> socket.socket:

@@ -1,6 +1,6 @@
 """The collective transport on device buckets, shared by NCCL (CUDA) and HCCL (Ascend).
 
-What it adds to :class:`weightsync.core.transports.collective.CollectiveTransport` (whose private ``PrefixStore(TCPStore)``
+What it adds to :class:`weightsync.core.transports.collective.host.CollectiveTransport` (whose private ``PrefixStore(TCPStore)``
 group, epoch handling and three-broadcast wire protocol it reuses unchanged):
 
 * **Device buckets.** Both rings (sender and receiver) live in device memory, allocated once per engine and touched
@@ -29,12 +29,20 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from weightsync.api.errors import BackendUnavailableError, ConfigError, TopologyError, TransferError
-from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
-from weightsync.core.transports.collective.host import MAX_HEADER_BYTES, CollectiveTransport, Group, c10d
-from weightsync.core.transports.device import AcceleratorOps, AcceleratorPolicy, wait_event
+from weightsync.api.types import Topology, WorkerMetadata, WorldMetadata
+from weightsync.core.transports.collective.host import (
+    MAX_HEADER_BYTES,
+    CollectiveTransport,
+    Group,
+    GroupMetadata,
+    GroupReceive,
+    GroupSend,
+    c10d,
+)
+from weightsync.core.transports.device import AcceleratorOps, AcceleratorPolicy, DevicePolicy, wait_event
+from weightsync.core.transports.plan import Idle, RankPlan, decode_metadata, encode_plan
+from weightsync.core.transports.seam import NO_SLOT, BufferPlace, ReceivedBucket
 from weightsync.core.transports.settings import EngineSettings
-from weightsync.core.transports.device import DevicePolicy
-from weightsync.core.transports.seam import BufferPlace, NO_SLOT, ReceivedBucket
 from weightsync.core.transports.waiting import FreeSlots
 from weightsync.core.wire.tensors import memoryview_of
 
@@ -266,9 +274,11 @@ class AcceleratorCollectiveTransport(CollectiveTransport):
     def build_topology(
         cls, *, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata
     ) -> Topology:
-        modes = {entry.get("relays", "none") for entry in [*metadata.actor, *metadata.rollout]}
+        workers = [decode_metadata(entry, GroupMetadata, who=f"{cls.name} worker {index}")
+                   for index, entry in enumerate([*metadata.actor, *metadata.rollout])]
+        modes = {worker.relays for worker in workers}
         if len(modes) > 1:
-            raise TopologyError(f"{cls.name}: workers disagree on the relays option: {sorted(map(str, modes))}")
+            raise TopologyError(f"{cls.name}: workers disagree on the relays option: {sorted(modes)}")
         mode = modes.pop() if modes else "none"
         if mode == "none":
             return super().build_topology(
@@ -276,23 +286,23 @@ class AcceleratorCollectiveTransport(CollectiveTransport):
             )
         if len(metadata.actor) != actor_wg_world_size or len(metadata.rollout) != rollout_world_size:
             raise TopologyError(f"{cls.name}: metadata does not match actor_wg_world_size/rollout_world_size")
-        plan = node_local_plan(
-            actor_nodes=[str(entry.get("node_id")) for entry in metadata.actor],
-            rollout_nodes=[str(entry.get("node_id")) for entry in metadata.rollout],
-        )
-        actor: list[RankArgs] = [{"role": "idle"} for _ in range(actor_wg_world_size)]
-        rollout: list[RankArgs] = [{} for _ in range(rollout_world_size)]
+        actor_side = workers[:actor_wg_world_size]
+        plan = node_local_plan(actor_nodes=[worker.node_id for worker in actor_side],
+                               rollout_nodes=[worker.node_id for worker in workers[actor_wg_world_size:]])
+        actor: list[RankPlan] = [Idle() for _ in range(actor_wg_world_size)]
+        rollout: list[RankPlan] = [Idle() for _ in range(rollout_world_size)]
         for sender, receivers in plan.items():
-            host, port = metadata.actor[sender].get("store_host"), metadata.actor[sender].get("store_port")
-            if not isinstance(host, str) or not isinstance(port, int):
+            store = actor_side[sender]
+            if not store.store_host or not store.store_port:
                 raise TopologyError(f"{cls.name}: actor rank {sender} did not advertise a store (was prepare() "
                                     "called with relays='node' on every actor rank?)")
-            common: RankArgs = {"store_host": host, "store_port": port, "group_size": 1 + len(receivers),
-                                "sender": sender}
-            actor[sender] = {**common, "role": "sender", "group_rank": 0}
+            host, port, size = store.store_host, store.store_port, 1 + len(receivers)
+            actor[sender] = GroupSend(store_host=host, store_port=port, group_rank=0, group_size=size, sender=sender)
             for position, rollout_rank in enumerate(receivers):
-                rollout[rollout_rank] = {**common, "role": "receiver", "group_rank": 1 + position}
-        return Topology(actor=actor, rollout=rollout, senders=tuple(plan))
+                rollout[rollout_rank] = GroupReceive(store_host=host, store_port=port, group_rank=1 + position,
+                                                     group_size=size, sender=sender)
+        return Topology(actor=[encode_plan(args) for args in actor], rollout=[encode_plan(args) for args in rollout],
+                        senders=tuple(plan))
 
     # -- connections ---------------------------------------------------------------------------------------------
 
@@ -306,12 +316,12 @@ class AcceleratorCollectiveTransport(CollectiveTransport):
                 ]
         return self._buffers
 
-    def connect_sender(self, rank_args: RankArgs) -> StreamedSender:  # type: ignore[override]
-        return StreamedSender(self.join(rank_args), self._ops, self.ring(), self.settings.bucket_bytes,
+    def connect_sender(self, plan: GroupSend) -> StreamedSender:  # type: ignore[override]
+        return StreamedSender(self.join(plan), self._ops, self.ring(), self.settings.bucket_bytes,
                               copy_stream=self._policy.copy_stream, comm_stream=self._comm_stream)
 
-    def connect_receiver(self, rank_args: RankArgs) -> StreamedReceiver:  # type: ignore[override]
-        return StreamedReceiver(self.join(rank_args), self._ops, self.ring(), self.settings.bucket_bytes,
+    def connect_receiver(self, plan: GroupReceive) -> StreamedReceiver:  # type: ignore[override]
+        return StreamedReceiver(self.join(plan), self._ops, self.ring(), self.settings.bucket_bytes,
                                 comm_stream=self._comm_stream)
 
     def release(self) -> None:

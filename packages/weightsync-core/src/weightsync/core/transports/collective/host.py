@@ -20,23 +20,56 @@ import datetime
 import os
 import socket
 import struct
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Union
 
 import torch
 import torch.distributed as dist
 
 from weightsync.api.errors import LifecycleError, TopologyError, TransferError
-from weightsync.api.types import RankArgs, Topology, WorkerMetadata, WorldMetadata
+from weightsync.api.types import Topology, WorkerMetadata, WorldMetadata
+from weightsync.core.transports.plan import Idle, RankPlan, RankRole, decode_metadata, encode_plan
 from weightsync.core.transports.seam import NO_SLOT, ReceivedBucket
+from weightsync.core.transports.settings import EngineMetadata
 from weightsync.core.transports.transport import Transport
 from weightsync.core.transports.waiting import FreeSlots
 from weightsync.core.wire.tensors import memoryview_of
 
-__all__ = ["CollectiveTransport", "Group", "c10d", "CONTROL_BYTES", "MAX_HEADER_BYTES"]
+__all__ = ["CONTROL_BYTES", "MAX_HEADER_BYTES", "CollectiveTransport", "Group", "GroupMember", "GroupMetadata",
+           "GroupPlans", "GroupReceive", "GroupSend", "c10d"]
 
 # torch.distributed re-exports its C++ classes without declaring them to type checkers; every lookup goes through
 # this alias at call time (so a test that wraps ``torch.distributed.ProcessGroupGloo`` sees every construction).
 c10d: Any = dist
+
+
+class GroupMetadata(EngineMetadata, kw_only=True, frozen=True):
+    """What a collective worker advertises: the store a sender serves its group from (``store_port`` 0: none), and
+    the device collective's ``relays`` mode and device."""
+
+    store_host: str = ""
+    store_port: int = 0
+    relays: str = "none"
+    device: str = ""
+
+
+class GroupMember(RankPlan, frozen=True):
+    """A member of one epoch's group: where its sender's store is, its rank in the group and the group's size."""
+
+    store_host: str
+    store_port: int
+    group_rank: int
+    group_size: int
+
+
+class GroupSend(GroupMember, tag="group-send", frozen=True):
+    role: ClassVar[RankRole] = "sender"
+
+
+class GroupReceive(GroupMember, tag="group-receive", frozen=True):
+    role: ClassVar[RankRole] = "receiver"
+
+
+GroupPlans = Union[Idle, GroupSend, GroupReceive]
 
 
 class Group:
@@ -158,6 +191,7 @@ class CollectiveTransport(Transport):
 
     name: ClassVar[str] = "gloo"
     device_type: ClassVar[str] = "cpu"
+    plans: ClassVar[Any] = GroupPlans
 
     _store: Any = None
     _buffers: list[torch.Tensor] | None = None
@@ -188,17 +222,16 @@ class CollectiveTransport(Transport):
     def build_topology(
         cls, *, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata
     ) -> Topology:
-        host, port = metadata.actor[0].get("store_host"), metadata.actor[0].get("store_port")
-        if not isinstance(host, str) or not isinstance(port, int):
+        sender = decode_metadata(metadata.actor[0], GroupMetadata, who=f"{cls.name} actor rank 0")
+        if not sender.store_host or not sender.store_port:
             raise TopologyError(f"{cls.name}: actor rank 0 did not advertise its store (was prepare() called?)")
-        size = 1 + rollout_world_size
-        common: RankArgs = {"store_host": host, "store_port": port, "group_size": size, "sender": 0}
-        actor: list[RankArgs] = [{**common, "role": "sender", "group_rank": 0}]
-        actor += [{"role": "idle"} for _ in range(actor_wg_world_size - 1)]
-        rollout: list[RankArgs] = [
-            {**common, "role": "receiver", "group_rank": 1 + rank} for rank in range(rollout_world_size)
-        ]
-        return Topology(actor=actor, rollout=rollout, senders=(0,))
+        host, port, size = sender.store_host, sender.store_port, 1 + rollout_world_size
+        actor: list[RankPlan] = [GroupSend(store_host=host, store_port=port, group_rank=0, group_size=size)]
+        actor += [Idle() for _ in range(actor_wg_world_size - 1)]
+        rollout = [GroupReceive(store_host=host, store_port=port, group_rank=1 + rank, group_size=size)
+                   for rank in range(rollout_world_size)]
+        return Topology(actor=[encode_plan(plan) for plan in actor], rollout=[encode_plan(plan) for plan in rollout],
+                        senders=(0,))
 
     def new_group(self, store: Any, rank: int, size: int) -> Any:
         """Build the epoch's group. Looked up on ``torch.distributed`` at call time (tests wrap the class)."""
@@ -207,11 +240,8 @@ class CollectiveTransport(Transport):
         options._devices = [c10d.ProcessGroupGloo.create_device(hostname=self.settings.context.host_ip)]
         return c10d.ProcessGroupGloo(store, rank, size, options)
 
-    def join(self, rank_args: RankArgs) -> Group:
-        host, port = rank_args.get("store_host"), rank_args.get("store_port")
-        rank, size = rank_args.get("group_rank"), rank_args.get("group_size")
-        if not (isinstance(host, str) and isinstance(port, int) and isinstance(rank, int) and isinstance(size, int)):
-            raise TopologyError(f"{self.name}: incomplete rank_args {rank_args}")
+    def join(self, plan: GroupMember) -> Group:
+        host, port, rank, size = plan.store_host, plan.store_port, plan.group_rank, plan.group_size
         if rank == 0:
             if self._store is None:
                 raise LifecycleError(f"{self.name}: init_process_group before prepare on the sender")
@@ -223,7 +253,7 @@ class CollectiveTransport(Transport):
             except (RuntimeError, OSError) as exc:
                 raise TransferError(f"{self.name}: cannot reach actor rank 0's store at {host}:{port}: {exc}",
                                     peer="actor rank 0") from None
-        prefixed = c10d.PrefixStore(f"weightsync/{rank_args['epoch']}", store)
+        prefixed = c10d.PrefixStore(f"weightsync/{plan.epoch}", store)
         peer = "rollout workers" if rank == 0 else "actor rank 0"
         try:
             group = self.new_group(prefixed, rank, size)
@@ -240,11 +270,11 @@ class CollectiveTransport(Transport):
             ]
         return self._buffers
 
-    def connect_sender(self, rank_args: RankArgs) -> _Sender:
-        return _Sender(self.join(rank_args), self.ring(), self.settings.bucket_bytes)
+    def connect_sender(self, plan: GroupSend) -> _Sender:
+        return _Sender(self.join(plan), self.ring(), self.settings.bucket_bytes)
 
-    def connect_receiver(self, rank_args: RankArgs) -> _Receiver:
-        return _Receiver(self.join(rank_args), self.ring(), self.settings.bucket_bytes)
+    def connect_receiver(self, plan: GroupReceive) -> _Receiver:
+        return _Receiver(self.join(plan), self.ring(), self.settings.bucket_bytes)
 
     def release(self) -> None:
         self._buffers = None

@@ -1,0 +1,98 @@
+"""The typed plan: what ``build_topology`` hands each rank (``rank_args``), as msgspec structs declared beside the
+transport that produces them and decoded once, where they arrive (the engine's ``init_process_group``).
+
+On its way (Ray, vLLM's RPC, the driver) a plan is plain data — ``RankArgs``, a mapping — as the ``CheckpointEngine``
+Protocol has it: :func:`encode_plan` makes it, :func:`decode_plan` turns it back into its struct, checked field by
+field; a malformed plan is a ``TopologyError`` naming the field (``field``: its path, ``$.sources[1].upstream``), as
+a malformed wire message is a ``WireError``. Every plan carries a tag (``kind``) that says which struct it is; a
+transport that takes several (a chain receiver of one stripe or of all of them) declares their union
+(``Transport.plans``).
+
+What every plan says (:class:`RankPlan`): the membership epoch's token (``epoch``: stamped on the driver,
+``weightsync.api.topology.with_epoch``), the actor rank whose stream the rank takes part in (``sender``), the
+version every receiver holds when the senders may send only what changed since it (``delta_base``), and from its
+kind the rank's role (sender, receiver or idle) and stripe.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal, TypeVar
+
+import msgspec
+
+from weightsync.api.errors import TopologyError
+from weightsync.api.types import RankArgs
+
+__all__ = ["Idle", "RankPlan", "RankRole", "decode", "decode_metadata", "decode_plan", "encode_plan", "with_delta_base"]
+
+RankRole = Literal["sender", "receiver", "idle"]
+
+Plan = TypeVar("Plan")
+
+
+class RankPlan(msgspec.Struct, kw_only=True, frozen=True, tag_field="kind", forbid_unknown_fields=True,
+               omit_defaults=True):
+    """What every rank's plan says; each transport's plans derive from it (a tag of their own each)."""
+
+    role: ClassVar[RankRole] = "idle"
+    epoch: str = ""
+    """The membership epoch's token; every connection of the epoch presents it."""
+    sender: int = 0
+    """The actor rank whose stream this rank sends or receives (a stripe's sender for a stager of one stripe)."""
+    delta_base: int | None = None
+    """A sender's: the version every receiver holds, which this update may send changes against (the manager's)."""
+
+    @property
+    def striping(self) -> tuple[int, int]:
+        """(s, K): the stripe this rank sends or stages of an update dealt into K; a receiver of every stripe (0, K);
+        (0, 1) unstriped."""
+        return 0, 1
+
+    @property
+    def one_stripe(self) -> bool:
+        """A receiver that holds one stripe of a striped update (a stager of a staged one), not the update."""
+        return False
+
+
+class Idle(RankPlan, tag="idle", frozen=True):
+    """A rank that neither sends nor receives in this epoch (an actor rank other than the senders: it still drains
+    its stream; a rollout worker of a staged update that is not its host's stager: it reads the staging area)."""
+
+
+def encode_plan(plan: RankPlan) -> RankArgs:
+    """``plan`` as plain data, for the way to its rank: its ``kind`` and every field that differs from its default
+    (an ``epoch`` left empty is stamped later, by ``with_epoch``)."""
+    encoded: RankArgs = msgspec.to_builtins(plan)
+    return encoded
+
+
+def with_delta_base(rank_args: RankArgs, base: int) -> RankArgs:
+    """A sender's ``rank_args`` with the manager's ``delta_base`` (:attr:`RankPlan.delta_base`)."""
+    return {**rank_args, "delta_base": base}
+
+
+def decode_plan(rank_args: RankArgs, kinds: Any, *, who: str) -> Any:
+    """``rank_args`` as the struct its ``kind`` names, one of ``kinds`` (a plan class or a union of them): a
+    ``TopologyError`` naming ``who`` and the field when it is not one of them or a field is missing or malformed."""
+    return decode(rank_args, kinds, who=who, what="rank_args")
+
+
+def decode_metadata(metadata: Mapping[str, Any], kind: type[Plan], *, who: str) -> Plan:
+    """A worker's ``prepare`` metadata (or ``ping`` answer) as ``kind`` (a struct that reads some of its keys and
+    leaves the others): a ``TopologyError`` naming ``who`` and the field when one is malformed."""
+    decoded: Plan = decode(metadata, kind, who=who, what="metadata")
+    return decoded
+
+
+def decode(data: Mapping[str, Any], kind: Any, *, who: str, what: str) -> Any:
+    """``data`` converted to ``kind`` by msgspec, checked field by field; a ``TopologyError`` naming the field."""
+    try:
+        return msgspec.convert(data, kind)
+    except msgspec.ValidationError as exc:
+        where, named = re.search(r"- at `([^`]+)`", str(exc)), re.search(r"field `([^`]+)`", str(exc))
+        field = where.group(1) if where else "$"
+        if named:  # a field missing, or one the plan does not have
+            field = f"{field}.{named.group(1)}"
+        raise TopologyError(f"{who}: malformed {what} ({exc}): {dict(data)!r}", field=field) from None
