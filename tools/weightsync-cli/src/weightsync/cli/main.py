@@ -226,7 +226,7 @@ def _bench_error(args: argparse.Namespace) -> str:
         return "--link-gbps must be 0.001..400"
     if not 0 <= args.rtt_ms <= 10_000:
         return "--rtt-ms must be 0..10000"
-    from weightsync.cli.testbed.links import MAX_RAILS
+    from weightsync.testbed.links import MAX_RAILS
 
     if not 1 <= args.rails <= MAX_RAILS:
         return f"--rails must be 1..{MAX_RAILS}"

@@ -44,8 +44,8 @@ from weightsync.cli.bench.scenario import (BASELINES, DELTA, STAGED, BenchOption
                                           model_layout)
 from weightsync.cli.bench.sweep import measure_sweep, plot, sweep_bytes, sweep_cases, sweep_steps
 from weightsync.cli.progress import Progress
-from weightsync.cli.testbed import TestbedUnavailable
 from weightsync.core.control.auto import AUTO
+from weightsync.testbed import TestbedUnavailable
 
 __all__ = ["BenchOptions", "BenchResult", "model_layout", "run_bench"]
 

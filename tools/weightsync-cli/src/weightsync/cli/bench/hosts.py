@@ -1,4 +1,4 @@
-"""``weightsync bench --hosts H``: the same cases across an emulated testbed (``weightsync.cli.testbed``).
+"""``weightsync bench --hosts H``: the same cases across an emulated testbed (``weightsync.testbed``).
 
 The bench builds the testbed itself and removes it when done (on error and Ctrl-C too): H hosts, each behind its
 own link shaped to ``--link-gbps`` both ways. The sender runs on host 0 and ``--receivers`` rollout workers on each
@@ -27,8 +27,8 @@ from weightsync.api.registry import get_backend_spec
 from weightsync.cli.bench.measure import LocalPlacement, Placement, Spawned
 from weightsync.cli.bench.scenario import BenchOptions
 from weightsync.cli.bench.worker import Duplex
-from weightsync.cli.testbed import CleanupError, LinkCounters, Testbed, TestbedError, TestbedUnavailable, cleanup
 from weightsync.core.control.auto import AUTO
+from weightsync.testbed import CleanupError, LinkCounters, Testbed, TestbedError, TestbedUnavailable, cleanup
 
 __all__ = ["WORKER_ARGV", "HostPlacement", "cross_host_split", "placement", "run_cleanup"]
 

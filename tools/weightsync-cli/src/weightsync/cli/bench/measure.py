@@ -24,10 +24,10 @@ from weightsync.api.types import StagedUpdate, WorldMetadata
 from weightsync.cli.bench.scenario import BASELINES, Case
 from weightsync.cli.bench.worker import Channel, c10d, serve
 from weightsync.cli.progress import Progress
-from weightsync.cli.testbed import LinkCounters
 from weightsync.core.control.auto import AUTO, choose, has_rdma
 from weightsync.core.control.engine import default_node_id
 from weightsync.core.control.staged import StagedPlan, joined
+from weightsync.testbed import LinkCounters
 
 __all__ = ["COPY_TRIES", "RAW_TRIES", "BenchResult", "LocalPlacement", "Placement", "ServingFigures", "Spawned",
            "Yardsticks", "cores", "measure_case"]

@@ -30,11 +30,11 @@ from weightsync.api.registry import load_engine_class
 from weightsync.api.types import WorkerContext
 from weightsync.cli.bench.rl import load_version
 from weightsync.cli.bench.serving import Server, stage, swap
-from weightsync.cli.testbed import ENV_ADDR, ENV_NODE_ID
 from weightsync.core.native import copy_stream
 from weightsync.core.transports.settings import LOCAL_RANK_ENV
 from weightsync.core.transports.stagearea import StageArea
 from weightsync.core.wire.layout import PIECE_BYTES
+from weightsync.testbed import ENV_ADDR, ENV_NODE_ID
 
 __all__ = ["Channel", "Duplex", "Layout", "bucket_plan", "c10d", "serve", "serve_stdio", "worker_identity"]
 
