@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from weightsync.api.registry import get_backend_spec
-from weightsync.cli.bench.measure import LocalPlacement, Placement, Spawned
+from weightsync.cli.bench.measure import Placement, PlacementUnavailable, Spawned
 from weightsync.cli.bench.scenario import BenchOptions
 from weightsync.cli.bench.worker import Duplex
 from weightsync.core.control.auto import AUTO
@@ -80,13 +80,14 @@ def cross_host_split(backends: Sequence[str]) -> tuple[tuple[str, ...], tuple[st
 
 @contextlib.contextmanager
 def placement(options: BenchOptions) -> Iterator[Placement]:
-    """This machine, or (``options.hosts``) a testbed built for the block and removed after it; TestbedUnavailable
-    (with its one-line reason) where this machine cannot host one."""
-    if not options.hosts:
-        yield LocalPlacement()
-        return
-    with Testbed(options.hosts, link_gbps=options.link_gbps, rails=options.rails, rtt_ms=options.rtt_ms) as testbed:
-        yield HostPlacement(testbed)
+    """A testbed of ``options.hosts`` hosts built for the block and removed after it; PlacementUnavailable (with the
+    testbed's one-line reason) where this machine cannot host one."""
+    try:
+        with Testbed(options.hosts, link_gbps=options.link_gbps, rails=options.rails,
+                     rtt_ms=options.rtt_ms) as testbed:
+            yield HostPlacement(testbed)
+    except TestbedUnavailable as error:
+        raise PlacementUnavailable(f"no testbed on this machine: {error.reason}") from error
 
 
 def run_cleanup() -> int:

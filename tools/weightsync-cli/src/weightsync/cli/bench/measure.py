@@ -16,7 +16,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from weightsync.api.config import MiB
 from weightsync.api.registry import load_engine_class
@@ -27,10 +27,12 @@ from weightsync.cli.progress import Progress
 from weightsync.core.control.auto import AUTO, choose, has_rdma
 from weightsync.core.control.engine import default_node_id
 from weightsync.core.control.staged import StagedPlan, joined
-from weightsync.testbed import LinkCounters
 
-__all__ = ["COPY_TRIES", "RAW_TRIES", "BenchResult", "LocalPlacement", "Placement", "ServingFigures", "Spawned",
-           "Yardsticks", "cores", "measure_case"]
+if TYPE_CHECKING:  # the testbed is an extra of the CLI (weightsync-cli[testbed]): only ``hosts`` imports it
+    from weightsync.testbed import LinkCounters
+
+__all__ = ["COPY_TRIES", "RAW_TRIES", "BenchResult", "LocalPlacement", "Placement", "PlacementUnavailable",
+           "ServingFigures", "Spawned", "Yardsticks", "cores", "measure_case"]
 
 COPY_BYTES = 256 * MiB
 COPY_TRIES = 5
@@ -106,6 +108,11 @@ class Placement(Protocol):
     def read_links(self) -> Sequence[Sequence[LinkCounters]] | None:
         """Every host's link counters now, per rail (``[host][rail]``); None where there are no links."""
         ...
+
+
+class PlacementUnavailable(RuntimeError):
+    """This machine cannot place the workers as asked (``--hosts``: it cannot host the testbed); the message says
+    why in one line."""
 
 
 class LocalPlacement:
