@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from weightsync.cli.testbed import LinkMode, Testbed, TestbedRay
+from weightsync.testbed import LinkMode, Testbed, TestbedRay
 
 from tests.reliability.host_fault_driver import TRANSFER_TIMEOUT
 from tests.tools.testbed.driving import steer
@@ -94,7 +94,7 @@ def check_recovery(result: dict[str, Any]) -> None:
 # Run by a driver in host 0: where a task asking for each host's resource runs, as that process sees itself.
 WHERE_TASKS_RUN = """
 import json, os, socket, ray
-from weightsync.cli.testbed import testbed_host_resource
+from weightsync.testbed import testbed_host_resource
 ray.init(logging_level="ERROR", log_to_driver=False)
 @ray.remote(num_cpus=0)
 def where():

@@ -1,6 +1,7 @@
 """Releasable: every distribution of the repository builds a wheel, and ``weightsync[shm]`` and the CLI installed
 from those wheels alone (not editable, nothing of the checkout on the path) into a fresh virtual environment run an
-shm update between two processes there.
+shm update between two processes there. The testbed is a distribution of its own, the CLI's extra ``[testbed]``:
+the CLI's wheel holds none of it, and the CLI installed without it says what to install for ``bench --hosts``.
 
     python3 tools/wheel-check/wheel_check.py [--keep DIR]
 
@@ -22,6 +23,8 @@ import zipfile
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TORCH = "torch==2.13.0"
 """The development environments' torch (a CPU build on these machines' disk); a library only declares a range."""
+NO_TESTBED = "weightsync bench: --hosts needs the emulated testbed: pip install 'weightsync-cli[testbed]'"
+"""What ``weightsync bench --hosts 2`` says, with exit status 2, where the testbed is not installed."""
 
 UPDATE = """
 import pathlib, sys
@@ -70,11 +73,26 @@ def build(wheels: pathlib.Path) -> dict[str, pathlib.Path]:
         if len(new) != 1:
             raise SystemExit(f"wheel-check: {name} built {len(new)} wheels, not one")
         built[name] = new.pop()
-    meta = zipfile.ZipFile(built["weightsync"]).namelist()
-    if any(not entry.startswith("weightsync-") for entry in meta):  # only its .dist-info
-        raise SystemExit(f"wheel-check: the weightsync wheel holds files of its own: {meta}")
+    check_contents(built)
     print(f"built {len(built)} wheels: {', '.join(sorted(built))}", flush=True)
     return built
+
+
+def check_contents(built: dict[str, pathlib.Path]) -> None:
+    """``weightsync`` is metadata only; the testbed's wheel holds ``weightsync/testbed`` (typed) and the CLI's none
+    of it, at its old place (``weightsync/cli/testbed``) or its own."""
+    files = {name: [entry for entry in zipfile.ZipFile(path).namelist() if ".dist-info/" not in entry]
+             for name, path in built.items()}
+    if files["weightsync"]:
+        raise SystemExit(f"wheel-check: the weightsync wheel holds files of its own: {files['weightsync']}")
+    testbed = files.get("weightsync-testbed", [])
+    if "weightsync/testbed/py.typed" not in testbed or any(not entry.startswith("weightsync/testbed/")
+                                                             for entry in testbed):
+        raise SystemExit(f"wheel-check: the weightsync-testbed wheel is not weightsync/testbed alone: {testbed}")
+    leaked = [entry for entry in files["weightsync-cli"]
+              if entry.startswith(("weightsync/testbed/", "weightsync/cli/testbed/"))]
+    if leaked:
+        raise SystemExit(f"wheel-check: the CLI's wheel holds the testbed: {leaked}")
 
 
 def install(wheels: pathlib.Path, venv: pathlib.Path) -> pathlib.Path:
@@ -101,6 +119,16 @@ def _needed(wheel: str) -> bool:
                                    "weightsync_migrate"}
 
 
+def check_no_testbed(weightsync: pathlib.Path, *, cwd: pathlib.Path, env: dict[str, str]) -> None:
+    """The CLI installed without its extra ``[testbed]`` names it for ``bench --hosts``, with a usage status."""
+    done = subprocess.run([str(weightsync), "bench", "--hosts", "2"], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode != 2 or done.stderr.strip() != NO_TESTBED:
+        raise SystemExit(f"wheel-check: weightsync bench --hosts 2 without the testbed exited {done.returncode}, not "
+                         f"2 with {NO_TESTBED!r}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    print(f"weightsync bench --hosts 2 without the testbed: exit 2, {done.stderr.strip()!r}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", type=pathlib.Path, help="build and install here, and leave it (default: a "
@@ -118,8 +146,10 @@ def main() -> int:
         if not shm:
             raise SystemExit(f"wheel-check: weightsync doctor in the fresh venv does not list shm as available: {doctor}")
         print("weightsync doctor:", " ".join(shm[0].split()))
+        check_no_testbed(work / "venv" / "bin" / "weightsync", cwd=work, env=clean)
         print(run([str(python), "-c", UPDATE], cwd=work, env=clean).strip())
-    print("wheel-check: every distribution builds a wheel; weightsync[shm] and the CLI from them run an update")
+    print("wheel-check: every distribution builds a wheel, the CLI's without the testbed; weightsync[shm] and the CLI "
+          "from them run an update")
     return 0
 
 

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from weightsync.cli.testbed import LinkCounters, Testbed, TestbedRay
+from weightsync.testbed import LinkCounters, Testbed, TestbedRay
 
 from tests.tools.testbed.driving import steer
 from tests.tools.testbed.support import start_or_skip

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from weightsync.cli.testbed import LinkCounters, Testbed, TestbedRay
 from weightsync.core.control.auto import choose
+from weightsync.testbed import LinkCounters, Testbed, TestbedRay
 
 from tests.tools.testbed.driving import steer
 from tests.tools.testbed.support import start_or_skip

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from weightsync.api.registry import available_backends
-from weightsync.cli.testbed import LinkCounters, TestbedRay
+from weightsync.testbed import LinkCounters, TestbedRay
 
 from tests.adapters.ray.railbed import rail_cluster, rail_fault
 from tests.tools.testbed.driving import steer

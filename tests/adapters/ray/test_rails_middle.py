@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from weightsync.cli.testbed import TestbedRay
+from weightsync.testbed import TestbedRay
 
 from tests.adapters.ray.railbed import rail_cluster, rail_fault
 

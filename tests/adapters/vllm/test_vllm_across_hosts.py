@@ -20,7 +20,7 @@ from tests.adapters.vllm.conftest import Serving  # noqa: E402
 from tests.adapters.vllm.workloads import PROMPTS  # noqa: E402
 from tests.tools.testbed.driving import steer  # noqa: E402
 from tests.tools.testbed.support import start_or_skip  # noqa: E402
-from weightsync.cli.testbed import LinkCounters, Testbed, TestbedRay  # noqa: E402
+from weightsync.testbed import LinkCounters, Testbed, TestbedRay  # noqa: E402
 
 
 def test_auto_across_two_hosts_matches_the_reference(serving: Serving) -> None:

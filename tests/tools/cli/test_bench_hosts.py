@@ -25,8 +25,8 @@ import pytest
 from weightsync.api.registry import available_backends
 from weightsync.cli.bench.scenario import BenchOptions, make_case
 from weightsync.cli.main import main
-from weightsync.cli.testbed import probe
 from weightsync.core.control.auto import choose
+from weightsync.testbed import probe
 
 from tests.tools.testbed.support import netns_names, skip_unless_testbed, wait_until
 

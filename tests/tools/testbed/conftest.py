@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from weightsync.cli.testbed import Testbed
+from weightsync.testbed import Testbed
 
 from tests.tools.testbed.support import start_or_skip
 

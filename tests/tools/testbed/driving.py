@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from weightsync.cli.testbed import TestbedRay
+from weightsync.testbed import TestbedRay
 
 from tests.tools.testbed.support import read_line
 

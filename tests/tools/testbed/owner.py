@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 
-from weightsync.cli.testbed import Testbed
+from weightsync.testbed import Testbed
 
 
 def hold(testbed: Testbed) -> None:

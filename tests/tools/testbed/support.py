@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 import pytest
-from weightsync.cli.testbed import REQUIRE_ENV, Testbed, TestbedUnavailable, testbed_required, unavailable_reason
+from weightsync.testbed import REQUIRE_ENV, Testbed, TestbedUnavailable, testbed_required, unavailable_reason
 
 NETPROBE = str(pathlib.Path(__file__).with_name("netprobe.py"))
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import uuid
 
-from weightsync.cli.testbed import ENV_ADDR, ENV_HOST, ENV_HOSTS, ENV_NODE_ID, ENV_RUN, Testbed
+from weightsync.testbed import ENV_ADDR, ENV_HOST, ENV_HOSTS, ENV_NODE_ID, ENV_RUN, Testbed
 
 from tests.tools.testbed.support import machine_network, read_line, start_or_skip
 

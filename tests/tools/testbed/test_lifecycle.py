@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
-from weightsync.cli.testbed import (
+from weightsync.testbed import (
     REQUIRE_ENV,
     Capabilities,
     Testbed,
@@ -24,11 +24,11 @@ from weightsync.cli.testbed import (
     cleanup,
     probe,
 )
-from weightsync.cli.testbed import bed as bed_module
-from weightsync.cli.testbed import holder as holder_module
-from weightsync.cli.testbed import links as links_module
-from weightsync.cli.testbed.cleanup import run_folder
-from weightsync.cli.testbed.holder import Holder
+from weightsync.testbed import bed as bed_module
+from weightsync.testbed import holder as holder_module
+from weightsync.testbed import links as links_module
+from weightsync.testbed.cleanup import run_folder
+from weightsync.testbed.holder import Holder
 
 from tests.tools.testbed.support import (
     alive,

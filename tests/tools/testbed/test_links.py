@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from weightsync.cli.testbed import LinkCounters, Testbed, TestbedUnavailable, probe, tbf_burst_bytes
+from weightsync.testbed import LinkCounters, Testbed, TestbedUnavailable, probe, tbf_burst_bytes
 
 from tests.tools.testbed.conftest import LINK_GBPS
 from tests.tools.testbed.support import netprobe, read_line, start_or_skip, switch_counters

@@ -13,8 +13,8 @@ import subprocess
 import sys
 import time
 
-from weightsync.cli.testbed import ENV_RAIL_ADDRS, HostProcess, LinkMode, Testbed
 from weightsync.core.transports.place import RAIL_ADDRS_ENV
+from weightsync.testbed import ENV_RAIL_ADDRS, HostProcess, LinkMode, Testbed
 
 from tests.tools.testbed.support import netprobe, read_line, start_or_skip, switch_counters
 

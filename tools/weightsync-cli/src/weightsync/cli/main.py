@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import importlib
+import importlib.util
 import json
 import sys
 from collections.abc import Sequence
@@ -146,6 +147,14 @@ def _usage_error(command: str, message: str) -> int:
     return 2
 
 
+def _testbed_missing(option: str) -> str:
+    """'' where the emulated testbed is installed, else what ``option`` needs: it is an extra of the CLI
+    (``weightsync-cli[testbed]``, the distribution weightsync-testbed), imported only by what runs on it."""
+    if importlib.util.find_spec("weightsync.testbed") is not None:
+        return ""
+    return f"{option} needs the emulated testbed: pip install 'weightsync-cli[testbed]'"
+
+
 def _run_vllm(command: str, options: object) -> int:
     """``weightsync.cli.vllm.<command>.run_vllm_<command>(options)``, or why it cannot run here. Imported by name:
     those modules import vLLM (mypy checks them in the vllm env, mypy-vllm.ini)."""
@@ -177,6 +186,9 @@ def _vllm_bench(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.cleanup:
+        missing = _testbed_missing("--cleanup")
+        if missing:
+            return _usage_error("bench", missing)
         from weightsync.cli.bench.hosts import run_cleanup
 
         return run_cleanup()
@@ -184,12 +196,11 @@ def _bench(args: argparse.Namespace) -> int:
         return _vllm_bench(args)
     if args.disk_dir is not None:
         return _usage_error("bench", "--disk-dir needs --rollout vllm")
-    from weightsync.cli.bench import BenchOptions, run_bench
-
     error = _bench_error(args)
     if error:
-        print(f"weightsync bench: {error}", file=sys.stderr)
-        return 2
+        return _usage_error("bench", error)
+    from weightsync.cli.bench import BenchOptions, run_bench  # imports torch: only once the options are good
+
     default_bucket_mb = HOSTS_BUCKET_MB if args.hosts else 64
     return run_bench(BenchOptions(
         backends=tuple(name for name in args.backends.split(",") if name), model_mb=args.model_mb,
@@ -218,6 +229,9 @@ def _bench_error(args: argparse.Namespace) -> str:
         if args.link_gbps is not None or args.rtt_ms or args.rails != 1 or args.actor_ranks:
             return "--link-gbps, --rails, --actor-ranks and --rtt-ms need --hosts"
         return ""
+    missing = _testbed_missing("--hosts")
+    if missing:
+        return missing
     if args.hosts < 2:
         return "--hosts needs at least 2 hosts (a sender host and a receiving host)"
     if args.plot_path or args.ray_backend:
@@ -226,7 +240,7 @@ def _bench_error(args: argparse.Namespace) -> str:
         return "--link-gbps must be 0.001..400"
     if not 0 <= args.rtt_ms <= 10_000:
         return "--rtt-ms must be 0..10000"
-    from weightsync.cli.testbed.links import MAX_RAILS
+    from weightsync.testbed.links import MAX_RAILS
 
     if not 1 <= args.rails <= MAX_RAILS:
         return f"--rails must be 1..{MAX_RAILS}"

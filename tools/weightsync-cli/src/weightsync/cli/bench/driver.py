@@ -28,6 +28,7 @@ most 5 ×). The JSON's ``ray_end_to_end`` holds those figures, or ``{"skipped": 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -35,8 +36,8 @@ from typing import Any
 
 from weightsync.api.config import MiB
 from weightsync.api.registry import available_backends, load_engine_class
-from weightsync.cli.bench.hosts import cross_host_split, placement
-from weightsync.cli.bench.measure import COPY_TRIES, RAW_TRIES, BenchResult, Placement, Yardsticks, measure_case
+from weightsync.cli.bench.measure import (COPY_TRIES, RAW_TRIES, BenchResult, LocalPlacement, Placement,
+                                         PlacementUnavailable, Yardsticks, measure_case)
 from weightsync.cli.bench.ray_e2e import measure_ray_end_to_end, ray_unavailable
 from weightsync.cli.bench.report import RayOutcome, Summary, chrome_trace, print_report, write_json
 from weightsync.cli.bench.rl import RLVersions, make_versions
@@ -44,7 +45,6 @@ from weightsync.cli.bench.scenario import (BASELINES, DELTA, STAGED, BenchOption
                                           model_layout)
 from weightsync.cli.bench.sweep import measure_sweep, plot, sweep_bytes, sweep_cases, sweep_steps
 from weightsync.cli.progress import Progress
-from weightsync.cli.testbed import TestbedUnavailable
 from weightsync.core.control.auto import AUTO
 
 __all__ = ["BenchOptions", "BenchResult", "model_layout", "run_bench"]
@@ -61,6 +61,8 @@ def run_bench(options: BenchOptions) -> int:
         return 2
     skipped: tuple[str, ...] = ()
     if options.hosts:
+        from weightsync.cli.bench.hosts import cross_host_split  # (see _placement)
+
         backends, skipped = cross_host_split(backends)
         for name in skipped:
             print(f"weightsync bench --hosts: skipping {name}: it cannot cross hosts", file=sys.stderr)
@@ -87,11 +89,11 @@ def run_bench(options: BenchOptions) -> int:
     try:
         if versions:
             rl = make_versions(model_bytes(options), versions, lr=options.lr, step=progress.step)
-        with placement(options) as where:
+        with _placement(options) as where:
             results = _measure_cases(options, names, progress, where, yardsticks, trace, rl)
-    except TestbedUnavailable as error:
+    except PlacementUnavailable as error:
         progress.finish()
-        print(f"weightsync bench --hosts: no testbed on this machine: {error.reason}", file=sys.stderr)
+        print(f"weightsync bench --hosts: {error}", file=sys.stderr)
         return 2
     finally:
         if rl is not None:
@@ -112,6 +114,16 @@ def run_bench(options: BenchOptions) -> int:
     if options.plot_path:
         plot(options.plot_path, sweep, options, total_bytes=sweep_bytes(options))
     return 1 if ray.failed else 0
+
+
+def _placement(options: BenchOptions) -> contextlib.AbstractContextManager[Placement]:
+    """This machine, or (``--hosts``) a testbed built for the block (``hosts``), imported only then: the testbed is
+    an extra of the CLI (``weightsync-cli[testbed]``), which ``main`` checks for before any work."""
+    if not options.hosts:
+        return contextlib.nullcontext(LocalPlacement())
+    from weightsync.cli.bench.hosts import placement
+
+    return placement(options)
 
 
 def _supports_delta(backend: str) -> bool:

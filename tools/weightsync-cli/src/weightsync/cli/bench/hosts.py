@@ -1,4 +1,4 @@
-"""``weightsync bench --hosts H``: the same cases across an emulated testbed (``weightsync.cli.testbed``).
+"""``weightsync bench --hosts H``: the same cases across an emulated testbed (``weightsync.testbed``).
 
 The bench builds the testbed itself and removes it when done (on error and Ctrl-C too): H hosts, each behind its
 own link shaped to ``--link-gbps`` both ways. The sender runs on host 0 and ``--receivers`` rollout workers on each
@@ -24,11 +24,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from weightsync.api.registry import get_backend_spec
-from weightsync.cli.bench.measure import LocalPlacement, Placement, Spawned
+from weightsync.cli.bench.measure import Placement, PlacementUnavailable, Spawned
 from weightsync.cli.bench.scenario import BenchOptions
 from weightsync.cli.bench.worker import Duplex
-from weightsync.cli.testbed import CleanupError, LinkCounters, Testbed, TestbedError, TestbedUnavailable, cleanup
 from weightsync.core.control.auto import AUTO
+from weightsync.testbed import CleanupError, LinkCounters, Testbed, TestbedError, TestbedUnavailable, cleanup
 
 __all__ = ["WORKER_ARGV", "HostPlacement", "cross_host_split", "placement", "run_cleanup"]
 
@@ -80,13 +80,14 @@ def cross_host_split(backends: Sequence[str]) -> tuple[tuple[str, ...], tuple[st
 
 @contextlib.contextmanager
 def placement(options: BenchOptions) -> Iterator[Placement]:
-    """This machine, or (``options.hosts``) a testbed built for the block and removed after it; TestbedUnavailable
-    (with its one-line reason) where this machine cannot host one."""
-    if not options.hosts:
-        yield LocalPlacement()
-        return
-    with Testbed(options.hosts, link_gbps=options.link_gbps, rails=options.rails, rtt_ms=options.rtt_ms) as testbed:
-        yield HostPlacement(testbed)
+    """A testbed of ``options.hosts`` hosts built for the block and removed after it; PlacementUnavailable (with the
+    testbed's one-line reason) where this machine cannot host one."""
+    try:
+        with Testbed(options.hosts, link_gbps=options.link_gbps, rails=options.rails,
+                     rtt_ms=options.rtt_ms) as testbed:
+            yield HostPlacement(testbed)
+    except TestbedUnavailable as error:
+        raise PlacementUnavailable(f"no testbed on this machine: {error.reason}") from error
 
 
 def run_cleanup() -> int:

@@ -16,7 +16,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from weightsync.api.config import MiB
 from weightsync.api.registry import load_engine_class
@@ -25,14 +25,16 @@ from weightsync.api.types import RankArgs, StagedUpdate, WorldMetadata
 from weightsync.cli.bench.scenario import BASELINES, Case
 from weightsync.cli.bench.worker import Channel, c10d, serve
 from weightsync.cli.progress import Progress
-from weightsync.cli.testbed import LinkCounters
 from weightsync.core.control.auto import AUTO, choose
 from weightsync.core.transports.place import default_node_id, has_rdma
 from weightsync.core.transports.plan import Idle, encode_plan
 from weightsync.core.control.staged import StagedPlan, joined
 
-__all__ = ["COPY_TRIES", "RAW_TRIES", "BenchResult", "LocalPlacement", "Placement", "ServingFigures", "Spawned",
-           "Yardsticks", "cores", "measure_case"]
+if TYPE_CHECKING:  # the testbed is an extra of the CLI (weightsync-cli[testbed]): only ``hosts`` imports it
+    from weightsync.testbed import LinkCounters
+
+__all__ = ["COPY_TRIES", "RAW_TRIES", "BenchResult", "LocalPlacement", "Placement", "PlacementUnavailable",
+           "ServingFigures", "Spawned", "Yardsticks", "cores", "measure_case"]
 
 COPY_BYTES = 256 * MiB
 COPY_TRIES = 5
@@ -108,6 +110,11 @@ class Placement(Protocol):
     def read_links(self) -> Sequence[Sequence[LinkCounters]] | None:
         """Every host's link counters now, per rail (``[host][rail]``); None where there are no links."""
         ...
+
+
+class PlacementUnavailable(RuntimeError):
+    """This machine cannot place the workers as asked (``--hosts``: it cannot host the testbed); the message says
+    why in one line."""
 
 
 class LocalPlacement:

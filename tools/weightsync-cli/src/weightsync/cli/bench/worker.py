@@ -30,7 +30,6 @@ from weightsync.api.registry import load_engine_class
 from weightsync.api.types import WorkerContext
 from weightsync.cli.bench.rl import load_version
 from weightsync.cli.bench.serving import Server, stage, swap
-from weightsync.cli.testbed import ENV_ADDR, ENV_NODE_ID
 from weightsync.core.native import copy_stream
 from weightsync.core.transports.place import LOCAL_RANK_ENV
 from weightsync.core.transports.stagearea import StageArea
@@ -83,6 +82,8 @@ def worker_identity(spec: dict[str, Any]) -> tuple[str, str]:
     os.environ[LOCAL_RANK_ENV] = str(spec.get("local_rank", 0))
     if not spec.get("testbed"):
         return spec["node_id"], spec.get("host_ip", "127.0.0.1")
+    from weightsync.testbed import ENV_ADDR, ENV_NODE_ID  # an extra of the CLI, there on a testbed host
+
     node_id, address = os.environ.get(ENV_NODE_ID), os.environ.get(ENV_ADDR)
     if not node_id or not address:
         raise RuntimeError(f"a testbed worker runs outside a testbed host ({ENV_NODE_ID}/{ENV_ADDR} are not set)")

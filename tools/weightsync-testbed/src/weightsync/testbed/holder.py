@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from weightsync.cli.testbed.system import TestbedError, Tools, process_start_ticks
+from weightsync.testbed.system import TestbedError, Tools, process_start_ticks
 
 __all__ = ["HOLDER_SCRIPT", "Holder", "start_holder", "wait_ready"]
 

@@ -1,7 +1,7 @@
 """The testbed's contact with the machine: the tools it runs, its names, its errors.
 
 Every command runs with a timeout and is checked; every name the testbed creates starts with ``wst-`` and encodes
-the process that owns it, so that :func:`~weightsync.cli.testbed.cleanup` can tell the leftovers of a killed run from
+the process that owns it, so that :func:`~weightsync.testbed.cleanup` can tell the leftovers of a killed run from
 a testbed that another live process is using (a shared CI machine may run several at once).
 """
 

@@ -27,10 +27,10 @@ from typing import IO, Any
 
 from typing_extensions import Self
 
-from weightsync.cli.testbed.bed import Testbed
-from weightsync.cli.testbed.cleanup import run_folder
-from weightsync.cli.testbed.processes import HostProcess
-from weightsync.cli.testbed.system import TestbedError
+from weightsync.testbed.bed import Testbed
+from weightsync.testbed.cleanup import run_folder
+from weightsync.testbed.processes import HostProcess
+from weightsync.testbed.system import TestbedError
 
 __all__ = ["TestbedRay", "testbed_host_resource"]
 

@@ -6,7 +6,7 @@ import os
 import signal
 import subprocess
 
-from weightsync.cli.testbed.cleanup import CleanupReport
+from weightsync.testbed.cleanup import CleanupReport
 
 __all__ = ["HostProcess", "reap"]
 

@@ -16,10 +16,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from weightsync.cli.testbed.cleanup import CleanupReport, remove_run
-from weightsync.cli.testbed.holder import start_holder, wait_ready
-from weightsync.cli.testbed.links import blackhole_commands, shaping_commands
-from weightsync.cli.testbed.system import RunName, TestbedError, Tools, command, find_tools
+from weightsync.testbed.cleanup import CleanupReport, remove_run
+from weightsync.testbed.holder import start_holder, wait_ready
+from weightsync.testbed.links import blackhole_commands, shaping_commands
+from weightsync.testbed.system import RunName, TestbedError, Tools, command, find_tools
 
 __all__ = ["REQUIRE_ENV", "Capabilities", "probe", "testbed_required", "unavailable_reason"]
 

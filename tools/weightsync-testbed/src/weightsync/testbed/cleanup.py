@@ -15,7 +15,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from weightsync.cli.testbed.system import (
+from weightsync.testbed.system import (
     PREFIX,
     RunName,
     TestbedError,

@@ -40,14 +40,14 @@ from types import TracebackType
 from typing import IO, Any
 
 from typing_extensions import Self
-from weightsync.cli.testbed import links
-from weightsync.cli.testbed.cleanup import CleanupReport, remove_run, run_folder
-from weightsync.cli.testbed.holder import Holder, start_holder, wait_ready
-from weightsync.cli.testbed.links import MAX_RAILS, LinkCounters, LinkMode, Rail, rails_of, total
-from weightsync.cli.testbed.probe import probe
-from weightsync.cli.testbed.processes import HostProcess, reap
-from weightsync.cli.testbed.signals import deferred_signals, hold_exit_signals, release_exit_signals
-from weightsync.cli.testbed.system import RunName, TestbedError, TestbedUnavailable, Tools, command
+from weightsync.testbed import links
+from weightsync.testbed.cleanup import CleanupReport, remove_run, run_folder
+from weightsync.testbed.holder import Holder, start_holder, wait_ready
+from weightsync.testbed.links import MAX_RAILS, LinkCounters, LinkMode, Rail, rails_of, total
+from weightsync.testbed.probe import probe
+from weightsync.testbed.processes import HostProcess, reap
+from weightsync.testbed.signals import deferred_signals, hold_exit_signals, release_exit_signals
+from weightsync.testbed.system import RunName, TestbedError, TestbedUnavailable, Tools, command
 
 __all__ = ["ENV_ADDR", "ENV_HOST", "ENV_HOSTS", "ENV_NODE_ID", "ENV_RAIL_ADDRS", "ENV_RUN", "Host", "Testbed"]
 
@@ -95,7 +95,7 @@ class Testbed:
     ``/dev/shm`` (default: the kernel's, half of RAM). ``lifetime_s``: hosts remove themselves after this long even
     if the owner never closes (it may hang); they also go when the owner process dies. Everything is removed on
     ``close()``, on leaving the ``with`` block (error or not), on Ctrl-C/SIGTERM/SIGHUP, at interpreter exit; after
-    a ``kill -9``, :func:`~weightsync.cli.testbed.cleanup` removes what is left. Needs root, iproute2, util-linux:
+    a ``kill -9``, :func:`~weightsync.testbed.cleanup` removes what is left. Needs root, iproute2, util-linux:
     where the machine cannot host it, ``start()`` raises TestbedUnavailable with the reason.
     """
 

@@ -9,7 +9,7 @@ touched. Needs root, iproute2 and util-linux.
 
 How a bench driver uses it::
 
-    from weightsync.cli.testbed import Testbed, TestbedUnavailable
+    from weightsync.testbed import Testbed, TestbedUnavailable
 
     with Testbed(4, link_gbps=2.0) as testbed:                 # hosts 0..3, built here, removed on exit
         receivers = [testbed.popen(h, [sys.executable, "-m", "worker", "--recv"], stdout=PIPE)
@@ -30,7 +30,7 @@ A killed run's leftovers: :func:`cleanup`. Design notes live in the submodules: 
 (when the testbed is unavailable), ``signals``.
 """
 
-from weightsync.cli.testbed.bed import (
+from weightsync.testbed.bed import (
     ENV_ADDR,
     ENV_HOST,
     ENV_HOSTS,
@@ -40,12 +40,12 @@ from weightsync.cli.testbed.bed import (
     Host,
     Testbed,
 )
-from weightsync.cli.testbed.cleanup import CleanupError, CleanupReport, cleanup
-from weightsync.cli.testbed.links import LinkCounters, LinkMode, Rail, tbf_burst_bytes
-from weightsync.cli.testbed.probe import REQUIRE_ENV, Capabilities, probe, testbed_required, unavailable_reason
-from weightsync.cli.testbed.processes import HostProcess
-from weightsync.cli.testbed.raycluster import TestbedRay, testbed_host_resource
-from weightsync.cli.testbed.system import PREFIX, TestbedError, TestbedUnavailable
+from weightsync.testbed.cleanup import CleanupError, CleanupReport, cleanup
+from weightsync.testbed.links import LinkCounters, LinkMode, Rail, tbf_burst_bytes
+from weightsync.testbed.probe import REQUIRE_ENV, Capabilities, probe, testbed_required, unavailable_reason
+from weightsync.testbed.processes import HostProcess
+from weightsync.testbed.raycluster import TestbedRay, testbed_host_resource
+from weightsync.testbed.system import PREFIX, TestbedError, TestbedUnavailable
 
 __all__ = [
     "ENV_ADDR",
