@@ -174,7 +174,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         self.clock: LoadClock | None = None
         """Times the reload in progress (from its first tensor to its finalize): ``outcome["load_seconds"]``."""
         self.kept: dict[tuple[int, int, str], torch.Tensor] = {}
-        """CPU buffers the copies of held views go into, reused from update to update (``_copy_held``)."""
+        """CPU buffers the copies of held views go into, reused from update to update (``internals.copy_held``)."""
         self.outcome: dict[str, Any] = {}
         """The last step's result as plain data: ``{"report": ...}`` or ``{"error": ...}``, and ``"notes"``
         (``weightsync_outcome``)."""

@@ -91,7 +91,7 @@ def _version() -> str:
         import vllm
     except ImportError:
         return "(not installed)"
-    return str(getattr(vllm, "__version__", "(unknown version)"))
+    return str(vllm.__version__)
 
 
 def _reloading_info_fields() -> dict[str, Any]:

@@ -322,6 +322,7 @@ class VllmEngineActor:
         """Load a checkpoint directory with vLLM's own ``reload_weights`` (a reference engine, or the disk route);
         its timings (``WeightsyncWorkerExtension.weightsync_reload``)."""
         self._load_sums = None
+        self._notes = []
         timings = dict(await self._rpc("weightsync_reload", weights_path=path))
         self._notes = list(timings.pop("notes"))
         self._timings = {"read_seconds": timings["read_seconds"], "load_seconds": timings["load_seconds"]}
