@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
@@ -22,6 +22,7 @@ from weightsync.api.errors import LoadVerificationError, ReplicaTornError  # noq
 from weightsync.cli.vllm.workload import SMALL  # noqa: E402
 from weightsync.core import CheckpointEngineManager  # noqa: E402
 from weightsync.vllm import VllmRolloutReplica  # noqa: E402
+from weightsync.vllm.internals import VLLM_VERSION, InternalName  # noqa: E402
 
 
 
@@ -120,20 +121,46 @@ def test_a_change_to_one_projection_still_loads_its_fused_layer_whole(serving: S
     _assert_same_as_reference(serving, path)
 
 
-@pytest.mark.parametrize("copy", ["held", "all"])
-def test_a_fused_layer_whose_parts_span_buckets_is_loaded_from_copies(serving: Serving, copy: str) -> None:
+def _internals(serving: Serving, avoid: list[str]) -> list[dict[str, dict[str, str]]]:
+    """``internals.avoid(avoid)`` in every engine's actor and vLLM worker; what each then uses."""
+    engines = [*serving.replicas, serving.reference]
+    return [ray.get(engine.call("internals", avoid)) for engine in engines]
+
+
+def _notes(serving: Serving) -> list[list[str]]:
+    """What each replica's last update, and the reference's last reload, went without."""
+    return [serving.run(engine.notes()) for engine in [*serving.replicas, serving.reference]]
+
+
+@pytest.mark.parametrize("internals", ["used", "avoided"])
+def test_a_fused_layer_whose_parts_span_buckets_is_loaded_from_copies(serving: Serving, internals: str) -> None:
     """Buckets of 40 KiB put q, k and v of a layer in different buckets, two slots per side: the slot q arrived in
-    is reused before v arrives. vLLM keeps q until v is there, so it must hold a copy (of what it holds, "held",
-    the default; or of everything, "all"); the negative control hands it the views and the replicas no longer match
-    the reference."""
+    is reused before v arrives. vLLM keeps q until v is there, so it must hold a copy of what it holds (the default,
+    "held"); the negative control hands it the views and the replicas no longer match the reference.
+
+    "avoided": every vLLM internal is avoided in every engine (``weightsync.vllm.internals.avoid``: as on a vLLM
+    that lacks them), and the update still loads bit-exact through the fallbacks: every tensor copied
+    (``copy="all"``), the pause through ``pause_generation``, the reference's reload timed whole; the
+    missing-layer check is skipped, and each engine's notes say what it went without, naming vLLM's version."""
+    avoid = list(get_args(InternalName)) if internals == "avoided" else []
     manager = CheckpointEngineManager(backend="shm", actor_wg=serving.actor_wg, replicas=serving.replicas,
                                       config=SyncConfig(bucket_bytes=40 << 10, slots=2))
     try:
-        for replica in serving.replicas:
-            ray.get(replica.call("set_copy", copy))
+        for used in _internals(serving, avoid):
+            for process in ("actor", "worker"):
+                assert [name for name, status in used[process].items() if status == "used"] == (
+                    [] if avoid else list(get_args(InternalName))), used
         path = _version(serving, "spanning")
         serving.run(manager.update_weights())
         _assert_same_as_reference(serving, path)
+        if avoid:
+            *replicas, reference = _notes(serving)
+            for notes in replicas:
+                assert all(note.startswith(f"vLLM {VLLM_VERSION}: ") for note in notes), notes
+                assert len(notes) == 4 and "missing-layer check is skipped" in "".join(notes), notes
+                assert "pause_generation" in notes[0] and "copy='all'" in "".join(notes), notes
+            assert len(reference) == 1 and "timed whole" in reference[0], reference
+            assert ray.get(serving.reference.call("timings"))["read_seconds"] == 0.0
         for replica in serving.replicas:
             ray.get(replica.call("set_copy", "none"))
         path = _version(serving, "spanning_views")
@@ -147,26 +174,38 @@ def test_a_fused_layer_whose_parts_span_buckets_is_loaded_from_copies(serving: S
     finally:
         for replica in serving.replicas:
             ray.get(replica.call("set_copy", "held"))
+        _internals(serving, [])
     serving.run(manager.update_weights())
     _assert_same_as_reference(serving, path)
+    assert _notes(serving) == [[], [], []]  # control: with every internal used, nothing is gone without
+    assert ray.get(serving.reference.call("timings"))["read_seconds"] > 0.0
 
 
-def test_a_request_kept_across_the_pause_finishes_on_both_versions(serving: Serving) -> None:
+@pytest.mark.parametrize("pause", ["pause_scheduler", "pause_generation"])
+def test_a_request_kept_across_the_pause_finishes_on_both_versions(serving: Serving, pause: str) -> None:
+    """The keep-mode pause, through the engine core's ``pause_scheduler_async`` (vLLM's internal) and through
+    ``pause_generation``, its public fallback (``pause_scheduler`` avoided)."""
     manager = _manager(serving)
     serving.run(manager.update_weights())
     before = serving.run(serving.replicas[0].call("weight_version"))
     _version(serving, "kept")
-    running = serving.replicas[0].generate(PROMPTS[0], max_tokens=480)
+    try:
+        _internals(serving, ["pause_scheduler"] if pause == "pause_generation" else [])
+        running = serving.replicas[0].generate(PROMPTS[0], max_tokens=480)
 
-    async def update_while_it_runs() -> Any:
-        await asyncio.sleep(0.5)
-        return await manager.update_weights()
+        async def update_while_it_runs() -> Any:
+            await asyncio.sleep(0.5)
+            return await manager.update_weights()
 
-    report = serving.run(update_while_it_runs())
+        report = serving.run(update_while_it_runs())
+        notes = serving.run(serving.replicas[0].notes())
+    finally:
+        _internals(serving, [])
     output = ray.get(running)
     assert output["finish_reason"] == "length" and len(output["token_ids"]) == 480
     versions = [span[0] for span in output["weight_versions"]]
     assert versions == [before, str(report.version)], output["weight_versions"]
+    assert ("pause_generation(mode='keep'" in "".join(notes)) == (pause == "pause_generation"), notes
 
 
 def test_a_sender_that_omits_a_tensor_is_caught_by_the_proof_of_load(serving: Serving) -> None:
@@ -190,6 +229,30 @@ def test_a_sender_that_omits_a_tensor_is_caught_by_the_proof_of_load(serving: Se
     path = _version(serving, "repaired", train=None)
     report = serving.run(manager.update_weights())
     assert [o.state for o in report.replicas] == ["committed", "committed"]
+    _assert_same_as_reference(serving, path)
+
+
+def test_without_the_missing_layer_check_an_omitted_tensor_is_only_noted(serving: Serving) -> None:
+    """Where the installed vLLM does not let weightsync see what its layerwise reload received (``layer_progress``
+    avoided), the check is skipped: the same omission as above commits, every replica on the same wrong mix (vLLM
+    puts back the old weights of the module that got nothing, so the proof of load agrees), and each replica's
+    notes are what says the check did not run."""
+    manager = _manager(serving)
+    serving.run(manager.update_weights())
+    ray.get(serving.actor_wg.call("set_omit", ["model.layers.0.mlp.down_proj.weight"]))
+    try:
+        _internals(serving, ["layer_progress"])
+        path = _version(serving, "omitted_unchecked")
+        report = serving.run(manager.update_weights())
+        notes = [serving.run(replica.notes()) for replica in serving.replicas]
+    finally:
+        ray.get(serving.actor_wg.call("set_omit", []))
+        _internals(serving, [])
+    assert [o.state for o in report.replicas] == ["committed", "committed"]
+    assert all(len(mine) == 1 and "missing-layer check is skipped" in mine[0] for mine in notes), notes
+    with pytest.raises(AssertionError):
+        _assert_same_as_reference(serving, path)
+    serving.run(manager.update_weights())
     _assert_same_as_reference(serving, path)
 
 

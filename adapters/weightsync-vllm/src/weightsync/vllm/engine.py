@@ -32,19 +32,24 @@ Three things differ from vLLM's own checkpoint-format engines, each to keep a re
    has arrived (q, k and v for ``qkv_proj``); weightsync's stream gives views into its receive buffers. The
    loader takes them a bucket at a time (``BatchedWeights.next_batch``: views valid until the next batch) and hands
    vLLM the views; when vLLM asks for the tensor after the batch, whatever the layerwise reload still holds of the
-   batch's views (``LAYERWISE_INFO[layer].loaded_weights``) is replaced by a copy. Only the parts of a fused layer
+   batch's views is replaced by a copy (``weightsync.vllm.internals.copy_held``). Only the parts of a fused layer
    whose rest is in a later bucket are copied (a few MB of 259 at 16 MiB buckets), not every tensor — a fresh CPU
    allocation costs about five times a copy into memory already mapped, so the copies go into buffers kept from
    the last update. A stream without batches gives one tensor at a time (then the held parts of every fused layer
    are copied). A model whose own ``load_weights`` keeps tensors elsewhere needs ``copy="all"`` (every tensor
-   copied before vLLM sees it).
+   copied before vLLM sees it; also what ``copy="held"`` falls back to where the installed vLLM's layerwise reload
+   does not hold its arguments as ``weightsync.vllm.internals`` expects).
 3. **A failed update is finalized here.** vLLM forgets the update when ``update_weights`` raises, so the engine
    runs ``finalize_layerwise_reload`` itself: layers that received nothing get their previous tensors back, the
    rest are what arrived (the manager marks the replica torn and keeps it paused). A full update that left a layer
-   with no weights at all (a tensor the sender never sent) raises ``LoadVerificationError`` naming it.
+   with no weights at all (a tensor the sender never sent) raises ``LoadVerificationError`` naming it (where the
+   installed vLLM lets ``weightsync.vllm.internals.missing_layers`` see it: otherwise the check is skipped, and
+   the outcome's ``notes`` say so).
 
-Errors cross vLLM's RPC only as strings, so the outcome of the last call (its report, or its error as plain data)
-is kept and read back through ``weightsync_outcome``; the Ray replica rebuilds the typed error from it.
+Errors cross vLLM's RPC only as strings, so the outcome of the last call (its report, or its error as plain data,
+and its ``notes``: what it went without, ``weightsync.vllm.internals.notes``) is kept and read back through
+``weightsync_outcome``; the Ray replica rebuilds the typed error from it. Every vLLM internal the engine touches is
+in ``weightsync.vllm.internals``.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import asyncio
 import contextlib
 import itertools
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -71,17 +77,19 @@ from weightsync.api.protocols import next_batch
 from weightsync.api.topology import epoch_of
 from weightsync.api.types import StagedUpdate, WorkerMetadata
 from weightsync.core.worker.host import EngineHost, is_untouched, mark_untouched
+from weightsync.vllm import internals
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
-__all__ = ["LoadClock", "WeightsyncInitInfo", "WeightsyncTransferEngine", "WeightsyncUpdateInfo", "error_from_data",
-           "error_to_data", "parameter_checksums"]
+__all__ = ["LoadClock", "WeightsyncInitInfo", "WeightsyncTransferEngine", "WeightsyncUpdateInfo", "engine_in_process",
+           "error_from_data", "error_to_data", "parameter_checksums"]
 
 BACKEND = "weightsync"
 COPY_MODES = ("held", "all", "none")
 _T = TypeVar("_T")
+_in_process: weakref.ref[WeightsyncTransferEngine] | None = None
 
 
 def parameter_checksums(model: torch.nn.Module) -> dict[str, str]:
@@ -167,9 +175,12 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         self.clock: LoadClock | None = None
         """Times the reload in progress (from its first tensor to its finalize): ``outcome["load_seconds"]``."""
         self.kept: dict[tuple[int, int, str], torch.Tensor] = {}
-        """CPU buffers the copies of held views go into, reused from update to update (``_copy_held``)."""
+        """CPU buffers the copies of held views go into, reused from update to update (``internals.copy_held``)."""
         self.outcome: dict[str, Any] = {}
-        """The last step's result as plain data: ``{"report": ...}`` or ``{"error": ...}`` (``weightsync_outcome``)."""
+        """The last step's result as plain data: ``{"report": ...}`` or ``{"error": ...}``, and ``"notes"``
+        (``weightsync_outcome``)."""
+        global _in_process
+        _in_process = weakref.ref(self)  # vLLM builds one per worker process; the worker extension finds it here
 
     # -- weightsync's steps (called through WeightsyncWorkerExtension and vLLM's own methods) ----------------------
 
@@ -221,9 +232,9 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         except BaseException as exc:
             self._updating = False
             self._abandon_reload()
-            self.outcome = {"error": error_to_data(exc)}
+            self.outcome = {"error": error_to_data(exc), "notes": loader.notes}
             raise
-        self.outcome = {"report": report.to_dict()}
+        self.outcome = {"report": report.to_dict(), "notes": loader.notes}
 
     def finish_weight_update(self) -> None:
         self._updating = False
@@ -263,22 +274,6 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         self._reloading = True
         return self.clock
 
-    def missing_layers(self) -> list[str]:
-        """Modules with parameters of their own that received nothing in this reload (every update reaches every
-        one: a delta update too gives vLLM whole tensors). Modules with buffers only (rotary caches) and attention
-        layers, which vLLM finalizes after the reload, are not counted."""
-        from vllm.model_executor.layers.attention import is_deferred_attention_layer
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-        missing = []
-        for name, module in self.model.named_modules():
-            info = LAYERWISE_INFO.get(module)
-            if (info is not None and info.can_load() and info.load_numel == 0
-                    and any(True for _ in module.parameters(recurse=False))
-                    and not is_deferred_attention_layer(module)):
-                missing.append(name)
-        return missing
-
     def _abandon_reload(self) -> None:
         """After a failed update: finish the reload with what arrived; layers that got nothing are put back."""
         if self._reloading:
@@ -295,7 +290,9 @@ class _Loader:
 
     def __init__(self, engine: WeightsyncTransferEngine, *, copy: str) -> None:
         self._engine = engine
-        self._copy = copy
+        self.notes = internals.notes("layer_progress", "mtp_check", *(("held_arguments",) if copy == "held" else ()))
+        """What this update goes without (``weightsync.vllm.internals.notes``)."""
+        self._copy = "all" if copy == "held" and not internals.usable("held_arguments") else copy
 
     async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
         loop = asyncio.get_running_loop()
@@ -315,12 +312,12 @@ class _Loader:
                 for name, tensor in batch:
                     yield name, tensor.clone() if self._copy == "all" else tensor
                 if self._copy == "held":  # vLLM asks for the tensor after this batch: its views are about to go
-                    _copy_held(batch, self._engine.kept)
+                    internals.copy_held(batch, self._engine.kept)
 
         model: Any = self._engine.model
-        with _mtp_check_disabled():
+        with internals.mtp_check_disabled():
             model.load_weights(weights=clock.iterate(stream()))
-        missing = self._engine.missing_layers()
+        missing = internals.missing_layers(model)
         if missing:
             raise LoadVerificationError(
                 f"the update left {len(missing)} module(s) of vLLM's model without weights, first "
@@ -328,41 +325,13 @@ class _Loader:
             )
 
 
-def _copy_held(batch: list[tuple[str, torch.Tensor]], kept: dict[tuple[int, int, str], torch.Tensor]) -> None:
-    """Replace every tensor vLLM's layerwise reload still holds that shares memory with a view of ``batch`` with a
-    copy of it.
-
-    On the CPU the copy goes into a buffer ``kept`` from the last update for the same place (the layer, the
-    position among the tensors it holds, the argument) where it fits: a fresh allocation there costs page faults,
-    about four times the copy (CUDA's caching allocator reuses its blocks the same way). Safe because every
-    layer's held tensors are consumed by the end of the update that handed them over."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-    storages = {view.untyped_storage().data_ptr() for _, view in batch}
-    for module, info in list(LAYERWISE_INFO.items()):
-        for position, (_, bound) in enumerate(info.loaded_weights):
-            for key, value in bound.arguments.items():
-                if not isinstance(value, torch.Tensor) or value.untyped_storage().data_ptr() not in storages:
-                    continue
-                place = (id(module), position, key)
-                buffer = kept.get(place)
-                if (value.device.type != "cpu" or buffer is None or buffer.shape != value.shape
-                        or buffer.dtype != value.dtype):
-                    buffer = value.clone()
-                    if value.device.type == "cpu":
-                        kept[place] = buffer
-                else:
-                    buffer.copy_(value)
-                bound.arguments[key] = buffer
-
-
-def _mtp_check_disabled() -> contextlib.AbstractContextManager[Any]:
-    """vLLM's own engines disable its multi-token-prediction completeness check while loading an update."""
-    try:
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-    except ImportError:
-        return contextlib.nullcontext()
-    return disable_mtp_completeness_check()  # type: ignore[no-any-return]
+def engine_in_process() -> WeightsyncTransferEngine:
+    """The ``WeightsyncTransferEngine`` vLLM built in this worker process (weightsync's own record of it)."""
+    engine = _in_process() if _in_process is not None else None
+    if engine is None:
+        raise ConfigError("this vLLM engine was not started with weight_transfer_config={'backend': 'weightsync'}: "
+                          "its worker holds no weightsync engine")
+    return engine
 
 
 # -- outcomes across vLLM's RPC (which carries exceptions as strings) ---------------------------------------------

@@ -4,17 +4,19 @@ vLLM mixes the class named by ``worker_extension_cls`` into its worker class, so
 next to the model and the ``WeightsyncTransferEngine`` vLLM built there. They carry what vLLM's weight-transfer API
 has no step for: ``prepare`` (which returns data) and reading back the outcome of the last update as plain data.
 Engines without weightsync get it too, for :meth:`WeightsyncWorkerExtension.weightsync_reload` (vLLM's own
-``reload_weights``, timed).
+``reload_weights``, timed) and :meth:`WeightsyncWorkerExtension.weightsync_internals`. Only the worker's public
+methods are used here (``get_model``, the weight-update steps, ``reload_weights``); what reaches past them is in
+``weightsync.vllm.internals``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from weightsync.api.errors import ConfigError
 from weightsync.api.types import WorkerMetadata
+from weightsync.vllm import internals
 
 __all__ = ["WeightsyncWorkerExtension"]
 
@@ -23,13 +25,13 @@ class WeightsyncWorkerExtension:
     """Mixed into vLLM's worker; ``self`` is the worker."""
 
     def _weightsync(self) -> Any:
-        from weightsync.vllm.engine import WeightsyncTransferEngine
+        from weightsync.vllm.engine import engine_in_process
 
-        engine = getattr(self, "weight_transfer_engine", None)
-        if not isinstance(engine, WeightsyncTransferEngine):
-            raise ConfigError("this vLLM engine was not started with weight_transfer_config={'backend': 'weightsync'}"
-                              f" (its weight-transfer engine is {type(engine).__name__})")
-        return engine
+        return engine_in_process()
+
+    def _model(self) -> Any:
+        worker: Any = self
+        return worker.get_model()
 
     def weightsync_prepare(self, engine: Mapping[str, Any], node_id: str, host_ip: str) -> WorkerMetadata:
         metadata: WorkerMetadata = self._weightsync().prepare(engine=engine, node_id=node_id, host_ip=host_ip)
@@ -69,30 +71,30 @@ class WeightsyncWorkerExtension:
         """``weightsync.vllm.engine.parameter_checksums`` of the model vLLM holds now (the proof of load)."""
         from weightsync.vllm.engine import parameter_checksums
 
-        return parameter_checksums(getattr(self, "model_runner").get_model())
+        return parameter_checksums(self._model())
 
     def weightsync_parameters(self) -> dict[str, list[int]]:
         """The shape of every parameter vLLM holds now (a repacked CPU linear layer shows an empty weight)."""
-        model = getattr(self, "model_runner").get_model()
-        return {name: list(param.shape) for name, param in model.named_parameters()}
+        return {name: list(param.shape) for name, param in self._model().named_parameters()}
 
-    def weightsync_reload(self, weights_path: str) -> dict[str, float]:
+    def weightsync_reload(self, weights_path: str) -> dict[str, Any]:
         """vLLM's ``reload_weights(weights_path=..., is_checkpoint_format=True)``, timed: ``seconds`` in all,
         ``read_seconds`` in vLLM's checkpoint iterator (reading the files), ``load_seconds`` the rest (vLLM's own
-        load: the same measure as an update's ``load_seconds``)."""
+        load: the same measure as an update's ``load_seconds``); ``notes`` (``weightsync.vllm.internals.notes``):
+        where the installed vLLM does not let the loader be observed, the reload is timed whole (``read_seconds``
+        0.0)."""
         from weightsync.vllm.engine import LoadClock
 
-        model = getattr(self, "model_runner").get_model()
         clock = LoadClock()
-        original = model.load_weights
-
-        def load_weights(weights: Iterable[Any], *args: Any, **kwargs: Any) -> Any:
-            return original(clock.iterate(weights), *args, **kwargs)
-
-        model.load_weights = load_weights  # observed only: vLLM's loader still reads and loads everything
-        try:
-            getattr(self, "reload_weights")(weights_path=weights_path, is_checkpoint_format=True)
-        finally:
-            del model.load_weights
+        worker: Any = self
+        with internals.observe_load_weights(self._model(), clock.iterate):  # observed only: vLLM still loads all
+            worker.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
         seconds = time.perf_counter() - clock.started
-        return {"seconds": seconds, "read_seconds": clock.waited, "load_seconds": seconds - clock.waited}
+        return {"seconds": seconds, "read_seconds": clock.waited, "load_seconds": seconds - clock.waited,
+                "notes": internals.notes("load_weights_hook")}
+
+    def weightsync_internals(self, avoid: list[str] | None = None) -> dict[str, str]:
+        """``weightsync.vllm.internals.report()`` in this worker, after ``internals.avoid(avoid)`` when given."""
+        if avoid is not None:
+            internals.avoid(avoid)
+        return internals.report()

@@ -1,8 +1,9 @@
 """The ``vllm.general_plugins`` entry point: registers ``"weightsync"`` in vLLM's ``WeightTransferEngineFactory``.
 
 vLLM calls it in every one of its processes, possibly more than once, and the factory raises ``ValueError`` on a
-name registered twice: registration checks first. The class is registered by module path, so a process that never
-builds the engine never imports weightsync's engine module.
+name registered twice: a name already there is left as it is (``weightsync.vllm.internals.register_engine``). The
+class is registered by module path, so a process that never builds the engine never imports weightsync's engine
+module.
 """
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ __all__ = ["register"]
 
 
 def register() -> None:
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
     from weightsync.vllm.engine import BACKEND
+    from weightsync.vllm.internals import register_engine
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, "weightsync.vllm.engine", "WeightsyncTransferEngine")
+    register_engine(BACKEND, "weightsync.vllm.engine", "WeightsyncTransferEngine")

@@ -8,8 +8,8 @@ calls to the actor, which turns them into vLLM calls:
 manager                   vLLM
 ========================  ==========================================================================================
 pause                     ``pause_generation(mode="keep", clear_cache=False)`` less its closing sleep
-                          (:func:`pause_keeping`): running requests and their KV cache stay; they continue after the
-                          resume
+                          (``weightsync.vllm.internals.pause_keeping``): running requests and their KV cache stay;
+                          they continue after the resume
 ``prepare``               ``collective_rpc("weightsync_prepare")`` (the worker extension; returns the metadata)
 ``init_process_group``    ``init_weight_transfer_engine`` with ``WeightsyncInitInfo``
 update                    ``collective_rpc("weightsync_update")``: vLLM's worker steps ``start_weight_update`` →
@@ -32,6 +32,10 @@ A replica whose update failed after vLLM had started loading is torn: the manage
 aborts the requests it kept, each ending with ``ReplicaTornError`` (never left waiting), and refuses new ones until
 an update repairs it. One worker per replica: tensor parallelism inside one vLLM engine (several workers behind one
 ``collective_rpc``) is not supported yet, and ``create`` refuses it.
+
+What the last update or reload went without, where the installed vLLM lacks an internal the adapter uses (a
+fallback taken, a check skipped: ``weightsync.vllm.internals``), the replica reports in
+:meth:`VllmRolloutReplica.notes`; :meth:`VllmEngineActor.internals` says which internals its processes use.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from weightsync.core.transports.place import ping_answer
 from weightsync.core.transports.plan import Idle, encode_plan
 from weightsync.core.worker.host import EngineHost, is_untouched
 from weightsync.ray.group import RayStagingWorker, actor_options
+from weightsync.vllm import internals
 from weightsync.vllm.engine import BACKEND, error_from_data
 
 __all__ = ["VllmEngineActor", "VllmRolloutReplica", "engine_args"]
@@ -70,23 +75,6 @@ def engine_args(model: str, **overrides: Any) -> dict[str, Any]:
     }
     args.update(overrides)
     return args
-
-
-async def pause_keeping(llm: Any) -> None:
-    """``llm.pause_generation(mode="keep", clear_cache=False)`` without the 20 ms it then sleeps.
-
-    ``AsyncLLM.pause_generation`` asks the engine core to pause its scheduler and then sleeps 20 ms so that the final
-    outputs of requests the pause ends reach their callers before it returns — vLLM's comment calls it ordering,
-    not correctness. A pause that keeps every request ends none, and the sleep would be a fifth of an update's
-    fixed cost here, so the scheduler is paused directly (the engine core client's ``pause_scheduler_async``, what
-    ``pause_generation`` awaits; with ``clear_cache=False`` it does nothing else). A vLLM without that call gets
-    ``pause_generation``."""
-    core = getattr(llm, "engine_core", None)
-    pause_scheduler = getattr(core, "pause_scheduler_async", None)
-    if pause_scheduler is None:
-        await llm.pause_generation(mode="keep", clear_cache=False)
-    else:
-        await pause_scheduler(mode="keep", clear_cache=False)
 
 
 class VllmEngineActor:
@@ -113,6 +101,7 @@ class VllmEngineActor:
         self._pauses: list[list[float]] = []  # [paused, resumed] in wall-clock seconds, resumed 0.0 while paused
         self._timings: dict[str, float] = {}
         self._load_sums: dict[str, str] | None = None  # the proof of load the last update took, until it is read
+        self._notes: list[str] = []  # what the last update or reload went without (VllmRolloutReplica.notes)
         self._stager: EngineHost | None = None  # staged updates only: the engine that stages (module docstring)
         context = ray.get_runtime_context()
         self._node_id = context.get_node_id()
@@ -199,11 +188,13 @@ class VllmEngineActor:
         self._verified = None
         self._timings = {}
         self._load_sums = None
+        self._notes = []
         try:
             try:
                 outcome = await self._rpc("weightsync_update", update_info=update_info)
             except Exception as exc:  # raised by vLLM itself (its RPC carries only the message)
                 raise LifecycleError(f"{self.name}: vLLM's weight update failed: {exc}") from exc
+            self._notes = [*internals.notes("pause_scheduler"), *outcome.get("notes", ())]
             if "error" in outcome:
                 raise error_from_data(outcome["error"], where=self.name)
             report = TransferReport.from_dict(outcome["report"])
@@ -231,7 +222,7 @@ class VllmEngineActor:
     async def pause(self) -> None:
         self._paused_at = time.perf_counter()
         self._pauses.append([time.time(), 0.0])
-        await pause_keeping(self._engine())
+        await internals.pause_keeping(self._engine())
 
     async def resume(self) -> None:
         llm = self._engine()
@@ -250,6 +241,19 @@ class VllmEngineActor:
         """Every pause of this replica as ``[paused, resumed]`` (wall-clock seconds; ``resumed`` is 0.0 while it is
         still paused): the pauses as the actor saw them, whatever the manager reports."""
         return [list(entry) for entry in self._pauses]
+
+    def notes(self) -> list[str]:
+        """What the last update or reload went without (``weightsync.vllm.internals.notes``): one line per vLLM
+        internal the installed vLLM lacks, naming its version, the fallback taken or the check skipped; empty when
+        it went without nothing."""
+        return list(self._notes)
+
+    async def internals(self, avoid: list[str] | None = None) -> dict[str, dict[str, str]]:
+        """``weightsync.vllm.internals.report()`` of this actor's process and of vLLM's worker, after
+        ``internals.avoid(avoid)`` in both when given (``[]``: every internal the probe found is used again)."""
+        if avoid is not None:
+            internals.avoid(avoid)
+        return {"actor": internals.report(), "worker": await self._rpc("weightsync_internals", avoid=avoid)}
 
     def timings(self) -> dict[str, float]:
         """Measured here and in vLLM's worker for the last update or reload: ``pause_seconds`` (from the pause to
@@ -291,7 +295,7 @@ class VllmEngineActor:
             "logprobs": [sorted([token, entry.logprob] for token, entry in step.items())
                          for step in (completion.logprobs or [])],
             "weight_versions": [[span.version, span.start, span.end]
-                                for span in (getattr(completion, "weight_versions", None) or [])],
+                                for span in completion.weight_versions or []],
             "finish_reason": completion.finish_reason,
         }
 
@@ -321,7 +325,9 @@ class VllmEngineActor:
         """Load a checkpoint directory with vLLM's own ``reload_weights`` (a reference engine, or the disk route);
         its timings (``WeightsyncWorkerExtension.weightsync_reload``)."""
         self._load_sums = None
-        timings: dict[str, float] = dict(await self._rpc("weightsync_reload", weights_path=path))
+        self._notes = []
+        timings = dict(await self._rpc("weightsync_reload", weights_path=path))
+        self._notes = list(timings.pop("notes"))
         self._timings = {"read_seconds": timings["read_seconds"], "load_seconds": timings["load_seconds"]}
         return timings
 
@@ -405,6 +411,11 @@ class VllmRolloutReplica:
         """What the manager compares across replicas after an update: a fast hash of every parameter vLLM holds
         (``VllmEngineActor.load_checksums``); vLLM's own SHA-256 checksums are :meth:`vllm_checksums`."""
         return dict(await self.handle.load_checksums.remote())
+
+    async def notes(self) -> list[str]:
+        """What the last update or reload went without (:meth:`VllmEngineActor.notes`): a fallback the installed
+        vLLM made the replica take, a check it skipped; empty when nothing."""
+        return list(await self.handle.notes.remote())
 
     async def vllm_checksums(self) -> dict[str, str]:
         """vLLM's ``compute_weight_checksums`` (SHA-256 of every parameter)."""
