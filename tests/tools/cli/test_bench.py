@@ -18,6 +18,14 @@ from weightsync.cli.bench.worker import bucket_plan
 
 RESULT_KEYS = {"backend", "gbps_p50", "gbps_p90", "ratio_bucketed", "ratio_limit", "ratio_engine_copy_limit",
                "peak_extra_rss_mb"}
+BASELINE_NAMES = ("naive", "bucketed")
+
+
+def result_keys(row: dict[str, Any]) -> set[str]:
+    """The keys every result row has: an engine entry's also the manager's report of its last update."""
+    return RESULT_KEYS | (set() if row["backend"] in BASELINE_NAMES else {"report"})
+
+
 RAY_KEYS = {"backend", "model_bytes", "bucket_bytes", "workers", "repeat", "update_ms_p50", "noop_ms_p50", "ratio",
             "target_ratio", "meets", "stages_ms_p50"}
 
@@ -45,7 +53,10 @@ def test_json_has_the_documented_schema(shm_run: tuple[dict[str, Any], dict[str,
     assert set(data) == {"scenario", "limit_gbps", "engine_copy_limit_gbps", "raw_gloo_gbps", "results",
                          "ray_end_to_end"}
     assert [row["backend"] for row in data["results"]] == ["shm", "naive", "bucketed"]
-    assert all(set(row) == RESULT_KEYS for row in data["results"])
+    assert all(set(row) == result_keys(row) for row in data["results"])
+    report = data["results"][0]["report"]  # the manager's UpdateReport: the entry was its update
+    assert report["backend"] == "shm" and report["receivers"] == 2 and report["stages"]["transfer"] > 0
+    assert [outcome["state"] for outcome in report["replicas"]] == ["committed", "committed"]
     scenario = data["scenario"]
     assert scenario["model_bytes"] == 16 * 2**20 and scenario["receivers"] == 2 and scenario["bucket_mb"] == 4
     assert scenario["copiers"] == min(scenario["cores"], 3)
@@ -183,7 +194,7 @@ def test_rl_mix_with_delta_adds_an_entry_per_backend(tmp_path: pathlib.Path) -> 
     assert result.returncode == 0, result.stderr[-4000:]
     data = json.loads(out.read_text())
     assert [row["backend"] for row in data["results"]] == ["shm", "shm+delta", "naive", "bucketed"]
-    assert all(set(row) == RESULT_KEYS and row["gbps_p50"] > 0 for row in data["results"])
+    assert all(set(row) == result_keys(row) and row["gbps_p50"] > 0 for row in data["results"])
     scenario = data["scenario"]
     assert scenario["mix"] == "rl" and scenario["lr"] == 1e-6 and 0 < scenario["changed_fraction"] < 0.2
     assert scenario["verify_every"] == 1
@@ -206,7 +217,7 @@ def test_staged_adds_a_staged_entry_after_each_entry_and_serving_figures(tmp_pat
     assert data["scenario"]["staged"] is True
     for name, row in rows.items():
         staged = name.endswith("+staged")
-        assert set(row) == RESULT_KEYS | SERVING_KEYS | (STAGED_KEYS if staged else set()), name
+        assert set(row) == result_keys(row) | SERVING_KEYS | (STAGED_KEYS if staged else set()), name
         assert row["failed_requests"] == 0 and row["idle_rate"] > 0 and len(row["pause_ms"]) == 2, row
         assert row["pause_ms_p50"] > 0 and row["gbps_p50"] > 0, row
         if staged:
@@ -222,5 +233,5 @@ def test_without_staged_the_receivers_do_not_serve(tmp_path: pathlib.Path) -> No
     result = bench("--backends", "shm", "--model-mb", "4", "--bucket-mb", "1", "--repeat", "1", "--no-ray",
                    "--json", str(out))
     assert result.returncode == 0, result.stderr[-4000:]
-    assert all(set(row) == RESULT_KEYS for row in json.loads(out.read_text())["results"])
+    assert all(set(row) == result_keys(row) for row in json.loads(out.read_text())["results"])
     assert "serving (" not in result.stdout

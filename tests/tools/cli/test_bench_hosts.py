@@ -64,9 +64,11 @@ def test_json_keeps_the_schema_and_adds_the_testbed_fields(hosts_run: tuple[dict
     assert set(data) == {"scenario", "limit_gbps", "engine_copy_limit_gbps", "raw_gloo_gbps", "link_limit_gbps",
                          "results", "ray_end_to_end"}
     assert [row["backend"] for row in data["results"]] == [*backends, "naive", "bucketed"]
-    assert all(set(row) == HOSTS_RESULT_KEYS for row in data["results"] if row["backend"] != "auto")
+    engines = {"report"}  # an engine entry's: the manager's report of its last update
+    assert all(set(row) == HOSTS_RESULT_KEYS | (set() if row["backend"] in ("naive", "bucketed") else engines)
+               for row in data["results"] if row["backend"] != "auto")
     auto = next(row for row in data["results"] if row["backend"] == "auto")
-    assert set(auto) == HOSTS_RESULT_KEYS | {"chosen"}
+    assert set(auto) == HOSTS_RESULT_KEYS | {"chosen"} | engines
     assert auto["chosen"] == choose(sender_node="0", rollout_nodes=["1", "2"]).name  # e.g. "nixl (two-level)"
     assert f"(auto picked {auto['chosen']} here)" in stdout
     scenario = data["scenario"]
@@ -216,19 +218,24 @@ def test_receivers_are_placed_host_by_host() -> None:
     assert local.receivers == 2 and [local.host_of(rank) for rank in range(3)] == [0, 0, 0]
 
 
-@pytest.mark.parametrize(("actor_ranks", "staged"), [("1", False), ("2", False), ("2", True)])
+@pytest.mark.parametrize(("actor_ranks", "staged", "delta"), [("1", False, False), ("2", False, True),
+                                                             ("2", True, False)])
 def test_rails_are_counted_one_by_one_and_two_actor_ranks_stripe_over_them(tmp_path: pathlib.Path,
-                                                                            actor_ranks: str, staged: bool) -> None:
+                                                                            actor_ranks: str, staged: bool,
+                                                                            delta: bool) -> None:
     """``--rails 2``: two links per host, the link limit is both of the sender host's, and every update's bytes are
     read per rail from the switch side; each rail's figures add up to the host's. With two actor ranks (the
     default: one per rail) auto deals the update into two stripes and each rail carries half of it; with one
     (the control), one sender: rail 0 carries the update, rail 1 next to nothing. ``--staged``: the staged entry
-    too (each receiver stages the stripe of its rail, both swap from both areas) carries half over each rail."""
+    too (each receiver stages the stripe of its rail, both swap from both areas) carries half over each rail.
+    ``--delta`` (``--mix rl``): every entry is the manager's, so ``auto+delta`` is dealt what the manager deals a
+    delta update — no stripes, its report says so, and its changes cross rail 0 alone."""
     skip_unless_testbed()
     out = tmp_path / "rails.json"
     result = bench("--hosts", "2", "--receivers", "2", "--rails", "2", "--actor-ranks", actor_ranks, "--link-gbps",
                    str(LINK_GBPS), "--model-mb", "16", "--bucket-mb", "1", "--repeat", "2", "--backends", "auto",
-                   *(["--staged"] if staged else []), "--json", str(out))
+                   *(["--staged"] if staged else []), *(["--delta", "--mix", "rl"] if delta else []),
+                   "--json", str(out))
     assert result.returncode == 0, result.stderr[-4000:]
     data = json.loads(out.read_text())
     assert data["scenario"]["rails"] == 2 and data["scenario"]["actor_ranks"] == int(actor_ranks)
@@ -239,6 +246,16 @@ def test_rails_are_counted_one_by_one_and_two_actor_ranks_stripe_over_them(tmp_p
         assert len(row["rail_ingress_bytes"][0]) == 2
         assert abs(sum(row["rail_egress_bytes"]) - row["sender_egress_bytes"]) <= 2
         assert abs(sum(row["rail_ingress_bytes"][0]) - row["host_ingress_bytes"][0]) <= 2
+    for row in data["results"]:  # every engine entry carries the manager's report of its last update
+        if row["backend"] not in ("naive", "bucketed"):
+            assert row["report"]["chosen"].startswith(row["chosen"]) and row["report"]["stages"]["transfer"] > 0
+            assert {outcome["state"] for outcome in row["report"]["replicas"]} == {"committed"}, row["report"]
+    if delta:
+        dealt = next(row for row in data["results"] if row["backend"] == "auto+delta")
+        assert "stripes" not in dealt["report"]["chosen"] and dealt["chosen"].endswith("(two-level)"), dealt
+        assert dealt["report"]["changed_fraction"] < 0.2, dealt["report"]["changed_fraction"]
+        assert dealt["rail_ingress_bytes"][0][1] < 0.01 * MODEL_BYTES, dealt  # rail 1: next to nothing
+        assert dealt["rail_ingress_bytes"][0][0] > dealt["rail_ingress_bytes"][0][1], dealt
     auto = next(row for row in data["results"] if row["backend"] == "auto")
     if staged:
         auto = next(row for row in data["results"] if row["backend"] == "auto+staged")

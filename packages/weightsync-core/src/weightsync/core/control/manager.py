@@ -156,18 +156,41 @@ class CheckpointEngineManager:
         finally:
             self._updating = False
 
+    async def connect(self) -> None:
+        """Build the membership epoch now if there is none (prepare → build_topology → init_process_group on every
+        worker, the replicas serving), so that the next update starts on connections that exist; each update does
+        this itself when it must."""
+        if self._updating:
+            raise ConcurrentUpdateError("connect while an update of this manager is in flight")
+        if not self._replicas:
+            raise ConfigError("connect with no replicas")
+        self._updating = True
+        try:
+            round_ = Round.of(self._version, self._replicas)
+            self._flow.check(round_.workers)
+            await self._ensure_epoch(round_)
+        except BaseException:
+            self._epoch = None
+            raise
+        finally:
+            self._updating = False
+
+    async def _ensure_epoch(self, round_: Round) -> Epoch:
+        if self._epoch is not None and await self._setup.rails_back(round_.workers):
+            self._epoch = None  # a lost rail answers again: a rebuild deals stripes over it
+        if self._epoch is None:  # before any replica is paused: they serve while it runs
+            round_.rebuilt = True
+            self._epoch = await self._setup.build(round_.stages, round_.workers, self._flow,
+                                                  delta_base=self._delta_base())
+        return self._epoch
+
     async def _update(self, version: int) -> UpdateReport:
         round_ = Round.of(version, self._replicas)
         self._flow.check(round_.workers)  # before any work
         try:
-            if self._epoch is not None and await self._setup.rails_back(round_.workers):
-                self._epoch = None  # a lost rail answers again: a rebuild deals stripes over it
-            if self._epoch is None:  # before any replica is paused: they serve while it runs
-                round_.rebuilt = True
-                self._epoch = await self._setup.build(round_.stages, round_.workers, self._flow,
-                                                      delta_base=self._delta_base())
-            round_.stripes = self._epoch.stripes
-            await self._flow.run(round_, self._epoch, self._states)
+            epoch = await self._ensure_epoch(round_)
+            round_.stripes = epoch.stripes
+            await self._flow.run(round_, epoch, self._states)
         except BaseException as exc:
             round_.failure = round_.failure or exc
             self._epoch = None  # connections may be mid-message: rebuild them next time

@@ -19,16 +19,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from weightsync.api.config import MiB
-from weightsync.api.registry import load_engine_class
-from weightsync.api.topology import epoch_of, with_epoch
-from weightsync.api.types import RankArgs, StagedUpdate, WorldMetadata
+from weightsync.cli.bench.managed import ManagedUpdates, report_dict
 from weightsync.cli.bench.scenario import BASELINES, Case
 from weightsync.cli.bench.worker import Channel, c10d, serve
 from weightsync.cli.progress import Progress
-from weightsync.core.control.auto import AUTO, choose
-from weightsync.core.transports.place import default_node_id, has_rdma
-from weightsync.core.transports.plan import Idle, encode_plan
-from weightsync.core.control.staged import StagedPlan, joined
+from weightsync.core.transports.place import default_node_id
 
 if TYPE_CHECKING:  # the testbed is an extra of the CLI (weightsync-cli[testbed]): only ``hosts`` imports it
     from weightsync.testbed import LinkCounters
@@ -58,6 +53,8 @@ class BenchResult:
     """Per timed update (testbed only): for each of hosts 1..H-1, bytes it received on each of its rails."""
     chosen: str = ""
     """For ``auto``: the backend (and layout) it picked for this placement."""
+    report: dict[str, Any] | None = None
+    """An engine entry's: the manager's ``UpdateReport`` of its last timed update, as plain data."""
     serving: ServingFigures | None = None
     """``--staged``: what the receivers' serving loops saw."""
 
@@ -158,26 +155,10 @@ class _Workers:
                 self.store = c10d.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
                 common.update(store_host="127.0.0.1", store_port=int(self.store.port))
         else:
-            options: dict[str, Any] = {"delta": True, "verify_every": case.verify_every} if case.delta else {}
-            if case.staged:  # advertised in the metadata: a striped topology gives each stager its stripe
-                options["staged"] = True
-            common.update(kind="engine", backend=case.backend, options=options)
-        self.backend, self.chosen = case.backend, ""
-        if case.backend == AUTO:
-            # What the manager's auto would pick for these workers: their hosts are the testbed's (or this one), whose
-            # NICs are this machine's.
-            rails = placement.rails
-            choice = choose(sender_node=str(case.host_of(0)),
-                            rollout_nodes=[str(case.host_of(rank)) for rank in case.receiving],
-                            rdma=has_rdma(), sender_rails=[case.local_rank(rank) % rails for rank in range(case.actors)],
-                            rollout_rails=[case.local_rank(rank) % rails for rank in case.receiving])
-            self.backend, self.chosen = choice.backend, choice.name
-            common.update(backend=choice.backend, options={**choice.options, **common["options"]})
+            common.update(kind="engine")  # its engine is the manager's to build (weightsync.cli.bench.managed)
         self.pipes: list[Channel] = []
         self.stops: list[Callable[[float], None]] = []
         self.actors = case.actors
-        self.plan: StagedPlan | None = None
-        """A staged entry's stagers, picked at ``connect``."""
         for group_rank in range(case.actors + case.receivers):
             role, rank = ("actor", group_rank) if group_rank < case.actors else ("rollout", group_rank - case.actors)
             spec = {**common, "role": role, "rank": rank, "group_rank": group_rank,
@@ -205,32 +186,31 @@ class _Workers:
         """``each`` for the receivers only (group ranks A..A+R-1)."""
         return self.all_do([{"op": op, **fields}] * (len(self.pipes) - self.actors), self.pipes[self.actors:])
 
-    def connect(self, receivers: int, *, staged: bool = False) -> None:
-        """Join the workers; ``staged``: only each host's stagers (``StagedPlan``'s, as the manager picks them) join
-        the transport's world as receivers, the other receivers the epoch, idle."""
-        if self.name in BASELINES:
-            if self.placement.testbed:
-                # On a testbed the driver is unreachable: group rank 0 hosts the store on its host's address.
-                store = self.all_do([{"op": "store"}], self.pipes[:1])[0]
-                self.each("init", **store)
-            else:
-                self.each("init")
-            return
-        metadata = self.each("prepare")
-        actors = list(range(self.actors))
-        members = list(range(self.actors, self.actors + receivers))
-        if staged:
-            self.plan = StagedPlan.of(WorldMetadata(actor=metadata[:self.actors], rollout=metadata[self.actors:]))
-            members = [self.actors + index for index in self.plan.members]
-        topology = with_epoch(load_engine_class(self.backend).build_topology(
-            actor_wg_world_size=self.actors, rollout_world_size=len(members),
-            metadata=WorldMetadata(actor=metadata[:self.actors], rollout=[metadata[rank] for rank in members]),
-        ))
-        idle = encode_plan(Idle(epoch=epoch_of(topology.actor[0])))
-        rank_args: list[RankArgs] = [idle] * (self.actors + receivers)
-        for rank, args in zip([*actors, *members], [*topology.actor, *topology.rollout]):
-            rank_args[rank] = args
-        self.all_do([{"op": "init", "rank_args": args} for args in rank_args])
+    def connect(self) -> None:
+        """A baseline's group: every worker joins it."""
+        if self.placement.testbed:
+            # On a testbed the driver is unreachable: group rank 0 hosts the store on its host's address.
+            store = self.all_do([{"op": "store"}], self.pipes[:1])[0]
+            self.each("init", **store)
+        else:
+            self.each("init")
+
+    def update(self, serving: ServingFigures | None) -> float:
+        """A baseline's update: every worker's part at once; its seconds. With ``serving`` every receiver is paused
+        around it, and its pause goes there."""
+        lasts = self.each_receiver("pause") if serving is not None else []
+        started = time.perf_counter()
+        self.each("run")
+        seconds = time.perf_counter() - started
+        if serving is not None:
+            self.record_pauses(serving, lasts, self.each_receiver("resume"))
+        return seconds
+
+    def record_pauses(self, serving: ServingFigures, lasts: list[float], marks: list[int]) -> None:
+        """The longest pause of any receiver: its last pass before the pause (``lasts``) to its first after the
+        resume (the pass counts at the resumes: ``marks``)."""
+        firsts = self.all_do([{"op": "first_after", "mark": mark} for mark in marks], self.pipes[self.actors:])
+        serving.pause_ms.append(max(first - last for first, last in zip(firsts, lasts)) * 1e3)
 
     def close(self) -> None:
         try:
@@ -246,24 +226,27 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
                  yardsticks: Yardsticks | None = None, placement: Placement | None = None) -> BenchResult:
     """Time ``case.repeat`` updates after a warm-up; with ``trace``, add one traced update's events to it; with
     ``yardsticks``, measure them in the same processes afterwards. ``placement``: where the workers run (default:
-    this machine); where it has links, their counters are read before and after every timed update (untimed)."""
+    this machine); where it has links, their counters are read before and after every timed update (untimed). An
+    engine entry's updates are the manager's (``weightsync.cli.bench.managed``), a baseline's the workers' own."""
     placement = placement or LocalPlacement()
     workers = _Workers(case, placement)
+    managed = ManagedUpdates(case, workers) if case.name not in BASELINES else None
+    updates = managed or workers
     links = _LinkBytes()
     serving: ServingFigures | None = None
     try:
-        workers.connect(case.receivers, staged=case.staged)
+        updates.connect()
         if case.serving:
             serving = _start_serving(workers)
         workers.each("mark")
         workers.each("load", version=0)
-        _update(workers, case, None)
+        updates.update(None)
         progress.step(f"{case.name}: warm-up")
         seconds = []
         for index in range(case.repeat):
             workers.each("load", version=index + 1)
             before = placement.read_links()
-            seconds.append(_update(workers, case, serving))
+            seconds.append(updates.update(serving))
             after = placement.read_links()
             if before is not None and after is not None:
                 links.add(before, after)
@@ -272,18 +255,22 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
         peak_extra = max(workers.each("rss")) / MiB
         if serving is not None:
             serving.failed_requests = sum(workers.each_receiver("failed"))
-        if trace is not None:
-            _trace_update(workers, case, progress, trace)
+        report = report_dict(managed.report) if managed is not None else None
+        if trace is not None and managed is not None:
+            _trace_update(managed, workers, case, progress, trace)
         if yardsticks is not None:
             _measure_yardsticks(workers, case, progress, yardsticks)
     finally:
+        if managed is not None:
+            managed.close()
         workers.close()
     rates = sorted(case.total_bytes / s / 1e9 for s in seconds)
     p90 = rates[max(0, round(0.1 * (len(rates) - 1)))]  # 90% of the updates were at least this fast
     return BenchResult(backend=case.name, gbps_p50=statistics.median(rates), gbps_p90=p90,
                        peak_extra_rss_mb=peak_extra, seconds=seconds, sender_egress_bytes=links.egress,
                        host_ingress_bytes=links.ingress, rail_egress_bytes=links.rail_egress,
-                       rail_ingress_bytes=links.rail_ingress, chosen=workers.chosen, serving=serving)
+                       rail_ingress_bytes=links.rail_ingress, chosen=managed.chosen if managed else "",
+                       serving=serving, report=report)
 
 
 @dataclass
@@ -317,59 +304,11 @@ def _start_serving(workers: _Workers) -> ServingFigures:
     return ServingFigures(idle_rate=statistics.median(counts) / IDLE_SECONDS)
 
 
-def _update(workers: _Workers, case: Case, serving: ServingFigures | None) -> float:
-    """One update; its seconds (a staged one's from the start of the stage to the last resume). With
-    ``case.serving`` every receiver serves outside its pause, and the pause figures go to ``serving``."""
-    if case.staged:
-        return _staged_update(workers, case, serving)
-    lasts = workers.each_receiver("pause") if case.serving else []
-    started = time.perf_counter()
-    workers.each("run")
-    seconds = time.perf_counter() - started
-    if case.serving:
-        _record_pauses(workers, serving, lasts, workers.each_receiver("resume"))
-    return seconds
-
-
-def _staged_update(workers: _Workers, case: Case, serving: ServingFigures | None) -> float:
-    """Stage on each host's stagers (one, or one per stripe) while every receiver serves, then every receiver swaps
-    from its host's areas."""
-    plan, receivers = workers.plan, case.receiving
-    if plan is None:
-        raise RuntimeError(f"{case.name}: a staged update before the stagers were picked")
-    stagers = {case.actors + index for index in plan.members}
-    started, stage_start = time.perf_counter(), time.monotonic()
-    replies = workers.all_do([*[{"op": "run"}] * case.actors,
-                              *({"op": "stage", "version": 0} if rank in stagers else {"op": "noop"}
-                                for rank in receivers)])
-    stage_end = time.monotonic()
-    staged = {host: joined([StagedUpdate.from_dict(replies[case.actors + index]) for index in indices]).to_dict()
-              if len(indices) > 1 else replies[case.actors + indices[0]] for host, indices in plan.stagers.items()}
-    swaps = workers.all_do([{"op": "swap", "staged": staged[plan.hosts[rank - case.actors]]} for rank in receivers],
-                           workers.pipes[case.actors:])
-    seconds = time.perf_counter() - started
-    if serving is not None:
-        counts = workers.each_receiver("count", start=stage_start, end=stage_end)
-        serving.served_during_stage.append(int(statistics.median(counts)))
-        serving.stage_seconds.append(stage_end - stage_start)
-        serving.apply_ms.append(max(swap["apply_seconds"] for swap in swaps) * 1e3)
-        _record_pauses(workers, serving, [swap["last_before"] for swap in swaps], [swap["mark"] for swap in swaps])
-    return seconds
-
-
-def _record_pauses(workers: _Workers, serving: ServingFigures | None, lasts: list[float], marks: list[int]) -> None:
-    """The longest pause of any receiver: its last pass before the pause to its first after the resume."""
-    if serving is None:
-        return
-    firsts = workers.all_do([{"op": "first_after", "mark": mark} for mark in marks], workers.pipes[workers.actors:])
-    serving.pause_ms.append(max(first - last for first, last in zip(firsts, lasts)) * 1e3)
-
-
-def _trace_update(workers: _Workers, case: Case, progress: Progress, trace: list[dict[str, Any]]) -> None:
+def _trace_update(managed: ManagedUpdates, workers: _Workers, case: Case, progress: Progress,
+                  trace: list[dict[str, Any]]) -> None:
     workers.each("load", version=case.repeat + 1)
     started = time.perf_counter()
-    for events in workers.each("trace"):
-        trace.extend(events)
+    trace.extend(managed.traced(None))
     trace.append({"name": f"update ({case.name})", "cat": "update", "ph": "X", "ts": started * 1e6,
                   "dur": (time.perf_counter() - started) * 1e6, "pid": "driver", "tid": "main"})
     progress.step(f"{case.name}: traced update")

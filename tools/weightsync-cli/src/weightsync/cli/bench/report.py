@@ -81,6 +81,8 @@ class Summary:
             }
             if result.chosen:
                 row["chosen"] = result.chosen
+            if result.report is not None:  # an engine entry's: the manager's report of its last timed update
+                row["report"] = result.report
             if result.serving is not None:
                 row.update(_serving_row(result))
             if self.options.hosts:

@@ -6,25 +6,19 @@ stops only while the receiver is paused. A pause takes effect at the end of the 
 pauses between two steps), a resume starts a pass at once. Pause figures are measured here, inside the receivers:
 from the end of the last forward pass before the pause to the end of the first one after the resume.
 
-A staged entry (``B+staged``) runs an update as the manager does (``weightsync.core.control.staged``): the sender
-sends and one receiver per host (its first) stages into the host's staging area while every receiver serves; then
-each receiver swaps (pause, apply from its host's area into its model, resume).
+The manager pauses and resumes a receiver through its replica's hooks (``weightsync.cli.bench.group``): an unstaged
+entry every receiver around the transfer, a staged entry (``B+staged``, the manager's staged flow) each receiver
+only for its swap, while its host's stagers stage and every receiver serves.
 """
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import threading
 import time
-from typing import Any
-
 import torch
 
-from weightsync.api.types import StagedUpdate
-from weightsync.core.transports.stagearea import StageArea
-
-__all__ = ["PERIOD", "Server", "stage", "swap"]
+__all__ = ["PERIOD", "Server"]
 
 PERIOD = 0.02
 """Seconds between the starts of two forward passes of a serving receiver."""
@@ -113,27 +107,3 @@ class Server:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5.0)
-
-
-def stage(engine: Any, area: StageArea, *, version: int) -> dict[str, Any]:
-    """The stage phase on a host's stager."""
-    staged: StagedUpdate = asyncio.run(engine.stage_weights(area, version=version))
-    engine.finalize()
-    return staged.to_dict()  # its report too: a host's stripes, staged by several stagers, are joined by it
-
-
-def swap(engine: Any, server: Server | None, destinations: dict[str, torch.Tensor], staged: dict[str, Any]
-         ) -> dict[str, float]:
-    """The swap on one receiver: pause (its serving), apply its host's staged update into ``destinations``,
-    resume. Monotonic times: the last pass before the pause, the apply's seconds, and the pass count at resume."""
-    last = server.pause() if server is not None else time.monotonic()
-    started = time.perf_counter()
-
-    async def apply() -> None:
-        await engine.receive_staged(StagedUpdate.from_dict(staged)).copy_into(destinations)
-
-    asyncio.run(apply())
-    engine.finalize()
-    applied = time.perf_counter() - started
-    mark = server.resume() if server is not None else 0
-    return {"last_before": last, "apply_seconds": applied, "mark": mark}

@@ -1,7 +1,10 @@
 """The process side of ``weightsync bench``: one spawned process per rank, driven over a pipe with JSON commands.
 
 A worker is one of three kinds:
-- ``engine``: a registered backend's engine, built through the registry exactly as a deployment builds it;
+- ``engine``: an ``EngineHost`` (what an adapter keeps in every worker process: ``weightsync.core.worker.host``),
+  driven by the driver's ``CheckpointEngineManager`` through the worker group and replicas of
+  ``weightsync.cli.bench.group``: the engine is built from the manager's spec at ``prepare``, exactly as a
+  deployment builds it;
 - ``naive``: a plain gloo process group, one broadcast per tensor straight into the receivers' own tensors;
 - ``bucketed``: the same group, verl's NCCL design on CPU — rank 0 packs bucket k+1 while the asynchronous broadcast
   of bucket k is in flight, receivers post the broadcast of bucket k+1 before unpacking bucket k (two buffers each).
@@ -26,14 +29,13 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from weightsync.api.registry import load_engine_class
-from weightsync.api.types import WorkerContext
+from weightsync.api.types import StagedUpdate
 from weightsync.cli.bench.rl import load_version
-from weightsync.cli.bench.serving import Server, stage, swap
+from weightsync.cli.bench.serving import Server
 from weightsync.core.native import copy_stream
 from weightsync.core.transports.place import LOCAL_RANK_ENV
-from weightsync.core.transports.stagearea import StageArea
 from weightsync.core.wire.layout import PIECE_BYTES
+from weightsync.core.worker.host import EngineHost
 
 __all__ = ["Channel", "Duplex", "Layout", "bucket_plan", "c10d", "serve", "serve_stdio", "worker_identity"]
 
@@ -43,6 +45,8 @@ c10d: Any = dist
 Layout = list[tuple[str, tuple[int, ...]]]
 # One bucket: (tensor index, byte offset in the tensor, bytes, byte offset in the bucket) per piece.
 Bucket = list[tuple[int, int, int, int]]
+
+_ENGINE_OPS = frozenset({"execute", "send", "receive", "stage", "apply_staged", "trace_on", "trace_off"})
 
 PAGE = resource.getpagesize()
 STORE_TIMEOUT = datetime.timedelta(seconds=120)
@@ -211,9 +215,19 @@ class _Gloo:
                 return
 
 
+class _Sink:
+    """The receiver's model: the stream copies straight into its tensors (``ReceivedWeights.copy_into``)."""
+
+    def __init__(self, destinations: dict[str, torch.Tensor]) -> None:
+        self.destinations = destinations
+
+    async def load_weights(self, weights: Any, *, version: int) -> None:
+        await weights.copy_into(self.destinations)
+
+
 class _Worker:
-    """One rank's state between the driver's commands: its model, its engine or gloo group, and the yardsticks'
-    buffers."""
+    """One rank's state between the driver's commands: its model, its engine's host or gloo group, and the
+    yardsticks' buffers."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
@@ -221,21 +235,14 @@ class _Worker:
         # torch.ones touches every page: the receivers' model copies are pre-faulted, as an inference engine's are.
         self.tensors = [torch.ones(shape, dtype=torch.bfloat16) for _, shape in layout]
         self.by_name = dict(zip((name for name, _ in layout), self.tensors))
-        self.engine: Any = None
         self.gloo: _Gloo | None = None
         self.store: Any = None
         self.node_id, self.host_ip = worker_identity(spec)
-        if spec["kind"] == "engine":
-            self.engine = load_engine_class(spec["backend"])(
-                bucket_bytes=spec["bucket_bytes"],
-                context=WorkerContext(role=spec["role"], rank=spec["rank"], node_id=self.node_id,
-                                      host_ip=self.host_ip),
-                **spec.get("options", {}),
-            )
+        self.host = EngineHost(node_id=self.node_id, host_ip=self.host_ip,
+                               name=f"{spec['role']} {spec['rank']}") if spec["kind"] == "engine" else None
+        self.sink = _Sink(self.by_name)
         self.server: Server | None = None
         """``--staged``: this receiver's serving loop."""
-        self.area: StageArea | None = None
-        """A staged entry's stager: its host's staging area."""
         self.rss_before = 0
         self.reset_worked = False
         self.raw: torch.Tensor | None = None
@@ -244,20 +251,15 @@ class _Worker:
     def handle(self, command: dict[str, Any]) -> Any:
         """Carry out one command other than ``close``; the reply (None when there is nothing to say)."""
         op = command["op"]
-        if op == "prepare":
-            return self.engine.prepare()
         if op == "store":
             self.store = c10d.TCPStore(self.host_ip, 0, None, True, wait_for_workers=False, timeout=STORE_TIMEOUT)
             return {"store_host": self.host_ip, "store_port": int(self.store.port)}
         if op == "init":
-            if self.engine is not None:
-                self.engine.init_process_group(rank_args=command["rank_args"])
-            else:
-                # The store's address: in the command on a testbed (group rank 0's), in the spec on this machine.
-                where: dict[str, Any] = {key: command.get(key, self.spec.get(key))
-                                         for key in ("store_host", "store_port")}
-                self.gloo = _Gloo(self.spec, self.tensors, host_ip=self.host_ip, store_host=where["store_host"],
-                                  store_port=where["store_port"], store=self.store)
+            # The baselines' group. The store's address: in the command on a testbed (group rank 0's), in the
+            # spec on this machine.
+            where: dict[str, Any] = {key: command.get(key, self.spec.get(key)) for key in ("store_host", "store_port")}
+            self.gloo = _Gloo(self.spec, self.tensors, host_ip=self.host_ip, store_host=where["store_host"],
+                              store_port=where["store_port"], store=self.store)
         elif op == "load":
             # ``--mix rl``: the sender takes on the next version before an update (untimed); receivers keep theirs.
             if self.spec.get("versions") and self.spec["role"] == "actor":
@@ -267,11 +269,10 @@ class _Worker:
             self.rss_before = _rss_bytes()
             self.reset_worked = _reset_peak()
         elif op == "run":
-            self.update()
+            if self.gloo is not None:
+                self.gloo.update()
         elif op == "rss":
             return max(0, _peak_bytes(self.reset_worked) - self.rss_before)
-        elif op == "trace":
-            return self.traced_update()
         elif op == "raw_setup":
             self.raw = torch.ones(command["nbytes"], dtype=torch.uint8)  # pre-faulted
         elif op == "raw":
@@ -285,22 +286,41 @@ class _Worker:
             self.copy_buffers[1].fill_(1)  # pre-fault the destination too
         elif op == "copy":
             return self.copy(command["times"], command.get("method", "tensor"))
+        elif op in _ENGINE_OPS:
+            return self.engine_op(op, command)
         else:
             return self.serving(op, command)
         return None
 
+    def engine_op(self, op: str, command: dict[str, Any]) -> Any:
+        """What the manager asks of this worker's engine host (``weightsync.cli.bench.group``): a lifecycle step,
+        an update's send or receive, a staged update's stage or swap, and tracing; reports as plain data."""
+        host = self.host
+        if host is None:
+            raise RuntimeError(f"{op} on a {self.spec['kind']} worker")
+        if op == "execute":
+            return asyncio.run(host.execute(command["method"], **command.get("kwargs", {})))
+        if op == "send":
+            return asyncio.run(host.send(zip(self.by_name.keys(), self.tensors), version=command["version"])).to_dict()
+        if op == "receive":
+            return asyncio.run(host.receive(self.sink, version=command["version"])).to_dict()
+        if op == "stage":
+            return asyncio.run(host.stage(version=command["version"])).to_dict()
+        if op == "apply_staged":
+            staged = StagedUpdate.from_dict(command["staged"])
+            return asyncio.run(host.apply_staged(self.sink, staged=staged)).to_dict()
+        engine: Any = host.engine
+        if op == "trace_on":
+            engine.enable_tracing()
+            return None
+        events = list(engine.trace_events or [])  # trace_off
+        engine.trace_events = None
+        return events
+
     def serving(self, op: str, command: dict[str, Any]) -> Any:
-        """``--staged``'s commands (``weightsync.cli.bench.serving``); ``noop`` for a worker with nothing to do."""
+        """``--staged``'s commands (``weightsync.cli.bench.serving``): the receivers serve while not paused."""
         if op == "serve":
             self.server = Server(self.tensors)
-            return None
-        if op == "stage":
-            if self.area is None:
-                self.area = StageArea()
-            return stage(self.engine, self.area, version=command["version"])
-        if op == "swap":
-            return swap(self.engine, self.server, self.by_name, command["staged"])
-        if op == "noop":
             return None
         server = self.server
         if server is None:
@@ -316,28 +336,6 @@ class _Worker:
         if op == "failed":
             return server.failed
         raise RuntimeError(f"unknown bench command {op!r}")
-
-    def update(self) -> None:
-        if self.engine is not None:
-            if self.spec["role"] == "actor":
-                asyncio.run(self.engine.send_weights(zip(self.by_name.keys(), self.tensors)))
-            else:
-                asyncio.run(self._receive())
-            self.engine.finalize()
-        elif self.gloo is not None:
-            self.gloo.update()
-
-    async def _receive(self) -> None:
-        # The receiver's model exists already: the stream copies straight into it (``ReceivedWeights.copy_into``).
-        await self.engine.receive_weights().copy_into(self.by_name)
-
-    def traced_update(self) -> list[Any]:
-        engine = self.engine
-        events = engine.enable_tracing() if engine is not None and hasattr(engine, "enable_tracing") else None
-        self.update()
-        reply = list(events or [])
-        engine.trace_events = None
-        return reply
 
     def copy(self, times: int, method: str) -> list[float]:
         """Copy the copy buffer ``times`` times; the span [start, end] on this host's monotonic clock."""
@@ -360,10 +358,8 @@ class _Worker:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
-        if self.engine is not None:
-            self.engine.close()
-        if self.area is not None:
-            self.area.close()
+        if self.host is not None:
+            asyncio.run(self.host.execute("close"))
         if self.gloo is not None:
             self.gloo.close()
 
