@@ -1,6 +1,6 @@
-"""How a chain receiver reads a bucket (weightsync.core.transports.chain.ends): in pieces, several in flight, announcing pieces
-downstream only when a child reads over the network. In one process: the upstream is a socket pair the test writes
-announcements into, its ring a tensor read by a RemoteRing that records every read it is asked for."""
+"""How a chain receiver reads a bucket (weightsync.core.transports.chain.ends): in pieces, several in flight, announcing
+pieces downstream only when a child reads over the network. In one process: the upstream is a socket pair the test
+writes announcements into, its ring a tensor read by a RemoteRing that records every read it is asked for."""
 
 from __future__ import annotations
 

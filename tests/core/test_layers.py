@@ -1,8 +1,8 @@
 """weightsync-core's sub-packages lie in one order along the data path, and no module imports a layer above its own;
 no private name crosses a sub-package or a distribution. Both computed from the AST of every source module.
 
-The order, top to bottom: control → worker → pipeline → delta → transports → wire → native. ``weightsync.core`` itself and
-``weightsync.core.backend`` are facades over all of them (what users and backends import): no layer imports them.
+The order, top to bottom: control → worker → pipeline → delta → transports → wire → native. ``weightsync.core`` itself
+and ``weightsync.core.backend`` are facades over all of them (what users and backends import): no layer imports them.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Stripes through the real pipeline (:mod:`weightsync.core.transports.chain.stripes`): K sender engines each send stripe
-s of K (bucket i in stripe i mod K), and receivers read the K stripes back through a ``StripedReceiver`` in bucket
-order, checking one digest that combines the senders' (``combine_stripes``).
+"""Stripes through the real pipeline (:mod:`weightsync.core.transports.chain.stripes`): K sender engines each send
+stripe s of K (bucket i in stripe i mod K), and receivers read the K stripes back through a ``StripedReceiver`` in
+bucket order, checking one digest that combines the senders' (``combine_stripes``).
 
 The transport here is an in-memory one written for this test (each published bucket copied to every receiver's
 queue of that stripe), so what is tested is core's part: the senders' stripe filter, the merge, the tokens and the

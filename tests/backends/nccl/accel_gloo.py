@@ -1,8 +1,8 @@
 """The accelerator collective transport (what nccl and hccl instantiate) on the emulated accelerator, with gloo
 standing in for NCCL/HCCL, registered as a test backend.
 
-It runs every line of ``weightsync.core.transports.collective.device`` — device rings, copy and comm streams ordered by events,
-digest staging, node-local topology — on a device whose memory the host cannot touch and whose streams are
+It runs every line of ``weightsync.core.transports.collective.device`` — device rings, copy and comm streams ordered by
+events, digest staging, node-local topology — on a device whose memory the host cannot touch and whose streams are
 asynchronous (``weightsync.emuaccel``). gloo cannot touch that memory either, so the stand-in group copies each device
 tensor to pinned host memory, broadcasts it, and copies it back, on the caller's stream (the comm stream), ordered by
 events: what NCCL does on the device, in three steps.

@@ -1,10 +1,10 @@
 """weightsync's engine: one bucket pipeline for every backend, the wire codec, digests and the manager.
 
 The sub-packages follow the data path, top to bottom (``docs/ARCHITECTURE.md`` walks them): ``control`` (the
-manager and its update flows), ``worker`` (a worker's host and engine), ``pipeline`` (plan, pack, stage, send; receive, unpack), ``delta`` (changes
-against a base), ``transports`` (the seam and the ways buckets move), ``wire`` (what crosses: codec, framing,
-digest, tensors as bytes) and ``native`` (the compiled helper). A module imports only its own layer and those below.
-Backends import ``weightsync.core.backend`` alone. The names below are imported on first use, not with the package.
+manager and its update flows), ``worker`` (a worker's host and engine), ``pipeline`` (plan, pack, stage, send; receive,
+unpack), ``delta`` (changes against a base), ``transports`` (the seam and the ways buckets move), ``wire`` (what
+crosses: codec, framing, digest, tensors as bytes) and ``native`` (the compiled helper). A module imports only its own
+layer and those below. Backends import ``weightsync.core.backend`` alone. The names below are imported on first use, not with the package.
 """
 
 from __future__ import annotations

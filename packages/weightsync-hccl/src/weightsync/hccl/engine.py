@@ -1,7 +1,7 @@
 """Backend ``hccl``: the collective transport on Ascend NPU device buckets, in a private ``ProcessGroupHCCL``.
 
-The same design as ``nccl`` (see :mod:`weightsync.core.transports.collective.device`): ``torch_npu`` mirrors CUDA's stream and
-event API as ``torch.npu``, and its ``ProcessGroupHCCL`` takes the same ``(store, rank, size, options)`` as
+The same design as ``nccl`` (see :mod:`weightsync.core.transports.collective.device`): ``torch_npu`` mirrors CUDA's
+stream and event API as ``torch.npu``, and its ``ProcessGroupHCCL`` takes the same ``(store, rank, size, options)`` as
 ``ProcessGroupNCCL``. Unlike verl's HCCL backend this one is not synchronous: copy and communication streams overlap
 as on CUDA.
 

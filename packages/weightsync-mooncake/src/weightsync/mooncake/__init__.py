@@ -1,7 +1,7 @@
 """Backend ``mooncake``: Mooncake TransferEngine, one-sided reads along a pipelined chain.
 
-The engine is imported lazily (``MooncakeCheckpointEngine``); :mod:`weightsync.core.transports.chain.transport` holds the chain
-transport and topology that the ``nixl`` backend shares.
+The engine is imported lazily (``MooncakeCheckpointEngine``); :mod:`weightsync.core.transports.chain.transport` holds
+the chain transport and topology that the ``nixl`` backend shares.
 """
 
 from typing import Any

@@ -1,10 +1,10 @@
 """The ``nixl`` engine: the one-sided chain of :mod:`weightsync.core.transports.chain.transport` over NIXL (UCX backend).
 
 Each engine creates one NIXL agent (a unique name per process and engine) and registers its ring with it once.
-A downstream receives the upstream's agent metadata in a typed :class:`~weightsync.core.transports.chain.rings.RingEndpoint`
-(bytes that NIXL parses itself, never unpickled), adds the agent, and builds read descriptors locally from the
-advertised address and slot size. Transfers are polled with sleeping back-off until done or the deadline, when the
-request is released (NIXL cancels it) and a ``TransferError`` names the upstream — never ``exit()``.
+A downstream receives the upstream's agent metadata in a typed
+:class:`~weightsync.core.transports.chain.rings.RingEndpoint` (bytes that NIXL parses itself, never unpickled), adds the
+agent, and builds read descriptors locally from the advertised address and slot size. Transfers are polled with sleeping
+back-off until done or the deadline, when the request is released (NIXL cancels it) and a ``TransferError`` names the upstream — never ``exit()``.
 """
 
 from __future__ import annotations

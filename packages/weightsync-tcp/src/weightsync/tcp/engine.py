@@ -2,8 +2,8 @@
 
 Each engine's ring listens on a data port of its own (besides the chain's control listener). A downstream opens one
 data connection to its upstream per epoch, presents the ring's secret (a random token the upstream sends in its
-:class:`~weightsync.core.transports.chain.rings.RingEndpoint`, after the downstream presented the epoch token), and then asks for
-byte ranges of the ring: ``(offset, nbytes)`` as two little-endian u64. The upstream answers each request, in
+:class:`~weightsync.core.transports.chain.rings.RingEndpoint`, after the downstream presented the epoch token), and then
+asks for byte ranges of the ring: ``(offset, nbytes)`` as two little-endian u64. The upstream answers each request, in
 order, with exactly those bytes, sent by the kernel straight out of the ring (one thread per connection, blocking in
 ``sendall``); the downstream receives them straight into its own ring. Several requests are in flight at once, so
 the link never waits for a round trip.

@@ -3,8 +3,8 @@
 - Every rollout worker on the sender's host (same ``node_id`` as actor rank 0): ``shm``, one copy in shared memory.
 - Workers on other hosts: the fastest network transport installed here, a chain backend in the two-level layout
   (one reader per host over the network, the host's other workers reading its ring in place; see
-  :mod:`weightsync.core.transports.chain.topology`), else gloo's broadcast. Which is fastest depends on the NICs: where every
-  worker's host has an RDMA device, ``RDMA_ORDER`` (nixl, whose UCX then bypasses the kernel, first); elsewhere
+  :mod:`weightsync.core.transports.chain.topology`), else gloo's broadcast. Which is fastest depends on the NICs: where
+  every worker's host has an RDMA device, ``RDMA_ORDER`` (nixl, whose UCX then bypasses the kernel, first); elsewhere
   ``TCP_ORDER`` (the plain-socket ``tcp`` chain first: UCX would fall back to TCP too, for more CPU per byte).
 
 Where a chain backend is picked and every host has several rails (NICs for weight traffic, ``rail`` in each

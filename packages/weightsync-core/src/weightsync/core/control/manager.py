@@ -14,8 +14,9 @@ have half-written (torn) stays paused and is repaired by the next update.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from weightsync.api.config import SyncConfig
@@ -142,36 +143,32 @@ class CheckpointEngineManager:
         raise LifecycleError("update_weights_sync called from a running event loop; use `await update_weights()`")
 
     async def update_weights(self, *, version: int | None = None) -> UpdateReport:
-        if self._updating:
-            raise ConcurrentUpdateError("update_weights while another update of this manager is in flight")
-        if version is None:
-            version = self._version + 1
-        elif isinstance(version, bool) or not isinstance(version, int) or version <= self._version:
-            raise ConfigError(f"version must be an int above the last one ({self._version}), got {version!r}")
-        if not self._replicas:
-            raise ConfigError("update_weights with no replicas")
-        self._updating = True
-        try:
+        with self._exclusive("update_weights"):
+            if version is None:
+                version = self._version + 1
+            elif isinstance(version, bool) or not isinstance(version, int) or version <= self._version:
+                raise ConfigError(f"version must be an int above the last one ({self._version}), got {version!r}")
             return await self._update(version)
-        finally:
-            self._updating = False
 
     async def connect(self) -> None:
         """Build the membership epoch now if there is none (prepare → build_topology → init_process_group on every
         worker, the replicas serving), so that the next update starts on connections that exist; each update does
         this itself when it must."""
-        if self._updating:
-            raise ConcurrentUpdateError("connect while an update of this manager is in flight")
-        if not self._replicas:
-            raise ConfigError("connect with no replicas")
-        self._updating = True
-        try:
+        with self._exclusive("connect"):
             round_ = Round.of(self._version, self._replicas)
             self._flow.check(round_.workers)
             await self._ensure_epoch(round_)
-        except BaseException:
-            self._epoch = None
-            raise
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        """One update (or connect) of this manager at a time, over at least one replica."""
+        if self._updating:
+            raise ConcurrentUpdateError(f"{what} while another update of this manager is in flight")
+        if not self._replicas:
+            raise ConfigError(f"{what} with no replicas")
+        self._updating = True
+        try:
+            yield
         finally:
             self._updating = False
 

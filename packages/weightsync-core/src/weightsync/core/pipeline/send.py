@@ -64,8 +64,8 @@ class Sending:
     """This update's delta bookkeeping, or None when the sender keeps no version."""
     stripe: int = 0
     stripes: int = 1
-    """This sender sends stripe ``stripe`` of ``stripes`` (:mod:`weightsync.core.transports.chain.stripes`): it plans every
-    bucket (the stream is drained whole) and packs and publishes only its stripe's."""
+    """This sender sends stripe ``stripe`` of ``stripes`` (:mod:`weightsync.core.transports.chain.stripes`): it plans
+    every bucket (the stream is drained whole) and packs and publishes only its stripe's."""
     buckets: int = 0
     """Buckets planned so far (every stripe's): the next bucket's index."""
     planned: int = 0
@@ -238,8 +238,9 @@ class SendPipeline:
 
     def upload(self, device: tuple[AcceleratorOps, Any], buffer: torch.Tensor, bucket: PlannedBucket, table: bytes,
                sending: Sending) -> None:
-        """Host pieces into a device bucket through a pinned host bucket (:class:`~weightsync.core.pipeline.bounce.Upload`):
-        a bucket wholly from the host is hashed from the pinned bytes as they are copied, a mixed one afterwards."""
+        """Host pieces into a device bucket through a pinned host bucket
+        (:class:`~weightsync.core.pipeline.bounce.Upload`): a bucket wholly from the host is hashed from the pinned
+        bytes as they are copied, a mixed one afterwards."""
         ops, stream = device
         if self.uploads is None:
             self.uploads = Upload(ops, bucket_bytes=self.settings.bucket_bytes)

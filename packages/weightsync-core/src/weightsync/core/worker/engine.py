@@ -115,7 +115,8 @@ class BucketCheckpointEngine(EngineBase):
 
     def init_process_group(self, *, rank_args: RankArgs) -> None:
         self._check_open()
-        plan: RankPlan = decode_plan(rank_args, self.transport_class.plans, who=f"{self.name} {self.settings.self_name}")
+        who = f"{self.name} {self.settings.self_name}"
+        plan: RankPlan = decode_plan(rank_args, self.transport_class.plans, who=who)
         if not plan.epoch:
             raise TopologyError(f"{self.name}: rank_args carry no membership epoch", field="$.epoch")
         self._abandon_in_flight()

@@ -1,5 +1,5 @@
-"""The chain's two kinds of position (:mod:`weightsync.core.transports.chain.transport`): the sender, and a receiver that reads from its
-upstream and, as a relay, lets its children read from it.
+"""The chain's two kinds of position (:mod:`weightsync.core.transports.chain.transport`): the sender, and a receiver
+that reads from its upstream and, as a relay, lets its children read from it.
 
 A receiver reads each bucket in pieces with several reads in flight (:meth:`RemoteRing.start_read`), so the link
 does not idle for a request's round trip; a relay with a child across the network announces each piece as it lands

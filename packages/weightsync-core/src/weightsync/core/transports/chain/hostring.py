@@ -1,7 +1,7 @@
 """A chain position that shares its upstream's host: it reads each bucket in place from the upstream's ring.
 
-The two-level layout (:mod:`weightsync.core.transports.chain.topology`) gives every host one leader that receives over the
-network into a ring in shared memory (``HOST_SHARED``); the host's other workers map that ring and hand its slots
+The two-level layout (:mod:`weightsync.core.transports.chain.topology`) gives every host one leader that receives over
+the network into a ring in shared memory (``HOST_SHARED``); the host's other workers map that ring and hand its slots
 straight to their consumers: no transfer library, no copy of their own. The upstream announces buckets exactly as
 to any child (``BucketReady`` on the control connection); a local reader acknowledges a bucket once its consumer
 has released it — not once it has read it, as a remote child does — because until then the consumer still reads

@@ -1,7 +1,7 @@
 """A ring of buckets registered with a one-sided transfer library, and an upstream's ring opened for reads.
 
-The library-specific part of the chain (:mod:`weightsync.core.transports.chain.transport`): nixl and mooncake each implement
-:class:`RegisteredRing` and :class:`RemoteRing`; :class:`RingEndpoint` is what a downstream learns of an upstream.
+The library-specific part of the chain (:mod:`weightsync.core.transports.chain.transport`): nixl and mooncake each
+implement :class:`RegisteredRing` and :class:`RemoteRing`; :class:`RingEndpoint` is what a downstream learns of an upstream.
 """
 
 from __future__ import annotations

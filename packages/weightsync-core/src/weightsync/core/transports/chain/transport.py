@@ -10,8 +10,8 @@ Positions: 0 is the sender (actor rank 0, or a stripe's own), position p >= 1 is
 d = 1 is the chain rank0 → r0 → r1 → … (the sender's egress is one model's bytes whatever the number of receivers),
 larger d a d-ary tree (shorter, but each inner node serves d readers); ``"two_level"`` is host-aware: one leader per
 host on that tree, the host's other workers reading its ring in place through shared memory (see
-:mod:`weightsync.core.transports.chain.topology`). Fan-out and layout are engine options, read from actor rank 0's metadata.
-With ``stripes`` (two-level only) the update is dealt over the hosts' rails, one chain per stripe, each with a
+:mod:`weightsync.core.transports.chain.topology`). Fan-out and layout are engine options, read from actor rank 0's
+metadata. With ``stripes`` (two-level only) the update is dealt over the hosts' rails, one chain per stripe, each with a
 sender of its own (:mod:`weightsync.core.transports.chain.stripes`); listeners and rings bind to each worker's rail
 address.
 

@@ -1,7 +1,7 @@
 """The collective transport on device buckets, shared by NCCL (CUDA) and HCCL (Ascend).
 
-What it adds to :class:`weightsync.core.transports.collective.host.CollectiveTransport` (whose private ``PrefixStore(TCPStore)``
-group, epoch handling and three-broadcast wire protocol it reuses unchanged):
+What it adds to :class:`weightsync.core.transports.collective.host.CollectiveTransport` (whose private
+``PrefixStore(TCPStore)`` group, epoch handling and three-broadcast wire protocol it reuses unchanged):
 
 * **Device buckets.** Both rings (sender and receiver) live in device memory, allocated once per engine and touched
   at allocation. Receivers receive straight into them and yield views of them: no host bounce for the weights.
