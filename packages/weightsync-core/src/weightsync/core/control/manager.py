@@ -177,8 +177,8 @@ class CheckpointEngineManager:
             self._epoch = None  # a lost rail answers again: a rebuild deals stripes over it
         if self._epoch is None:  # before any replica is paused: they serve while it runs
             round_.rebuilt = True
-            self._epoch = await self._setup.build(round_.stages, round_.workers, self._flow,
-                                                  delta_base=self._delta_base())
+            self._epoch = await self._setup.build(round_.stages, round_.workers, self._flow, states=self._states,
+                                                  version=self._version)
         return self._epoch
 
     async def _update(self, version: int) -> UpdateReport:
@@ -198,17 +198,6 @@ class CheckpointEngineManager:
         self._version = version
         return round_.report(self._states, backend=self.backend, delta=self.config.delta,
                              chosen=f"{self.choice.name}: {self.choice.reason}" if self.choice else "")
-
-    def _delta_base(self) -> int | None:
-        """With ``SyncConfig.delta``: the version every replica holds, committed and verified, when they all hold
-        the same one (the base the next update's changes are computed against); else None, and the update is full
-        for every replica: one stream reaches them all (a ring, a chain, a broadcast), so a replica that needs every
-        byte gets them all to everyone, at the cost the deltas would have added on top."""
-        if not self.config.delta or not self._states:
-            return None
-        versions = {state.version if state.state == "committed" else None for state in self._states}
-        version = versions.pop() if len(versions) == 1 else None
-        return version if version is not None and version == self._version else None
 
     async def verify_loads(self) -> None:
         """Compare what every replica's inference engine holds now (``LoadProvingReplica.weight_checksums``), as

@@ -16,7 +16,7 @@ from weightsync.api.errors import ConfigError, TopologyError
 from weightsync.api.protocols import ActorWorkerGroup, CheckpointEngine, RolloutWorker
 from weightsync.api.registry import load_engine_class
 from weightsync.api.topology import build_checked_topology, epoch_of, with_epoch
-from weightsync.api.types import RankArgs, WorkerMetadata, WorldMetadata
+from weightsync.api.types import RankArgs, ReplicaOutcome, WorkerMetadata, WorldMetadata
 from weightsync.core.control import auto, steps
 from weightsync.core.control.auto import AutoChoice
 from weightsync.core.control.rails import LostRails
@@ -76,14 +76,24 @@ class Setup:
                                              self.config.timeouts.setup)
 
     async def build(self, stages: dict[str, float], workers: Sequence[tuple[int, RolloutWorker]], flow: Members,
-                    *, delta_base: int | None) -> Epoch:
-        """prepare → build_topology → init_process_group for a new epoch (``delta_base``: the version every
-        receiver holds, which the senders may send changes against)."""
+                    *, states: Sequence[ReplicaOutcome], version: int) -> Epoch:
+        """prepare → build_topology → init_process_group for a new epoch (``states``: every replica's outcome so
+        far; ``version``: the last one the manager sent)."""
         started = time.perf_counter()
         try:
-            return await self._build(workers, flow, delta_base)
+            return await self._build(workers, flow, self.delta_base(states, version))
         finally:
             stages["setup"] = time.perf_counter() - started
+
+    def delta_base(self, states: Sequence[ReplicaOutcome], version: int) -> int | None:
+        """With ``SyncConfig.delta``: the version every replica holds, committed and verified, when they all hold
+        the manager's last one (``version``; the base the next update's changes are computed against); else None,
+        and the update is full for every replica: one stream reaches them all (a ring, a chain, a broadcast), so a
+        replica that needs every byte gets them all to everyone, at the cost the deltas would have added on top."""
+        if not self.config.delta or not states:
+            return None
+        held = {state.version if state.state == "committed" else None for state in states}
+        return version if held == {version} else None
 
     async def _build(self, workers: Sequence[tuple[int, RolloutWorker]], flow: Members, delta_base: int | None
                      ) -> Epoch:
