@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from weightsync.api.registry import BackendSpec, module_importable
 from weightsync.core.backend import ReceivedBucket, ReceiverTransport, engine_class
-from weightsync.core.transports.collective.host import GroupReceive
+from weightsync.core.transports.collective.group import GroupReceive
 from weightsync.gloo.collective import GlooTransport
 from weightsync.shm.engine import ShmReceive, ShmTransport
 

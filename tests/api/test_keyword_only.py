@@ -68,7 +68,7 @@ def test_every_definition_takes_actor_wg_keyword_only() -> None:
         "weightsync.core.worker.engine.BucketCheckpointEngine.build_topology(actor_wg_world_size)",
         # A backend's topology lives on its transport (the engine class delegates to it).
         "weightsync.core.transports.transport.Transport.build_topology(actor_wg_world_size)",
-        "weightsync.core.transports.collective.host.CollectiveTransport.build_topology(actor_wg_world_size)",
+        "weightsync.core.transports.collective.group.GroupTransport.build_topology(actor_wg_world_size)",
         "weightsync.shm.engine.ShmTransport.build_topology(actor_wg_world_size)",
         "weightsync.api.protocols.CheckpointEngine.build_topology(actor_wg_world_size)",
         "weightsync.api.topology.build_checked_topology(actor_wg_world_size)",

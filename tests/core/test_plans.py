@@ -12,7 +12,7 @@ from weightsync.api.errors import TopologyError
 from weightsync.api.topology import epoch_of, with_epoch
 from weightsync.api.types import Topology, WorkerContext
 from weightsync.core.transports.chain.plan import ChainPlans, ChainReceive, ChainSend, Route, Source, Stripe
-from weightsync.core.transports.collective.host import GroupPlans, GroupSend
+from weightsync.core.transports.collective.group import GroupPlans, GroupSend
 from weightsync.core.transports.place import PingAnswer, Place, ping_answer
 from weightsync.core.transports.plan import Idle, decode_metadata, decode_plan, encode_plan, with_delta_base
 from weightsync.tcp.engine import TcpCheckpointEngine

@@ -19,7 +19,7 @@ import torch
 
 from weightsync.api.registry import BackendSpec, module_importable
 from weightsync.core.backend import (
-    AcceleratorCollectiveTransport, AcceleratorOps, engine_class, process_accelerator, wait_event,
+    AcceleratorCollectiveTransport, AcceleratorOps, engine_class, gloo_group, process_accelerator, wait_event,
 )
 
 
@@ -96,7 +96,8 @@ class GlooAcceleratorTransport(AcceleratorCollectiveTransport):
         return AcceleratorOps(_device(device_index))
 
     def new_group(self, store: Any, rank: int, size: int) -> Any:
-        return HostBounceGroup(super().new_group(store, rank, size), self._ops, rank, self.settings.timeout)
+        group = gloo_group(store, rank, size, timeout=self.settings.timeout, host_ip=self.settings.context.host_ip)
+        return HostBounceGroup(group, self._ops, rank, self.settings.timeout)
 
 
 GlooAcceleratorEngine = engine_class(GlooAcceleratorTransport)

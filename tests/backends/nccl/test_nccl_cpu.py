@@ -26,7 +26,7 @@ from weightsync.core.backend import BucketCheckpointEngine, node_local_plan
 from weightsync.core.pipeline import bounce
 from weightsync.core.transports import device as device_module
 from weightsync.core.transports.collective import device as devicecollective
-from weightsync.core.transports.collective.host import GroupPlans, GroupSend
+from weightsync.core.transports.collective.group import GroupPlans, GroupSend
 from weightsync.core.transports.plan import Idle, decode_plan
 
 NO_CUDA = not torch.cuda.is_available()

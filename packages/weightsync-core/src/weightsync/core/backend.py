@@ -3,8 +3,9 @@
 A backend is a :class:`Transport` (its buffers, connections and topology; where its buffers live) turned into an
 engine class by :func:`engine_class`, plus a ``BackendSpec`` in its own ``spec`` module for the registry. It may
 build its transport on the shared ones here — the chain of one-sided reads (:class:`ChainTransport`, nixl and
-mooncake), the broadcast over a private process group (:class:`CollectiveTransport`, gloo) and its accelerator
-form on device streams (:class:`AcceleratorCollectiveTransport`, nccl and hccl) — or implement the
+mooncake), the broadcast over a private process group (:class:`GroupTransport`) on host buffers
+(:class:`CollectiveTransport`, gloo) and on device streams (:class:`AcceleratorCollectiveTransport`, nccl and
+hccl) — or implement the
 ``CheckpointEngine`` Protocol itself on the pieces below (kimi). ``docs/ARCHITECTURE.md`` walks through it.
 """
 
@@ -16,7 +17,8 @@ from weightsync.core.transports.chain.transport import (
     RingEndpoint,
     chain_positions,
 )
-from weightsync.core.transports.collective.host import CollectiveTransport, Group, c10d
+from weightsync.core.transports.collective.group import Group, GroupTransport, c10d, gloo_group
+from weightsync.core.transports.collective.host import CollectiveTransport
 from weightsync.core.transports.chain.rings import PendingRead
 from weightsync.core.wire.codec import WIRE_VERSION, Ack, Hello, encode
 from weightsync.core.transports.device import (
@@ -52,7 +54,7 @@ __all__ = [
     "RankPlan", "RankRole", "Idle", "encode_plan", "decode_plan", "decode_metadata", "EngineMetadata",
     # shared transports
     "ChainTransport", "RegisteredRing", "RemoteRing", "PendingRead", "RingEndpoint", "chain_positions", "DEFAULT_FANOUT",
-    "CollectiveTransport", "Group", "c10d",
+    "GroupTransport", "CollectiveTransport", "Group", "c10d", "gloo_group",
     "AcceleratorCollectiveTransport", "AcceleratorOps", "AcceleratorPolicy", "process_accelerator",
     "accepted_devices", "node_local_plan", "wait_event",
     # control plane and waiting

@@ -1,7 +1,8 @@
 """The collective transport on device buckets, shared by NCCL (CUDA) and HCCL (Ascend).
 
-What it adds to :class:`weightsync.core.transports.collective.host.CollectiveTransport` (whose private
-``PrefixStore(TCPStore)`` group, epoch handling and three-broadcast wire protocol it reuses unchanged):
+A sibling of the host family (:mod:`~weightsync.core.transports.collective.host`): both are
+:class:`~weightsync.core.transports.collective.group.GroupTransport`\ s (a private ``PrefixStore(TCPStore)`` group
+per epoch, its topology and plans); what this one has of its own:
 
 * **Device buckets.** Both rings (sender and receiver) live in device memory, allocated once per engine and touched
   at allocation. Receivers receive straight into them and yield views of them: no host bounce for the weights.
@@ -30,13 +31,13 @@ import torch
 
 from weightsync.api.errors import BackendUnavailableError, ConfigError, TopologyError, TransferError
 from weightsync.api.types import Topology, WorkerMetadata, WorldMetadata
-from weightsync.core.transports.collective.host import (
+from weightsync.core.transports.collective.group import (
     MAX_HEADER_BYTES,
-    CollectiveTransport,
     Group,
     GroupMetadata,
     GroupReceive,
     GroupSend,
+    GroupTransport,
     c10d,
 )
 from weightsync.core.transports.device import AcceleratorOps, AcceleratorPolicy, DevicePolicy, wait_event
@@ -204,7 +205,7 @@ def node_local_plan(*, actor_nodes: Sequence[str], rollout_nodes: Sequence[str])
 # -- the transport ------------------------------------------------------------------------------------------------
 
 
-class AcceleratorCollectiveTransport(CollectiveTransport):
+class AcceleratorCollectiveTransport(GroupTransport):
     """The collective transport on device buckets. Backends supply ``device_type``, ``missing`` and ``new_group``.
 
     Options of its own: ``device_index`` (int; default: the calling process's current device) and ``relays``
@@ -316,11 +317,11 @@ class AcceleratorCollectiveTransport(CollectiveTransport):
                 ]
         return self._buffers
 
-    def connect_sender(self, plan: GroupSend) -> StreamedSender:  # type: ignore[override]
+    def connect_sender(self, plan: GroupSend) -> StreamedSender:
         return StreamedSender(self.join(plan), self._ops, self.ring(), self.settings.bucket_bytes,
                               copy_stream=self._policy.copy_stream, comm_stream=self._comm_stream)
 
-    def connect_receiver(self, plan: GroupReceive) -> StreamedReceiver:  # type: ignore[override]
+    def connect_receiver(self, plan: GroupReceive) -> StreamedReceiver:
         return StreamedReceiver(self.join(plan), self._ops, self.ring(), self.settings.bucket_bytes,
                                 comm_stream=self._comm_stream)
 
