@@ -50,6 +50,7 @@ from typing import Any
 import ray
 
 from weightsync.api.errors import ConfigError, LifecycleError, ReplicaTornError
+from weightsync.api.protocols import WholePauseHooks
 from weightsync.api.types import StagedUpdate, TransferReport
 from weightsync.api.topology import epoch_of
 from weightsync.core.transports.place import ping_answer
@@ -350,7 +351,7 @@ class VllmEngineActor:
         llm.shutdown()
 
 
-class VllmRolloutReplica:
+class VllmRolloutReplica(WholePauseHooks):
     """``RolloutReplica`` (and ``PausableReplica``) for one vLLM engine in a Ray actor.
 
     ``release_kv_cache``/``resume_kv_cache`` do nothing on purpose: the pause keeps requests and their KV cache.
@@ -394,18 +395,6 @@ class VllmRolloutReplica:
 
     async def resume(self) -> None:
         await self.handle.resume.remote()
-
-    async def abort_all_requests(self) -> None:  # the pause keeps them: see the class docstring
-        await self.pause()
-
-    async def release_kv_cache(self) -> None:
-        return None
-
-    async def resume_kv_cache(self) -> None:
-        return None
-
-    async def resume_generation(self) -> None:
-        await self.resume()
 
     async def weight_checksums(self) -> dict[str, str]:
         """What the manager compares across replicas after an update: a fast hash of every parameter vLLM holds

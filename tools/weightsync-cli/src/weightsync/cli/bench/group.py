@@ -15,6 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from weightsync.api.protocols import WholePauseHooks
 from weightsync.api.types import StagedUpdate, TransferReport
 from weightsync.cli.bench.worker import Channel
 
@@ -94,7 +95,7 @@ class PipeWorker:
         return TransferReport.from_dict(await self._pipes.call(self._index, "apply_staged", staged=staged.to_dict()))
 
 
-class PipeReplica:
+class PipeReplica(WholePauseHooks):
     """``RolloutReplica`` (and ``PausableReplica``) of one worker. With ``serving`` its pause and resume stop and
     start the worker's serving loop, and record what the serving probe reads afterwards: the end of the last pass
     before each pause (``lasts``) and the pass count at each resume (``marks``)."""
@@ -115,18 +116,6 @@ class PipeReplica:
     async def resume(self) -> None:
         if self._serving:
             self.marks.append(int(await self._pipes.call(self._index, "resume")))
-
-    async def abort_all_requests(self) -> None:
-        await self.pause()
-
-    async def release_kv_cache(self) -> None:
-        return None
-
-    async def resume_kv_cache(self) -> None:
-        return None
-
-    async def resume_generation(self) -> None:
-        await self.resume()
 
 
 async def _report(reply: Any) -> TransferReport:
