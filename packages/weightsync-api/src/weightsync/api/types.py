@@ -187,9 +187,10 @@ class ReplicaOutcome:
     """``full``: the update sent this replica every byte (a full update, or a delta update whose every bucket went
     dense); ``changes``: some of its buckets arrived as only what changed since the version the replica held."""
     pause_seconds: float = 0.0
-    """How long the update kept this replica from serving, pause to resume, as the manager timed it: an unstaged
-    update's whole time on the replica; a staged one's swap (0.0 for a replica it never paused: its staging failed
-    and it went on serving its old version). A replica left paused (torn) counts until the update returned."""
+    """How long the update kept this replica from serving, from its pause to its resume, as the manager timed it:
+    an unstaged update's transfer, verification and resume (any setup ran before the pause, the replica serving); a
+    staged one's swap (0.0 for a replica it never paused: its staging failed and it went on serving its old
+    version). A replica left paused (torn) counts until the update returned."""
     stage_seconds: float = 0.0
     """Staged updates (``SyncConfig.staged``): from the start of the update until every host of this replica held a
     verified staged copy (or its staging failed), the replica serving meanwhile."""
@@ -248,9 +249,10 @@ class UpdateReport:
     nbytes: int
     """The model's size: bytes of weights each receiver holds from this update (also for a delta update)."""
     seconds: float
-    """Wall time of the whole update, pause to resume."""
+    """Wall time of the whole update, any setup included."""
     stages: Mapping[str, float] = field(default_factory=dict)
-    """Wall seconds per manager step: pause, setup, transfer, finalize, resume."""
+    """Wall seconds per manager step: setup (when this update built its epoch), pause, transfer, verify_load,
+    finalize, resume."""
     digest: str = ""
     receivers: int = 0
     replicas: tuple[ReplicaOutcome, ...] = ()
