@@ -17,6 +17,8 @@ from verl.checkpoint_engine.base import CheckpointEngineRegistry  # noqa: E402
 from verl.utils.import_utils import import_external_libs  # noqa: E402
 from weightsync.api.errors import ConfigError, TopologyError  # noqa: E402
 from weightsync.api.registry import installed_backends  # noqa: E402
+from weightsync.core.transports.plan import decode_plan  # noqa: E402
+from weightsync.shm.engine import ShmTransport  # noqa: E402
 
 
 def test_every_installed_backend_is_registered_and_reimport_is_harmless() -> None:
@@ -51,9 +53,11 @@ def test_build_topology_takes_verls_positional_call() -> None:
     node = {"node_id": "host-a"}
     metadata = [{**node, "address": "weightsync-shm-test"}, dict(node), dict(node), dict(node)]
     actor_kwargs, rollout_kwargs = engine_class.build_topology(2, 2, metadata)
-    assert [args["role"] for args in actor_kwargs["rank_args"]] == ["sender", "idle"]
-    assert [args["rank"] for args in rollout_kwargs["rank_args"]] == [0, 1]
-    epochs = {args["epoch"] for args in [*actor_kwargs["rank_args"], *rollout_kwargs["rank_args"]]}
+    actor = [decode_plan(args, ShmTransport.plans, who="test") for args in actor_kwargs["rank_args"]]
+    rollout = [decode_plan(args, ShmTransport.plans, who="test") for args in rollout_kwargs["rank_args"]]
+    assert [plan.role for plan in actor] == ["sender", "idle"]
+    assert [plan.rank for plan in rollout] == [0, 1]
+    epochs = {plan.epoch for plan in [*actor, *rollout]}
     assert len(epochs) == 1
     with pytest.raises(TopologyError, match="metadata for 3 workers"):
         engine_class.build_topology(2, 2, metadata[:3])

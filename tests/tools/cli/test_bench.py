@@ -42,7 +42,7 @@ def bench(*args: str, pythonpath: str | None = None) -> subprocess.CompletedProc
 def shm_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any], str]:
     folder = tmp_path_factory.mktemp("bench")
     out, trace = folder / "bench.json", folder / "trace.json"
-    result = bench("--backends", "shm", "--model-mb", "16", "--bucket-mb", "4", "--repeat", "2",
+    result = bench("--backends", "shm,auto", "--model-mb", "16", "--bucket-mb", "4", "--repeat", "2",
                    "--json", str(out), "--trace", str(trace))
     assert result.returncode == 0, result.stderr
     return json.loads(out.read_text()), json.loads(trace.read_text()), result.stdout
@@ -52,8 +52,9 @@ def test_json_has_the_documented_schema(shm_run: tuple[dict[str, Any], dict[str,
     data, _, _ = shm_run
     assert set(data) == {"scenario", "limit_gbps", "engine_copy_limit_gbps", "raw_gloo_gbps", "results",
                          "ray_end_to_end"}
-    assert [row["backend"] for row in data["results"]] == ["shm", "naive", "bucketed"]
-    assert all(set(row) == result_keys(row) for row in data["results"])
+    assert [row["backend"] for row in data["results"]] == ["shm", "auto", "naive", "bucketed"]
+    assert all(set(row) == result_keys(row) | ({"chosen"} if row["backend"] == "auto" else set())
+               for row in data["results"])
     report = data["results"][0]["report"]  # the manager's UpdateReport: the entry was its update
     assert report["backend"] == "shm" and report["receivers"] == 2 and report["stages"]["transfer"] > 0
     assert [outcome["state"] for outcome in report["replicas"]] == ["committed", "committed"]
@@ -177,41 +178,44 @@ def test_the_printed_ratio_is_the_reported_one_at_a_rounding_edge() -> None:
     assert f"{result.update_p50 / result.noop_p50:.2f}" != f"{reported:.2f}"
 
 
-def test_auto_is_an_entry_and_picks_shm_on_one_host(tmp_path: pathlib.Path) -> None:
-    out = tmp_path / "auto.json"
-    result = bench("--backends", "auto", "--model-mb", "4", "--bucket-mb", "1", "--repeat", "1", "--receivers", "2",
-                   "--no-ray", "--json", str(out))
-    assert result.returncode == 0, result.stderr[-4000:]
-    rows = {row["backend"]: row for row in json.loads(out.read_text())["results"]}
-    assert set(rows) == {"auto", "naive", "bucketed"} and rows["auto"]["chosen"] == "shm"
-    assert rows["auto"]["gbps_p50"] > 0 and "(auto picked shm here)" in result.stdout
+def test_auto_is_an_entry_and_picks_shm_on_one_host(shm_run: tuple[dict[str, Any], dict[str, Any], str]) -> None:
+    data, _, stdout = shm_run
+    rows = {row["backend"]: row for row in data["results"]}
+    assert rows["auto"]["chosen"] == "shm" and rows["auto"]["report"]["chosen"].startswith("shm: ")
+    assert rows["auto"]["gbps_p50"] > 0 and "(auto picked shm here)" in stdout
 
 
-def test_rl_mix_with_delta_adds_an_entry_per_backend(tmp_path: pathlib.Path) -> None:
-    out = tmp_path / "rl.json"
+@pytest.fixture(scope="module")
+def rl_staged_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    """``--mix rl --delta --staged``: an entry per backend with delta updates, each entry's staged twin after it."""
+    out = tmp_path_factory.mktemp("bench-rl") / "staged.json"
     result = bench("--backends", "shm", "--mix", "rl", "--model-mb", "8", "--bucket-mb", "2", "--repeat", "2",
-                   "--receivers", "1", "--no-ray", "--delta", "--json", str(out))
+                   "--receivers", "2", "--no-ray", "--delta", "--staged", "--json", str(out))
     assert result.returncode == 0, result.stderr[-4000:]
-    data = json.loads(out.read_text())
-    assert [row["backend"] for row in data["results"]] == ["shm", "shm+delta", "naive", "bucketed"]
-    assert all(set(row) == result_keys(row) and row["gbps_p50"] > 0 for row in data["results"])
+    return json.loads(out.read_text()), result.stdout
+
+
+def test_rl_mix_with_delta_adds_an_entry_per_backend(rl_staged_run: tuple[dict[str, Any], str]) -> None:
+    data, stdout = rl_staged_run
+    assert [row["backend"] for row in data["results"] if not row["backend"].endswith("+staged")] == [
+        "shm", "shm+delta", "naive", "bucketed"]
+    assert all(row["gbps_p50"] > 0 for row in data["results"])
     scenario = data["scenario"]
     assert scenario["mix"] == "rl" and scenario["lr"] == 1e-6 and 0 < scenario["changed_fraction"] < 0.2
     assert scenario["verify_every"] == 1
     assert abs(scenario["model_bytes"] - 8 * 2**20) < 2 * 2**20  # the decoder closest to the size asked for
-    assert f"{scenario['changed_fraction']:.2%} of the bytes changed per update" in result.stdout
+    assert f"{scenario['changed_fraction']:.2%} of the bytes changed per update" in stdout
+    delta = next(row for row in data["results"] if row["backend"] == "shm+delta")
+    assert delta["report"]["changed_fraction"] == pytest.approx(scenario["changed_fraction"], rel=0.5)
 
 
 SERVING_KEYS = {"pause_ms_p50", "pause_ms", "failed_requests", "idle_rate"}
 STAGED_KEYS = {"apply_ms_p50", "served_during_stage", "stage_seconds"}
 
 
-def test_staged_adds_a_staged_entry_after_each_entry_and_serving_figures(tmp_path: pathlib.Path) -> None:
-    out = tmp_path / "staged.json"
-    result = bench("--backends", "shm", "--mix", "rl", "--model-mb", "8", "--bucket-mb", "2", "--repeat", "2",
-                   "--receivers", "2", "--no-ray", "--delta", "--staged", "--json", str(out))
-    assert result.returncode == 0, result.stderr[-4000:]
-    data = json.loads(out.read_text())
+def test_staged_adds_a_staged_entry_after_each_entry_and_serving_figures(
+        rl_staged_run: tuple[dict[str, Any], str]) -> None:
+    data, stdout = rl_staged_run
     rows = {row["backend"]: row for row in data["results"]}
     assert list(rows) == ["shm", "shm+staged", "shm+delta", "shm+delta+staged", "naive", "bucketed"]
     assert data["scenario"]["staged"] is True
@@ -224,14 +228,11 @@ def test_staged_adds_a_staged_entry_after_each_entry_and_serving_figures(tmp_pat
             # The receivers' own count: the apply is inside the pause, and staging took time they served through.
             assert 0 < row["apply_ms_p50"] < row["pause_ms_p50"] and row["stage_seconds"] > 0, row
             assert row["served_during_stage"] >= 0
-    assert "serving (every receiver:" in result.stdout and "shm+delta+staged" in result.stdout
+    assert "serving (every receiver:" in stdout and "shm+delta+staged" in stdout
 
 
-def test_without_staged_the_receivers_do_not_serve(tmp_path: pathlib.Path) -> None:
+def test_without_staged_the_receivers_do_not_serve(shm_run: tuple[dict[str, Any], dict[str, Any], str]) -> None:
     """The figures of a run without ``--staged`` stay as they were: no serving loop competes with the update."""
-    out = tmp_path / "plain.json"
-    result = bench("--backends", "shm", "--model-mb", "4", "--bucket-mb", "1", "--repeat", "1", "--no-ray",
-                   "--json", str(out))
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert all(set(row) == result_keys(row) for row in json.loads(out.read_text())["results"])
-    assert "serving (" not in result.stdout
+    data, _, stdout = shm_run
+    assert not any(set(row) & {"pause_ms_p50", "idle_rate"} for row in data["results"])
+    assert "serving (" not in stdout

@@ -105,7 +105,7 @@ def test_migrate_check_is_wired_into_the_command(tmp_path: pathlib.Path) -> None
 def test_bench_reports_every_backend(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "bench.json"
     result = weightsync("bench", "--backends", "shm,gloo", "--model-mb", "16", "--bucket-mb", "4", "--repeat", "2",
-                        "--json", str(out))
+                        "--no-ray", "--json", str(out))
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
     assert [row["backend"] for row in data["results"]] == ["shm", "gloo", "naive", "bucketed"]

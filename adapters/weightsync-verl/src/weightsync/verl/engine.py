@@ -38,7 +38,7 @@ from weightsync.api.errors import (
 from weightsync.api.protocols import CheckpointEngine
 from weightsync.api.registry import installed_backends, load_engine_class
 from weightsync.api.topology import build_checked_topology, with_epoch
-from weightsync.api.types import RankArgs, Role, PhaseTiming, TransferReport, WorkerMetadata, WorldMetadata
+from weightsync.api.types import RankArgs, Role, TransferReport, WorkerMetadata, WorldMetadata
 from weightsync.core.control.auto import AUTO
 from weightsync.core.transports.place import default_node_id, ping_answer
 from weightsync.core.worker.host import EngineSlot, build_engine, engine_spec
@@ -86,10 +86,8 @@ def report_from_dict(data: Mapping[str, Any]) -> TransferReport:
     """Rebuild a :class:`TransferReport` from ``TransferReport.to_dict()`` (what workers hand back as plain data)."""
     if not isinstance(data, Mapping):
         raise LifecycleError(f"expected a transfer report, got {type(data).__name__}")
-    values = dict(data)
-    values["stages"] = tuple(PhaseTiming(**dict(stage)) for stage in values.get("stages", ()))
     try:
-        return TransferReport(**values)
+        return TransferReport.from_dict(data)
     except TypeError as exc:
         raise LifecycleError(f"malformed transfer report {data!r}: {exc}") from None
 
