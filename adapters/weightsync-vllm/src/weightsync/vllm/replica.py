@@ -50,7 +50,7 @@ from typing import Any
 import ray
 
 from weightsync.api.errors import ConfigError, LifecycleError, ReplicaTornError
-from weightsync.api.protocols import WholePauseHooks
+from weightsync.api.hooks import WholePauseHooks
 from weightsync.api.types import StagedUpdate, TransferReport
 from weightsync.api.topology import epoch_of
 from weightsync.core.transports.place import ping_answer

@@ -36,11 +36,10 @@ async def _resume(replica: RolloutReplica) -> None:
 async def pause(round_: Round, indices: Sequence[int], timeout: float, *, raise_first: bool = True) -> list[object]:
     """Pause replicas ``indices`` (each from now on counts as paused in its outcome's ``pause_seconds``); with
     ``raise_first`` the first failure raises (``steps.gather``), else each replica's result or error is returned."""
-    now = time.perf_counter()
-    for r in indices:
-        round_.paused_at.setdefault(r, now)
-        round_.resumed[r] = False
     started = time.perf_counter()
+    for r in indices:
+        round_.paused_at.setdefault(r, started)
+        round_.resumed[r] = False
     try:
         return await steps.gather("pause", timeout, [(f"replica{r}", _pause(round_.replicas[r])) for r in indices],
                                   raise_first=raise_first)

@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from weightsync.api.protocols import WholePauseHooks
+from weightsync.api.hooks import WholePauseHooks
 from weightsync.api.types import StagedUpdate, TransferReport
 from weightsync.cli.bench.worker import Channel
 
