@@ -81,10 +81,11 @@ from weightsync.api.types import (
     WorkerMetadata,
     WorldMetadata,
 )
-from weightsync.core.backend import EngineBase, Handover, guard_build_topology
+from weightsync.core.backend import EngineBase, Handover, decode_plan, guard_build_topology
 from weightsync.kimi.group import ParameterServerGroup
 from weightsync.kimi.library import CheckpointEngineLibrary
-from weightsync.kimi.mapping import JoinArgs, KimiOptions, collect_share, parameter_server_topology
+from weightsync.kimi.mapping import (
+    JoinArgs, KimiOptions, KimiPlan, collect_share, parameter_server_topology)
 from weightsync.kimi.spec import P2P_HINT
 from weightsync.kimi.stream import KimiStream
 
@@ -126,9 +127,8 @@ class KimiCheckpointEngine(EngineBase):
 
     def prepare(self) -> WorkerMetadata:
         self._check_open()
-        metadata = self.settings.metadata()
-        metadata["mode"] = self.options.mode
         context = self.settings.context
+        metadata = {**self.settings.metadata(), "mode": self.options.mode}  # read as KimiMetadata
         if context.role == "actor" and context.rank == 0:  # PS rank 0 hosts the ParameterServer's TCPStore
             metadata.update(master_addr=context.host_ip, master_port=_free_port(context.host_ip))
         return metadata
@@ -144,10 +144,10 @@ class KimiCheckpointEngine(EngineBase):
         self._check_open()
         if self._handover.in_flight:
             raise ConcurrentUpdateError("kimi: init_process_group while an update is in flight")
-        args = JoinArgs.parse(rank_args)
         if self.options.mode == "p2p" and not self.library.p2p_available():
             raise BackendUnavailableError(f"weightsync backend 'kimi' cannot use mode='p2p' here: {P2P_HINT}",
                                           backend="kimi", reason=P2P_HINT)
+        args: JoinArgs = decode_plan(rank_args, KimiPlan, who="kimi")
         self._leave()
         self._group = ParameterServerGroup.join(library=self.library, settings=self.settings, options=self.options,
                                                 args=args)

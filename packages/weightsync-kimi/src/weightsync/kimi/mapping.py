@@ -20,18 +20,25 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import msgspec
 import torch
 import xxhash
 
 from weightsync.api.errors import ConfigError, TopologyError
 from weightsync.api.types import RankArgs, Topology, WorldMetadata
-from weightsync.core.backend import as_byte_view, dtype_name, memoryview_of, validate_pair
+from weightsync.core.backend import (
+    EngineMetadata, RankPlan, RankRole, as_byte_view, decode_metadata, dtype_name, encode_plan, memoryview_of,
+    validate_pair)
 
 __all__ = [
     "MODES",
     "Weights",
     "KimiOptions",
     "JoinArgs",
+    "KimiMetadata",
+    "KimiPlan",
+    "KimiReceive",
+    "KimiSend",
     "parameter_server_topology",
     "ShareAssigner",
     "collect_share",
@@ -84,47 +91,46 @@ class KimiOptions:
         return cls(mode=str(mode), mem_fraction=mem_fraction, shared_memory_pool=shared)
 
 
-@dataclass(frozen=True, kw_only=True)
-class JoinArgs:
-    """One worker's entry of the topology, checked: its place in the ParameterServer world of one epoch."""
+class KimiMetadata(EngineMetadata, kw_only=True, frozen=True):
+    """What a kimi worker advertises: its mode; actor rank 0 also where the ParameterServer's store will listen."""
 
-    REQUIRED: ClassVar[tuple[str, ...]] = (
-        "ps_rank", "ps_world_size", "master_addr", "master_port", "actor_wg_world_size", "epoch")
+    mode: str = "broadcast"
+    master_addr: str = ""
+    master_port: int = 0
 
-    role: str
-    """``"sender"`` (an actor rank) or ``"receiver"`` (a rollout worker)."""
-    epoch: str
+
+class JoinArgs(RankPlan, tag="kimi", frozen=True):
+    """One worker's plan: its place in the ParameterServer world of one epoch (:class:`KimiSend` for an actor rank,
+    :class:`KimiReceive` for a rollout worker)."""
+
     ps_rank: int
     ps_world_size: int
     master_addr: str
     master_port: int
     actor_wg_world_size: int
-    update_ranks: tuple[int, ...] | None
-    """The PS ranks ``update`` serves (``p2p``: the rollout workers); None: every rank (``broadcast``)."""
-
-    @classmethod
-    def parse(cls, rank_args: RankArgs) -> JoinArgs:
-        missing = [key for key in cls.REQUIRED if key not in rank_args]
-        role = rank_args.get("role")
-        if missing or role not in ("sender", "receiver"):
-            raise TopologyError(f"kimi: rank_args lack {missing or ['role']}: {rank_args}")
-        ranks = rank_args.get("update_ranks")
-        try:
-            return cls(
-                role=str(role), epoch=str(rank_args["epoch"]), ps_rank=int(str(rank_args["ps_rank"])),
-                ps_world_size=int(str(rank_args["ps_world_size"])), master_addr=str(rank_args["master_addr"]),
-                master_port=int(str(rank_args["master_port"])),
-                actor_wg_world_size=int(str(rank_args["actor_wg_world_size"])),
-                update_ranks=tuple(int(str(rank)) for rank in ranks) if isinstance(ranks, list) and ranks else None,
-            )
-        except ValueError:
-            raise TopologyError(f"kimi: rank_args hold a rank, size or port that is not an integer: {rank_args}"
-                                ) from None
+    mode: str = "broadcast"
+    update_ranks: list[int] = msgspec.field(default_factory=list)
+    """The PS ranks ``update`` serves (``p2p``: the rollout workers); empty: every rank (``broadcast``)."""
 
     @property
     def checkpoint_name(self) -> str:
         """The name this epoch's shares are registered under with the ParameterServer."""
         return f"weightsync-{self.epoch[:16]}"
+
+
+class KimiSend(JoinArgs, tag="kimi-send", frozen=True):
+    """An actor rank: it registers its share of the update with the ParameterServer."""
+
+    role: ClassVar[RankRole] = "sender"
+
+
+class KimiReceive(JoinArgs, tag="kimi-receive", frozen=True):
+    """A rollout worker: the ParameterServer's ``update`` delivers the whole update to it."""
+
+    role: ClassVar[RankRole] = "receiver"
+
+
+KimiPlan = KimiSend | KimiReceive
 
 
 def parameter_server_topology(
@@ -136,26 +142,27 @@ def parameter_server_topology(
                             f"{actor_wg_world_size} and {rollout_world_size}")
     if len(metadata.actor) != actor_wg_world_size or len(metadata.rollout) != rollout_world_size:
         raise TopologyError("kimi: metadata does not match actor_wg_world_size/rollout_world_size")
-    modes = {entry.get("mode", "broadcast") for entry in [*metadata.actor, *metadata.rollout]}
+    entries = [decode_metadata(entry, KimiMetadata, who=f"kimi {role} rank {rank}")
+               for role, group in (("actor", metadata.actor), ("rollout", metadata.rollout))
+               for rank, entry in enumerate(group)]
+    modes = {entry.mode for entry in entries}
     if len(modes) != 1:
-        raise TopologyError(f"kimi: workers disagree on the mode option: {sorted(map(str, modes))}")
-    mode = str(modes.pop())
-    addr, port = metadata.actor[0].get("master_addr"), metadata.actor[0].get("master_port")
-    if not isinstance(addr, str) or not isinstance(port, int):
+        raise TopologyError(f"kimi: workers disagree on the mode option: {sorted(modes)}")
+    mode, first = modes.pop(), entries[0]
+    if not first.master_addr or not first.master_port:
         raise TopologyError("kimi: actor rank 0 did not advertise master_addr/master_port (was prepare() called?)")
 
-    def place(role: str, rank: int) -> int:
-        return ps_rank(role=role, rank=rank, actor_wg_world_size=actor_wg_world_size)
+    def plan(kind: type[JoinArgs], role: str, rank: int) -> RankArgs:
+        return encode_plan(kind(
+            ps_rank=ps_rank(role=role, rank=rank, actor_wg_world_size=actor_wg_world_size),
+            ps_world_size=actor_wg_world_size + rollout_world_size, master_addr=first.master_addr,
+            master_port=first.master_port, actor_wg_world_size=actor_wg_world_size, mode=mode,
+            update_ranks=update_ranks))
 
-    update_ranks: list[Any] = [place("rollout", j) for j in range(rollout_world_size)] if mode == "p2p" else []
-    common: RankArgs = {
-        "master_addr": addr, "master_port": port, "ps_world_size": actor_wg_world_size + rollout_world_size,
-        "mode": mode, "update_ranks": update_ranks, "actor_wg_world_size": actor_wg_world_size, "sender": 0,
-    }
-    actor: list[RankArgs] = [{**common, "role": "sender", "ps_rank": place("actor", i)}
-                             for i in range(actor_wg_world_size)]
-    rollout: list[RankArgs] = [{**common, "role": "receiver", "ps_rank": place("rollout", j)}
-                               for j in range(rollout_world_size)]
+    update_ranks = [ps_rank(role="rollout", rank=j, actor_wg_world_size=actor_wg_world_size)
+                    for j in range(rollout_world_size)] if mode == "p2p" else []
+    actor = [plan(KimiSend, "actor", i) for i in range(actor_wg_world_size)]
+    rollout = [plan(KimiReceive, "rollout", j) for j in range(rollout_world_size)]
     # Every actor rank sends a disjoint share; each reports the digest of the whole update (after the exchange).
     return Topology(actor=actor, rollout=rollout, senders=tuple(range(actor_wg_world_size)))
 
