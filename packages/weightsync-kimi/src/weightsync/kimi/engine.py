@@ -49,11 +49,11 @@ How it is built
 ---------------
 checkpoint-engine packs, buckets and moves the weights itself, so none of core's bucket pipeline applies: the engine
 implements the ``CheckpointEngine`` Protocol directly, on core's public pieces (``weightsync.core.backend``):
-``EngineBase`` (settings parsed once, as attributes), ``guard_build_topology``, ``Handover`` (one update at a time) and
-``validate_pair``. The rest is kimi's own: :mod:`~weightsync.kimi.mapping` (options, topology, shares, digest),
-:mod:`~weightsync.kimi.library` (every call into checkpoint-engine), :mod:`~weightsync.kimi.groups` (its collectives
-on private groups), :mod:`~weightsync.kimi.group` (one epoch's ParameterServer) and :mod:`~weightsync.kimi.stream`
-(the receive stream).
+``EngineBase`` (settings parsed once, as attributes), ``guard_build_topology``, ``Handover`` (one update at a time),
+``decode_plan`` and ``validate_pair``. The rest is kimi's own: :mod:`~weightsync.kimi.mapping` (options, the topology
+and its typed plans, shares, digest), :mod:`~weightsync.kimi.library` (every call into checkpoint-engine),
+:mod:`~weightsync.kimi.groups` (its collectives on private groups), :mod:`~weightsync.kimi.group` (one epoch's
+ParameterServer) and :mod:`~weightsync.kimi.stream` (the receive stream).
 """
 
 from __future__ import annotations
