@@ -152,6 +152,9 @@ def parameter_server_topology(
     if not first.master_addr or not first.master_port:
         raise TopologyError("kimi: actor rank 0 did not advertise master_addr/master_port (was prepare() called?)")
 
+    update_ranks = [ps_rank(role="rollout", rank=j, actor_wg_world_size=actor_wg_world_size)
+                    for j in range(rollout_world_size)] if mode == "p2p" else []
+
     def plan(kind: type[JoinArgs], role: str, rank: int) -> RankArgs:
         return encode_plan(kind(
             ps_rank=ps_rank(role=role, rank=rank, actor_wg_world_size=actor_wg_world_size),
@@ -159,8 +162,6 @@ def parameter_server_topology(
             master_port=first.master_port, actor_wg_world_size=actor_wg_world_size, mode=mode,
             update_ranks=update_ranks))
 
-    update_ranks = [ps_rank(role="rollout", rank=j, actor_wg_world_size=actor_wg_world_size)
-                    for j in range(rollout_world_size)] if mode == "p2p" else []
     actor = [plan(KimiSend, "actor", i) for i in range(actor_wg_world_size)]
     rollout = [plan(KimiReceive, "rollout", j) for j in range(rollout_world_size)]
     # Every actor rank sends a disjoint share; each reports the digest of the whole update (after the exchange).
