@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from weightsync.api.protocols import load_into
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.tensors import as_byte_view
 
@@ -103,10 +104,25 @@ class RecordingSink(_Inspectable):
         self.hooks: list[str] = []
         self.hook_times: list[tuple[str, float]] = []
         self.version = 0
+        self.loading = "views"
+
+    def set_loading(self, loading: str) -> None:
+        """How ``load_weights`` reads the stream: ``views`` (iterating it), ``copy_into`` (into the tensors this
+        sink holds), ``refuse_all`` (``copy_into``, every destination of another shape: refused before any write)
+        or ``refuse_last`` (``copy_into``, only the stream's last tensor's destination of another shape)."""
+        self.loading = loading
 
     async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
-        async for name, tensor in weights:
-            self.weights[name] = tensor.clone()
+        if self.loading == "views":
+            async for name, tensor in weights:
+                self.weights[name] = tensor.clone()
+        else:
+            destinations = dict(self.weights)
+            last = max(destinations, key=lambda name: int(name.split(".")[2]))  # model.layers.N.weight
+            refused = {"refuse_all": list(destinations), "refuse_last": [last]}.get(self.loading, [])
+            for name in refused:
+                destinations[name] = torch.empty(1, dtype=destinations[name].dtype)
+            await load_into(weights, destinations)
         self.version = version
 
     def digest(self) -> str:

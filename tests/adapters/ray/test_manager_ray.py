@@ -15,6 +15,7 @@ from weightsync.api.config import SyncConfig
 from weightsync.api.errors import (
     ConcurrentUpdateError,
     ConfigError,
+    DestinationError,
     DigestMismatchError,
     DuplicateTensorError,
     RenamedKeywordError,
@@ -53,6 +54,9 @@ class World:
         digests = ray.get(self.actor_wg.call("set_version", version))
         return str(digests[0])
 
+    def set_loading(self, loading: str) -> None:
+        ray.get([ref for replica in self.replicas for ref in replica.call("set_loading", loading)])
+
     def sink_digests(self) -> list[str]:
         return [ray.get(ref) for replica in self.replicas for ref in replica.call("digest")]
 
@@ -86,6 +90,7 @@ def normal_mode(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if "world" in request.fixturenames:
         request.getfixturevalue("world").set_mode("normal")
+        request.getfixturevalue("world").set_loading("views")
 
 
 def shm_entries() -> set[str]:
@@ -248,6 +253,33 @@ def test_corrupted_bucket_is_caught_by_digest_and_repaired(world: World) -> None
     assert [outcome.state for outcome in report.replicas] == ["committed", "committed"]
     assert world.sink_digests() == [expected, expected]
     assert world.hooks(torn)[-2:] == ["resume_kv_cache", "resume_generation"]
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_a_destination_refused_before_any_write_leaves_the_replica_untouched(world: World, backend: str) -> None:
+    manager = world.manager(backend)
+    expected = world.set_version(61)
+    asyncio.run(manager.update_weights())  # every sink now holds every tensor: its copy_into destinations
+    world.set_version(62)
+    world.set_loading("refuse_all")
+    with pytest.raises(DestinationError):
+        asyncio.run(manager.update_weights())
+    # Untouched: each replica holds, committed, the version it held, and serves it again.
+    assert [(status.state, status.version, status.resumed)
+            for status in manager.status()] == [("committed", 1, True)] * 2
+    assert world.sink_digests() == [expected, expected]  # read from the sinks: they hold what they held
+    assert world.hooks(0)[-2:] == ["resume_kv_cache", "resume_generation"]
+    # Negative control: refused after the stream's other tensors were written, the replicas are torn and paused.
+    world.set_loading("refuse_last")
+    with pytest.raises(DestinationError):
+        asyncio.run(manager.update_weights())
+    assert [(status.state, status.resumed) for status in manager.status()] == [("torn", False)] * 2
+    assert world.sink_digests() != [expected, expected]
+    world.set_loading("copy_into")
+    expected = world.set_version(63)
+    report = asyncio.run(manager.update_weights())
+    assert [outcome.state for outcome in report.replicas] == ["committed", "committed"]
+    assert world.sink_digests() == [expected, expected]
 
 
 def test_bad_arguments_raise_at_the_call(world: World) -> None:

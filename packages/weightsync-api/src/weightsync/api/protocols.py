@@ -93,6 +93,11 @@ class ReceivedWeights(Protocol):
 again (a worker may drive its own loop one call at a time). A ``receive_weights()`` called meanwhile
     returns a stream that starts once that is done; a second one, or one while a stream is still being consumed,
     raises ``ConcurrentUpdateError``. ``aclose()`` after the end, or twice, does nothing.
+
+    A stream may also say whether ``copy_into`` began writing (a ``wrote`` attribute, True from just before its
+    first copy or fallback call): then a failed update that wrote nothing leaves its replica *untouched* whatever
+    failed. Without it, every destination ``copy_into`` looked up counts as written, except one whose own check
+    failed (the ``DestinationError`` naming it).
     """
 
     report: TransferReport | None

@@ -48,10 +48,13 @@ class ReceiverDelta:
         self._model: ModelDigest | None = None
         """This update's model digest, folded bucket by bucket as each is final here; None when this update is not
         verified (a full update, not due, or a bucket this receiver cannot sum)."""
+        self.wrote = False
+        """Whether this update began writing changes into the consumer's destinations."""
         self._views = True
 
     def begin(self) -> None:
         """A new update starts: until it completes, this receiver holds no version it can vouch for."""
+        self.wrote = False
         self._base, self.held = self.held, None
         self._kept_base, self.kept.version = self.kept.version, None
         self._placed_base, self.placed = self.placed, {}
@@ -117,6 +120,7 @@ class ReceiverDelta:
         # Verified here, from the bytes just written (a piece changed in a host copy is summed there: the copy goes
         # back unchanged), unless a whole tensor was copied: then from what the destinations hold, below.
         verified = not places.whole and self._verifies(header)
+        self.wrote = True
         total = places.write(payload, summed=verified)
         if verified and self._model is not None:
             self._model.add(arrived.table, _layout(header), total)

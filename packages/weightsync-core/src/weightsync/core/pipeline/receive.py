@@ -74,6 +74,13 @@ class ReceiveStream:
     def __aiter__(self) -> ReceiveStream:
         return self
 
+    @property
+    def wrote(self) -> bool:
+        """Whether ``copy_into`` began writing to the consumer's destinations or calling its fallback (so that
+        ``EngineHost`` can tell a failure that left the model as it was, whatever failed)."""
+        delta = self._context.delta
+        return self._reader.wrote or (delta is not None and self._queue is not None and delta.wrote)
+
     async def _start(self) -> asyncio.Queue[Arrived | BaseException]:
         if self._queue is None:
             await self._hold.start()

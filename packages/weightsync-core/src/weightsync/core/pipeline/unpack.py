@@ -96,6 +96,9 @@ class BucketReader:
         self.gathered = False
         """Whether the last view ``next_view`` gave lives in the scratch buffer, which the next split tensor
         overwrites (it is valid only until the reader takes the next piece)."""
+        self.wrote = False
+        """Whether a copy into the consumer's destinations (or a call of its fallback) has begun: set before the
+        first, so that a failure before it left the model as it was."""
 
     def begin(self, arrived: Arrived) -> None:
         self.current, self.position, self.hashed = arrived, 0, 0
@@ -174,8 +177,7 @@ class BucketReader:
             destination = get(meta.name)
             if not destination_fits(destination, DTYPES[meta.dtype], meta.shape):
                 if batch:
-                    copy_batch(batch, 0, base, stream=True)
-                    batch.clear()
+                    self._flush(batch, base)
                 self.position, self.hashed = position, hashed
                 count += self._copy_viewed(current, meta, destination, fallback)
                 hashed = self.hashed
@@ -184,14 +186,13 @@ class BucketReader:
             if nbytes <= PIECE_BYTES:  # most tensors: batched, the hash catches up every PIECE_BYTES bytes
                 batch += (address, at, nbytes)
                 if at + nbytes - hashed >= PIECE_BYTES:
-                    copy_batch(batch, 0, base, stream=True)
-                    batch.clear()
+                    self._flush(batch, base)
                     self.digest.update_at(base + hashed, at + nbytes - hashed)
                     hashed = at + nbytes
             else:
                 if batch:
-                    copy_batch(batch, 0, base, stream=True)
-                    batch.clear()
+                    self._flush(batch, base)
+                self.wrote = True
                 for done in range(0, nbytes, PIECE_BYTES):  # streamed: the model's memory is not read back here
                     copy_stream(address + done, base + at + done, min(PIECE_BYTES, nbytes - done))
                     end = at + min(done + PIECE_BYTES, nbytes)
@@ -199,10 +200,16 @@ class BucketReader:
                     hashed = end
             copied += meta.offset + nbytes == meta.total_nbytes
         if batch:
-            copy_batch(batch, 0, base, stream=True)
+            self._flush(batch, base)
         self.position, self.hashed = position, hashed  # (after an error the stream is closed: no write-back)
         self.tensors += copied
         return count + copied
+
+    def _flush(self, batch: list[int], base: int) -> None:
+        """Copy the pieces ``_copy_batched`` batched (destination address, bucket offset, bytes), and empty it."""
+        self.wrote = True
+        copy_batch(batch, 0, base, stream=True)
+        batch.clear()
 
     def _copy_bulk(self, plan: BulkPlan, base: int, found: list[torch.Tensor | None]) -> int | None:
         """A whole bucket of small pieces: the tensors completed, or None when any destination does not fit (then
@@ -214,6 +221,7 @@ class BucketReader:
             for index, offset in plan.offsets:
                 addresses[index] += offset
         hashed = 0
+        self.wrote = True
         for start, stop, end in plan.chunks:
             copy_columns(addresses, plan.sources, plan.sizes, start, stop, base)
             self.digest.update_at(base + hashed, end - hashed)
@@ -235,6 +243,7 @@ class BucketReader:
         ready = self._tensor(meta, current.payload)
         if ready is None:
             return 0
+        self.wrote = True
         if destination is not None:
             with torch.no_grad():  # a model's parameters are valid destinations
                 destination.copy_(ready[1])

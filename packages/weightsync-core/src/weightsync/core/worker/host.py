@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from weightsync.api.config import SyncConfig
-from weightsync.api.errors import ConfigError, LifecycleError, WeightsyncError, WeightStreamError
+from weightsync.api.errors import ConfigError, DestinationError, LifecycleError, WeightsyncError, WeightStreamError
 from weightsync.api.protocols import CheckpointEngine, ReceivedWeights, WeightSink, next_batch
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import RankArgs, Role, StagedUpdate, TransferReport, WorkerContext, WorkerMetadata
@@ -212,9 +212,7 @@ class EngineHost:
         stream = _CountingStream(received)
         try:
             await sink.load_weights(stream, version=version)
-            leftover = 0
-            async for _ in stream:  # a sink that stopped early: drain, so the sender is not left waiting
-                leftover += 1
+            leftover = await stream.drain()  # a sink that stopped early: so the sender is not left waiting
             report = stream.report
             if report is None:
                 raise LifecycleError(f"{self.name or 'worker'}: the weights stream ended without a report")
@@ -222,7 +220,7 @@ class EngineHost:
                 raise WeightStreamError(f"{self.name or 'worker'}: the sink left {leftover} tensors unconsumed")
         except BaseException as exc:
             await stream.aclose()  # let the sender and the other receivers finish without this one
-            if not stream.delivered:
+            if not stream.touched(exc):
                 # Nothing reached the model: it still holds what it held. The manager reads this mark.
                 mark_untouched(exc)
             raise
@@ -251,15 +249,41 @@ def is_untouched(error: BaseException) -> bool:
 
 
 class _CountingStream:
-    """Passes a ``ReceivedWeights`` through, counting the tensors handed to the sink."""
+    """Passes a ``ReceivedWeights`` through, noting from outside the engine whether any tensor may have reached the
+    sink's model (:meth:`touched`)."""
 
     def __init__(self, inner: ReceivedWeights) -> None:
         self._inner = inner
-        self.delivered = 0
+        self.handed = 0
+        """Tensors handed to the sink itself (views it iterated, or the fallback of ``copy_into``)."""
+        self.looked_up: list[str] = []
+        """Names of the destinations ``copy_into`` looked up, in order."""
+
+    def touched(self, error: BaseException) -> bool:
+        """Whether the failed update (``error``) may have written to the model. A tensor handed to the sink may
+        have been; in ``copy_into``, what the engine says (a ``wrote`` flag: ours set it before their first copy),
+        else every destination looked up counts, except the last when ``error`` is a ``DestinationError`` naming
+        it (its check failed before it was written, as ``copy_stream_into`` checks)."""
+        if self.handed:
+            return True
+        wrote = getattr(self._inner, "wrote", None)
+        if isinstance(wrote, bool):
+            return wrote
+        looked_up = len(self.looked_up)
+        if looked_up and isinstance(error, DestinationError) and error.name == self.looked_up[-1]:
+            looked_up -= 1
+        return looked_up > 0
 
     @property
     def report(self) -> TransferReport | None:
         return self._inner.report
+
+    async def drain(self) -> int:
+        """Read what the sink left of the stream without handing it over; how many tensors that was."""
+        left = 0
+        async for _ in self._inner:
+            left += 1
+        return left
 
     async def aclose(self) -> None:
         close = getattr(self._inner, "aclose", None)
@@ -271,38 +295,39 @@ class _CountingStream:
 
     async def __anext__(self) -> tuple[str, torch.Tensor]:
         item = await self._inner.__anext__()
-        self.delivered += 1
+        self.handed += 1
         return item
 
     async def next_batch(self) -> list[tuple[str, torch.Tensor]] | None:
         """``BatchedWeights``: the engine's batch, or one tensor from a stream that has no batches."""
         batch = await next_batch(self._inner)
-        self.delivered += len(batch or ())
+        self.handed += len(batch or ())
         return batch
 
     async def copy_into(
         self, destinations: Mapping[str, torch.Tensor], *,
         fallback: Callable[[str, torch.Tensor], object] | None = None,
     ) -> int:
-        """Counted from outside the engine: a destination looked up, or a fallback called, is about to be written."""
+        """Noted from outside the engine: each destination looked up, each fallback call."""
 
         def counted(name: str, tensor: torch.Tensor) -> object:
-            self.delivered += 1
+            self.handed += 1
             return fallback(name, tensor) if fallback is not None else None
 
-        return await self._inner.copy_into(_Lookups(self, destinations), fallback=counted if fallback else None)
+        return await self._inner.copy_into(_Lookups(self.looked_up, destinations),
+                                           fallback=counted if fallback else None)
 
 
 class _Lookups(Mapping[str, "torch.Tensor"]):
-    """The sink's destinations, counting every lookup that finds one (that tensor is about to be written)."""
+    """The sink's destinations, noting the name of every lookup that finds one."""
 
-    def __init__(self, stream: _CountingStream, inner: Mapping[str, torch.Tensor]) -> None:
-        self._stream = stream
+    def __init__(self, names: list[str], inner: Mapping[str, torch.Tensor]) -> None:
+        self._names = names
         self._inner = inner
 
     def __getitem__(self, name: str) -> torch.Tensor:
         tensor = self._inner[name]
-        self._stream.delivered += 1
+        self._names.append(name)
         return tensor
 
     def __iter__(self) -> Iterator[str]:
