@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import pathlib
 import tomllib
+from typing import Any
 
 import pytest
+from packaging.requirements import Requirement
 
 from weightsync.core.backend import BucketCheckpointEngine, Transport, engine_class
 
@@ -86,15 +89,23 @@ def test_device_backends_depend_on_api_and_core_only(backend: str) -> None:
     assert ours == {"weightsync-api~=0.1.0", "weightsync-core~=0.1.0"}  # siblings by compatible version
 
 
+def _projects() -> list[dict[str, Any]]:
+    """The ``[project]`` table of every distribution."""
+    return [tomllib.loads(path.read_text())["project"]
+            for folder in ("packages", "adapters", "tools") for path in sorted((ROOT / folder).glob("*/pyproject.toml"))]
+
+
+def _requirements(project: dict[str, Any]) -> list[str]:
+    """A distribution's requirements, its extras' included."""
+    return [*project.get("dependencies", []),
+            *(item for extra in project.get("optional-dependencies", {}).values() for item in extra)]
+
+
 def test_siblings_require_compatible_versions_of_each_other() -> None:
-    projects = {path.parent: tomllib.loads(path.read_text())["project"]
-                for folder in ("packages", "adapters", "tools") for path in (ROOT / folder).glob("*/pyproject.toml")}
-    versions = {project["name"]: project["version"] for project in projects.values()}
-    requirements = [(project["name"], requirement) for project in projects.values()
-                    for requirement in [*project.get("dependencies", []),
-                                        *(item for extra in project.get("optional-dependencies", {}).values()
-                                          for item in extra)]
-                    if requirement.startswith("weightsync")]
+    projects = _projects()
+    versions = {project["name"]: project["version"] for project in projects}
+    requirements = [(project["name"], requirement) for project in projects
+                    for requirement in _requirements(project) if requirement.startswith("weightsync")]
     assert len(requirements) > 30
     for name, requirement in requirements:
         sibling, _, version = requirement.partition("~=")
@@ -102,3 +113,59 @@ def test_siblings_require_compatible_versions_of_each_other() -> None:
         if sibling == name:  # an extra made of the distribution's own extras (weightsync[all])
             continue
         assert sibling in versions and version == versions[sibling], (name, requirement)
+
+
+def floor_problems(projects: list[dict[str, Any]], environments: dict[str, Any]) -> list[str]:
+    """Where the distributions claim what CI does not test: a ``requires-python``, torch or Ray floor other than
+    what the hatch environments install (``python`` of their matrix, their ``==`` pins), or an exact pin of another
+    project inside a library (it would clash with what vLLM or verl pin next)."""
+    pins: dict[str, set[str]] = {}
+    for environment in environments.values():
+        for item in [*environment.get("dependencies", []), *environment.get("extra-dependencies", [])]:
+            requirement = Requirement(item)
+            pins.setdefault(requirement.name, set()).update(
+                spec.version for spec in requirement.specifier if spec.operator == "==")
+    pythons = {python for environment in environments.values() for row in environment.get("matrix", [])
+               for python in row.get("python", [])}
+    floors = {name: ".".join(min(pins[name]).split(".")[:2]) for name in ("torch", "ray")}
+    problems = [f"the environments install {name} {sorted(pins[name])}" for name in floors if len(pins[name]) != 1]
+    for project in projects:
+        name = project["name"]
+        if project.get("requires-python") != f">={min(pythons)}":
+            problems.append(f"{name}: requires-python {project.get('requires-python')!r}; CI runs {sorted(pythons)}")
+        for text in _requirements(project):
+            requirement = Requirement(text)
+            if requirement.name.startswith("weightsync"):
+                continue
+            if any(spec.operator in ("==", "===") for spec in requirement.specifier):
+                problems.append(f"{name}: {text} is an exact pin")
+            lower = [spec.version for spec in requirement.specifier if spec.operator == ">="]
+            if requirement.name in floors and lower != [floors[requirement.name]]:
+                problems.append(f"{name}: {text}; the environments install {requirement.name} "
+                                f"{floors[requirement.name]}")
+    return problems
+
+
+def test_declared_floors_are_what_the_environments_install() -> None:
+    environments = tomllib.loads((ROOT / "hatch.toml").read_text())["envs"]
+    projects = _projects()
+    assert len(projects) >= 18
+    assert floor_problems(projects, environments) == []
+    # Negative control: the floors and pins these packages declared before are each found.
+    old = {"name": "old", "requires-python": ">=3.10",
+           "dependencies": ["torch>=2.4", "ray>=2.9", "nixl==1.5.1"]}
+    assert len(floor_problems([old], environments)) == 4
+
+
+def test_every_package_says_its_distributions_version() -> None:
+    checked = []
+    for folder in sorted(path.parent for base in ("packages", "adapters", "tools")
+                         for path in (ROOT / base).glob("*/pyproject.toml")):
+        project = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
+        for init in sorted(folder.glob("src/weightsync/*/__init__.py")):
+            module = f"weightsync.{init.parent.name}"
+            if importlib.util.find_spec(module) is None:  # verl's and vLLM's adapters: their own environments
+                continue
+            assert importlib.import_module(module).__version__ == project["version"], module
+            checked.append(module)
+    assert len(checked) >= 14, checked

@@ -79,8 +79,15 @@ def build(wheels: pathlib.Path) -> dict[str, pathlib.Path]:
 
 
 def check_contents(built: dict[str, pathlib.Path]) -> None:
-    """``weightsync`` is metadata only; the testbed's wheel holds ``weightsync/testbed`` (typed) and the CLI's none
-    of it, at its old place (``weightsync/cli/testbed``) or its own."""
+    """Every wheel carries the repository's LICENSE (the Apache-2.0 its metadata names); ``weightsync`` is metadata
+    only; the testbed's wheel holds ``weightsync/testbed`` (typed) and the CLI's none of it, at its old place
+    (``weightsync/cli/testbed``) or its own."""
+    license_text = (ROOT / "LICENSE").read_bytes()
+    for name, path in built.items():
+        with zipfile.ZipFile(path) as wheel:
+            licenses = [entry for entry in wheel.namelist() if entry.endswith(".dist-info/licenses/LICENSE")]
+            if len(licenses) != 1 or wheel.read(licenses[0]) != license_text:
+                raise SystemExit(f"wheel-check: the {name} wheel does not carry the repository's LICENSE: {licenses}")
     files = {name: [entry for entry in zipfile.ZipFile(path).namelist() if ".dist-info/" not in entry]
              for name, path in built.items()}
     if files["weightsync"]:

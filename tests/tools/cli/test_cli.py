@@ -9,6 +9,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -35,9 +36,34 @@ def test_doctor_json_lists_every_known_backend() -> None:
     assert {row["status"] for row in rows} <= {"available", "not installed", "unusable here"}
 
 
+@pytest.mark.parametrize("argv", [
+    ("demo", "--backend", "nosuch"), ("demo", "--model-mb", "nan"), ("demo", "--model-mb", "inf"),
+    ("demo", "--steps", "0"), ("bench", "--backends", "shm,nosuch"), ("bench", "--model-mb", "nan"),
+    ("bench", "--model-mb", "inf"), ("bench", "--receivers", "0"),
+])
+def test_bad_input_is_a_usage_error_before_any_work(argv: tuple[str, ...]) -> None:
+    started = time.monotonic()
+    result = weightsync(*argv)
+    seconds = time.monotonic() - started
+    assert result.returncode == 2 and result.stdout == "", (result.stdout, result.stderr)
+    (line,) = result.stderr.strip().splitlines()  # one line, no traceback
+    assert line.startswith(f"weightsync {argv[0]}: ") and ("nosuch" in line or "positive" in line), line
+    assert seconds < 5, seconds  # before Ray or a testbed starts: neither is up within that
+
+
+def test_version_names_every_distribution_torch_ray_and_python() -> None:
+    result = weightsync("--version")
+    assert result.returncode == 0, result.stderr
+    found = dict(line.split() for line in result.stdout.strip().splitlines())
+    assert found["weightsync-core"] == found["weightsync-cli"] == found["weightsync-shm"] == "0.1.0"
+    assert found["torch"].startswith("2.13.") and found["ray"].startswith("2.60.")
+    assert found["python"] == ".".join(map(str, sys.version_info[:3]))
+
+
 def test_doctor_table() -> None:
     result = weightsync("doctor")
     assert result.returncode == 0 and "shm" in result.stdout and "available" in result.stdout
+    assert result.stdout.startswith(weightsync("--version").stdout)  # the versions come first
     assert "host copies of large tensors: " in result.stdout
     assert "delta updates (SyncConfig.delta): compiled" in result.stdout
     (library,) = [line.split(": ", 1)[1] for line in result.stdout.splitlines()

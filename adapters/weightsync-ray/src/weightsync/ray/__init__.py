@@ -10,6 +10,8 @@ a node. Actors reserve ``num_cpus=0`` by default: they are hosts for your code, 
 ``ray_options`` the way your deployment needs.
 """
 
+from importlib.metadata import version as _version
+
 from weightsync.ray.group import (
     ActorRankHost,
     RayActorWorkerGroup,
@@ -18,6 +20,9 @@ from weightsync.ray.group import (
     RayStagingWorker,
     RolloutWorkerHost,
 )
+
+__version__ = _version("weightsync-ray")
+"""This distribution's version (from its installed metadata)."""
 
 __all__ = ["ActorRankHost", "RayActorWorkerGroup", "RayRolloutReplica", "RayRolloutWorker", "RayStagingWorker",
            "RolloutWorkerHost"]

@@ -17,6 +17,8 @@ Importing this module registers every installed weightsync backend in verl's ``C
 - :func:`read_checkpoint_config` (``config``): the one reader of verl's checkpoint-engine config both sides use.
 """
 
+from importlib.metadata import version as _version
+
 from weightsync.verl.config import CheckpointConfig, read_checkpoint_config
 from weightsync.verl.engine import (
     REGISTRY_PREFIX,
@@ -28,6 +30,9 @@ from weightsync.verl.engine import (
 from weightsync.verl.groups import VerlActorWorkerGroup, VerlRolloutReplica, VerlRolloutWorker
 from weightsync.verl.manager import CheckpointEngineManager, ResumingCheckpointEngineManager, sync_or_awaitable
 from weightsync.verl.worker import WeightsyncActorMixin
+
+__version__ = _version("weightsync-verl")
+"""This distribution's version (from its installed metadata)."""
 
 REGISTERED: list[str] = register_backends()
 """verl registry names this process registered (``weightsync.shm``, ``weightsync.gloo``, ...)."""

@@ -13,7 +13,11 @@ Importing this package does not import vLLM; its modules do.
 
 from __future__ import annotations
 
+from importlib.metadata import version as _version
 from typing import TYPE_CHECKING, Any
+
+__version__ = _version("weightsync-vllm")
+"""This distribution's version (from its installed metadata)."""
 
 if TYPE_CHECKING:
     from weightsync.vllm.replica import VllmEngineActor, VllmRolloutReplica, engine_args

@@ -4,6 +4,8 @@ This package depends on ``typing-extensions`` only; torch and ray appear in anno
 :mod:`weightsync.api.protocols`, which holds the lifecycle contract every engine and adapter follows.
 """
 
+from importlib.metadata import version as _version
+
 from weightsync.api import errors
 from weightsync.api.config import BUCKET_ALIGNMENT, MiB, StepTimeouts, SyncConfig
 from weightsync.api.protocols import (
@@ -49,6 +51,9 @@ from weightsync.api.types import (
     WorkerMetadata,
     WorldMetadata,
 )
+
+__version__ = _version("weightsync-api")
+"""This distribution's version (from its installed metadata)."""
 
 __all__ = [
     "errors",

@@ -10,7 +10,11 @@ layer and those below. Backends import ``weightsync.core.backend`` alone. The na
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import version as _version
 from typing import TYPE_CHECKING, Any
+
+__version__ = _version("weightsync-core")
+"""This distribution's version (from its installed metadata)."""
 
 if TYPE_CHECKING:  # the names as mypy sees them (re-exported)
     from weightsync.core.worker.engine import BucketCheckpointEngine as BucketCheckpointEngine

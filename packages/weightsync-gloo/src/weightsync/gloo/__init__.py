@@ -1,6 +1,10 @@
 """Backend ``gloo``. The engine is imported lazily."""
 
+from importlib.metadata import version as _version
 from typing import Any
+
+__version__ = _version("weightsync-gloo")
+"""This distribution's version (from its installed metadata)."""
 
 __all__ = ["GlooCheckpointEngine", "GlooTransport"]
 

@@ -1,6 +1,10 @@
 """Backend ``hccl`` (Ascend NPUs). The engine, and torch_npu with it, is imported lazily."""
 
+from importlib.metadata import version as _version
 from typing import Any
+
+__version__ = _version("weightsync-hccl")
+"""This distribution's version (from its installed metadata)."""
 
 __all__ = ["HcclCheckpointEngine"]
 

@@ -1,6 +1,10 @@
 """Backend ``kimi`` over MoonshotAI's checkpoint-engine. The engine (and checkpoint_engine) is imported lazily."""
 
+from importlib.metadata import version as _version
 from typing import Any
+
+__version__ = _version("weightsync-kimi")
+"""This distribution's version (from its installed metadata)."""
 
 __all__ = ["KimiCheckpointEngine"]
 

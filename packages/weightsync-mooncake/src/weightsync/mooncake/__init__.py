@@ -4,7 +4,11 @@ The engine is imported lazily (``MooncakeCheckpointEngine``); :mod:`weightsync.c
 the chain transport and topology that the ``nixl`` backend shares.
 """
 
+from importlib.metadata import version as _version
 from typing import Any
+
+__version__ = _version("weightsync-mooncake")
+"""This distribution's version (from its installed metadata)."""
 
 __all__ = ["MooncakeCheckpointEngine"]
 

@@ -1,6 +1,10 @@
 """Backend ``shm``: same-host POSIX shared memory. The engine is imported lazily (``ShmCheckpointEngine``)."""
 
+from importlib.metadata import version as _version
 from typing import Any
+
+__version__ = _version("weightsync-shm")
+"""This distribution's version (from its installed metadata)."""
 
 __all__ = ["ShmCheckpointEngine"]
 

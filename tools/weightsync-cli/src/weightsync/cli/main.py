@@ -8,13 +8,17 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import math
+import platform
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 from typing import Any
 
-from weightsync.api.registry import backend_statuses
+from weightsync.api.errors import UnknownBackendError
+from weightsync.api.registry import backend_statuses, get_backend_spec
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main", "versions"]
 
 # `bench --hosts` defaults (the model's, 256 MiB, is the bench's: weightsync.cli.bench.scenario). Here rather than
 # imported from the bench: importing it imports torch, which `weightsync doctor` and `--help` should not wait for.
@@ -23,8 +27,40 @@ HOSTS_LINK_GBPS = 2.0
 HOSTS_BUCKET_MB = 8
 
 
+def versions() -> list[tuple[str, str]]:
+    """(name, version) of every weightsync distribution installed here, then of torch, Ray and Python."""
+    ours = {(dist.metadata["Name"] or ""): dist.version for dist in metadata.distributions()}
+    found = [(name, ours[name]) for name in sorted(ours) if name.startswith("weightsync")]
+    for name in ("torch", "ray"):
+        try:
+            found.append((name, metadata.version(name)))
+        except metadata.PackageNotFoundError:
+            found.append((name, "not installed"))
+    return [*found, ("python", platform.python_version())]
+
+
+class _Versions(argparse.Action):
+    """``--version``: every version :func:`versions` lists, one per line, then exit 0."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(_version_lines())
+        parser.exit()
+
+
+def _version_lines() -> str:
+    found = versions()
+    width = max(len(name) for name, _ in found)
+    return "\n".join(f"{name:<{width}}  {version}" for name, version in found)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightsync", description="Move a trainer's weights into rollout replicas.")
+    parser.add_argument("--version", action=_Versions,
+                        help="print the versions of weightsync's distributions, torch, Ray and Python, and exit")
     commands = parser.add_subparsers(dest="command", required=True)
 
     _add_demo(commands)
@@ -125,6 +161,8 @@ def _doctor(as_json: bool) -> int:
     if as_json:
         print(json.dumps([dataclasses.asdict(status) for status in statuses], indent=2))
         return 0
+    print(_version_lines())
+    print()
     width = max(len(status.backend) for status in statuses)
     for status in statuses:
         detail = status.reason if status.status == "unusable here" else ""
@@ -214,11 +252,39 @@ def _bench(args: argparse.Namespace) -> int:
     ))
 
 
+def _unknown_backend(names: Sequence[str], *, allowed: Sequence[str] = ()) -> str:
+    """Why one of ``names`` is not a backend (from the installed distributions' entry points, before torch or Ray
+    is imported), or ''. ``auto`` and ``allowed`` are accepted."""
+    for name in names:
+        if name == "auto" or name in allowed:
+            continue
+        try:
+            get_backend_spec(name)
+        except UnknownBackendError as exc:
+            return f"{exc}; or auto"
+    return ""
+
+
+def _positive(*values: float | None) -> bool:
+    """Whether every value given (None: not given) is a finite number above zero (nan and inf are not)."""
+    return all(value is None or (math.isfinite(value) and value > 0) for value in values)
+
+
+def _demo_error(args: argparse.Namespace) -> str:
+    """What is wrong with ``demo``'s options, or ''."""
+    if not _positive(args.steps, args.replicas, args.model_mb, args.bucket_mb):
+        return "--steps, --replicas, --model-mb and --bucket-mb must be positive"
+    return _unknown_backend([args.backend])
+
+
 def _bench_error(args: argparse.Namespace) -> str:
     """What is wrong with ``bench``'s options, or ''."""
-    if args.receivers < 1 or args.repeat < 1 or (args.model_mb is not None and args.model_mb <= 0) \
-            or (args.bucket_mb is not None and args.bucket_mb < 1):
+    if not _positive(args.receivers, args.repeat, args.model_mb, args.bucket_mb):
         return "--receivers, --repeat, --model-mb and --bucket-mb must be positive"
+    # The baselines' names are the bench's to refuse (it runs them always): weightsync.cli.bench.scenario imports torch.
+    unknown = _unknown_backend([name for name in args.backends.split(",") if name], allowed=("naive", "bucketed"))
+    if unknown:
+        return unknown
     if args.lr is not None and (args.mix != "rl" or not 0 < args.lr <= 1):
         return "--lr needs --mix rl and must be in (0, 1]"
     if args.verify_every < 1 or (args.verify_every != 1 and not args.delta):
@@ -269,8 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         backend=args.backend, steps=args.steps, replicas=args.replicas, model_mb=args.model_mb,
         bucket_mb=args.bucket_mb, address=args.address, delta=args.delta, staged=args.staged,
     )
+    error = _demo_error(args)
+    if error:
+        return _usage_error("demo", error)
     if args.rollout == "vllm":
-        if args.steps < 1 or args.replicas < 1 or args.model_mb <= 0 or args.bucket_mb < 1:
-            return _usage_error("demo", "--steps, --replicas, --model-mb and --bucket-mb must be positive")
         return _run_vllm("demo", options)
     return asyncio.run(run_demo(options))

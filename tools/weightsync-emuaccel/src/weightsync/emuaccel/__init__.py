@@ -33,6 +33,7 @@ import math
 import os
 import threading
 from collections.abc import Callable
+from importlib.metadata import version as _version
 from pathlib import Path
 from types import ModuleType
 from typing import Final
@@ -45,6 +46,9 @@ from torch.utils.backend_registration import (
 
 from weightsync.emuaccel import _build, _device
 from weightsync.emuaccel._build import EmuBuildError, EmuError
+
+__version__ = _version("weightsync-emuaccel")
+"""This distribution's version (from its installed metadata)."""
 
 __all__ = ["DEVICE_TYPE", "EmuBuildError", "EmuError", "build", "install", "set_copy_delay", "synchronizations"]
 

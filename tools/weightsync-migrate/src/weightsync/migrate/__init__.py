@@ -11,6 +11,8 @@ Entry points: :func:`main` (``python -m weightsync.migrate``), and :func:`add_ar
 
 from __future__ import annotations
 
+from importlib.metadata import version as _version
+
 from weightsync.migrate.cli import add_arguments, main, run
 from weightsync.migrate.rules import ALL_RULES, Rule
 from weightsync.migrate.transform import (
@@ -21,6 +23,9 @@ from weightsync.migrate.transform import (
     UnparsableSourceError,
     migrate_source,
 )
+
+__version__ = _version("weightsync-migrate")
+"""This distribution's version (from its installed metadata)."""
 
 __all__ = [
     "ALL_RULES",

@@ -30,6 +30,8 @@ A killed run's leftovers: :func:`cleanup`. Design notes live in the submodules: 
 (when the testbed is unavailable), ``signals``.
 """
 
+from importlib.metadata import version as _version
+
 from weightsync.testbed.bed import (
     ENV_ADDR,
     ENV_HOST,
@@ -46,6 +48,9 @@ from weightsync.testbed.probe import REQUIRE_ENV, Capabilities, probe, testbed_r
 from weightsync.testbed.processes import HostProcess
 from weightsync.testbed.raycluster import TestbedRay, testbed_host_resource
 from weightsync.testbed.system import PREFIX, TestbedError, TestbedUnavailable
+
+__version__ = _version("weightsync-testbed")
+"""This distribution's version (from its installed metadata)."""
 
 __all__ = [
     "ENV_ADDR",
