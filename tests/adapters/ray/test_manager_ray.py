@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
+import prometheus_client
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import (
     ConcurrentUpdateError,
@@ -282,6 +286,71 @@ def test_a_destination_refused_before_any_write_leaves_the_replica_untouched(wor
     assert world.sink_digests() == [expected, expected]
 
 
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the Prometheus endpoint at ``port``, read over HTTP as a scraper reads it."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def test_each_update_logs_a_record_and_is_scraped_from_prometheus(world: World,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    server, thread = prometheus_client.start_http_server(0, addr="127.0.0.1")
+    try:
+        port = server.server_port
+        committed = ("weightsync:weight_updates_total", (("outcome", "committed"),))
+        failed = ("weightsync:weight_updates_total", (("outcome", "failed"),))
+        model_bytes = ("weightsync:weight_update_bytes_total", (("kind", "model"),))
+        transfers = ("weightsync:weight_update_duration_seconds_count", (("operation", "transfer"),))
+        manager = world.manager("shm")
+        world.set_version(71)
+        asyncio.run(manager.update_weights())  # the epoch: built before the figures below are read
+        before = _scrape(port)
+        caplog.set_level(logging.DEBUG, logger="weightsync")
+        world.set_version(72)
+        report = asyncio.run(manager.update_weights())
+        after = _scrape(port)
+        records = [record for record in caplog.records if record.name == "weightsync.core.control.telemetry"]
+        assert [record.levelno for record in records] == [logging.INFO]
+        line = records[0].getMessage()
+        assert f"update {report.version}: backend shm, {report.nbytes} bytes" in line and "2 committed" in line
+        assert any(record.getMessage().startswith("step transfer: 4 workers") for record in caplog.records)
+        assert after[committed] == before.get(committed, 0) + 1 and after.get(failed, 0) == before.get(failed, 0)
+        assert after[model_bytes] == before[model_bytes] + report.nbytes
+        assert after[transfers] == before[transfers] + 1
+        assert after[("weightsync:weight_update_operations_in_flight", ())] == 0
+        assert after[("weightsync:replicas", (("state", "committed"),))] == 2
+        metrics = report.metrics()
+        assert metrics["weightsync/pause_s_max"] == max(outcome.pause_seconds for outcome in report.replicas) > 0
+        assert metrics["weightsync/replicas_committed"] == 2 and metrics["weightsync/bytes"] == report.nbytes
+        # Negative control: a failed update is a WARNING, counted as failed and not as committed.
+        caplog.clear()
+        world.set_mode("raise_midway")
+        with pytest.raises(Exception, match="half-way"):
+            asyncio.run(manager.update_weights())
+        failure = _scrape(port)
+        records = [record for record in caplog.records if record.name == "weightsync.core.control.telemetry"]
+        assert [record.levelno for record in records] == [logging.WARNING]
+        assert failure[failed] == after.get(failed, 0) + 1 and failure[committed] == after[committed]
+    finally:
+        server.shutdown()
+        thread.join(timeout=10)
+
+
+def test_backend_options_are_checked_when_the_manager_is_built(world: World) -> None:
+    seen = [len(world.hooks(r)) for r in range(2)]
+    with pytest.raises(ConfigError, match=r"\['fanuot'\] are not options of backend 'tcp'; its options: .*fanout"):
+        world.manager("tcp", backend_options={"fanuot": 2})
+    # Under auto, against every backend it may pick: shm has no chain layout.
+    with pytest.raises(ConfigError, match=r"\['layout'\] are not options of backend 'shm' \(one backend='auto'"):
+        world.manager("auto", backend_options={"layout": "two_level"})
+    assert [len(world.hooks(r)) for r in range(2)] == seen  # nothing reached a replica
+    # Negative control: options every engine takes are accepted, under a named backend and under auto.
+    world.manager("tcp", backend_options={"fanout": 2, "transport_hook": "tests.workloads:FLIP_ONCE"})
+    world.manager("auto", backend_options={"transport_hook": "tests.workloads:FLIP_ONCE"})
+
+
 def test_bad_arguments_raise_at_the_call(world: World) -> None:
     manager = world.manager("shm")
     with pytest.raises(ConfigError):
@@ -436,7 +505,7 @@ def test_auto_is_the_default_and_picks_shm_on_one_host(world: World) -> None:
     expected = world.set_version(31)
     report = asyncio.run(manager.update_weights(version=31))
     assert report.ok and world.sink_digests() == [expected, expected]
-    assert report.backend == "auto" and report.chosen == "shm: every worker shares the sender's host"
+    assert report.backend == "shm" and report.chosen == "shm: every worker shares the sender's host"  # the one that ran
     assert manager.choice is not None and manager.choice.backend == "shm"
     sender = int(ray.get(world.actor_wg.call("pid")[0]))
     assert any(name.startswith(f"weightsync-{sender}-") for name in shm_entries())  # the sender's shm ring

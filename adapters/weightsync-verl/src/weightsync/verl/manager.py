@@ -156,7 +156,7 @@ class CheckpointEngineManager:
             await self._settle_torn(failure)
             raise
         self.last_report = report
-        return _metrics(report)
+        return report.metrics()
 
     async def _settle_torn(self, failure: BaseException) -> None:
         """After a failed update the core manager has resumed every intact replica; deal with the others."""
@@ -211,16 +211,3 @@ class ResumingCheckpointEngineManager(CheckpointEngineManager):
 
     torn_replicas: ClassVar[Literal["hold", "resume"]] = "resume"
 
-
-def _metrics(report: UpdateReport) -> dict[str, float]:
-    """verl's metrics dict (numbers only: verl's loggers take scalars)."""
-    metrics = {
-        "weightsync/update_seconds": report.seconds,
-        "weightsync/transfer_seconds": report.transfer_seconds,
-        "weightsync/bytes": float(report.nbytes),
-        "weightsync/gbps_per_receiver": report.gbps_per_receiver,
-        "weightsync/receivers": float(report.receivers),
-        "weightsync/topology_rebuilt": 1.0 if report.rebuilt else 0.0,
-    }
-    metrics.update({f"weightsync/{stage}_seconds": float(seconds) for stage, seconds in report.stages.items()})
-    return metrics

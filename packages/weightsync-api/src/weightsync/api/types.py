@@ -246,6 +246,7 @@ class UpdateReport:
 
     version: int
     backend: str
+    """The backend that ran (with ``backend="auto"``, the one it picked: ``chosen`` says its layout and why)."""
     nbytes: int
     """The model's size: bytes of weights each receiver holds from this update (also for a delta update)."""
     seconds: float
@@ -281,6 +282,28 @@ class UpdateReport:
     @property
     def ok(self) -> bool:
         return all(outcome.state == "committed" for outcome in self.replicas)
+
+    @property
+    def pause_seconds(self) -> float:
+        """The longest any replica was kept from serving (``ReplicaOutcome.pause_seconds``)."""
+        return max((outcome.pause_seconds for outcome in self.replicas), default=0.0)
+
+    def metrics(self, prefix: str = "weightsync/") -> dict[str, float]:
+        """The update as flat numbers, for a trainer's logger as they are (verl's metrics, wandb, TensorBoard):
+        its version, sizes (``bytes``: the model each receiver holds; ``wire_bytes``: what was sent per receiver),
+        seconds (the whole update and each step, ``<step>_seconds``), the longest pause (``pause_s_max``), the
+        replicas by state, and whether it rebuilt the topology."""
+        states = [outcome.state for outcome in self.replicas]
+        flat = {
+            "version": float(self.version), "update_seconds": self.seconds, "bytes": float(self.nbytes),
+            "wire_bytes": float(self.wire_bytes), "changed_fraction": self.changed_fraction,
+            "gbps_per_receiver": self.gbps_per_receiver, "receivers": float(self.receivers),
+            "pause_s_max": self.pause_seconds, "topology_rebuilt": 1.0 if self.rebuilt else 0.0,
+            **{f"replicas_{state}": float(states.count(state)) for state in ("committed", "torn", "untouched")},
+            "transfer_seconds": self.transfer_seconds,
+            **{f"{step}_seconds": float(seconds) for step, seconds in self.stages.items()},
+        }
+        return {prefix + key: value for key, value in flat.items()}
 
 
 def json_safe(value: Any) -> JsonValue:

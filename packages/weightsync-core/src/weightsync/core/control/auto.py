@@ -31,7 +31,7 @@ from weightsync.core.transports.chain.topology import stripe_rails
 from weightsync.core.transports.place import has_rdma
 
 __all__ = [
-    "AUTO", "RDMA_ORDER", "TCP_ORDER", "AutoChoice", "choose", "describe_rule", "network_order",
+    "AUTO", "RDMA_ORDER", "TCP_ORDER", "AutoChoice", "candidates", "choose", "describe_rule", "network_order",
 ]
 
 AUTO = "auto"
@@ -108,6 +108,12 @@ def choose(*, sender_node: str, rollout_nodes: Sequence[str], rdma: bool = False
     raise BackendUnavailableError(
         f"backend='auto' found workers on {hosts} hosts and no backend here that crosses hosts; install one of: "
         f"{wanted}", backend=AUTO, reason=f"no backend that crosses hosts; install one of: {wanted}")
+
+
+def candidates(available: Callable[[], Sequence[str]] = available_backends) -> list[str]:
+    """Every backend ``auto`` may pick here (on one host or across hosts, with RDMA devices or without)."""
+    usable = set(available())
+    return [name for name in dict.fromkeys(("shm", *TCP_ORDER, *RDMA_ORDER)) if name in usable]
 
 
 def describe_rule(available: Callable[[], Sequence[str]] = available_backends, *, rdma: bool | None = None) -> str:

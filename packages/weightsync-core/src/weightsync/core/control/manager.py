@@ -25,11 +25,13 @@ from weightsync.api.protocols import ActorWorkerGroup, CheckpointEngine, Rollout
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import ReplicaOutcome, UpdateReport
 from weightsync.core.control import replicas as replica_steps
-from weightsync.core.control.auto import AUTO, AutoChoice
+from weightsync.core.control import telemetry
+from weightsync.core.control.auto import AUTO, AutoChoice, candidates
 from weightsync.core.control.flows import Flow, Unstaged
 from weightsync.core.control.round import Round
 from weightsync.core.control.setup import Epoch, Setup
 from weightsync.core.control.staged import Staged
+from weightsync.core.worker.host import accepted_options
 
 __all__ = ["CheckpointEngineManager"]
 
@@ -66,6 +68,7 @@ class CheckpointEngineManager:
         # Fails now, naming the package, if not installed; "auto" picks one at each setup (weightsync.core.control.auto).
         self._setup = Setup(actor_wg=actor_wg, backend=backend, config=config,
                             engine_class=load_engine_class(backend) if backend != AUTO else None)
+        _check_options(backend, config)
         self._flow: Flow = Staged(actor_wg=actor_wg, timeouts=config.timeouts) if config.staged else \
             Unstaged(actor_wg=actor_wg, timeouts=config.timeouts, setup=self._setup)
         self._replicas: list[RolloutReplica] = []
@@ -184,20 +187,29 @@ class CheckpointEngineManager:
     async def _update(self, version: int) -> UpdateReport:
         round_ = Round.of(version, self._replicas)
         self._flow.check(round_.workers)  # before any work
-        try:
-            epoch = await self._ensure_epoch(round_)
-            round_.stripes = epoch.stripes
-            await self._flow.run(round_, epoch, self._states)
-        except BaseException as exc:
-            round_.failure = round_.failure or exc
-            self._epoch = None  # connections may be mid-message: rebuild them next time
-            self._setup.lost_rails.record(exc)  # a stripe's rail, left out of the rebuild until a probe reaches it
-            raise
-        finally:
+        with telemetry.in_flight():
+            try:
+                epoch = await self._ensure_epoch(round_)
+                round_.stripes = epoch.stripes
+                await self._flow.run(round_, epoch, self._states)
+            except BaseException as exc:
+                round_.failure = round_.failure or exc
+                self._epoch = None  # connections may be mid-message: rebuild them next time
+                self._setup.lost_rails.record(exc)  # a stripe's rail, left out of the rebuild until a probe reaches it
+                self._states = round_.outcomes(self._states)
+                telemetry.record(self._report(round_), failure=exc)
+                raise
             self._states = round_.outcomes(self._states)
-        self._version = version
-        return round_.report(self._states, backend=self.backend, delta=self.config.delta,
-                             chosen=f"{self.choice.name}: {self.choice.reason}" if self.choice else "")
+            self._version = version
+            report = self._report(round_)
+            telemetry.record(report)
+            return report
+
+    def _report(self, round_: Round) -> UpdateReport:
+        """The round's report: the backend that ran (``auto``'s pick), and why it was picked."""
+        choice = self.choice
+        return round_.report(self._states, backend=choice.backend if choice else self.backend,
+                             delta=self.config.delta, chosen=f"{choice.name}: {choice.reason}" if choice else "")
 
     async def verify_loads(self) -> None:
         """Compare what every replica's inference engine holds now (``LoadProvingReplica.weight_checksums``), as
@@ -209,3 +221,18 @@ class CheckpointEngineManager:
         error = replica_steps.disowning(round_, held)
         if error is not None:
             raise error
+
+
+def _check_options(backend: str, config: SyncConfig) -> None:
+    """``ConfigError`` now, before any work, for ``backend_options`` the backend does not take (with ``auto``: any
+    backend it may pick here; ``weightsync.core.worker.host.accepted_options``)."""
+    options = set(config.backend_options)
+    if not options:
+        return
+    for name in candidates() if backend == AUTO else [backend]:
+        accepted = accepted_options(load_engine_class(name))
+        unknown = sorted(options - accepted) if accepted is not None else []
+        if unknown:
+            picked = " (one backend='auto' may pick here)" if backend == AUTO else ""
+            raise ConfigError(f"backend_options {unknown} are not options of backend {name!r}{picked}; its options: "
+                              f"{', '.join(sorted(accepted or ())) or 'none'}")

@@ -9,6 +9,7 @@ the worker and the step.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
@@ -24,6 +25,11 @@ __all__ = [
 
 Labelled = list[tuple[str, Awaitable[Any]]]
 """One step's calls, each with the worker it went to, as people read it (``actor rank 0``, ``replica1/w0``)."""
+
+logger = logging.getLogger(__name__)
+
+CANCEL_WAIT_S = 1.0
+"""How long a step's pending calls, cancelled at its timeout, are awaited to end."""
 
 PROBE_TIMEOUT_S = 0.5
 """How long a worker that missed a deadline has to answer a ping before its host counts as unreachable."""
@@ -95,17 +101,27 @@ async def gather(step: str, timeout: float, labelled: Labelled,
     """
     if not labelled:
         return []
+    started = time.perf_counter()
     futures = [asyncio.ensure_future(awaitable) for _, awaitable in labelled]
     try:
-        _done, pending = await asyncio.wait(futures, timeout=timeout)
+        done, pending = await asyncio.wait(futures, timeout=timeout)
     except BaseException:
         for future in futures:
             future.cancel()
         raise
+    errors = {future: future.exception() for future in done}  # every one retrieved: none "never retrieved"
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("step %s: %d workers in %.3f s (%d failed, %d pending)", step, len(futures),
+                     time.perf_counter() - started, sum(error is not None for error in errors.values()), len(pending))
     timed_out: StepTimeoutError | None = None
     if pending:
         for future in pending:
             future.cancel()
+        # Awaited a moment, so that none is left running; one that does not end on cancellation is let be.
+        ended, _ = await asyncio.wait(pending, timeout=CANCEL_WAIT_S)
+        for future in ended:
+            if not future.cancelled():
+                future.exception()
         names = [label for (label, _), future in zip(labelled, futures) if future in pending]
         timed_out = StepTimeoutError(
             f"step {step!r} did not finish within {timeout:g}s; still waiting for: {', '.join(names)}",
@@ -118,7 +134,7 @@ async def gather(step: str, timeout: float, labelled: Labelled,
         if future in pending:
             results.append(timed_out)  # the caller weighs it against the other workers' failures
             continue
-        error = future.exception()
+        error = errors[future]
         if error is not None:
             if raise_first:
                 raise typed_error(error, step=step, worker=label)

@@ -23,8 +23,8 @@ from weightsync.api.types import RankArgs, Role, StagedUpdate, TransferReport, W
 from weightsync.core.transports.place import ping_answer
 from weightsync.core.transports.stagearea import StageArea
 
-__all__ = ["EngineHost", "EngineSlot", "StagingEngine", "build_engine", "engine_spec", "is_untouched", "mark_untouched",
-           "unwrap"]
+__all__ = ["EngineHost", "EngineSlot", "StagingEngine", "accepted_options", "build_engine", "engine_spec", "is_untouched",
+           "mark_untouched", "unwrap"]
 
 _METHODS = ("prepare", "init_process_group", "finalize", "close", "ping")
 # What build_engine requires of an engine class: the CheckpointEngine Protocol's methods, build_topology class-level.
@@ -62,6 +62,24 @@ def build_engine(spec: Mapping[str, Any], *, node_id: str, host_ip: str) -> Chec
         bucket_bytes=config.bucket_bytes, context=context, slots=config.slots, timeout=config.timeouts.transfer,
         verify_digest=config.verify_digest, **backend_options,
     )
+
+
+_FROM_CONFIG = frozenset({"bucket_bytes", "context", "slots", "timeout", "verify_digest", "delta", "verify_every",
+                          "staged"})
+"""The keywords ``build_engine`` gives every engine itself (from ``SyncConfig``); never ``backend_options``."""
+
+
+def accepted_options(engine_class: type) -> frozenset[str] | None:
+    """The ``backend_options`` an engine class takes: its ``option_names`` and the keywords of its constructors
+    (``transport_hook``...), less what ``build_engine`` passes itself; None for an engine that does not declare
+    ``option_names`` (an engine of another project: what it takes is its own to check)."""
+    names = getattr(engine_class, "option_names", None)
+    if not isinstance(names, frozenset):
+        return None
+    keywords = {name for cls in engine_class.__mro__ if "__init__" in vars(cls)
+                for name, parameter in inspect.signature(vars(cls)["__init__"]).parameters.items()
+                if name != "self" and parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)}
+    return frozenset(names | keywords) - _FROM_CONFIG
 
 
 def _missing_members(engine_class: object) -> list[str]:
