@@ -50,7 +50,8 @@ def summary(report: UpdateReport) -> str:
 
 def record(report: UpdateReport, *, failure: BaseException | None = None) -> None:
     """The update's log record and metrics (``failure``: what it raised, if it did)."""
-    if failure is None and report.ok:
+    failed = failure is not None or not report.ok
+    if not failed:
         logger.info("%s", summary(report))
     else:
         cause = f": {type(failure).__name__}: {failure}" if failure is not None else ""
@@ -62,7 +63,7 @@ def record(report: UpdateReport, *, failure: BaseException | None = None) -> Non
     for step, seconds in report.stages.items():
         durations.labels(operation=step).observe(seconds)
     durations.labels(operation="total").observe(report.seconds)
-    updates.labels(outcome="failed" if failure is not None else "committed").inc()
+    updates.labels(outcome="failed" if failed else "committed").inc()
     sent.labels(kind="model").inc(report.nbytes)
     sent.labels(kind="wire").inc(report.wire_bytes)
     states = [outcome.state for outcome in report.replicas]
