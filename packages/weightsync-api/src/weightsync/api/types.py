@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, get_args
 
 from typing_extensions import TypeAlias
 
@@ -299,7 +299,7 @@ class UpdateReport:
             "wire_bytes": float(self.wire_bytes), "changed_fraction": self.changed_fraction,
             "gbps_per_receiver": self.gbps_per_receiver, "receivers": float(self.receivers),
             "pause_s_max": self.pause_seconds, "topology_rebuilt": 1.0 if self.rebuilt else 0.0,
-            **{f"replicas_{state}": float(states.count(state)) for state in ("committed", "torn", "untouched")},
+            **{f"replicas_{state}": float(states.count(state)) for state in get_args(ReplicaState)},
             "transfer_seconds": self.transfer_seconds,
             **{f"{step}_seconds": float(seconds) for step, seconds in self.stages.items()},
         }

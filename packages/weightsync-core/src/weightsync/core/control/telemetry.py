@@ -26,7 +26,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, get_args
 
 from weightsync.api.types import ReplicaState, UpdateReport
 
@@ -34,7 +34,7 @@ __all__ = ["in_flight", "record", "summary"]
 
 logger = logging.getLogger(__name__)
 
-_STATES: tuple[ReplicaState, ...] = ("committed", "torn", "untouched")
+_STATES: tuple[ReplicaState, ...] = get_args(ReplicaState)
 
 
 def summary(report: UpdateReport) -> str:
