@@ -187,23 +187,24 @@ class CheckpointEngineManager:
     async def _update(self, version: int) -> UpdateReport:
         round_ = Round.of(version, self._replicas)
         self._flow.check(round_.workers)  # before any work
+        failure: BaseException | None = None
         with telemetry.in_flight():
             try:
                 epoch = await self._ensure_epoch(round_)
                 round_.stripes = epoch.stripes
                 await self._flow.run(round_, epoch, self._states)
             except BaseException as exc:
+                failure = exc
                 round_.failure = round_.failure or exc
                 self._epoch = None  # connections may be mid-message: rebuild them next time
                 self._setup.lost_rails.record(exc)  # a stripe's rail, left out of the rebuild until a probe reaches it
-                self._states = round_.outcomes(self._states)
-                telemetry.record(self._report(round_), failure=exc)
                 raise
-            self._states = round_.outcomes(self._states)
-            self._version = version
-            report = self._report(round_)
-            telemetry.record(report)
-            return report
+            finally:
+                self._states = round_.outcomes(self._states)
+                report = self._report(round_)
+                telemetry.record(report, failure=failure)
+        self._version = version
+        return report
 
     def _report(self, round_: Round) -> UpdateReport:
         """The round's report: the backend that ran (``auto``'s pick), and why it was picked."""

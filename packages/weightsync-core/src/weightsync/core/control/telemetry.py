@@ -26,7 +26,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Iterator
-from typing import Any, get_args
+from typing import Any, NamedTuple, get_args
 
 from weightsync.api.types import ReplicaState, UpdateReport
 
@@ -59,16 +59,15 @@ def record(report: UpdateReport, *, failure: BaseException | None = None) -> Non
     metrics = _prometheus()
     if metrics is None:
         return
-    durations, _, updates, sent, replicas = metrics
     for step, seconds in report.stages.items():
-        durations.labels(operation=step).observe(seconds)
-    durations.labels(operation="total").observe(report.seconds)
-    updates.labels(outcome="failed" if failed else "committed").inc()
-    sent.labels(kind="model").inc(report.nbytes)
-    sent.labels(kind="wire").inc(report.wire_bytes)
+        metrics.durations.labels(operation=step).observe(seconds)
+    metrics.durations.labels(operation="total").observe(report.seconds)
+    metrics.updates.labels(outcome="failed" if failed else "committed").inc()
+    metrics.sent.labels(kind="model").inc(report.nbytes)
+    metrics.sent.labels(kind="wire").inc(report.wire_bytes)
     states = [outcome.state for outcome in report.replicas]
     for state in _STATES:
-        replicas.labels(state=state).set(states.count(state))
+        metrics.replicas.labels(state=state).set(states.count(state))
 
 
 @contextlib.contextmanager
@@ -78,22 +77,29 @@ def in_flight() -> Iterator[None]:
     if metrics is None:
         yield
         return
-    gauge = metrics[1]
-    gauge.inc()
+    metrics.in_flight.inc()
     try:
         yield
     finally:
-        gauge.dec()
+        metrics.in_flight.dec()
+
+
+class _Metrics(NamedTuple):
+    durations: Any
+    in_flight: Any
+    updates: Any
+    sent: Any
+    replicas: Any
 
 
 @functools.cache
-def _prometheus() -> tuple[Any, Any, Any, Any, Any] | None:
+def _prometheus() -> _Metrics | None:
     """The metrics, registered once per process; None without ``prometheus_client``."""
     try:
         import prometheus_client as prometheus
     except ImportError:
         return None
-    return (
+    return _Metrics(
         prometheus.Histogram("weightsync:weight_update_duration_seconds",
                              "Seconds of each step of a weight update (setup, pause, transfer, finalize, resume, "
                              "...) and of the whole update (total)", ["operation"],
