@@ -8,8 +8,15 @@ from pathlib import Path
 
 import pytest
 from weightsync.api.errors import BackendUnavailableError
-from weightsync.core.control.auto import choose, describe_rule
-from weightsync.core.transports.place import has_rdma
+from weightsync.api.registry import load_engine_class
+from weightsync.core.control.auto import DEFAULT_SLOTS, choose, describe_rule, describe_shm
+from weightsync.core.control.setup import shm_free
+from weightsync.core.transports.place import PingAnswer, has_rdma
+from weightsync.core.transports.sharedmem import ShmSpace
+
+MiB = 1 << 20
+ROOMY = ShmSpace(size=8192 * MiB, free=8000 * MiB)
+DOCKER = ShmSpace(size=64 * MiB, free=64 * MiB)
 
 
 def installed(*names: str) -> Callable[[], list[str]]:
@@ -53,13 +60,58 @@ def test_nothing_crosses_hosts() -> None:
 
 
 def test_describe_rule() -> None:
-    assert describe_rule(installed("shm", "nixl", "tcp"), rdma=False) == (
+    assert describe_rule(installed("shm", "nixl", "tcp"), rdma=False, space=ROOMY) == (
         "auto picks shm when every worker shares the sender's host, tcp (two-level) across hosts without RDMA "
         "devices; a chain in one stripe per rail where every host has several")
-    assert describe_rule(installed("shm", "nixl", "tcp"), rdma=True).endswith(
+    assert describe_rule(installed("shm", "nixl", "tcp"), rdma=True, space=ROOMY).endswith(
         "nixl (two-level) across hosts with RDMA devices; a chain in one stripe per rail where every host has several")
-    assert describe_rule(installed("shm", "gloo"), rdma=False).endswith("gloo across hosts without RDMA devices")
-    assert "nothing (no network backend available)" in describe_rule(installed("shm"))
+    assert describe_rule(installed("shm", "gloo"), rdma=False, space=ROOMY).endswith(
+        "gloo across hosts without RDMA devices")
+    assert "nothing (no network backend available)" in describe_rule(installed("shm"), space=ROOMY)
+    assert describe_rule(installed("shm", "nixl", "tcp"), rdma=False, space=DOCKER) == (
+        "auto picks tcp (flat chain: /dev/shm too small) when every worker shares the sender's host, tcp (flat "
+        "chain: /dev/shm too small) across hosts without RDMA devices")
+
+
+def test_a_ring_that_does_not_fit_in_dev_shm_turns_auto_to_a_flat_chain() -> None:
+    """shm's ring is 4 slots of bucket_bytes, the two-level host ring 2: where a host's /dev/shm has less room,
+    auto picks the flat chain, which maps nothing there, and says which host and what it has (negative controls:
+    the same with room to spare, or with smaller buckets)."""
+    names = installed("shm", "gloo", "tcp")
+    one_host = choose(sender_node="a", rollout_nodes=["a", "a"], available=names, shm_free={"a": 64 * MiB})
+    assert (one_host.backend, one_host.options) == ("tcp", {})
+    assert "/dev/shm on a has 64.0 MiB free and shm's ring needs 256.0 MiB" in one_host.reason, one_host.reason
+    assert choose(sender_node="a", rollout_nodes=["a"], available=names, shm_free={"a": 256 * MiB}).backend == "shm"
+    assert choose(sender_node="a", rollout_nodes=["a"], available=names, shm_free={"a": 64 * MiB},
+                  bucket_bytes=16 * MiB).backend == "shm"
+    across = choose(sender_node="a", rollout_nodes=["b", "b", "c", "c"], available=names, sender_rails=[0, 1],
+                    rollout_rails=[0, 1, 0, 1], shm_free={"a": 8000 * MiB, "b": 8000 * MiB, "c": 100 * MiB})
+    assert (across.backend, across.options) == ("tcp", {}), across  # flat: no host ring, so no stripes either
+    assert "/dev/shm on c has 100.0 MiB free and the two-level layout's host ring needs 128.0 MiB" in across.reason
+    roomy = choose(sender_node="a", rollout_nodes=["b", "c"], available=names, shm_free={"c": 128 * MiB})
+    assert roomy.options == {"layout": "two_level"}, roomy  # b did not say: taken to have room
+
+
+def test_the_rings_auto_counts_are_the_engines_defaults() -> None:
+    assert DEFAULT_SLOTS == {"shm": load_engine_class("shm").default_slots,  # type: ignore[attr-defined]
+                             "two_level": load_engine_class("tcp").default_slots}  # type: ignore[attr-defined]
+
+
+def test_the_room_of_a_node_is_the_most_any_of_its_workers_could_map() -> None:
+    """The worker holding the host's ring counts it as room (its next ring reuses it); a worker that did not say
+    (-1) is left out, a node none of whose workers said is not in it."""
+    answers = [PingAnswer(node_id="a", shm_free=10), PingAnswer(node_id="a", shm_free=300),
+               PingAnswer(node_id="b", shm_free=-1), PingAnswer(node_id="c", shm_free=0)]
+    assert shm_free(answers) == {"a": 300, "c": 0}
+
+
+def test_describe_shm_says_what_fits() -> None:
+    roomy = describe_shm(ROOMY)
+    assert roomy == ("/dev/shm: 8192.0 MiB, 8000.0 MiB free; at 64 MiB buckets shm's ring needs 256 MiB (fits); a "
+                     "two-level host ring needs 128 MiB (fits)")
+    docker = describe_shm(DOCKER)
+    assert "shm's ring needs 256 MiB (does NOT fit); a two-level host ring needs 128 MiB (does NOT fit)" in docker
+    assert "--shm-size" in docker and "SharedMemoryFullError" in docker
 
 
 def test_has_rdma_reads_the_kernels_device_class(tmp_path: Path) -> None:

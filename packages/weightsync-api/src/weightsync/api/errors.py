@@ -33,6 +33,7 @@ __all__ = [
     "WireError",
     "EpochMismatchError",
     "TransferError",
+    "SharedMemoryFullError",
     "DigestMismatchError",
     "LoadVerificationError",
     "ReplicaTornError",
@@ -144,6 +145,19 @@ class TransferError(WeightsyncError, RuntimeError):
     rail: int | None = None
     """A stripe read over the network failed on this rail (its sender's and its reader's hosts: ``hosts``)."""
     hosts: Sequence[str] = ()
+
+
+class SharedMemoryFullError(WeightsyncError, MemoryError):
+    """A shared-memory segment (a ring, a host's ring, a staging area) did not fit in ``path`` (``/dev/shm``): its
+    pages are reserved when it is created or grown, so a full tmpfs is this error in the process that tried, not a
+    ``SIGBUS`` at the first write. ``free`` and ``size``: the file system's free and total bytes when it failed;
+    ``needed``: what the segment asked for. The fix: a larger ``/dev/shm`` (a container's ``--shm-size``) or
+    smaller ``bucket_bytes`` / ``slots``."""
+
+    path: str
+    free: int
+    size: int
+    needed: int
 
 
 class DigestMismatchError(WeightsyncError, RuntimeError):

@@ -35,7 +35,7 @@ from weightsync.core.transports.collective.device import AcceleratorCollectiveTr
 from weightsync.core.transports.place import default_node_id
 from weightsync.core.transports.plan import Idle, RankPlan, RankRole, decode_metadata, decode_plan, encode_plan
 from weightsync.core.transports.settings import EngineBase, EngineMetadata, EngineSettings
-from weightsync.core.transports.sharedmem import SharedSegment, new_segment_prefix, sweep_orphan_segments
+from weightsync.core.transports.sharedmem import SharedSegment, new_segment_prefix, sweep_orphan_segments, too_small
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.framing import accept_peers, recv_frame, send_frame
 from weightsync.core.wire.tensors import as_byte_view, dtype_name, memoryview_of
@@ -61,7 +61,7 @@ __all__ = [
     "WIRE_VERSION", "Hello", "Ack", "encode", "accept_peers", "send_frame", "recv_frame", "AckedPeers",
     "FreeSlots", "SlotSequence", "poll_until", "Handover", "Hold",
     # shared memory on one host
-    "SharedSegment", "new_segment_prefix", "sweep_orphan_segments",
+    "SharedSegment", "new_segment_prefix", "sweep_orphan_segments", "too_small",
     # tensors and digests
     "validate_pair", "as_byte_view", "dtype_name", "memoryview_of", "UpdateDigest",
 ]

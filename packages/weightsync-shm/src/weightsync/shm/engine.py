@@ -20,13 +20,14 @@ from typing import Any, ClassVar, Union
 import msgspec
 import torch
 
-from weightsync.api.errors import LifecycleError, TopologyError, TransferError, WireError
+from weightsync.api.config import MiB
+from weightsync.api.errors import LifecycleError, SharedMemoryFullError, TopologyError, TransferError, WireError
 from weightsync.api.registry import KNOWN_BACKENDS, get_backend_spec, installed_backends
 from weightsync.api.types import Topology, WorkerMetadata, WorldMetadata
 from weightsync.core.backend import (
     NO_SLOT, WIRE_VERSION, Ack, AckedPeers, EngineMetadata, Hello, Idle, RankPlan, RankRole, ReceivedBucket,
     SharedSegment, SlotSequence, Transport, accept_peers, decode_metadata, encode, encode_plan, engine_class,
-    new_segment_prefix, recv_frame, send_frame, sweep_orphan_segments,
+    new_segment_prefix, recv_frame, send_frame, sweep_orphan_segments, too_small,
 )
 
 __all__ = ["ShmCheckpointEngine", "ShmTransport", "SharedSegment"]
@@ -186,8 +187,23 @@ class ShmTransport(Transport):
         if self._segments is None:
             sweep_orphan_segments()
             prefix = new_segment_prefix()
-            self._segments = [SharedSegment(f"{prefix}-{slot}", self.settings.bucket_bytes, create=True)
-                              for slot in range(self.settings.slots)]
+            slots, size = self.settings.slots, self.settings.bucket_bytes
+            what = f"the shm backend's ring ({slots} slots of {size / MiB:.1f} MiB)"
+            segments: list[SharedSegment] = []
+            try:
+                for slot in range(slots):
+                    segments.append(SharedSegment(f"{prefix}-{slot}", size, create=True, what=what))
+            except BaseException as exc:
+                for segment in segments:
+                    segment.close()
+                # The receivers are connecting to the listener meanwhile: closed, it fails them now (a reset
+                # connection), not at their timeout; the next prepare opens another.
+                self._listener.close()
+                self._listener = None
+                if isinstance(exc, SharedMemoryFullError):  # said of the whole ring, its segments given back
+                    raise too_small(what, slots * size) from None
+                raise
+            self._segments = segments
         info = encode(SegmentInfo(
             wire=WIRE_VERSION, epoch=epoch, names=[s.name for s in self._segments], capacity=self.settings.bucket_bytes,
         ))

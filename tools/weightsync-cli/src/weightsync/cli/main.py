@@ -169,11 +169,12 @@ def _doctor(as_json: bool) -> int:
         if status.status == "not installed":
             detail = status.install
         print(f"{status.backend:<{width}}  {status.status:<14}  {detail}")
-    from weightsync.core.control.auto import describe_rule  # imports torch: only for the table, after the backends
+    from weightsync.core.control.auto import describe_rule, describe_shm  # imports torch: after the backends
     from weightsync.core.delta.encoding import ENCODER
     from weightsync.core.native import HELPER_PATH, STREAM_COPY
 
     print(f"backend='auto' (the default): {describe_rule()}")
+    print(f"shared memory: {describe_shm()}")
     print(f"host copies of large tensors: {STREAM_COPY}")
     print(f"compiled helper (_stream_copy.c): {HELPER_PATH or 'none'}")
     print(f"delta updates (SyncConfig.delta): {ENCODER}")

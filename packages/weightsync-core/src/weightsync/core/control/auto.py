@@ -13,6 +13,11 @@ worker's ping), the update is dealt into stripes, one per rail (``stripes``: see
 worker on every receiving host, less any rail an update lost (:mod:`weightsync.core.control.rails`); one rail
 anywhere keeps the plain two-level layout.
 
+Both layouts map a ring in each host's ``/dev/shm`` (``shm``: ``slots`` × ``bucket_bytes``, 4 slots by default; the
+two-level layout's host ring: 2 slots by default). Where a host's ``/dev/shm`` has less free than that (a container's
+default is 64 MiB), ``auto`` picks the same network transport in its flat layout (a chain over sockets, nothing in
+``/dev/shm``) and says why; a named ``shm`` backend fails at setup with ``SharedMemoryFullError`` instead.
+
 Where the workers are comes from a ``ping`` of each (its ``node_id``, its ``rail``, and whether its host has an RDMA
 device), so the choice needs no engine. It is made again whenever the topology is rebuilt (membership changed, or the last
 update failed): replicas added on another host turn ``shm`` into the two-level chain. ``backend_options`` go to
@@ -21,17 +26,20 @@ whichever backend is chosen.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from weightsync.api.config import MiB
 from weightsync.api.errors import BackendUnavailableError
 from weightsync.api.registry import KNOWN_BACKENDS, available_backends
 from weightsync.api.types import JsonValue
 from weightsync.core.transports.chain.topology import stripe_rails
 from weightsync.core.transports.place import has_rdma
+from weightsync.core.transports.sharedmem import SHM_DIR, ShmSpace, shm_space
 
 __all__ = [
-    "AUTO", "RDMA_ORDER", "TCP_ORDER", "AutoChoice", "candidates", "choose", "describe_rule", "network_order",
+    "AUTO", "DEFAULT_SLOTS", "RDMA_ORDER", "TCP_ORDER", "AutoChoice", "candidates", "choose", "describe_rule",
+    "describe_shm", "network_order", "ring_bytes",
 ]
 
 AUTO = "auto"
@@ -44,6 +52,27 @@ RDMA_ORDER = ("nixl", "mooncake", "tcp", "gloo")
 measured here: no machine of ours has an RDMA device)."""
 
 _TWO_LEVEL = frozenset({"nixl", "mooncake", "tcp"})
+DEFAULT_SLOTS = {"shm": 4, "two_level": 2}
+"""Slots of the rings ``auto``'s layouts map in ``/dev/shm`` when ``SyncConfig.slots`` is None: the shm engine's and
+the chain transport's ``default_slots`` (a test holds them equal)."""
+
+
+def ring_bytes(layout: str, *, bucket_bytes: int, slots: int | None) -> int:
+    """What ``layout`` (``"shm"`` or ``"two_level"``) maps in each host's ``/dev/shm``."""
+    return (slots or DEFAULT_SLOTS[layout]) * bucket_bytes
+
+
+def _short_of_shm(nodes: Sequence[str], shm_free: Mapping[str, int], need: int, layout: str,
+                  names: Mapping[str, str]) -> str:
+    """Why ``layout`` does not fit (the first of ``nodes`` whose ``/dev/shm`` has less than ``need`` free), or ''."""
+    for node in nodes:
+        free = shm_free.get(node)
+        if free is not None and free < need:
+            what = "shm's ring" if layout == "shm" else "the two-level layout's host ring"
+            return (f"{SHM_DIR} on {names.get(node, node)} has {free / MiB:.1f} MiB free and {what} needs {need / MiB:.1f} MiB, so a "
+                    f"flat chain over sockets, which maps nothing there (give {SHM_DIR} more room, e.g. a container's "
+                    "--shm-size, for the faster layout)")
+    return ""
 
 
 def network_order(*, rdma: bool) -> tuple[str, ...]:
@@ -73,20 +102,33 @@ class AutoChoice:
 def choose(*, sender_node: str, rollout_nodes: Sequence[str], rdma: bool = False,
            available: Callable[[], Sequence[str]] = available_backends, sender_rails: Sequence[int] = (0,),
            rollout_rails: Sequence[int] | None = None, striping: bool = True,
-           lost_rails: Collection[int] = ()) -> AutoChoice:
+           lost_rails: Collection[int] = (), shm_free: Mapping[str, int] | None = None,
+           bucket_bytes: int = 64 * MiB, slots: int | None = None,
+           host_names: Mapping[str, str] | None = None) -> AutoChoice:
     """The choice for a sender on ``sender_node`` and rollout workers on ``rollout_nodes``; ``rdma``: every
     worker's host has an RDMA device; ``sender_rails``: the rails of the actor ranks on the sender's host,
     ``rollout_rails``: each rollout worker's (None: all on rail 0); ``striping``: stripes may be used (not with
     delta updates, which stripes do not carry yet); ``lost_rails``: rails a striped update lost and no
-    probe has reached since (:mod:`weightsync.core.control.rails`): they are left out of the stripes."""
+    probe has reached since (:mod:`weightsync.core.control.rails`): they are left out of the stripes;
+    ``shm_free``: each node's free bytes in ``/dev/shm`` (a node not in it: taken to have room), against what a
+    layout maps there at ``bucket_bytes`` and ``slots`` (:func:`ring_bytes`)."""
     usable = set(available())
-    hosts = len({sender_node, *rollout_nodes})
-    if hosts == 1 and "shm" in usable:
+    nodes = list(dict.fromkeys((sender_node, *rollout_nodes)))
+    hosts = len(nodes)
+    layout = "shm" if hosts == 1 and "shm" in usable else "two_level"
+    short = _short_of_shm(nodes, shm_free or {}, ring_bytes(layout, bucket_bytes=bucket_bytes, slots=slots), layout,
+                          host_names or {})
+    if layout == "shm" and not short:
         return AutoChoice("shm", reason="every worker shares the sender's host")
     for name in network_order(rdma=rdma):
         if name in usable:
-            options: dict[str, JsonValue] = {"layout": "two_level"} if name in _TWO_LEVEL else {}
+            two_level = name in _TWO_LEVEL and not short
+            options: dict[str, JsonValue] = {"layout": "two_level"} if two_level else {}
             where = f"workers on {hosts} hosts" if hosts > 1 else "shm is not available"
+            if hosts == 1 and short:
+                where = "every worker shares the sender's host, but " + short
+            elif short:
+                where += ", but " + short
             nics = "with RDMA devices" if rdma else "without RDMA devices on every host"
             reason = f"{where}: the fastest network transport installed {nics}"
             where_rails = list(zip(rollout_nodes, rollout_rails or [0] * len(rollout_nodes)))
@@ -116,17 +158,41 @@ def candidates(available: Callable[[], Sequence[str]] = available_backends) -> l
     return [name for name in dict.fromkeys(("shm", *TCP_ORDER, *RDMA_ORDER)) if name in usable]
 
 
-def describe_rule(available: Callable[[], Sequence[str]] = available_backends, *, rdma: bool | None = None) -> str:
-    """One line for ``weightsync doctor``: what ``auto`` would pick here, on one host and across hosts (between
-    hosts like this one: ``rdma`` defaults to whether this host has an RDMA device)."""
-    usable = set(available())
+def describe_rule(available: Callable[[], Sequence[str]] = available_backends, *, rdma: bool | None = None,
+                  space: ShmSpace | None = None) -> str:
+    """One line for ``weightsync doctor``: what ``auto`` would pick here at the default bucket size, on one host and
+    across hosts (between hosts like this one: ``rdma`` defaults to whether this host has an RDMA device, ``space``
+    to this host's ``/dev/shm``)."""
     rdma = has_rdma() if rdma is None else rdma
-    order = network_order(rdma=rdma)
-    one_host = "shm" if "shm" in usable else next((name for name in order if name in usable), None)
-    across = next((AutoChoice(name, {"layout": "two_level"} if name in _TWO_LEVEL else {}).name
-                   for name in order if name in usable), None)
+    free = (space or shm_space()).free
+
+    def picked(*rollout: str) -> str:
+        try:
+            choice = choose(sender_node="this host", rollout_nodes=rollout, rdma=rdma, available=available,
+                            shm_free={node: free for node in ("this host", *rollout)})
+        except BackendUnavailableError:
+            return ""
+        flat = choice.backend in _TWO_LEVEL and "layout" not in choice.options
+        return f"{choice.name} (flat chain: {SHM_DIR} too small)" if flat else choice.name
+
+    one_host, across = picked("this host"), picked("another host")
     nics = "with" if rdma else "without"
-    striped = "; a chain in one stripe per rail where every host has several" if across and "two-level" in across \
-        else ""
+    striped = "; a chain in one stripe per rail where every host has several" if "two-level" in across else ""
     return (f"auto picks {one_host or 'nothing (no backend available)'} when every worker shares the sender's "
             f"host, {across or 'nothing (no network backend available)'} across hosts {nics} RDMA devices{striped}")
+
+
+def describe_shm(space: ShmSpace | None = None, *, bucket_bytes: int = 64 * MiB) -> str:
+    """One line for ``weightsync doctor``: ``/dev/shm``'s room against what the layouts map there at the defaults."""
+    space = space or shm_space()
+    needs = [(what, ring_bytes(layout, bucket_bytes=bucket_bytes, slots=None))
+             for what, layout in (("shm's ring", "shm"), ("a two-level host ring", "two_level"))]
+    fits = "; ".join(f"{what} needs {need / MiB:.0f} MiB ({'fits' if need <= space.free else 'does NOT fit'})"
+                     for what, need in needs)
+    line = (f"{SHM_DIR}: {space.size / MiB:.1f} MiB, {space.free / MiB:.1f} MiB free; at {bucket_bytes / MiB:.0f} "
+            f"MiB buckets {fits}")
+    if any(need > space.free for _, need in needs):
+        line += (f" — auto then uses a flat chain, a named shm backend fails with SharedMemoryFullError, staged "
+                 f"updates need the model's size there: give {SHM_DIR} more room (a container's --shm-size=2g) or "
+                 "pass smaller bucket_bytes/slots")
+    return line

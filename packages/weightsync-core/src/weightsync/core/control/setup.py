@@ -142,9 +142,21 @@ class Setup:
             sender_node=sender.node_id, rollout_nodes=[answer.node_id for answer in answers[actor_size:]],
             rdma=all(answer.rdma for answer in answers), rollout_rails=[answer.rail for answer in answers[actor_size:]],
             sender_rails=[answer.rail for answer in answers[:actor_size] if answer.node_id == sender.node_id],
-            striping=not self.config.delta, lost_rails=self.lost_rails.rails)
+            striping=not self.config.delta, lost_rails=self.lost_rails.rails, shm_free=shm_free(answers),
+            bucket_bytes=self.config.bucket_bytes, slots=self.config.slots,
+            host_names={answer.node_id: answer.host for answer in answers})
         config = dataclasses.replace(self.config, backend_options={**choice.options, **self.config.backend_options})
         return choice.backend, config, load_engine_class(choice.backend)
+
+
+def shm_free(answers: Sequence[PingAnswer]) -> dict[str, int]:
+    """Each node's room in ``/dev/shm``: the most any of its workers could map (the one holding the host's ring, if
+    any, counts it as room: it is reused), for the nodes any of whose workers said."""
+    free: dict[str, int] = {}
+    for answer in answers:
+        if answer.shm_free >= 0:
+            free[answer.node_id] = max(answer.shm_free, free.get(answer.node_id, 0))
+    return free
 
 
 def decoded_pings(pings: steps.Labelled, answers: Sequence[Any]) -> list[PingAnswer]:

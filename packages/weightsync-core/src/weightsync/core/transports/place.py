@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from weightsync.api.errors import ConfigError
+from weightsync.core.transports.sharedmem import room
 
 __all__ = [
     "LOCAL_RANK_ENV", "RAIL_ADDRS_ENV", "RDMA_CLASS", "PingAnswer", "Place", "Rail", "default_node_id", "devices_of",
@@ -68,6 +69,9 @@ class PingAnswer(Place, kw_only=True, frozen=True):
 
     rdma: bool = False
     """Its host has an RDMA device."""
+    shm_free: int = -1
+    """Bytes it could map in its host's ``/dev/shm``: the free ones plus those its own rings and staging area hold
+    (:func:`~weightsync.core.transports.sharedmem.room`; -1: not said)."""
     reachable: dict[str, bool] = {}
     """Each address it was asked to probe: whether it reached it."""
 
@@ -153,10 +157,10 @@ def here(*, node_id: str, host_ip: str) -> Place:
 
 def ping_answer(*, node_id: str, host_ip: str, probe: Sequence[str] = ()) -> dict[str, Any]:
     """What a worker answers ``execute_checkpoint_engine("ping")`` with: where it runs (its host, RDMA devices and
-    rail). The manager's ``auto`` picks a backend from it; after a timeout, hosts none of whose workers answer are
+    rail, and its ``/dev/shm``'s free bytes). The manager's ``auto`` picks a backend from it; after a timeout, hosts none of whose workers answer are
     reported unreachable. ``probe``: addresses to try to reach (``reachable``: :func:`reaches` of each) — a lost rail
     is probed so before stripes use it again."""
-    answer = PingAnswer(rdma=has_rdma(), reachable={address: reaches(address) for address in probe},
+    answer = PingAnswer(rdma=has_rdma(), shm_free=room(), reachable={address: reaches(address) for address in probe},
                         **msgspec.structs.asdict(here(node_id=node_id, host_ip=host_ip)))
     encoded: dict[str, Any] = msgspec.to_builtins(answer)
     return encoded

@@ -6,24 +6,88 @@ other workers of its host read in place).
 Why our own mapping code rather than ``multiprocessing.shared_memory``: on Python < 3.13 every process that
 attaches a ``SharedMemory`` registers it with a resource tracker that unlinks it when that process exits, so a
 reader's exit would delete the creator's segment. We open ``/dev/shm`` files directly; only the creator unlinks.
-Names are ``weightsync-<creator pid>-<12 hex>-<n>``: a segment whose creator was killed is found by its name and
+Every segment's pages are reserved when it is created (:func:`reserve`): on a tmpfs too small for it (Docker's
+default ``/dev/shm`` is 64 MiB) the creator gets a :class:`SharedMemoryFullError` naming ``/dev/shm`` and the fix,
+and stays alive; with only ``ftruncate`` the file would be sparse and the first write past the free pages a
+``SIGBUS`` that kills the process. A free-space check alone would race with other engines and Ray's object store on
+the same tmpfs. Names are ``weightsync-<creator pid>-<12 hex>-<n>``: a segment whose creator was killed is found by its name and
 unlinked by the next creator on the host (``sweep_orphan_segments``).
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
 import secrets
+from typing import NamedTuple
 
 import torch
 
-from weightsync.api.errors import WireError
+from weightsync.api.config import MiB
+from weightsync.api.errors import SharedMemoryFullError, WireError
 
-__all__ = ["SHM_DIR", "SharedSegment", "new_segment_prefix", "sweep_orphan_segments"]
+__all__ = [
+    "SHM_DIR", "SharedSegment", "ShmSpace", "new_segment_prefix", "reserve", "room", "shm_space",
+    "sweep_orphan_segments", "too_small",
+]
 
 SHM_DIR = "/dev/shm"
+
+
+class ShmSpace(NamedTuple):
+    """``/dev/shm``'s size and free bytes (both 0 where it is missing)."""
+
+    size: int
+    free: int
+
+
+def shm_space(path: str = SHM_DIR) -> ShmSpace:
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return ShmSpace(0, 0)
+    return ShmSpace(stat.f_blocks * stat.f_frsize, stat.f_bavail * stat.f_frsize)
+
+
+_HELD: dict[str, int] = {}
+"""The ring segments this process created and still holds in ``/dev/shm``: name → bytes."""
+
+
+def room(path: str = SHM_DIR) -> int:
+    """The bytes a ring of this process could map in ``/dev/shm``: its free bytes plus those of the rings this
+    process holds there (an engine reuses its ring when the next setup picks the same layout; a staging area is
+    not counted: it stays beside the ring)."""
+    return shm_space(path).free + sum(_HELD.values())
+
+
+SMALLER = "ask for less (smaller bucket_bytes or slots)"
+
+
+def reserve(fd: int, offset: int, length: int, *, what: str, fix: str = SMALLER) -> None:
+    """Allocate the pages of ``[offset, offset + length)`` of the ``/dev/shm`` file ``fd`` now (the file grows to
+    cover them): a :class:`SharedMemoryFullError` naming ``/dev/shm``, what it has and the fix when they do not fit.
+    ``what``: the segment and its size, and ``fix``: what else than a larger ``/dev/shm`` helps, for the message. A file system without ``posix_fallocate`` gets the size only."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            if os.fstat(fd).st_size < offset + length:
+                os.ftruncate(fd, offset + length)
+            return
+        if exc.errno not in (errno.ENOSPC, errno.EFBIG):
+            raise
+        raise too_small(what, length, fix=fix) from None
+
+
+def too_small(what: str, needed: int, *, fix: str = SMALLER) -> SharedMemoryFullError:
+    """The error for ``what`` (``needed`` bytes) not fitting in ``/dev/shm`` as it is now."""
+    space = shm_space()
+    return SharedMemoryFullError(
+        f"{SHM_DIR} has {space.free / MiB:.1f} MiB free of {space.size / MiB:.1f} MiB, too little for {what}: give "
+        f"{SHM_DIR} more room (a container's --shm-size, e.g. docker run --shm-size=2g) or {fix}",
+        path=SHM_DIR, free=space.free, size=space.size, needed=needed)
 
 
 def new_segment_prefix() -> str:
@@ -34,7 +98,8 @@ def new_segment_prefix() -> str:
 class SharedSegment:
     """One ``/dev/shm`` file mapped into this process, viewed as a flat uint8 tensor."""
 
-    def __init__(self, name: str, size: int, *, create: bool) -> None:
+    def __init__(self, name: str, size: int, *, create: bool, what: str = "") -> None:
+        """``what``: the segment and its size, for the error when it does not fit (default: its size)."""
         if "/" in name or not name.startswith("weightsync-"):
             raise WireError(f"refusing shared-memory segment name {name!r}")
         self.name = name
@@ -44,7 +109,12 @@ class SharedSegment:
         fd = os.open(self.path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                try:
+                    reserve(fd, 0, size, what=what or f"a segment of {size / MiB:.1f} MiB")
+                except SharedMemoryFullError:
+                    os.unlink(self.path)
+                    raise
+                _HELD[name] = size
             elif os.fstat(fd).st_size < size:
                 raise WireError(f"shared segment {name} is smaller than the announced {size} bytes")
             populate = getattr(mmap, "MAP_POPULATE", 0)
@@ -66,6 +136,7 @@ class SharedSegment:
         except BufferError:
             pass  # a consumer still holds a view; the mapping goes when it does
         if self.owner:
+            _HELD.pop(self.name, None)
             try:
                 os.unlink(self.path)
             except FileNotFoundError:

@@ -29,10 +29,11 @@ import weakref
 
 import torch
 
+from weightsync.api.config import MiB
 from weightsync.api.errors import TransferError, WireError
 from weightsync.api.types import StagedUpdate, TransferReport
 from weightsync.core.native import copy_bytes
-from weightsync.core.transports.sharedmem import SHM_DIR, new_segment_prefix
+from weightsync.core.transports.sharedmem import SHM_DIR, new_segment_prefix, reserve
 from weightsync.core.transports.seam import ReceivedBucket
 
 __all__ = ["StageArea", "StagedReceiver", "GROWTH", "PAYLOAD_ALIGN"]
@@ -76,7 +77,11 @@ class StageArea:
         self._records = 0
         self._allocated = 0
         self._lock = threading.Lock()
-        self._reserve(GROWTH)
+        try:
+            self._reserve(GROWTH)
+        except BaseException:
+            self.close()
+            raise
         _OWN[self.name] = self
 
     @property
@@ -89,8 +94,8 @@ class StageArea:
 
     def _reserve(self, needed: int) -> None:
         """Room for ``needed`` bytes: the mapping at least doubles when it must grow (few remaps), and the pages are
-        allocated in ``GROWTH`` steps as far as they are needed (``posix_fallocate``: on tmpfs they exist before
-        they are written; a file system without it allocates them as they are written)."""
+        allocated in ``GROWTH`` steps as far as they are needed (:func:`reserve`: on tmpfs they exist before
+        they are written, and a full ``/dev/shm`` is a ``SharedMemoryFullError`` here, not a ``SIGBUS`` at a write)."""
         fd = self._fd
         if fd is None:
             raise TransferError("the staging area is closed")
@@ -98,10 +103,9 @@ class StageArea:
             self._remap(_aligned(max(needed, 2 * self.size), GROWTH))
         if needed > self._allocated:
             upto = min(_aligned(needed, GROWTH), self.size)
-            try:
-                os.posix_fallocate(fd, self._allocated, upto - self._allocated)
-            except OSError:
-                pass
+            reserve(fd, self._allocated, upto - self._allocated,
+                    what=f"this host's staging area (it holds {self._allocated / MiB:.1f} MiB of the update staged "
+                         f"so far and needs {upto / MiB:.1f} MiB)", fix="update unstaged (SyncConfig(staged=False))")
             self._allocated = upto
 
     def _remap(self, size: int) -> None:

@@ -16,7 +16,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from weightsync.api.config import SyncConfig
-from weightsync.api.errors import ConfigError, DestinationError, LifecycleError, WeightsyncError, WeightStreamError
+from weightsync.api.errors import (
+    ConfigError, DestinationError, LifecycleError, SharedMemoryFullError, WeightsyncError, WeightStreamError,
+)
 from weightsync.api.protocols import CheckpointEngine, ReceivedWeights, WeightSink, next_batch
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import RankArgs, Role, StagedUpdate, TransferReport, WorkerContext, WorkerMetadata
@@ -206,7 +208,12 @@ class EngineHost:
         """The stage phase on this host's stager: the update into the host's staging area (see ``StagingWorker``)."""
         if self._area is None:
             self._area = StageArea()
-        staged = await self._staging_engine().stage_weights(self._area, version=version)
+        try:
+            staged = await self._staging_engine().stage_weights(self._area, version=version)
+        except SharedMemoryFullError:
+            area, self._area = self._area, None  # it holds what fitted: give it back to /dev/shm
+            area.close()
+            raise
         self._finalize()
         return staged
 

@@ -12,6 +12,7 @@ from typing import ClassVar
 import msgspec
 import torch
 
+from weightsync.api.config import MiB
 from weightsync.api.errors import WireError
 from weightsync.core.transports.sharedmem import SharedSegment, new_segment_prefix, sweep_orphan_segments
 from weightsync.core.wire import codec
@@ -144,7 +145,9 @@ class RegisteredRing(abc.ABC):
         self.shared: SharedSegment | None = None
         if device == HOST_SHARED:
             sweep_orphan_segments()
-            self.shared = SharedSegment(f"{new_segment_prefix()}-0", slots * slot_bytes, create=True)  # pre-faulted
+            what = f"the two-level layout's host ring ({slots} slots of {slot_bytes / MiB:.1f} MiB)"
+            self.shared = SharedSegment(f"{new_segment_prefix()}-0", slots * slot_bytes, create=True,
+                                        what=what)  # pre-faulted
             self.tensor = self.shared.tensor
         else:
             # Pre-fault every page now (first touch runs at ~0.5 GB/s): updates then only ever see warm memory.

@@ -1,7 +1,7 @@
 """The collective transport on device buckets, shared by NCCL (CUDA) and HCCL (Ascend).
 
 A sibling of the host family (:mod:`~weightsync.core.transports.collective.host`): both are
-:class:`~weightsync.core.transports.collective.group.GroupTransport`\ s (a private ``PrefixStore(TCPStore)`` group
+:class:`~weightsync.core.transports.collective.group.GroupTransport` objects (a private ``PrefixStore(TCPStore)`` group
 per epoch, its topology and plans); what this one has of its own:
 
 * **Device buckets.** Both rings (sender and receiver) live in device memory, allocated once per engine and touched
