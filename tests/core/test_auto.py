@@ -143,7 +143,7 @@ def test_several_rails_everywhere_deal_the_update_into_stripes(
         assert choice.name == "tcp (two-level)" and "stripes" not in choice.reason
 
 
-def test_delta_or_staged_updates_are_not_striped() -> None:
+def test_delta_updates_are_not_striped() -> None:
     choice = choose(sender_node="a", rollout_nodes=["b", "b"], available=installed("tcp"), sender_rails=[0, 1],
                     rollout_rails=[0, 1], striping=False)
     assert choice.options == {"layout": "two_level"}

@@ -1,6 +1,8 @@
-"""Releasable: every distribution of the repository builds a wheel, and ``weightsync[shm]`` and the CLI installed
-from those wheels alone (not editable, nothing of the checkout on the path) into a fresh virtual environment run an
-shm update between two processes there. The testbed is a distribution of its own, the CLI's extra ``[testbed]``:
+"""Releasable: every distribution of the repository builds a wheel, and ``weightsync[shm,ray]`` (what the README's
+quickstart installs) and the CLI installed from those wheels alone (not editable, nothing of the checkout on the
+path) into a fresh virtual environment run an shm update between two processes there, and the README's quickstart,
+as written, with a Ray cluster of its own: it exits 0, prints what the README says, and leaves nothing in
+``/dev/shm``. The testbed is a distribution of its own, the CLI's extra ``[testbed]``:
 the CLI's wheel holds none of it, and the CLI installed without it says what to install for ``bench --hosts``.
 
     python3 tools/wheel-check/wheel_check.py [--keep DIR]
@@ -103,11 +105,11 @@ def check_contents(built: dict[str, pathlib.Path]) -> None:
 
 
 def install(wheels: pathlib.Path, venv: pathlib.Path) -> pathlib.Path:
-    """A fresh venv with ``weightsync[shm]`` and the CLI from ``wheels``; its python."""
+    """A fresh venv with ``weightsync[shm,ray]`` and the CLI from ``wheels``; its python."""
     run([sys.executable, "-m", "venv", str(venv)])
     python = venv / "bin" / "python"
     # Ours from the wheels alone, first (an index can never stand in for one of them), then their dependencies.
-    ours = ["weightsync[shm]==0.1.0", "weightsync-cli==0.1.0", "weightsync-api[testing]==0.1.0"]  # (the kit)
+    ours = ["weightsync[shm,ray]==0.1.0", "weightsync-cli==0.1.0", "weightsync-api[testing]==0.1.0"]  # (the kit)
     run([str(python), "-m", "pip", "install", "--no-index", "--find-links", str(wheels), "--no-deps",
          *(str(path) for path in wheels.glob("*.whl") if _needed(path.name))])
     run([str(python), "-m", "pip", "install", "--find-links", str(wheels), *ours, TORCH])
@@ -136,6 +138,32 @@ def check_no_testbed(weightsync: pathlib.Path, *, cwd: pathlib.Path, env: dict[s
     print(f"weightsync bench --hosts 2 without the testbed: exit 2, {done.stderr.strip()!r}", flush=True)
 
 
+QUICKSTART_PRINTS = "shm True ['committed', 'committed']"
+"""The last line the README's quickstart prints (the README says so under it)."""
+
+
+def quickstart() -> str:
+    """The README's quickstart: the first ``python`` block under its ``## Quickstart`` heading, verbatim."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Quickstart", 1)[1].split("\n## ", 1)[0]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def check_quickstart(python: pathlib.Path, *, cwd: pathlib.Path, env: dict[str, str]) -> None:
+    """The README's quickstart, run as written, in a Ray cluster of its own (its own temp folder: it cannot join
+    another): exit 0, the README's last line, and no segment of ours left in ``/dev/shm``."""
+    script = cwd / "quickstart.py"
+    script.write_text(quickstart())
+    before = {name for name in os.listdir("/dev/shm") if name.startswith("weightsync-")}
+    own = {**{key: value for key, value in env.items() if key != "RAY_ADDRESS"}, "RAY_TMPDIR": str(cwd / "ray")}
+    printed = run([str(python), str(script)], cwd=cwd, env=own).strip().splitlines()
+    left = sorted({name for name in os.listdir("/dev/shm") if name.startswith("weightsync-")} - before)
+    if not printed or printed[-1] != QUICKSTART_PRINTS or left:
+        raise SystemExit(f"wheel-check: the README's quickstart printed {printed[-3:]}, not {QUICKSTART_PRINTS!r}, "
+                         f"or left {left} in /dev/shm")
+    print(f"README quickstart: exit 0, {printed[-1]!r}, nothing left in /dev/shm", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", type=pathlib.Path, help="build and install here, and leave it (default: a "
@@ -155,8 +183,9 @@ def main() -> int:
         print("weightsync doctor:", " ".join(shm[0].split()))
         check_no_testbed(work / "venv" / "bin" / "weightsync", cwd=work, env=clean)
         print(run([str(python), "-c", UPDATE], cwd=work, env=clean).strip())
-    print("wheel-check: every distribution builds a wheel, the CLI's without the testbed; weightsync[shm] and the CLI "
-          "from them run an update")
+        check_quickstart(python, cwd=work, env=clean)
+    print("wheel-check: every distribution builds a wheel, the CLI's without the testbed; weightsync[shm,ray] and the "
+          "CLI from them run an update, and the README's quickstart as written")
     return 0
 
 

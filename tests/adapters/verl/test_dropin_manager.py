@@ -196,3 +196,6 @@ def test_bad_configuration_raises_at_construction(verl_world: VerlWorld) -> None
     bad = CheckpointEngineConfig(backend="weightsync.shm", engine_kwargs={"weightsync.shm": {"slots": 0}})
     with pytest.raises(ConfigError, match="slots"):
         manager_class(config=bad, actor_wg=verl_world.actor_wg, replicas=[])
+    staged = CheckpointEngineConfig(backend="weightsync.shm", engine_kwargs={"weightsync.shm": {"staged": True}})
+    with pytest.raises(ConfigError, match="staged update needs rollout workers that stage it"):
+        manager_class(config=staged, actor_wg=verl_world.actor_wg, replicas=[])

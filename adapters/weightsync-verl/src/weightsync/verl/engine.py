@@ -68,6 +68,9 @@ def sync_config_from_engine_kwargs(*, bucket_bytes: int, engine_kwargs: Mapping[
     """
     options = dict(engine_kwargs)
     reject_renamed_keywords("verl engine_kwargs", options)
+    if "staged" in options:
+        raise ConfigError("engine_kwargs staged: a staged update needs rollout workers that stage it while they serve "
+                          "(weightsync.api.StagingWorker), and verl's rollout workers cannot; update unstaged")
     timeouts = options.pop("timeouts", None)
     if timeouts is not None and not isinstance(timeouts, (Mapping, StepTimeouts)):
         raise ConfigError(f"engine_kwargs timeouts must be a mapping of step to seconds, got {timeouts!r}")
@@ -318,8 +321,9 @@ class VerlCheckpointEngine(_VerlCheckpointEngineABC):  # type: ignore[misc]  # v
 def _auto_needs_our_manager() -> ConfigError:
     return ConfigError(
         f"{REGISTRY_PREFIX}{AUTO} picks its backend from every worker's node, which weightsync's manager "
-        f"(checkpoint_manager_class_fqn=weightsync.verl.CheckpointEngineManager) asks for; verl's own manager "
-        f"cannot: name a backend ({REGISTRY_PREFIX}shm, {REGISTRY_PREFIX}nixl, ...) or use weightsync's manager"
+        f"(actor_rollout_ref.rollout.checkpoint_manager_class=weightsync.verl.CheckpointEngineManager) asks for; "
+        f"verl's own manager cannot: name a backend ({REGISTRY_PREFIX}shm, {REGISTRY_PREFIX}nixl, ...) or use "
+        "weightsync's manager"
     )
 
 

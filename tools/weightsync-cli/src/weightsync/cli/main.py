@@ -312,7 +312,7 @@ def _bench_error(args: argparse.Namespace) -> str:
     if not 1 <= args.rails <= MAX_RAILS:
         return f"--rails must be 1..{MAX_RAILS}"
     if not 0 <= args.actor_ranks <= 16:
-        return "--actor-ranks must be 1..16"
+        return "--actor-ranks must be 0 (one per rail) to 16"
     return ""
 
 
