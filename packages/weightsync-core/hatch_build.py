@@ -1,10 +1,11 @@
-"""Build hook: compile ``weightsync/core/native/_stream_copy.c`` into a plain shared library (loaded with ctypes).
+"""Build hook: compile ``weightsync/core/native/_stream_copy.c`` into a plain shared library (loaded with ctypes) in
+the source tree, for an editable install.
 
-The helper is an optimisation only. Where no C compiler is found, or it fails, the build goes on without it and
-``weightsync.core.native`` copies with libc ``memmove`` (``weightsync doctor`` says which). The library uses no
-Python API, so no Python headers are needed, and one build serves every Python version of the platform. The compile
-itself is ``weightsync/core/native/build.py``, which ``native`` also calls when an editable checkout has lost its
-library.
+A wheel is pure Python (``py3-none-any``, which a package index accepts on every platform) and carries the C source:
+``weightsync.core.native`` builds the library from it at first use into a per-user cache (``native/build.py``), on
+the machine that runs it. The helper is an optimisation only: where no C compiler is found, or it fails, copies use
+libc ``memmove``, delta updates send every bucket dense, and ``weightsync doctor`` says so and why. The library uses
+no Python API, so no Python headers are needed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any
 
 from hatchling.builders.config import BuilderConfig
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
-from packaging.tags import sys_tags
 
 SOURCE = Path("src/weightsync/core/native/_stream_copy.c")
 # Not ``*.so``: that suffix makes the file look like an extension module to anything that walks the package
@@ -29,14 +29,10 @@ class StreamCopyHook(BuildHookInterface[BuilderConfig]):
     PLUGIN_NAME = "custom"
 
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
-        root = Path(self.root)
-        if not _compile(root / SOURCE, root / LIBRARY):
-            return
-        if version != "editable":  # an editable install loads it from the source tree, where it was just built
-            build_data["pure_python"] = False
-            # No Python API in the library: any Python 3 of this platform can load it.
-            build_data["tag"] = f"py3-none-{next(sys_tags()).platform}"
-            build_data["force_include"][str(root / LIBRARY)] = str(Path("weightsync/core/native") / LIBRARY.name)
+        # Only for an editable install, which loads the library from the source tree; a wheel is pure (its C source
+        # is built where it is installed; pyproject.toml keeps a library of the tree out of it).
+        if version == "editable":
+            _compile(Path(self.root) / SOURCE, Path(self.root) / LIBRARY)
 
 
 def _compile(source: Path, library: Path) -> bool:

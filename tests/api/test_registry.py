@@ -36,6 +36,7 @@ def test_missing_backend_names_what_to_install(hide_backend: Any) -> None:
         get_backend_spec("mooncake")
     assert caught.value.install == KNOWN_BACKENDS["mooncake"]
     assert "pip install weightsync-mooncake[cpu]" in str(caught.value)
+    assert "from a checkout: pip install -e 'packages/weightsync-mooncake[cpu]'" in str(caught.value)
 
 
 def test_unusable_backend_raises_with_its_reason(hide_backend: Any) -> None:
@@ -65,3 +66,16 @@ def test_typed_errors_survive_pickling_with_their_fields() -> None:
 def test_renamed_keywords_are_rejected_with_the_new_name() -> None:
     with pytest.raises(errors.RenamedKeywordError, match="actor_wg_world_size=.*weightsync migrate"):
         errors.reject_renamed_keywords("build_topology", {"trainer_world_size": 2})
+
+
+def test_every_install_hint_works_from_a_checkout() -> None:
+    """Until the distributions are published, the hint's second half is what installs a backend: its folder."""
+    import pathlib
+    import re
+
+    from weightsync.api.registry import install_hint
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    for name in KNOWN_BACKENDS:
+        (folder,) = re.findall(r"pip install -e 'packages/([\w-]+)(?:\[\w+\])?'", install_hint(name))
+        assert (root / "packages" / folder / "pyproject.toml").is_file(), (name, folder)

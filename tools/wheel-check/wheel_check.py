@@ -90,6 +90,8 @@ def check_contents(built: dict[str, pathlib.Path]) -> None:
             licenses = [entry for entry in wheel.namelist() if entry.endswith(".dist-info/licenses/LICENSE")]
             if len(licenses) != 1 or wheel.read(licenses[0]) != license_text:
                 raise SystemExit(f"wheel-check: the {name} wheel does not carry the repository's LICENSE: {licenses}")
+    if not built["weightsync-core"].name.endswith("-py3-none-any.whl"):  # what an index accepts on every platform
+        raise SystemExit(f"wheel-check: the core wheel is not pure: {built['weightsync-core'].name}")
     files = {name: [entry for entry in zipfile.ZipFile(path).namelist() if ".dist-info/" not in entry]
              for name, path in built.items()}
     if files["weightsync"]:
@@ -176,7 +178,12 @@ def main() -> int:
         build(wheels)
         python = install(wheels, work / "venv")
         clean = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        clean["WEIGHTSYNC_CACHE_DIR"] = str(work / "cache")  # the helper, built at first use, lands here
         doctor = run([str(work / "venv" / "bin" / "weightsync"), "doctor"], cwd=work, env=clean).splitlines()
+        helper = [line.split(": ", 1)[1] for line in doctor if line.startswith("compiled helper (_stream_copy.c): ")]
+        if not helper or not pathlib.Path(helper[0]).is_relative_to(work / "cache"):
+            raise SystemExit(f"wheel-check: the pure core wheel's helper was not built at first use: {helper}")
+        print(f"the core wheel is pure; its helper, built at first use: {helper[0]}", flush=True)
         shm = [line for line in doctor if line.split()[:2] == ["shm", "available"]]
         if not shm:
             raise SystemExit(f"wheel-check: weightsync doctor in the fresh venv does not list shm as available: {doctor}")

@@ -16,8 +16,8 @@ import pytest
 from weightsync.cli.model import config_for_megabytes
 
 
-def weightsync(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
+def weightsync(*args: str, timeout: float = 300, **environ: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **environ}
     env.pop("RAY_ADDRESS", None)
     return subprocess.run([sys.executable, "-m", "weightsync.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
@@ -70,6 +70,14 @@ def test_doctor_table() -> None:
                   if line.startswith("compiled helper (_stream_copy.c): ")]
     assert os.path.isfile(library) and os.path.basename(library).startswith("_stream_copy"), library
     assert "backend='auto' (the default): auto picks shm when every worker shares the sender's host, " in result.stdout
+
+
+def test_doctor_says_what_a_missing_helper_costs() -> None:
+    result = weightsync("doctor", WEIGHTSYNC_STREAM_COPY="0")
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("compiled helper (_stream_copy.c): ")]
+    assert line.endswith("none (WEIGHTSYNC_STREAM_COPY=0): delta updates send every bucket dense and host copies use "
+                         "memmove; install a C compiler (cc, gcc or clang, or set CC) and it is built at the next "
+                         "start"), line
 
 
 @pytest.mark.parametrize("megabytes", [8, 64, 100])

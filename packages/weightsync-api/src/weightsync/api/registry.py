@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ENTRY_POINT_GROUP",
     "KNOWN_BACKENDS",
+    "install_hint",
     "BackendSpec",
     "BackendStatus",
     "register_backend",
@@ -52,6 +53,13 @@ KNOWN_BACKENDS: dict[str, str] = {
     "kimi": "weightsync-kimi",
 }
 """Every backend the project ships, with what to ``pip install`` for it: the install hint of a missing backend."""
+
+
+def install_hint(name: str) -> str:
+    """What installs shipped backend ``name``: its distribution from an index, and (until the distributions are
+    published) the same from a checkout of weightsync, which works today."""
+    wanted = KNOWN_BACKENDS[name]
+    return f"pip install {wanted}; until it is on PyPI, from a checkout: pip install -e 'packages/{wanted.split()[0]}'"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,7 +164,7 @@ def get_backend_spec(name: str) -> BackendSpec:
                 f"unknown weightsync backend {name!r}; known backends: {known}", backend=name, install=""
             )
         raise UnknownBackendError(
-            f"weightsync backend {name!r} is not installed; install it with: pip install {install}",
+            f"weightsync backend {name!r} is not installed; install it with: {install_hint(name)}",
             backend=name,
             install=install,
         )
@@ -191,7 +199,7 @@ def backend_statuses() -> list[BackendStatus]:
     _scan()
     statuses = []
     for name in sorted(set(KNOWN_BACKENDS) | set(installed_backends())):
-        install = f"pip install {KNOWN_BACKENDS[name]}" if name in KNOWN_BACKENDS else ""
+        install = install_hint(name) if name in KNOWN_BACKENDS else ""
         with _lock:
             spec = _specs.get(name)
         if spec is None:

@@ -171,12 +171,14 @@ def _doctor(as_json: bool) -> int:
         print(f"{status.backend:<{width}}  {status.status:<14}  {detail}")
     from weightsync.core.control.auto import describe_rule, describe_shm  # imports torch: after the backends
     from weightsync.core.delta.encoding import ENCODER
-    from weightsync.core.native import HELPER_PATH, STREAM_COPY
+    from weightsync.core.native import HELPER_MISSING, HELPER_PATH, STREAM_COPY
 
     print(f"backend='auto' (the default): {describe_rule()}")
     print(f"shared memory: {describe_shm()}")
     print(f"host copies of large tensors: {STREAM_COPY}")
-    print(f"compiled helper (_stream_copy.c): {HELPER_PATH or 'none'}")
+    missing = (f"none ({HELPER_MISSING}): delta updates send every bucket dense and host copies use memmove; install "
+               "a C compiler (cc, gcc or clang, or set CC) and it is built at the next start")
+    print(f"compiled helper (_stream_copy.c): {HELPER_PATH or missing}")
     print(f"delta updates (SyncConfig.delta): {ENCODER}")
     return 0
 
