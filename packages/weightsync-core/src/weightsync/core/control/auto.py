@@ -69,9 +69,9 @@ def _short_of_shm(nodes: Sequence[str], shm_free: Mapping[str, int], need: int, 
         free = shm_free.get(node)
         if free is not None and free < need:
             what = "shm's ring" if layout == "shm" else "the two-level layout's host ring"
-            return (f"{SHM_DIR} on {names.get(node, node)} has {free / MiB:.1f} MiB free and {what} needs {need / MiB:.1f} MiB, so a "
-                    f"flat chain over sockets, which maps nothing there (give {SHM_DIR} more room, e.g. a container's "
-                    "--shm-size, for the faster layout)")
+            return (f"{SHM_DIR} on {names.get(node, node)} has {free / MiB:.1f} MiB free and {what} needs "
+                    f"{need / MiB:.1f} MiB, so a flat chain over sockets, which maps nothing there (give {SHM_DIR} "
+                    "more room, e.g. a container's --shm-size, for the faster layout)")
     return ""
 
 
@@ -125,10 +125,8 @@ def choose(*, sender_node: str, rollout_nodes: Sequence[str], rdma: bool = False
             two_level = name in _TWO_LEVEL and not short
             options: dict[str, JsonValue] = {"layout": "two_level"} if two_level else {}
             where = f"workers on {hosts} hosts" if hosts > 1 else "shm is not available"
-            if hosts == 1 and short:
-                where = "every worker shares the sender's host, but " + short
-            elif short:
-                where += ", but " + short
+            if short:
+                where = (where if hosts > 1 else "every worker shares the sender's host") + ", but " + short
             nics = "with RDMA devices" if rdma else "without RDMA devices on every host"
             reason = f"{where}: the fastest network transport installed {nics}"
             where_rails = list(zip(rollout_nodes, rollout_rails or [0] * len(rollout_nodes)))

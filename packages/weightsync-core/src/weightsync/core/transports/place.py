@@ -157,9 +157,9 @@ def here(*, node_id: str, host_ip: str) -> Place:
 
 def ping_answer(*, node_id: str, host_ip: str, probe: Sequence[str] = ()) -> dict[str, Any]:
     """What a worker answers ``execute_checkpoint_engine("ping")`` with: where it runs (its host, RDMA devices and
-    rail, and its ``/dev/shm``'s free bytes). The manager's ``auto`` picks a backend from it; after a timeout, hosts none of whose workers answer are
-    reported unreachable. ``probe``: addresses to try to reach (``reachable``: :func:`reaches` of each) — a lost rail
-    is probed so before stripes use it again."""
+    rail, and the room in its ``/dev/shm``). The manager's ``auto`` picks a backend from it; after a timeout, hosts
+    none of whose workers answer are reported unreachable. ``probe``: addresses to try to reach (``reachable``:
+    :func:`reaches` of each) — a lost rail is probed so before stripes use it again."""
     answer = PingAnswer(rdma=has_rdma(), shm_free=room(), reachable={address: reaches(address) for address in probe},
                         **msgspec.structs.asdict(here(node_id=node_id, host_ip=host_ip)))
     encoded: dict[str, Any] = msgspec.to_builtins(answer)

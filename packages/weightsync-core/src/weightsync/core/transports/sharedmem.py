@@ -6,12 +6,14 @@ other workers of its host read in place).
 Why our own mapping code rather than ``multiprocessing.shared_memory``: on Python < 3.13 every process that
 attaches a ``SharedMemory`` registers it with a resource tracker that unlinks it when that process exits, so a
 reader's exit would delete the creator's segment. We open ``/dev/shm`` files directly; only the creator unlinks.
+Names are ``weightsync-<creator pid>-<12 hex>-<n>``: a segment whose creator was killed is found by its name and
+unlinked by the next creator on the host (``sweep_orphan_segments``).
+
 Every segment's pages are reserved when it is created (:func:`reserve`): on a tmpfs too small for it (Docker's
 default ``/dev/shm`` is 64 MiB) the creator gets a :class:`SharedMemoryFullError` naming ``/dev/shm`` and the fix,
 and stays alive; with only ``ftruncate`` the file would be sparse and the first write past the free pages a
 ``SIGBUS`` that kills the process. A free-space check alone would race with other engines and Ray's object store on
-the same tmpfs. Names are ``weightsync-<creator pid>-<12 hex>-<n>``: a segment whose creator was killed is found by its name and
-unlinked by the next creator on the host (``sweep_orphan_segments``).
+the same tmpfs.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ SMALLER = "ask for less (smaller bucket_bytes or slots)"
 def reserve(fd: int, offset: int, length: int, *, what: str, fix: str = SMALLER) -> None:
     """Allocate the pages of ``[offset, offset + length)`` of the ``/dev/shm`` file ``fd`` now (the file grows to
     cover them): a :class:`SharedMemoryFullError` naming ``/dev/shm``, what it has and the fix when they do not fit.
-    ``what``: the segment and its size, and ``fix``: what else than a larger ``/dev/shm`` helps, for the message. A file system without ``posix_fallocate`` gets the size only."""
+    ``what``: the segment and its size, and ``fix``: what else than a larger ``/dev/shm`` helps, for the message. A
+    file system without ``posix_fallocate`` gets the size only."""
     try:
         os.posix_fallocate(fd, offset, length)
     except OSError as exc:
