@@ -151,15 +151,20 @@ def quickstart() -> str:
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
+def _segments() -> set[str]:
+    """Our segments in ``/dev/shm`` now."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("weightsync-")}
+
+
 def check_quickstart(python: pathlib.Path, *, cwd: pathlib.Path, env: dict[str, str]) -> None:
     """The README's quickstart, run as written, in a Ray cluster of its own (its own temp folder: it cannot join
     another): exit 0, the README's last line, and no segment of ours left in ``/dev/shm``."""
     script = cwd / "quickstart.py"
     script.write_text(quickstart())
-    before = {name for name in os.listdir("/dev/shm") if name.startswith("weightsync-")}
+    before = _segments()
     own = {**{key: value for key, value in env.items() if key != "RAY_ADDRESS"}, "RAY_TMPDIR": str(cwd / "ray")}
     printed = run([str(python), str(script)], cwd=cwd, env=own).strip().splitlines()
-    left = sorted({name for name in os.listdir("/dev/shm") if name.startswith("weightsync-")} - before)
+    left = sorted(_segments() - before)
     if not printed or printed[-1] != QUICKSTART_PRINTS or left:
         raise SystemExit(f"wheel-check: the README's quickstart printed {printed[-3:]}, not {QUICKSTART_PRINTS!r}, "
                          f"or left {left} in /dev/shm")
