@@ -555,3 +555,123 @@ class DeviceInPlaceSink(InPlaceSink):
 
     def devices(self) -> list[str]:
         return sorted({tensor.device.type for tensor in self.weights.values()})
+
+
+# -- a tensor-parallel model: each rollout worker holds its part (weightsync.api.parts) ------------------------------
+
+TP_LAYERS = 3
+TP_HIDDEN = 256
+
+
+def tp_shapes() -> dict[str, tuple[int, ...]]:
+    """Checkpoint shapes of a small decoder: column-parallel ``qkv`` and ``up`` (split along rows), row-parallel
+    ``o`` and ``down`` (split along columns), a vocabulary-parallel embedding and replicated norms."""
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (512, TP_HIDDEN)}
+    for layer in range(TP_LAYERS):
+        shapes |= {f"layers.{layer}.qkv.weight": (3 * TP_HIDDEN, TP_HIDDEN),
+                   f"layers.{layer}.o.weight": (TP_HIDDEN, TP_HIDDEN),
+                   f"layers.{layer}.up.weight": (4 * TP_HIDDEN, TP_HIDDEN),
+                   f"layers.{layer}.down.weight": (TP_HIDDEN, 4 * TP_HIDDEN),
+                   f"layers.{layer}.norm.weight": (TP_HIDDEN,)}
+    return shapes
+
+
+def tp_dims() -> dict[str, int]:
+    """The dimension each split tensor of :func:`tp_shapes` is split along (the norms are whole on every worker)."""
+    return {name: (1 if name.endswith(("o.weight", "down.weight")) else 0)
+            for name in tp_shapes() if not name.endswith("norm.weight")}
+
+
+def tp_part(rank: int, parts: int = 2) -> Any:
+    from weightsync.api.parts import Part
+
+    return Part.split(tp_shapes(), dims=tp_dims(), rank=rank, parts=parts)
+
+
+def tp_tensors(version: int) -> list[tuple[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(7000 + version)
+    return [(name, torch.randint(0, 1 << 16, shape, dtype=torch.int32, generator=generator).to(torch.int16)
+             .view(torch.bfloat16)) for name, shape in tp_shapes().items()]
+
+
+def tp_slice(name: str, tensor: torch.Tensor, rank: int, parts: int = 2) -> torch.Tensor:
+    """Rank ``rank``'s slice of checkpoint tensor ``name`` (what its part keeps)."""
+    dim = tp_dims().get(name)
+    return tensor if dim is None else tensor.chunk(parts, dim)[rank]
+
+
+class TpSource(ModelSource):
+    """An actor rank's copy of :func:`tp_tensors` (every rank holds the whole model; rank 0 sends it)."""
+
+    def named_weights(self) -> Iterator[Any]:
+        yield from tp_tensors(self.version)
+
+    def set_version(self, version: int) -> str:
+        self.version = version
+        return ""
+
+
+class HashCounter:
+    """Counts the bytes this process hashes with XXH3 (both widths weightsync uses), by wrapping the library's
+    classes: what a worker reads to verify an update, seen from outside the engine."""
+
+    nbytes = 0
+
+    @classmethod
+    def install(cls) -> None:
+        import xxhash
+
+        if getattr(xxhash, "_counted", False):
+            return
+        for name in ("xxh3_64", "xxh3_128"):
+            original = getattr(xxhash, name)
+
+            class Counted:
+                def __init__(self, *args: Any, _original: Any = original, **kwargs: Any) -> None:
+                    self._inner = _original(*args, **kwargs)
+
+                def update(self, data: Any) -> None:
+                    HashCounter.nbytes += memoryview(data).nbytes
+                    self._inner.update(data)
+
+                def __getattr__(self, attribute: str) -> Any:
+                    return getattr(self._inner, attribute)
+
+            setattr(xxhash, name, Counted)
+        xxhash._counted = True  # type: ignore[attr-defined]
+
+
+class TpSink(RecordingSink):
+    """A rollout worker of a tensor-parallel replica: keeps only its slice of each tensor (``tp_slice``), as an
+    inference engine's loader does; counts the bytes this process hashes (:class:`HashCounter`)."""
+
+    def __init__(self, replica: int, worker: int) -> None:
+        super().__init__(replica, worker)
+        self.rank = worker
+        HashCounter.install()
+
+    async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
+        async for name, tensor in weights:
+            self.weights[name] = tp_slice(name, tensor, self.rank).clone()
+        self.version = version
+
+    def held(self) -> dict[str, torch.Tensor]:
+        return dict(self.weights)
+
+    def hashed(self) -> int:
+        """Bytes hashed in this process so far (then reset)."""
+        nbytes, HashCounter.nbytes = HashCounter.nbytes, 0
+        return nbytes
+
+
+class _FlipSecondHalf:
+    """Corrupts, after transit and before hashing, one byte of the first bucket that only rank 1 of a two-way split
+    of the first tensor of :func:`tp_tensors` holds (its first tensor is split along rows: rank 1 holds the second
+    half of its bytes); every update (shared-memory receivers see each other's writes: add, never XOR)."""
+
+    def after_receive(self, index: int, payload: torch.Tensor) -> None:
+        if index == 0 and payload.numel() > 200_000:
+            payload[200_000] += 1  # embed.weight: 512 x 256 bf16 = 262,144 bytes; rank 1 holds 131,072 onwards
+
+
+FLIP_SECOND_HALF = _FlipSecondHalf()

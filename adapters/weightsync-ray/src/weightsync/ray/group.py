@@ -11,6 +11,7 @@ from typing import Any
 import ray
 
 from weightsync.api.errors import ConfigError
+from weightsync.api.parts import Part
 from weightsync.api.protocols import WeightSink, WeightSource
 from weightsync.api.types import StagedUpdate, TransferReport
 from weightsync.core.transports.place import LOCAL_RANK_ENV
@@ -27,9 +28,9 @@ SinkFactory = Callable[[int, int], WeightSink]
 _PAUSE_HOOKS = ("abort_all_requests", "release_kv_cache", "resume_kv_cache", "resume_generation")
 
 
-def _host(name: str) -> EngineHost:
+def _host(name: str, part: Part | None = None) -> EngineHost:
     context = ray.get_runtime_context()
-    return EngineHost(node_id=context.get_node_id(), host_ip=ray.util.get_node_ip_address(), name=name)
+    return EngineHost(node_id=context.get_node_id(), host_ip=ray.util.get_node_ip_address(), name=name, part=part)
 
 
 async def _invoke(target: object, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -82,8 +83,8 @@ def _assign_local_ranks(handles: Sequence[Any], given: Sequence[int] | None) -> 
 class RolloutWorkerHost:
     """Body of one rollout-worker Ray actor: the worker's sink plus its engine."""
 
-    def __init__(self, *, replica: int, worker: int, sink_factory: SinkFactory) -> None:
-        self.host = _host(f"replica{replica}/worker{worker}")
+    def __init__(self, *, replica: int, worker: int, sink_factory: SinkFactory, part: Part | None = None) -> None:
+        self.host = _host(f"replica{replica}/worker{worker}", part)
         self.sink = sink_factory(replica, worker)
 
     async def execute_checkpoint_engine(self, method: str, /, **kwargs: Any) -> Any:
@@ -249,13 +250,19 @@ class RayRolloutReplica:
         node_id: str | Sequence[str] | None = None,
         ray_options: Mapping[str, Any] | None = None,
         local_ranks: Sequence[int] | None = None,
+        parts: Sequence[Part | None] | None = None,
     ) -> RayRolloutReplica:
         """``num_workers`` workers, pinned to Ray node ``node_id`` — or worker i to ``node_id[i]`` (a replica
         spanning nodes, e.g. tensor parallelism across hosts). Worker i's ``LOCAL_RANK`` (its rail on a host of
         several: ``local_rail``) is ``local_ranks[i]``, by default its index among the replica's workers on its
-        node; give ``local_ranks`` where several replicas share a node."""
+        node; give ``local_ranks`` where several replicas share a node. Worker i holds ``parts[i]`` of the model
+        (``weightsync.api.parts``: it reads and verifies only those regions of each update), by default the
+        whole."""
         if local_ranks is not None and len(local_ranks) != num_workers:
             raise ConfigError(f"local_ranks lists {len(local_ranks)} ranks for {num_workers} workers")
+        if parts is not None and (len(parts) != num_workers
+                                  or not all(part is None or isinstance(part, Part) for part in parts)):
+            raise ConfigError(f"parts must list a Part (or None) for each of the {num_workers} workers, got {parts!r:.200}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ConfigError(f"num_workers must be a positive int, got {num_workers!r}")
         nodes = [node_id] * num_workers if node_id is None or isinstance(node_id, str) else list(node_id)
@@ -265,7 +272,8 @@ class RayRolloutReplica:
         workers: list[RayRolloutWorker] = [
             RayStagingWorker(
                 remote.options(**actor_options(ray_options, node)).remote(
-                    replica=replica, worker=worker, sink_factory=sink_factory
+                    replica=replica, worker=worker, sink_factory=sink_factory,
+                    part=parts[worker] if parts is not None else None,
                 ),
                 name=f"worker{worker}",
             )

@@ -8,6 +8,7 @@ from importlib.metadata import version as _version
 
 from weightsync.api import errors
 from weightsync.api.config import BUCKET_ALIGNMENT, MiB, StepTimeouts, SyncConfig
+from weightsync.api.parts import PART_KEY, Part, Region
 from weightsync.api.protocols import (
     ActorWorkerGroup,
     BatchedWeights,
@@ -61,6 +62,9 @@ __all__ = [
     "MiB",
     "StepTimeouts",
     "SyncConfig",
+    "PART_KEY",
+    "Part",
+    "Region",
     "ActorWorkerGroup",
     "CheckpointEngine",
     "ReceivedWeights",

@@ -35,6 +35,7 @@ __all__ = [
     "TransferError",
     "SharedMemoryFullError",
     "DigestMismatchError",
+    "PartMismatchError",
     "LoadVerificationError",
     "ReplicaTornError",
     "StepTimeoutError",
@@ -162,6 +163,15 @@ class SharedMemoryFullError(WeightsyncError, MemoryError):
 
 class DigestMismatchError(WeightsyncError, RuntimeError):
     """What a receiver holds after an update is not what the sender sent (the end-to-end digests differ)."""
+
+
+class PartMismatchError(DigestMismatchError):
+    """A worker that declared its part (``weightsync.api.parts``) received less than its part, or other bytes:
+    ``receiver`` names the rollout rank, ``tensor`` the first checkpoint tensor whose regions differ from what the
+    sender sent that part (empty when the worker received fewer or more of its part's tensors than were sent)."""
+
+    receiver: int
+    tensor: str
 
 
 class LoadVerificationError(WeightsyncError, RuntimeError):

@@ -217,9 +217,11 @@ class CheckpointEngine(Protocol):
 
     Class attributes (data, read without constructing an engine): ``name`` (the registry name), ``devices``
     (where the backend's own buffers can live, e.g. ``frozenset({"cpu"})``; ``{"cuda"}`` for a backend that needs
-    CUDA), and its capabilities: ``supports_delta`` (whether it takes ``delta=True``) and ``checks_transport_rules``
+    CUDA), and its capabilities: ``supports_delta`` (whether it takes ``delta=True``), ``checks_transport_rules``
     (whether it takes ``check_transport=True``: the conformance kit then builds it so, and every case also checks
-    the rules between its pipeline and its transport).
+    the rules between its pipeline and its transport) and ``verifies_parts`` (whether its rank arguments may carry
+    the parts rollout workers declared, ``weightsync.api.parts``: then a worker that declared one verifies its part
+    alone; an engine that does not verifies every worker's whole model).
 
     Devices: every engine accepts source tensors on the host or on the calling process's accelerator (its current
     device), mixed within one update, and loads into destinations on either; where a tensor's device differs from
@@ -235,6 +237,7 @@ class CheckpointEngine(Protocol):
     devices: ClassVar[frozenset[str]]
     supports_delta: ClassVar[bool]
     checks_transport_rules: ClassVar[bool]
+    verifies_parts: ClassVar[bool]
 
     def __init__(
         self, *, bucket_bytes: int, context: WorkerContext | None = None, slots: int | None = None,

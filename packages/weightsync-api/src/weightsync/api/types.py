@@ -127,7 +127,9 @@ class TransferReport:
     """What one worker did in one update: returned by ``send_weights`` and by a finished ``receive_weights``.
 
     ``digest`` is the end-to-end digest over every bucket's tensor metadata (names, dtypes, shapes, ranges) and
-    bytes, in order; a receiver's equals its sender's exactly when it received what was sent.
+    bytes, in order; a receiver's equals its sender's exactly when it received what was sent. A receiver that
+    verified its part alone (``part`` >= 0, ``weightsync.api.parts``) reports the digest of the update whose part
+    it checked against what the sender sent of that part.
     """
 
     role: Role
@@ -154,6 +156,10 @@ class TransferReport:
     """The version this update's deltas applied to; -1 for a full update."""
     delta_buckets: int = 0
     """A receiver's: buckets that arrived as changes against ``base`` (the others arrived dense, every byte)."""
+    part: int = -1
+    """A receiver's: the part it verified (its index in the senders' plan), or -1 when it verified every byte."""
+    part_bytes: int = -1
+    """A receiver's that verified its part: the bytes of its part it read and hashed (-1 otherwise)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

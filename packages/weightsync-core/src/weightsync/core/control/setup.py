@@ -18,6 +18,7 @@ from weightsync.api.registry import load_engine_class
 from weightsync.api.topology import build_checked_topology, epoch_of, with_epoch
 from weightsync.api.types import RankArgs, ReplicaOutcome, WorkerMetadata, WorldMetadata
 from weightsync.core.control import auto, steps
+from weightsync.core.control.parts import declared_parts, with_declared_parts
 from weightsync.core.control.auto import AutoChoice
 from weightsync.core.control.rails import LostRails
 from weightsync.core.transports.place import PingAnswer, Place
@@ -118,6 +119,9 @@ class Setup:
         rollout_args: list[RankArgs] = [encode_plan(Idle(epoch=token)) for _ in workers]
         for member, args in zip(members, topology.rollout):
             rollout_args[member] = args
+        if engine_class.verifies_parts:
+            with_declared_parts(actor_args, rollout_args, declared_parts(
+                world.rollout, [label for label, _ in labelled[actor_size:]]))
         labelled = steps.actor_calls("init_process_group", actor_wg=self.actor_wg, rank_args=actor_args)
         labelled += steps.worker_calls(workers, "init_process_group", [{"rank_args": args} for args in rollout_args])
         await steps.gather("init_process_group", timeout, labelled)

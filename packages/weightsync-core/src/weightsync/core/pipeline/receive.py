@@ -27,6 +27,7 @@ from weightsync.core.transports.seam import Arrived
 from weightsync.core.transports.seam import ReceivedBucket, ReceiverTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.destinations import Fallback
+from weightsync.core.wire.parts import check_sums
 
 __all__ = ["ReceiveStream", "ReceiveContext"]
 
@@ -225,7 +226,7 @@ class ReceiveStream:
                     after_receive(header.index, payload)
                 if fused is None:  # one way for the whole update: the digest folds buckets in order
                     # (a delta update's buckets are hashed here: small, and read by the patch, not the consumer)
-                    fused = digest.fusable and payload.device.type == "cpu" and header.base < 0
+                    fused = self._reader.fuse(digest.fusable and payload.device.type == "cpu" and header.base < 0)
                 if not fused:
                     digest.update_bucket(table, payload)
                 context.tracer.span("receive", header.index, started, time.perf_counter())
@@ -266,10 +267,12 @@ class ReceiveStream:
         self._close()
 
     def _complete(self, header: codec.BucketHeader) -> None:
-        digest = self._reader.digest.hexdigest()
-        settings = self._context.settings
+        settings, part = self._context.settings, self._reader.part if self._reader.by_part else None
+        digest = self._reader.digest.hexdigest() if part is None else header.digest
         try:
-            if settings.verify_digest and header.digest != digest:
+            if part is not None and settings.verify_digest:
+                check_sums(part, header.parts, receiver=settings.context.rank, peer=self._peer)
+            elif settings.verify_digest and header.digest != digest:
                 raise DigestMismatchError(
                     f"rollout rank {settings.context.rank} received bytes whose digest {digest[:16]} differs from "
                     f"{self._peer}'s {header.digest[:16]}: the update was corrupted in transit",
@@ -283,6 +286,7 @@ class ReceiveStream:
                 digest=digest, sender=header.sender,
                 phases=(PhaseTiming(phase="receive", seconds=self._receive_seconds),),
                 wire_bytes=self._wire, base=header.base, delta_buckets=self._delta_buckets,
+                part=part.plan.index if part is not None else -1, part_bytes=part.nbytes if part is not None else -1,
             )
         finally:
             self._close()

@@ -33,6 +33,7 @@ from weightsync.core.transports.seam import NO_SLOT, SenderTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.layout import PlannedBucket, pack_hashing, piece_bytes
+from weightsync.core.wire.parts import PartPlan, PartSums
 
 __all__ = ["SendPipeline", "drain"]
 
@@ -66,6 +67,9 @@ class Sending:
     stripes: int = 1
     """This sender sends stripe ``stripe`` of ``stripes`` (:mod:`weightsync.core.transports.chain.stripes`): it plans
     every bucket (the stream is drained whole) and packs and publishes only its stripe's."""
+    parts: list[PartSums] = field(default_factory=list)
+    """The sums of every distinct part the receivers declared, folded from each packed bucket (a full update over
+    host buckets from one sender; otherwise none, and every receiver checks the whole digest)."""
     buckets: int = 0
     """Buckets planned so far (every stripe's): the next bucket's index."""
     planned: int = 0
@@ -124,13 +128,17 @@ class SendPipeline:
         return self.delta.begin()
 
     async def send(self, transport: SenderTransport, weights: Iterable[object], *, epoch: str, version: int,
-                   started: float, stripe: tuple[int, int] = (0, 1)) -> TransferReport:
-        """Send one update; ``stripe``: (s, K), this sender's stripe of K (one sender of everything: (0, 1))."""
+                   started: float, stripe: tuple[int, int] = (0, 1), parts: list[PartPlan] | None = None
+                   ) -> TransferReport:
+        """Send one update; ``stripe``: (s, K), this sender's stripe of K (one sender of everything: (0, 1));
+        ``parts``: the distinct parts the receivers declared."""
         digest = self.policy.new_digest()
         sending = Sending(transport, epoch, version, self.settings.context.rank, digest,
                           time.monotonic() + self.settings.timeout,
                           self.delta_update(transport, digest) if stripe[1] == 1 else None,
                           stripe=stripe[0], stripes=stripe[1])
+        if parts and stripe[1] == 1 and transport.buffer(0).is_cpu and sending.headers.base < 0:
+            sending.parts = [PartSums(part) for part in parts]
         in_flight: dict[int, asyncio.Future[float]] = {}
         try:
             await self._buckets(sending, weights, in_flight)
@@ -182,7 +190,8 @@ class SendPipeline:
         delta = sending.delta
         model = delta.model_digest(sending.buckets) if delta is not None else ""
         final = sending.headers.marker(index=sending.buckets, final=True, digest=sending.digest.hexdigest(),
-                               base=delta.base if delta is not None else -1, model=model)
+                                       base=delta.base if delta is not None else -1, model=model,
+                                       parts=[sums.sums() for sums in sending.parts])
         sending.publish_seconds += await asyncio.get_running_loop().run_in_executor(
             self.transfer_pool, _timed, sending.transport.publish, NO_SLOT, 0, final, sending.deadline)
         return model
@@ -232,6 +241,8 @@ class SendPipeline:
                 if after_pack is not None:
                     after_pack(index, payload)  # a test hook: the bytes are hashed after it, as they stand
                 digest.update_bucket(table, payload)
+            for sums in sending.parts:  # what each part's receivers will read of the bucket just packed
+                sums.fold_all([item[0] for item in bucket.items], buffer.data_ptr())
             header = sending.headers.bucket(index=index, slot=slot, nbytes=length, table=table, dense=dense)
         self.tracer.span("pack", index, started, time.perf_counter())
         return header, length, time.perf_counter() - started

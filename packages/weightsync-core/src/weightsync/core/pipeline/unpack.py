@@ -25,6 +25,7 @@ from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.destinations import Fallback, check_destination, destination_fits, typed_view
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.layout import PIECE_BYTES
+from weightsync.core.wire.parts import PartSums
 from weightsync.core.wire.tensors import COMPLEX_NAMES, DTYPES, dtype_from_name
 
 __all__ = ["BucketReader", "BulkPlans"]
@@ -81,12 +82,29 @@ class BulkPlans:
         return plan
 
 
+class _Skipped(UpdateDigest):
+    """The whole digest of a worker that verifies its part instead: folds nothing."""
+
+    def begin_bucket(self, table: bytes, nbytes: int) -> None:
+        pass
+
+    def update_at(self, address: int, nbytes: int) -> None:
+        pass
+
+
+_SKIPPED = _Skipped()
+
+
 class BucketReader:
     """Reads the current bucket of one update: where the consumer is in it, and how far it was hashed."""
 
-    def __init__(self, digest: UpdateDigest, plans: BulkPlans) -> None:
+    def __init__(self, digest: UpdateDigest, plans: BulkPlans, *, part: PartSums | None = None) -> None:
         self.digest = digest
         self.plans = plans
+        self.part = part
+        """This worker's part, when it declared one; folded instead of the whole digest once the update turns out
+        full and on the host (:meth:`by_part`)."""
+        self.by_part = False
         self.current: Arrived | None = None
         self.position = 0
         self.hashed = 0
@@ -105,11 +123,22 @@ class BucketReader:
         if arrived.fused:
             self.digest.begin_bucket(arrived.table, arrived.header.nbytes)
 
+    def fuse(self, fused: bool) -> bool:
+        """Called by the receive thread before it hands over the update's first bucket, with whether the update's
+        buckets are hashed behind the reader (a full update on the host); returns it. Then a worker that declared
+        its part hashes that part of every bucket instead of every byte."""
+        if fused and self.part is not None:
+            self.digest, self.by_part = _SKIPPED, True
+        return fused
+
     def finish(self) -> Arrived | None:
-        """Hash what is left of the current bucket; returns it (for its release), or None."""
+        """Hash what is left of the current bucket (or this worker's part of it); returns it (for its release), or
+        None."""
         current, self.current = self.current, None
         if current is not None and current.fused:
             self._hash_to(current, current.header.nbytes)
+            if self.by_part and self.part is not None:
+                self.part.fold_all(current.header.tensors, current.payload.data_ptr())
         return current
 
     @property

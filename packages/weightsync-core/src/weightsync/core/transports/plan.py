@@ -10,8 +10,9 @@ transport that takes several (a chain receiver of one stripe or of all of them) 
 
 What every plan says (:class:`RankPlan`): the membership epoch's token (``epoch``: stamped on the driver,
 ``weightsync.api.topology.with_epoch``), the actor rank whose stream the rank takes part in (``sender``), the
-version every receiver holds when the senders may send only what changed since it (``delta_base``), and from its
-kind the rank's role (sender, receiver or idle) and stripe.
+version every receiver holds when the senders may send only what changed since it (``delta_base``), the parts the
+receivers declared (a sender's ``parts``, a receiver's ``part``: :mod:`weightsync.core.wire.parts`), and from its kind
+the rank's role (sender, receiver or idle) and stripe.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import msgspec
 
 from weightsync.api.errors import TopologyError
 from weightsync.api.types import RankArgs
+from weightsync.core.wire.parts import PartPlan
 
-__all__ = ["Idle", "RankPlan", "RankRole", "decode", "decode_metadata", "decode_plan", "encode_plan", "with_delta_base"]
+__all__ = ["Idle", "RankPlan", "RankRole", "decode", "decode_metadata", "decode_plan", "encode_plan", "with_delta_base",
+           "with_parts"]
 
 RankRole = Literal["sender", "receiver", "idle"]
 
@@ -43,6 +46,11 @@ class RankPlan(msgspec.Struct, kw_only=True, frozen=True, tag_field="kind", forb
     """The actor rank whose stream this rank sends or receives (a stripe's sender for a stager of one stripe)."""
     delta_base: int | None = None
     """A sender's: the version every receiver holds, which this update may send changes against (the manager's)."""
+    parts: list[PartPlan] = []
+    """A sender's: every distinct part its receivers declared, whose sums a full update's final header carries."""
+    part: PartPlan | None = None
+    """A rollout worker's that declared its part (a receiver, or an idle worker that reads a staging area): its
+    regions, and its place in the senders' ``parts``."""
 
     @property
     def striping(self) -> tuple[int, int]:
@@ -71,6 +79,17 @@ def encode_plan(plan: RankPlan) -> RankArgs:
 def with_delta_base(rank_args: RankArgs, base: int) -> RankArgs:
     """A sender's ``rank_args`` with the manager's ``delta_base`` (:attr:`RankPlan.delta_base`)."""
     return {**rank_args, "delta_base": base}
+
+
+def with_parts(rank_args: RankArgs, *, parts: list[PartPlan] | None = None, part: PartPlan | None = None
+               ) -> RankArgs:
+    """``rank_args`` with the manager's parts: a sender's ``parts``, a rollout worker's ``part``."""
+    added: RankArgs = {}
+    if parts:
+        added["parts"] = msgspec.to_builtins(parts)
+    if part is not None:
+        added["part"] = msgspec.to_builtins(part)
+    return {**rank_args, **added}
 
 
 def decode_plan(rank_args: RankArgs, kinds: Any, *, who: str) -> Any:

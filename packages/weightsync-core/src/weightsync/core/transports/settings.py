@@ -153,6 +153,8 @@ class EngineBase:
     """Whether ``delta=True`` is accepted (bucket engines: yes; an engine without buckets to encode: no)."""
     checks_transport_rules: ClassVar[bool] = False
     """Whether ``check_transport=True`` is accepted (bucket engines: yes)."""
+    verifies_parts: ClassVar[bool] = False
+    """Whether rank arguments may carry the rollout workers' parts (bucket engines: yes)."""
 
     def __init__(self, *, bucket_bytes: int, context: WorkerContext | None = None, slots: int | None = None,
                  timeout: float = 600.0, verify_digest: bool = True, transport_hook: str | None = None,

@@ -93,6 +93,9 @@ class _BucketFields(msgspec.Struct, frozen=True, tag="bucket"):
     bucket whose payload is its dense bytes."""
     model: str = ""
     """On the final header of an update of a delta-enabled sender: the model digest of the version it completes."""
+    parts: list[bytes] = []
+    """On the final header of a full update whose receivers declared parts: each distinct part's sums, in the
+    order of the senders' plan (:mod:`weightsync.core.wire.parts`)."""
 
 
 class BucketHeader(_BucketFields, frozen=True, tag="bucket", kw_only=True):
@@ -189,12 +192,12 @@ class UpdateHeaders(msgspec.Struct, frozen=True, kw_only=True):
         ))
 
     def marker(self, *, index: int, final: bool = False, digest: str = "", abort: str = "", base: int = -1,
-               model: str = "") -> bytes:
+               model: str = "", parts: list[bytes] | None = None) -> bytes:
         """A header without payload after ``index`` buckets: the final one (``digest``; a delta-enabled sender's
-        ``base`` and ``model``), or an abort."""
+        ``base`` and ``model``; the parts' sums), or an abort."""
         return encode(BucketHeader(wire=WIRE_VERSION, epoch=self.epoch, version=self.version, sender=self.sender,
                                    index=index, slot=NO_SLOT, nbytes=0, tensors=[], final=final, digest=digest,
-                                   abort=abort, base=base, model=model))
+                                   abort=abort, base=base, model=model, parts=parts or []))
 
 
 def _check_common(wire: int, epoch: str, expected_epoch: str | None) -> None:
@@ -240,7 +243,7 @@ def decode_bucket(
     header = BucketHeader(
         wire=raw.wire, epoch=raw.epoch, version=raw.version, sender=raw.sender, index=raw.index, slot=raw.slot,
         nbytes=raw.nbytes, tensors=tensors, final=raw.final, digest=raw.digest, abort=raw.abort, base=raw.base,
-        base_model=raw.base_model, dense=raw.dense, model=raw.model,
+        base_model=raw.base_model, dense=raw.dense, model=raw.model, parts=raw.parts,
     )
     return header, table
 

@@ -37,6 +37,7 @@ from weightsync.core.transports.chain.stripes import StripedReceiver
 from weightsync.core.transports.seam import ReceiverTransport, SenderTransport
 from weightsync.core.transports.transport import Transport
 from weightsync.core.wire.digest import StripedDigest, UpdateDigest
+from weightsync.core.wire.parts import PartPlan, PartSums
 
 __all__ = ["BucketCheckpointEngine", "engine_class", "RankRole", "guard_build_topology"]
 
@@ -53,6 +54,9 @@ class BucketCheckpointEngine(EngineBase):
     devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
     transport_class: ClassVar[type[Transport]]
 
+    verifies_parts: ClassVar[bool] = True
+    """A rollout worker that declared its part reads and verifies only its part's bytes of a full update
+    (:mod:`weightsync.core.wire.parts`); a delta update, small, is verified whole."""
     checks_transport_rules: ClassVar[bool] = True
     """Takes ``check_transport`` (tests): True, or the seconds each release of a host bucket waits before its bytes
     are compared (default 2 ms); its transports are then wrapped in :mod:`weightsync.core.transports.rules`' checks,
@@ -85,6 +89,10 @@ class BucketCheckpointEngine(EngineBase):
         """A stager of one stripe of a staged striped update (``its plan's ``stripe```` on a receiver)."""
         self._sender: SenderTransport | None = None
         self._receiver: ReceiverTransport | None = None
+        self._parts: list[PartPlan] = []
+        """A sender's: the distinct parts its receivers declared (``RankPlan.parts``)."""
+        self._part: PartPlan | None = None
+        """A rollout worker's that declared its part (``RankPlan.part``)."""
         pack_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-pack")
         transfer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-xfer")
         # Delta updates only (its thread starts at the first use): the sender hashes its kept buckets there, off the
@@ -125,6 +133,7 @@ class BucketCheckpointEngine(EngineBase):
         self._stripe = plan.striping
         self._one_stripe = plan.one_stripe
         self._send.delta.allowed_base = plan.delta_base  # the manager's: the version every receiver holds
+        self._parts, self._part = plan.parts, plan.part
         if plan.role == "sender":
             connected = self.transport.connect_sender(plan)
             self._sender = checked_sender(connected) if self._check_transport else connected
@@ -206,7 +215,7 @@ class BucketCheckpointEngine(EngineBase):
             self._policy.begin_send()
             try:
                 return await self._send.send(self._sender, weights, epoch=self._epoch or "", version=version,
-                                             started=started, stripe=self._stripe)
+                                             started=started, stripe=self._stripe, parts=self._parts)
             finally:
                 self._policy.end_send()
         finally:
@@ -222,7 +231,7 @@ class BucketCheckpointEngine(EngineBase):
         hold = self._handover.hold_for_stream()
         stripes = self._stripe[1]
         reader = BucketReader(StripedDigest(stripes) if stripes > 1 else self._policy.new_digest(),
-                              self._receive.plans)
+                              self._receive.plans, part=self._part_sums() if stripes == 1 else None)
         return ReceiveStream(self._receive, self._receiver, hold, epoch=self._epoch,
                              peer=self.transport.peer_name(self._sender_rank), reader=reader)
 
@@ -272,9 +281,14 @@ class BucketCheckpointEngine(EngineBase):
             if parts else StagedReceiver(staged)
         hold = self._handover.hold_for_stream()
         # The staged bytes are on the host; a striped update's, one area per stripe, read in bucket order.
-        reader = BucketReader(StripedDigest(len(parts)) if parts else UpdateDigest(), self._receive.plans)
+        reader = BucketReader(StripedDigest(len(parts)) if parts else UpdateDigest(), self._receive.plans,
+                              part=None if parts else self._part_sums())
         return ReceiveStream(self._receive, receiver, hold, epoch=staged.epoch, release_early=False,
                              peer=f"{self.transport.peer_name(self._sender_rank)} (staged)", reader=reader)
+
+
+    def _part_sums(self) -> PartSums | None:
+        return PartSums(self._part) if self._part is not None else None
 
 
 def engine_class(transport: type[Transport], *, name: str | None = None) -> type[BucketCheckpointEngine]:

@@ -20,6 +20,7 @@ from weightsync.api.errors import (
     ConfigError, DestinationError, LifecycleError, SharedMemoryFullError, WeightsyncError, WeightStreamError,
 )
 from weightsync.api.protocols import CheckpointEngine, ReceivedWeights, WeightSink, next_batch
+from weightsync.api.parts import PART_KEY, Part
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import RankArgs, Role, StagedUpdate, TransferReport, WorkerContext, WorkerMetadata
 from weightsync.core.transports.place import ping_answer
@@ -131,10 +132,14 @@ class EngineSlot:
 class EngineHost:
     """One worker's engine. ``node_id``/``host_ip`` describe where this process runs (supplied by the adapter)."""
 
-    def __init__(self, *, node_id: str, host_ip: str = "127.0.0.1", name: str = "") -> None:
+    def __init__(self, *, node_id: str, host_ip: str = "127.0.0.1", name: str = "", part: Part | None = None
+                 ) -> None:
         self.node_id = node_id
         self.host_ip = host_ip
         self.name = name
+        self.part = part
+        """What this rollout worker holds (``weightsync.api.parts``), declared in its ``prepare`` metadata; None:
+        the whole model."""
         self._slot = EngineSlot(self._build)
         self._area: StageArea | None = None
         """This host's staging area, when this worker is its host's stager (made at the first stage, kept)."""
@@ -169,7 +174,10 @@ class EngineHost:
         return handler(**kwargs)
 
     def _prepare(self, *, engine: Mapping[str, Any]) -> WorkerMetadata:
-        return self._slot.ensure(engine).prepare()
+        metadata = self._slot.ensure(engine).prepare()
+        if self.part is not None:
+            metadata = {**metadata, PART_KEY: self.part.to_dict()}
+        return metadata
 
     def _build(self, spec: Mapping[str, Any]) -> CheckpointEngine:
         return build_engine(spec, node_id=self.node_id, host_ip=self.host_ip)

@@ -1,0 +1,179 @@
+"""A worker's part on the wire: its regions as byte runs of each tensor, and the sums that verify it.
+
+A part (``weightsync.api.parts.Part``) keeps, of each checkpoint tensor, nothing, the whole, or boxes. Of a tensor's
+contiguous row-major bytes, the boxes select sorted, disjoint **byte runs** (:func:`byte_runs`: a block of rows is
+one run, a block of columns one run per row). A part's **sums** (:class:`PartSums`) are, for every tensor the part
+keeps anything of, in stream order, an XXH3-64 of its name, dtype and shape and then of its selected bytes in
+row-major order: eight bytes per tensor. They do not depend on how tensors were cut into buckets or pieces (a piece is
+a consecutive range of a tensor's bytes; the runs inside it come in order), so the sender folds them as it packs and
+a receiver as it reads, each touching only the part's bytes, and a receiver whose sums differ can name the first
+tensor that differs.
+
+The sender folds every distinct part of its receivers' (``RankPlan.parts``) and puts their sums on the update's
+final header (``BucketHeader.parts``); a receiver folds its own (``RankPlan.part``) and compares.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+
+import msgspec
+import torch
+import xxhash
+
+from weightsync.api.errors import ConfigError, PartMismatchError
+from weightsync.api.parts import Part, Region
+from weightsync.core.wire.codec import TensorMeta
+from weightsync.core.wire.tensors import DTYPES, memoryview_at
+
+__all__ = ["PartPlan", "PartSums", "byte_runs", "check_sums"]
+
+SUM_BYTES = 8
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+class PartPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One distinct part in a plan: its place in the senders' list (``index``) and its regions, name → boxes
+    (``(start, size)``); a name not listed is held whole, one listed with no box not at all."""
+
+    index: int
+    tensors: dict[str, list[Box]] = {}
+
+    @classmethod
+    def of(cls, part: Part, index: int) -> PartPlan:
+        return cls(index=index, tensors={name: [(region.start, region.size) for region in regions]
+                                         for name, regions in part.tensors.items()})
+
+    def key(self) -> bytes:
+        """What equal parts share (their regions, whatever their index)."""
+        return msgspec.msgpack.encode(sorted(self.tensors.items()))
+
+
+Runs = tuple[list[int], list[int]]
+"""Sorted, disjoint byte runs of one tensor: their starts and their ends."""
+
+
+def byte_runs(boxes: Sequence[Box], shape: Sequence[int], itemsize: int, *, name: str) -> Runs:
+    """The byte runs ``boxes`` select of a tensor of ``shape`` (row-major, ``itemsize`` bytes per element), merged;
+    a ``ConfigError`` naming the tensor when a box does not fit it."""
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    starts: list[torch.Tensor] = []
+    ends: list[torch.Tensor] = []
+    for start, size in boxes:
+        if not Region(start=tuple(start), size=tuple(size)).fits(shape):
+            raise ConfigError(f"part: the region start={tuple(start)} size={tuple(size)} of {name!r} does not fit "
+                              f"its shape {tuple(shape)}")
+        if 0 in size:
+            continue
+        if not shape:  # a scalar: its one element
+            starts.append(torch.zeros(1, dtype=torch.int64))
+            ends.append(torch.full((1,), itemsize, dtype=torch.int64))
+            continue
+        last = len(shape) - 1  # trailing dimensions the box spans whole merge into one run
+        while last > 0 and start[last] == 0 and size[last] == shape[last]:
+            last -= 1
+        offsets = torch.zeros(1, dtype=torch.int64)
+        for d in range(last):
+            steps = torch.arange(start[d], start[d] + size[d], dtype=torch.int64) * strides[d]
+            offsets = (offsets[:, None] + steps[None, :]).reshape(-1)
+        first = (offsets + start[last] * strides[last]) * itemsize
+        starts.append(first)
+        ends.append(first + size[last] * strides[last] * itemsize)
+    if not starts:
+        return [], []
+    begin, end = torch.cat(starts), torch.cat(ends)
+    order = torch.argsort(begin)
+    begin, end = begin[order], end[order]
+    reach = torch.cummax(end, 0).values
+    opens = torch.ones(len(begin), dtype=torch.bool)
+    opens[1:] = begin[1:] > reach[:-1]  # a run that starts past every earlier end opens a merged run
+    closing = torch.nonzero(opens).flatten()
+    last_of = torch.cat([closing[1:] - 1, torch.tensor([len(begin) - 1])])
+    return begin[opens].tolist(), reach[last_of].tolist()
+
+
+class PartSums:
+    """The sums of one part (module docstring), folded piece by piece in stream order."""
+
+    def __init__(self, plan: PartPlan) -> None:
+        self.plan = plan
+        self.names: list[str] = []
+        """The tensors folded so far, in order (the sums' order)."""
+        self._sums = bytearray()
+        self._runs: dict[str, tuple[str, tuple[int, ...], Runs | None]] = {}
+        """Per tensor: the dtype and shape its runs were computed for, and the runs (None: the whole tensor)."""
+        self._hash: xxhash.xxh3_64 | None = None
+        self.nbytes = 0
+        """Bytes of the part read and hashed so far."""
+
+    def _runs_of(self, meta: TensorMeta) -> Runs | None:
+        known = self._runs.get(meta.name)
+        if known is not None and known[0] == meta.dtype and known[1] == meta.shape:
+            return known[2]
+        boxes = self.plan.tensors.get(meta.name)
+        runs = None if boxes is None else byte_runs(boxes, meta.shape, DTYPES[meta.dtype].itemsize, name=meta.name)
+        self._runs[meta.name] = (meta.dtype, meta.shape, runs)
+        return runs
+
+    def fold(self, meta: TensorMeta, address: int) -> None:
+        """Fold one piece: ``meta``'s range of its tensor's bytes, which lie in host memory at ``address``."""
+        runs = self._runs_of(meta)
+        if runs is not None and not runs[0]:
+            return  # nothing of this tensor
+        if meta.offset == 0 or self._hash is None:
+            self._hash = xxhash.xxh3_64()
+            self._hash.update(f"{meta.name}\0{meta.dtype}\0{tuple(meta.shape)}".encode())
+        first, nbytes = meta.offset, meta.nbytes
+        if runs is None:
+            if nbytes:
+                self._hash.update(memoryview_at(address, nbytes))
+                self.nbytes += nbytes
+        else:
+            starts, ends = runs
+            end = first + nbytes
+            for at in range(bisect.bisect_right(ends, first), len(starts)):
+                low = starts[at]
+                if low >= end:
+                    break
+                low, high = max(low, first), min(ends[at], end)
+                self._hash.update(memoryview_at(address + low - first, high - low))
+                self.nbytes += high - low
+        if first + nbytes == meta.total_nbytes:
+            self.names.append(meta.name)
+            self._sums += self._hash.intdigest().to_bytes(SUM_BYTES, "little")
+            self._hash = None
+
+    def fold_all(self, metas: Sequence[TensorMeta], base: int) -> None:
+        """Fold every piece of a bucket whose payload lies at ``base``."""
+        for meta in metas:
+            self.fold(meta, base + meta.bucket_offset)
+
+    def sums(self) -> bytes:
+        return bytes(self._sums)
+
+
+def check_sums(sums: PartSums, expected: Sequence[bytes], *, receiver: int, peer: str) -> None:
+    """A receiver's part against the sums ``peer`` sent for it: a ``PartMismatchError`` naming this receiver and the
+    first tensor whose regions differ."""
+    index = sums.plan.index
+    if not 0 <= index < len(expected):
+        raise PartMismatchError(f"rollout rank {receiver} holds part {index}, but {peer} sent the sums of "
+                                f"{len(expected)} parts: the update was not planned for this receiver's part",
+                                receiver=receiver, tensor="", expected="", actual="")
+    mine, theirs = sums.sums(), expected[index]
+    if mine == theirs:
+        return
+    count = min(len(mine), len(theirs)) // SUM_BYTES
+    for at in range(count):
+        if mine[at * SUM_BYTES:(at + 1) * SUM_BYTES] != theirs[at * SUM_BYTES:(at + 1) * SUM_BYTES]:
+            tensor = sums.names[at]
+            raise PartMismatchError(
+                f"rollout rank {receiver} received other bytes than {peer} sent of its part of {tensor!r}: the "
+                f"update was corrupted in transit, or this worker does not hold the part it was planned for",
+                receiver=receiver, tensor=tensor, expected=theirs.hex()[:32], actual=mine.hex()[:32])
+    raise PartMismatchError(
+        f"rollout rank {receiver} received {len(mine) // SUM_BYTES} tensors of its part where {peer} sent "
+        f"{len(theirs) // SUM_BYTES}", receiver=receiver, tensor="", expected=theirs.hex()[:32], actual=mine.hex()[:32])

@@ -1,0 +1,132 @@
+"""Each worker its part: replicas of two tensor-parallel workers (``RayRolloutReplica.create(parts=...)``), each
+holding half of every split tensor; full, delta and staged updates over shm; what each worker hashes, counted by
+wrapping the hash library in its process; a corrupted byte only one rank holds."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import ray
+from weightsync.api.config import SyncConfig
+from weightsync.api.errors import PartMismatchError
+from weightsync.api.types import TransferReport, UpdateReport
+from weightsync.core.control.manager import CheckpointEngineManager
+from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
+
+from tests.conftest import RayNodes
+from tests.workloads import TpSink, TpSource, tp_part, tp_slice, tp_tensors
+
+BUCKET = 256 * 1024
+MODEL_BYTES = sum(tensor.nbytes for _, tensor in tp_tensors(0))
+REPLICATED_BYTES = sum(tensor.nbytes for name, tensor in tp_tensors(0) if name.endswith("norm.weight"))
+
+
+class Fleet:
+    def __init__(self, ray_nodes: RayNodes) -> None:
+        self.actor_wg = RayActorWorkerGroup.create(world_size=1, source_factory=TpSource, node_id=ray_nodes.head)
+        self.replicas = [RayRolloutReplica.create(replica=index, sink_factory=TpSink, num_workers=2,
+                                                  node_id=ray_nodes.head, parts=[tp_part(0), tp_part(1)])
+                         for index in range(2)]
+
+    def manager(self, backend: str = "shm", **config: Any) -> CheckpointEngineManager:
+        return CheckpointEngineManager(backend=backend, actor_wg=self.actor_wg, replicas=self.replicas,
+                                       config=SyncConfig(bucket_bytes=BUCKET, **config))
+
+    def update(self, manager: CheckpointEngineManager, version: int) -> UpdateReport:
+        ray.get(self.actor_wg.call("set_version", version))
+        self.hashed()  # from here on: this update's
+        return asyncio.run(manager.update_weights(version=version))
+
+    def hashed(self) -> list[int]:
+        """Bytes each rollout worker's process hashed since the last call (replica by replica, worker by worker)."""
+        return [ray.get(ref) for replica in self.replicas for ref in replica.call("hashed")]
+
+    def check_holds(self, version: int) -> None:
+        """Every worker holds exactly its slice of every tensor of ``version``."""
+        expected = dict(tp_tensors(version))
+        for replica in self.replicas:
+            for rank, ref in enumerate(replica.call("held")):
+                held = ray.get(ref)
+                assert set(held) == set(expected)
+                for name, tensor in held.items():
+                    assert tensor.view(torch.int16).equal(tp_slice(name, expected[name], rank).view(torch.int16)), name
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_nodes: RayNodes) -> Iterator[Fleet]:
+    made = Fleet(ray_nodes)
+    try:
+        yield made
+    finally:
+        made.actor_wg.shutdown()
+        for replica in made.replicas:
+            replica.shutdown()
+
+
+def receivers(report: UpdateReport) -> list[TransferReport]:
+    return [transfer for transfer in report.transfers if transfer.role == "rollout"]
+
+
+def test_each_worker_reads_and_verifies_only_its_part(fleet: Fleet) -> None:
+    manager = fleet.manager()
+    for version in (1, 2):
+        report = fleet.update(manager, version)
+        assert report.ok, report.replicas
+        fleet.check_holds(version)
+        hashed = fleet.hashed()
+        parts = sorted(transfer.part for transfer in receivers(report))
+        assert parts == [0, 0, 1, 1]  # two distinct parts, each verified by one worker of each replica
+        for transfer in receivers(report):
+            assert transfer.part_bytes == (MODEL_BYTES - REPLICATED_BYTES) // 2 + REPLICATED_BYTES
+        # Counted outside the engine: what each worker's process fed the hash library.
+        assert all(nbytes <= 0.52 * MODEL_BYTES + REPLICATED_BYTES for nbytes in hashed), (hashed, MODEL_BYTES)
+        assert all(nbytes >= 0.48 * MODEL_BYTES for nbytes in hashed), hashed
+
+
+def test_the_hash_counter_sees_a_whole_model_verification(fleet: Fleet, ray_nodes: RayNodes) -> None:
+    """Negative control of the counter: workers that declare no part hash every byte of the update."""
+    whole = RayRolloutReplica.create(replica=9, sink_factory=TpSink, num_workers=2, node_id=ray_nodes.head)
+    try:
+        manager = CheckpointEngineManager(backend="shm", actor_wg=fleet.actor_wg, replicas=[whole],
+                                          config=SyncConfig(bucket_bytes=BUCKET))
+        ray.get(fleet.actor_wg.call("set_version", 5))
+        ray.get([ref for ref in whole.call("hashed")])
+        report = asyncio.run(manager.update_weights(version=5))
+        assert report.ok
+        hashed = [ray.get(ref) for ref in whole.call("hashed")]
+        assert all(nbytes >= MODEL_BYTES for nbytes in hashed), (hashed, MODEL_BYTES)
+        assert all(transfer.part == -1 for transfer in receivers(report))
+    finally:
+        whole.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["delta", "staged", "delta+staged"])
+def test_parts_compose_with_delta_and_staged_updates(fleet: Fleet, mode: str) -> None:
+    manager = fleet.manager(delta="delta" in mode, staged="staged" in mode)
+    for version in (10, 11, 12):
+        report = fleet.update(manager, version)
+        assert report.ok, report.replicas
+        fleet.check_holds(version)
+        if "delta" not in mode or version == 10:  # the first update of a delta manager is full
+            assert sorted(transfer.part for transfer in receivers(report)) == [0, 0, 1, 1], mode
+
+
+def test_a_corrupted_byte_fails_only_the_worker_whose_part_holds_it(fleet: Fleet) -> None:
+    """One byte of ``embed.weight`` that only worker 1 of each replica holds is changed after transit (on the shared
+    ring, before any worker hashes it): worker 1 fails naming the tensor, worker 0 does not notice (its part is
+    intact), the replicas stay torn and paused, and the next clean update repairs them."""
+    manager = fleet.manager(backend_options={"transport_hook": "tests.workloads:FLIP_SECOND_HALF"})
+    ray.get(fleet.actor_wg.call("set_version", 20))
+    with pytest.raises(PartMismatchError) as raised:
+        asyncio.run(manager.update_weights(version=20))
+    assert raised.value.receiver in (1, 3) and raised.value.tensor == "embed.weight"  # worker 1 of a replica
+    assert [state.state for state in manager.status()] == ["torn", "torn"]
+    errors = [str(state.error) for state in manager.status()]
+    assert all("PartMismatchError" in error and "embed.weight" in error for error in errors), errors
+    report = fleet.update(fleet.manager(), 21)
+    assert report.ok
+    fleet.check_holds(21)
