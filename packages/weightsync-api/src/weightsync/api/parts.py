@@ -46,7 +46,8 @@ class Region:
     def __post_init__(self) -> None:
         if len(self.start) != len(self.size):
             raise ConfigError(f"a region's start {self.start} and size {self.size} differ in rank")
-        if any(not isinstance(value, int) or value < 0 for value in (*self.start, *self.size)):
+        if any(not isinstance(value, int) or isinstance(value, bool) or value < 0
+               for value in (*self.start, *self.size)):
             raise ConfigError(f"a region's start {self.start} and size {self.size} must be integers >= 0")
 
     @classmethod
@@ -111,6 +112,8 @@ class Part:
             raise ConfigError(f"rank {rank} is not one of {parts} parts")
         tensors: dict[str, tuple[Region, ...]] = {}
         for name, dim in dims.items():
+            if name not in shapes:
+                raise ConfigError(f"part: {name!r} is split, but no shape is given for it")
             shape = shapes[name]
             if not 0 <= dim < len(shape) or shape[dim] % parts:
                 raise ConfigError(f"part: {name!r} of shape {tuple(shape)} cannot be split {parts} ways along "

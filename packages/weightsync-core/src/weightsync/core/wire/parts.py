@@ -63,7 +63,11 @@ def byte_runs(boxes: Sequence[Box], shape: Sequence[int], itemsize: int, *, name
     starts: list[torch.Tensor] = []
     ends: list[torch.Tensor] = []
     for start, size in boxes:
-        if not Region(start=tuple(start), size=tuple(size)).fits(shape):
+        try:
+            region = Region(start=tuple(start), size=tuple(size))
+        except ConfigError as exc:
+            raise ConfigError(f"part: a region of {name!r}: {exc}") from None
+        if not region.fits(shape):
             raise ConfigError(f"part: the region start={tuple(start)} size={tuple(size)} of {name!r} does not fit "
                               f"its shape {tuple(shape)}")
         if 0 in size:
@@ -166,14 +170,15 @@ def check_sums(sums: PartSums, expected: Sequence[bytes], *, receiver: int, peer
     mine, theirs = sums.sums(), expected[index]
     if mine == theirs:
         return
-    count = min(len(mine), len(theirs)) // SUM_BYTES
-    for at in range(count):
-        if mine[at * SUM_BYTES:(at + 1) * SUM_BYTES] != theirs[at * SUM_BYTES:(at + 1) * SUM_BYTES]:
-            tensor = sums.names[at]
-            raise PartMismatchError(
-                f"rollout rank {receiver} received other bytes than {peer} sent of its part of {tensor!r}: the "
-                f"update was corrupted in transit, or this worker does not hold the part it was planned for",
-                receiver=receiver, tensor=tensor, expected=theirs.hex()[:32], actual=mine.hex()[:32])
+    if len(mine) != len(theirs):  # a tensor of the part missing (or cut short), or one too many
+        raise PartMismatchError(
+            f"rollout rank {receiver} received {len(mine) // SUM_BYTES} tensors of its part where {peer} sent "
+            f"{len(theirs) // SUM_BYTES}", receiver=receiver, tensor="", expected=theirs.hex()[:32],
+            actual=mine.hex()[:32])
+    at = next(at for at in range(len(mine) // SUM_BYTES)
+              if mine[at * SUM_BYTES:(at + 1) * SUM_BYTES] != theirs[at * SUM_BYTES:(at + 1) * SUM_BYTES])
+    tensor = sums.names[at]
     raise PartMismatchError(
-        f"rollout rank {receiver} received {len(mine) // SUM_BYTES} tensors of its part where {peer} sent "
-        f"{len(theirs) // SUM_BYTES}", receiver=receiver, tensor="", expected=theirs.hex()[:32], actual=mine.hex()[:32])
+        f"rollout rank {receiver} received other bytes than {peer} sent of its part of {tensor!r}: the update was "
+        f"corrupted in transit, or this worker does not hold the part it was planned for",
+        receiver=receiver, tensor=tensor, expected=theirs.hex()[:32], actual=mine.hex()[:32])

@@ -1,0 +1,473 @@
+"""Parts without processes: the byte runs a part's boxes select (against a boolean mask built by torch slicing), the
+part sums folded whole, piece by piece and bucket by bucket, what they catch and what they must not, the value
+types' validation, and the parts the manager hands out at setup."""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+
+import msgspec
+import pytest
+import torch
+
+from weightsync.api.errors import ConfigError, PartMismatchError, TopologyError
+from weightsync.api.parts import PART_KEY, Part, Region
+from weightsync.api.types import RankArgs, WorkerMetadata
+from weightsync.core.control.parts import declared_parts, with_declared_parts
+from weightsync.core.wire.codec import TensorMeta
+from weightsync.core.wire.parts import PartPlan, PartSums, byte_runs, check_sums
+from weightsync.core.wire.tensors import as_byte_view, dtype_name
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+Stream = list[tuple[str, torch.Tensor]]
+DTYPE_OF_ITEMSIZE = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}
+SUM_BYTES = 8
+
+
+# --- helpers -----------------------------------------------------------------------------------------------------
+
+
+def random_shape(rng: random.Random) -> tuple[int, ...]:
+    """0-d to 3-d, extents 1-5 and now and then 0."""
+    return tuple(0 if rng.random() < 0.08 else rng.randint(1, 5) for _ in range(rng.randint(0, 3)))
+
+
+def random_box(rng: random.Random, shape: Sequence[int]) -> Box:
+    """A box that fits ``shape``: along each dimension the whole extent, nothing, or a random slice."""
+    start: list[int] = []
+    size: list[int] = []
+    for extent in shape:
+        pick = rng.random()
+        if pick < 0.35:
+            first, length = 0, extent
+        elif pick < 0.45:
+            first, length = rng.randint(0, extent), 0
+        else:
+            first = rng.randint(0, extent)
+            length = rng.randint(0, extent - first)
+        start.append(first)
+        size.append(length)
+    return tuple(start), tuple(size)
+
+
+def element_mask(boxes: Sequence[Box], shape: Sequence[int]) -> torch.Tensor:
+    """The elements ``boxes`` select, by plain torch slicing (the reference)."""
+    mask = torch.zeros(tuple(shape), dtype=torch.bool)
+    for start, size in boxes:
+        mask[tuple(slice(first, first + length) for first, length in zip(start, size))] = True
+    return mask
+
+
+def byte_mask(boxes: Sequence[Box], shape: Sequence[int], itemsize: int) -> torch.Tensor:
+    """The row-major bytes ``boxes`` select."""
+    return element_mask(boxes, shape).reshape(-1).repeat_interleave(itemsize)
+
+
+def runs_mask(runs: tuple[list[int], list[int]], total: int) -> torch.Tensor:
+    """The bytes ``runs`` cover, after checking they are non-empty, sorted, disjoint and not adjacent (merged)."""
+    starts, ends = runs
+    assert len(starts) == len(ends)
+    for at, (low, high) in enumerate(zip(starts, ends)):
+        assert 0 <= low < high <= total, (low, high, total)
+        if at:
+            assert ends[at - 1] < low, f"runs {at - 1} and {at} overlap or touch: {runs}"
+    covered = torch.zeros(total, dtype=torch.bool)
+    for low, high in zip(starts, ends):
+        covered[low:high] = True
+    return covered
+
+
+def random_tensor(generator: torch.Generator, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    tensor = torch.empty(tuple(shape), dtype=dtype)
+    data = as_byte_view(tensor)
+    data.copy_(torch.randint(0, 256, (data.numel(),), dtype=torch.uint8, generator=generator))
+    return tensor
+
+
+def meta_of(name: str, tensor: torch.Tensor, low: int, high: int, bucket_offset: int = 0) -> TensorMeta:
+    return TensorMeta(name=name, dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape), offset=low,
+                      nbytes=high - low, total_nbytes=tensor.numel() * tensor.element_size(),
+                      bucket_offset=bucket_offset)
+
+
+def cut_points(rng: random.Random | None, total: int) -> list[int]:
+    """0, some random interior cuts (none when ``rng`` is None), ``total``."""
+    if rng is None or total < 2:
+        return [0, total]
+    inner = rng.sample(range(1, total), rng.randint(0, min(total - 1, 6)))
+    return [0, *sorted(inner), total]
+
+
+def fold_stream(plan: PartPlan, stream: Stream, rng: random.Random | None = None) -> PartSums:
+    """Fold every tensor of ``stream`` in order, whole (``rng`` None) or cut into consecutive random pieces."""
+    sums = PartSums(plan)
+    for name, tensor in stream:
+        data = as_byte_view(tensor)
+        cuts = cut_points(rng, data.numel())
+        for low, high in zip(cuts, cuts[1:]):
+            sums.fold(meta_of(name, tensor, low, high), data.data_ptr() + low)
+    return sums
+
+
+def fold_buckets(plan: PartPlan, stream: Stream, rng: random.Random) -> PartSums:
+    """Fold ``stream`` as a packer sends it: its bytes end to end, cut into random buckets, each folded with
+    ``fold_all`` from its own buffer (a tensor crossing a bucket's edge travels as pieces)."""
+    datas = [as_byte_view(tensor) for _, tensor in stream]
+    total = sum(data.numel() for data in datas)
+    edges = cut_points(rng, total)
+    sums = PartSums(plan)
+    for low, high in zip(edges, edges[1:]):
+        bucket = torch.zeros(high - low, dtype=torch.uint8)
+        metas: list[TensorMeta] = []
+        begin = 0  # where the current tensor starts in the stream
+        for (name, tensor), data in zip(stream, datas):
+            first, last = max(low, begin), min(high, begin + data.numel())
+            empty_here = data.numel() == 0 and low <= begin and (begin < high or high == total)
+            if first < last or empty_here:
+                bucket[first - low:last - low] = data[first - begin:last - begin]
+                metas.append(meta_of(name, tensor, first - begin, last - begin, bucket_offset=first - low))
+            begin += data.numel()
+        sums.fold_all(metas, bucket.data_ptr())
+    return sums
+
+
+def random_stream(rng: random.Random, generator: torch.Generator, count: int) -> tuple[Stream, Part]:
+    """``count`` random tensors and a random part of them: each tensor absent (whole), ``()`` (nothing) or 1-3
+    boxes."""
+    stream: Stream = []
+    tensors: dict[str, tuple[Region, ...]] = {}
+    for index in range(count):
+        shape = random_shape(rng)
+        name = f"layer.{index}.weight"
+        stream.append((name, random_tensor(generator, shape, DTYPE_OF_ITEMSIZE[rng.choice((1, 2, 4))])))
+        pick = rng.random()
+        if pick < 0.2:
+            tensors[name] = ()
+        elif pick < 0.8:
+            tensors[name] = tuple(Region(*random_box(rng, shape)) for _ in range(rng.randint(1, 3)))
+    return stream, Part(tensors=tensors)
+
+
+def selected_bytes(part: Part, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``tensor`` ``part`` holds, as a mask (the reference)."""
+    regions = part.regions(name)
+    if regions is None:
+        return torch.ones(tensor.numel() * tensor.element_size(), dtype=torch.bool)
+    boxes = [(region.start, region.size) for region in regions]
+    return byte_mask(boxes, tensor.shape, tensor.element_size())
+
+
+# --- byte runs ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_byte_runs_select_exactly_the_boxes(seed: int) -> None:
+    rng = random.Random(seed)
+    seen = {"scalar": 0, "empty box": 0, "whole trailing": 0, "overlap": 0, "merged": 0}
+    for case in range(250):
+        shape = random_shape(rng)
+        itemsize = rng.choice((1, 2, 4))
+        boxes = [random_box(rng, shape) for _ in range(rng.randint(1, 3))]
+        runs = byte_runs(boxes, shape, itemsize, name="w")
+        expected = byte_mask(boxes, shape, itemsize)
+        got = runs_mask(runs, len(expected))
+        assert torch.equal(got, expected), f"case {case}: shape={shape} itemsize={itemsize} boxes={boxes} {runs}"
+        # what the generator must have covered for this to mean anything
+        seen["scalar"] += not shape
+        seen["empty box"] += any(0 in size for _, size in boxes)
+        seen["whole trailing"] += any(len(shape) > 1 and size[-1] == shape[-1] > 0 and 0 not in size
+                                      for _, size in boxes)
+        masks = [element_mask([box], shape) for box in boxes]
+        seen["overlap"] += any((a & b).any().item() for i, a in enumerate(masks) for b in masks[i + 1:])
+        seen["merged"] += len(runs[0]) < sum(len(byte_runs([box], shape, itemsize, name="w")[0]) for box in boxes)
+    assert all(seen.values()), seen
+
+
+def test_byte_runs_by_hand() -> None:
+    # a block of rows: one run
+    assert byte_runs([((1, 0), (2, 4))], (4, 4), 2, name="w") == ([8], [24])
+    # a block of columns: one run per row
+    assert byte_runs([((0, 1), (3, 2))], (3, 4), 1, name="w") == ([1, 5, 9], [3, 7, 11])
+    # two boxes that touch merge; a scalar is its one element; nothing selects nothing
+    assert byte_runs([((0,), (2,)), ((2,), (3,))], (8,), 4, name="w") == ([0], [20])
+    assert byte_runs([((), ())], (), 4, name="w") == ([0], [4])
+    assert byte_runs([((1, 0), (0, 3))], (2, 3), 1, name="w") == ([], [])
+    assert byte_runs([], (2, 3), 1, name="w") == ([], [])
+    # a box that spans its trailing dimensions whole: one run per index of the leading one
+    assert byte_runs([((0, 1, 0, 0), (2, 1, 2, 3))], (2, 2, 2, 3), 1, name="w") == ([6, 18], [12, 24])
+
+
+def test_byte_runs_reject_a_box_that_does_not_fit() -> None:
+    for box in [((0, 3), (2, 2)), ((0,), (2,)), ((0, 0, 0), (1, 1, 1)), ((2, 0), (1, 5))]:
+        with pytest.raises(ConfigError, match=re.escape("'q_proj.weight'")):
+            byte_runs([((0, 0), (1, 1)), box], (2, 4), 2, name="q_proj.weight")
+    assert byte_runs([((0, 2), (2, 2))], (2, 4), 2, name="q_proj.weight") == ([4, 12], [8, 16])  # control
+
+
+# --- part sums ---------------------------------------------------------------------------------------------------
+
+
+def test_part_sums_do_not_depend_on_the_pieces() -> None:
+    seen = {"scalar": 0, "zero-size": 0, "whole": 0, "nothing": 0, "boxes": 0, "cut": 0}
+    for seed in range(12):
+        rng = random.Random(seed)
+        stream, part = random_stream(rng, torch.Generator().manual_seed(seed), 8)
+        plan = PartPlan.of(part, 0)
+        whole = fold_stream(plan, stream)
+        masks = {name: selected_bytes(part, name, tensor) for name, tensor in stream}
+        held = [name for name, _ in stream if part.regions(name) is None or masks[name].any()]
+        assert whole.names == held, seed
+        assert len(whole.sums()) == SUM_BYTES * len(held)
+        assert whole.nbytes == sum(int(mask.sum()) for mask in masks.values()), seed
+        for _ in range(5):
+            pieces = fold_stream(plan, stream, rng)
+            assert (pieces.sums(), pieces.names, pieces.nbytes) == (whole.sums(), whole.names, whole.nbytes), seed
+            buckets = fold_buckets(plan, stream, rng)
+            assert (buckets.sums(), buckets.names, buckets.nbytes) == (whole.sums(), whole.names, whole.nbytes), seed
+        for name, tensor in stream:
+            regions = part.regions(name)
+            seen["scalar"] += tensor.dim() == 0
+            seen["zero-size"] += tensor.numel() == 0
+            seen["whole" if regions is None else "boxes" if regions else "nothing"] += 1
+            seen["cut"] += bool(regions) and 0 < int(masks[name].sum()) < len(masks[name])
+    assert all(seen.values()), seen
+
+
+def test_part_sums_fold_nothing_of_an_empty_part_and_all_of_an_absent_tensor() -> None:
+    generator = torch.Generator().manual_seed(7)
+    stream: Stream = [("a", random_tensor(generator, (4, 3), torch.float32)),
+                      ("b", random_tensor(generator, (5,), torch.bfloat16)),
+                      ("c", random_tensor(generator, (), torch.uint8)),
+                      ("z", random_tensor(generator, (0, 3), torch.float32))]
+    sums = fold_stream(PartPlan.of(Part(tensors={"a": ()}), 0), stream)
+    assert sums.names == ["b", "c", "z"]
+    assert sums.nbytes == 10 + 1
+    everything = fold_stream(PartPlan.of(Part(), 0), stream)
+    assert everything.names == ["a", "b", "c", "z"]
+    assert everything.nbytes == 48 + 10 + 1
+    assert everything.sums()[SUM_BYTES:] == sums.sums()  # b, c and z hashed alike in both
+    assert fold_buckets(PartPlan.of(Part(), 0), stream, random.Random(1)).sums() == everything.sums()
+    nothing = fold_stream(PartPlan.of(Part(tensors={"a": (), "b": (), "c": (), "z": ()}), 0), stream)
+    assert (nothing.names, nothing.nbytes, nothing.sums()) == ([], 0, b"")
+
+
+def changed(tensor: torch.Tensor, at: int) -> torch.Tensor:
+    """A copy of ``tensor`` with its byte ``at`` changed."""
+    copy = tensor.clone()
+    data = as_byte_view(copy)
+    data[at] = (int(data[at]) + 1) % 256
+    return copy
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_changed_byte_inside_the_part_is_named(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    generator = torch.Generator().manual_seed(seed)
+    stream, part = random_stream(rng, generator, 6)
+    plan = PartPlan.of(part, 1)
+    expected = [b"other part", fold_stream(plan, stream).sums()]
+    check_sums(fold_stream(plan, stream, rng), expected, receiver=3, peer="actor 0")  # control: equal
+    tried = 0
+    for index, (name, tensor) in enumerate(stream):
+        mask = selected_bytes(part, name, tensor)
+        inside = torch.nonzero(mask).flatten().tolist()
+        outside = torch.nonzero(~mask).flatten().tolist()
+        for at in rng.sample(outside, min(3, len(outside))):  # negative control: bytes the part does not hold
+            received = [*stream[:index], (name, changed(tensor, at)), *stream[index + 1:]]
+            assert fold_stream(plan, received, rng).sums() == expected[1]
+            check_sums(fold_stream(plan, received, rng), expected, receiver=3, peer="actor 0")
+        for at in rng.sample(inside, min(3, len(inside))):
+            received = [*stream[:index], (name, changed(tensor, at)), *stream[index + 1:]]
+            assert fold_stream(plan, received, rng).sums() != expected[1]
+            with pytest.raises(PartMismatchError, match="actor 0") as caught:
+                check_sums(fold_stream(plan, received, rng), expected, receiver=3, peer="actor 0")
+            assert (caught.value.tensor, caught.value.receiver) == (name, 3)
+            tried += 1
+    assert tried, "no tensor of the part held a byte: the test checked nothing"
+
+
+def test_a_scrambled_outside_leaves_the_sums_alone() -> None:
+    rng = random.Random(5)
+    generator = torch.Generator().manual_seed(5)
+    stream, part = random_stream(rng, generator, 10)
+    plan = PartPlan.of(part, 0)
+    received: Stream = []
+    for name, tensor in stream:
+        copy = tensor.clone()
+        data = as_byte_view(copy)
+        noise = torch.randint(0, 256, data.shape, dtype=torch.uint8, generator=generator)
+        data.copy_(torch.where(selected_bytes(part, name, tensor), data, noise))
+        received.append((name, copy))
+    assert any(not torch.equal(as_byte_view(a), as_byte_view(b)) for (_, a), (_, b) in zip(stream, received))
+    assert fold_stream(plan, received, rng).sums() == fold_stream(plan, stream).sums()
+
+
+def test_check_sums_on_fewer_tensors_and_a_foreign_index() -> None:
+    generator = torch.Generator().manual_seed(3)
+    stream: Stream = [(f"t{index}", random_tensor(generator, (3, 4), torch.float32)) for index in range(3)]
+    plan = PartPlan.of(Part.split({"t1": (3, 4)}, dims={"t1": 1}, rank=0, parts=2), 0)
+    expected = [fold_stream(plan, stream).sums()]
+    check_sums(fold_stream(plan, stream), expected, receiver=1, peer="actor 0")  # control
+    with pytest.raises(PartMismatchError, match="received 2 tensors of its part where actor 0 sent 3") as caught:
+        check_sums(fold_stream(plan, stream[:2]), expected, receiver=1, peer="actor 0")
+    assert (caught.value.tensor, caught.value.receiver) == ("", 1)
+    foreign = PartSums(PartPlan(index=1, tensors=plan.tensors))
+    foreign.fold_all([], 0)
+    with pytest.raises(PartMismatchError, match="holds part 1, but actor 0 sent the sums of 1 parts") as caught:
+        check_sums(foreign, expected, receiver=2, peer="actor 0")
+    assert (caught.value.tensor, caught.value.receiver) == ("", 2)
+    with pytest.raises(PartMismatchError, match="holds part 0"):
+        check_sums(fold_stream(plan, stream), [], receiver=2, peer="actor 0")
+
+
+def test_a_receiver_missing_a_middle_tensor_is_told_it_got_fewer() -> None:
+    generator = torch.Generator().manual_seed(4)
+    stream: Stream = [(f"t{index}", random_tensor(generator, (3, 4), torch.float32)) for index in range(3)]
+    plan = PartPlan.of(Part(), 0)
+    with pytest.raises(PartMismatchError) as caught:
+        check_sums(fold_stream(plan, [stream[0], stream[2]]), [fold_stream(plan, stream).sums()], receiver=1,
+                   peer="actor 0")
+    assert caught.value.tensor in ("", "t1")  # got: 't2'
+
+
+# --- Region and Part ---------------------------------------------------------------------------------------------
+
+
+def test_region_narrow_and_whole() -> None:
+    assert Region.narrow((4, 6), 1, 2, 3) == Region(start=(0, 2), size=(4, 3))
+    assert Region.narrow((4, 6), 0, 4, 0) == Region(start=(4, 0), size=(0, 6))
+    assert Region.whole((4, 6)) == Region(start=(0, 0), size=(4, 6))
+    assert Region.whole(()) == Region(start=(), size=())
+    assert Region(start=(0, 2), size=(4, 3)).fits((4, 5))
+    assert not Region(start=(0, 2), size=(4, 3)).fits((4, 4))
+    assert not Region(start=(0, 2), size=(4, 3)).fits((4, 5, 1))
+    for dim, start, length in [(2, 0, 1), (-1, 0, 1), (1, 4, 3), (0, -1, 2), (0, 0, -1), (0, 0, 5)]:
+        with pytest.raises(ConfigError, match=re.escape(f"narrow({dim}, {start}, {length})")):
+            Region.narrow((4, 6), dim, start, length)
+
+
+@pytest.mark.parametrize(("start", "size", "match"), [
+    ((0, -1), (1, 1), "integers >= 0"),
+    ((0, 0), (1, -2), "integers >= 0"),
+    ((0, 0), (1,), "differ in rank"),
+    ((0,), (), "differ in rank"),
+    ((0, 1.5), (1, 1), "integers >= 0"),
+])
+def test_region_rejects_a_bad_box(start: tuple[int, ...], size: tuple[int, ...], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        Region(start=start, size=size)
+
+
+def test_part_round_trips_through_a_dict() -> None:
+    part = Part(tensors={"q": (Region.narrow((8, 4), 0, 4, 4),), "none": (),
+                         "cols": (Region(start=(0, 1), size=(3, 1)), Region(start=(1, 0), size=(1, 4))),
+                         "scalar": (Region.whole(()),)},
+                fallbacks=("embed",))
+    data = part.to_dict()
+    assert Part.from_dict(data) == part
+    assert Part.from_dict(msgspec.json.decode(msgspec.json.encode(data))) == part  # through JSON: lists, not tuples
+    assert Part.from_dict({}) == Part()
+
+
+@pytest.mark.parametrize("tensors", [
+    {"q_proj": [[[0], [1], [2]]]},
+    {"q_proj": [[0, 1]]},
+    {"q_proj": 5},
+    {"q_proj": [[[0, 0], [1]]]},
+    {"q_proj": [[[0, -1], [1, 1]]]},
+    {"q_proj": [[["0"], [1]]]},
+])
+def test_part_from_dict_names_the_malformed_tensor(tensors: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match=re.escape("'q_proj'")):
+        Part.from_dict({"tensors": {"ok": [[[0], [1]]], **tensors}})
+
+
+@pytest.mark.parametrize("data", [[], {"tensors": [1]}, {"tensors": None}, {"fallbacks": "embed"}, {"fallbacks": 3}])
+def test_part_from_dict_rejects_a_malformed_part(data: object) -> None:
+    with pytest.raises(ConfigError, match="part"):
+        Part.from_dict(data)  # type: ignore[arg-type]
+
+
+def test_part_split() -> None:
+    shapes = {"rows": (6, 4), "cols": (4, 6), "norm": (4,)}
+    split = [Part.split(shapes, dims={"rows": 0, "cols": 1}, rank=rank, parts=3) for rank in range(3)]
+    assert split[1].regions("rows") == (Region(start=(2, 0), size=(2, 4)),)
+    assert split[2].regions("cols") == (Region(start=(0, 4), size=(4, 2)),)
+    assert split[0].regions("norm") is None
+    for name in ("rows", "cols"):  # the ranks' regions tile each split tensor exactly once
+        counts = sum(element_mask([(region.start, region.size) for region in part.tensors[name]], shapes[name]).int()
+                     for part in split)
+        assert isinstance(counts, torch.Tensor) and bool((counts == 1).all())
+    indivisible = "'rows' of shape (6, 4) cannot be split 4 ways along dimension 0"
+    with pytest.raises(ConfigError, match=re.escape(indivisible)):
+        Part.split(shapes, dims={"rows": 0}, rank=0, parts=4)
+    with pytest.raises(ConfigError, match=re.escape("'norm'")):
+        Part.split(shapes, dims={"norm": 1}, rank=0, parts=2)
+    for rank, parts in [(3, 3), (-1, 3), (0, 0)]:
+        with pytest.raises(ConfigError, match=f"rank {rank} is not one of {parts} parts"):
+            Part.split(shapes, dims={"rows": 0}, rank=rank, parts=parts)
+
+
+# --- setup: declared parts ---------------------------------------------------------------------------------------
+
+
+def tp_part(rank: int) -> Part:
+    return Part.split({"q": (4, 8), "o": (8, 4)}, dims={"q": 0, "o": 1}, rank=rank, parts=2)
+
+
+def test_equal_parts_share_an_index() -> None:
+    reordered = tp_part(0).to_dict()
+    reordered["tensors"] = dict(reversed(list(reordered["tensors"].items())))
+    rollout: list[WorkerMetadata] = [{PART_KEY: tp_part(0).to_dict(), "port": 1}, {PART_KEY: reordered},
+                                     {PART_KEY: tp_part(1).to_dict()}, {"port": 4}, {PART_KEY: tp_part(1).to_dict()}]
+    plans = declared_parts(rollout, [f"rollout {rank}" for rank in range(5)])
+    assert [None if plan is None else plan.index for plan in plans] == [0, 0, 1, None, 1]
+    assert plans[0] == PartPlan.of(tp_part(0), 0)
+    assert plans[2] == PartPlan.of(tp_part(1), 1)
+    assert declared_parts([{}, {"port": 2}], ["rollout 0", "rollout 1"]) == [None, None]
+
+
+@pytest.mark.parametrize("declared", [
+    "half", 3, [1, 2], {"tensors": [["q"]]}, {"tensors": {"q": [[[0], [-1]]]}}, {"fallbacks": "q"},
+])
+def test_a_malformed_declared_part_names_the_worker(declared: object) -> None:
+    rollout: list[WorkerMetadata] = [{PART_KEY: tp_part(0).to_dict()}, {PART_KEY: declared}]  # type: ignore[dict-item]
+    with pytest.raises(TopologyError, match="replica 0 worker 1: malformed part") as caught:
+        declared_parts(rollout, ["replica 0 worker 0", "replica 0 worker 1"])
+    assert caught.value.details["field"] == "$.part"
+
+
+def test_with_declared_parts_hands_out_the_plan() -> None:
+    rollout: list[WorkerMetadata] = [{PART_KEY: tp_part(0).to_dict()}, {PART_KEY: tp_part(1).to_dict()}, {},
+                                     {PART_KEY: tp_part(0).to_dict()}]
+    parts = declared_parts(rollout, [f"rollout {rank}" for rank in range(4)])
+    actor_args: list[RankArgs] = [{"rank": 0}, {"rank": 1}]
+    rollout_args: list[RankArgs] = [{"rank": rank} for rank in range(4)]
+    with_declared_parts(actor_args, rollout_args, parts)
+    distinct = [PartPlan.of(tp_part(0), 0), PartPlan.of(tp_part(1), 1)]
+    for rank, args in enumerate(actor_args):
+        assert args["rank"] == rank and "part" not in args
+        assert msgspec.convert(args["parts"], list[PartPlan]) == distinct
+    assert [args["rank"] for args in rollout_args] == [0, 1, 2, 3]
+    assert ["part" in args for args in rollout_args] == [True, True, False, True]
+    assert all("parts" not in args for args in rollout_args)
+    for args, expected in zip(rollout_args, parts):
+        if expected is not None:
+            assert msgspec.convert(args["part"], PartPlan) == expected
+    # control: nobody declared a part, nobody's args change
+    actor_args, rollout_args = [{"rank": 0}], [{"rank": 0}, {"rank": 1}]
+    with_declared_parts(actor_args, rollout_args, [None, None])
+    assert (actor_args, rollout_args) == ([{"rank": 0}], [{"rank": 0}, {"rank": 1}])
+
+
+def test_malformed_boxes_and_splits_are_config_errors_naming_the_tensor() -> None:
+    with pytest.raises(ConfigError, match="'w'"):
+        byte_runs([((-1,), (2,))], (4,), 1, name="w")
+    with pytest.raises(ConfigError, match="'w'"):
+        byte_runs([((0, 0), (2,))], (4,), 1, name="w")
+    with pytest.raises(ConfigError, match="'b'"):
+        Part.split({"a": (4,)}, dims={"b": 0}, rank=0, parts=2)
+    with pytest.raises(ConfigError):
+        Region(start=(True,), size=(True,))
