@@ -10,7 +10,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 import pytest
-from weightsync.api.errors import ConfigError, HostUnreachableError, StepTimeoutError
+from weightsync.api.errors import ConfigError, HostUnreachableError, StepTimeoutError, WeightsyncError
 from weightsync.core.control import steps
 
 WHERE = {"actor rank 0": "h1 (198.18.0.2)", "replica0/worker0": "h2 (198.18.0.3)",
@@ -82,3 +82,22 @@ def test_a_worker_of_unknown_host_is_named_by_itself() -> None:
 def test_timeout_of_finds_the_gather_s_own_timeout(outcomes: list[Any], expected: Any) -> None:
     labels = ["actor rank 0", "replica0/worker0", "replica1/worker0"]
     assert steps.timeout_of(labels, outcomes) is expected
+
+
+@pytest.mark.parametrize("fail_fast", [True, False])
+def test_a_setup_step_with_a_failed_worker_ends_without_waiting_for_its_timeout(fail_fast: bool) -> None:
+    """With ``fail_fast`` (setup's steps) a worker's failure is raised a moment after it, the worker left waiting
+    for it (a sender whose receiver failed) cancelled; without (the control), the step waits for its timeout."""
+    async def step() -> tuple[BaseException, float]:
+        started = time.perf_counter()
+        with pytest.raises(WeightsyncError) as raised:
+            await steps.gather("init_process_group", 4.0, [("actor rank 0", silent()), ("replica1/worker0", refuses())],
+                               fail_fast=fail_fast)
+        return raised.value, time.perf_counter() - started
+
+    error, seconds = asyncio.run(step())
+    if fail_fast:
+        assert isinstance(error, ConfigError) and seconds < steps.CANCEL_WAIT_S + 1.5, (error, seconds)
+        assert "raised by replica1/worker0 during init_process_group" in str(error.__notes__)
+    else:
+        assert isinstance(error, StepTimeoutError) and seconds >= 4.0

@@ -1,5 +1,7 @@
 """One Ray cluster, two vLLM replicas with weightsync and one plain reference engine, started once for the session
-(an engine takes about a minute to start here): the tests share them and leave them serving."""
+(an engine takes about a minute to start here): the tests share them and leave them serving. The tensor-parallel
+module (``test_vllm_workers.py``, the last to run) stops them (:meth:`Serving.stop`) before it starts its own
+engines of two workers each: the two sets are never alive together on this machine's two cores."""
 
 from __future__ import annotations
 
@@ -26,8 +28,45 @@ class Serving:
     checkpoints: pathlib.Path
     loop: asyncio.AbstractEventLoop
 
+    start: pathlib.Path
+    """The checkpoint every engine starts from."""
+    stopped: bool = False
+
     def run(self, awaitable: Any) -> Any:
+        if self.stopped:
+            raise RuntimeError("the session's TP-1 engines were stopped by the tensor-parallel module, which runs last")
         return self.loop.run_until_complete(awaitable)
+
+    def start_engines(self, count: int, *, weightsync: int, **overrides: Any) -> list[Any]:
+        """``count`` engines from ``start`` (the first ``weightsync`` with weightsync), ``overrides`` in their
+        ``AsyncEngineArgs``."""
+        from weightsync.cli.vllm.serving import bind_env  # on this 2-core machine engines share the cores
+        from weightsync.vllm import VllmRolloutReplica, engine_args
+
+        env = (lambda i: {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) if overrides.get("tensor_parallel_size", 1) > 1 \
+            else bind_env
+
+        async def start_all() -> list[Any]:
+            return list(await asyncio.gather(*[
+                VllmRolloutReplica.create(replica=i, args=engine_args(str(self.start), **overrides),
+                                          weightsync=i < weightsync, env=env(i))
+                for i in range(count)
+            ]))
+
+        return list(self.loop.run_until_complete(start_all()))
+
+    def stop_engines(self, engines: list[Any]) -> None:
+        for replica in engines:
+            try:
+                self.loop.run_until_complete(replica.stop())
+            except Exception:  # noqa: BLE001 - keep stopping the others
+                pass
+
+    def stop(self) -> None:
+        """Stop the session's engines (the replicas and the reference); the actor worker group and Ray stay."""
+        if not self.stopped:
+            self.stop_engines([*self.replicas, self.reference])
+            self.stopped = True
 
 
 @pytest.fixture(scope="session")
@@ -35,33 +74,22 @@ def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
     import ray
 
     from tests.adapters.vllm.workloads import FaultyTrainer
-    from weightsync.cli.vllm.serving import bind_env  # on this 2-core machine the reference shares core 0
     from weightsync.cli.vllm.workload import SMALL, build_model, write_checkpoint
     from weightsync.ray import RayActorWorkerGroup
-    from weightsync.vllm import VllmRolloutReplica, engine_args
 
     root = tmp_path_factory.mktemp("vllm")
     start = write_checkpoint(root / "v0", {n: p.detach().bfloat16() for n, p in build_model(SMALL).named_parameters()},
                              SMALL)
     ray.init(num_cpus=8, logging_level="ERROR", include_dashboard=False)
     loop = asyncio.new_event_loop()
-    made: list[Any] = []
     actor_wg = RayActorWorkerGroup.create(world_size=2, source_factory=FaultyTrainer)
+    serving = Serving(actor_wg=actor_wg, replicas=[], reference=None, checkpoints=root, loop=loop, start=start)
     try:
-        async def start_all() -> list[Any]:
-            return list(await asyncio.gather(*[
-                VllmRolloutReplica.create(replica=i, args=engine_args(str(start)), weightsync=i < 2, env=bind_env(i))
-                for i in range(3)
-            ]))
-
-        made = loop.run_until_complete(start_all())
-        yield Serving(actor_wg=actor_wg, replicas=made[:2], reference=made[2], checkpoints=root, loop=loop)
+        made = serving.start_engines(3, weightsync=2)
+        serving.replicas, serving.reference = made[:2], made[2]
+        yield serving
     finally:
-        for replica in made:
-            try:
-                loop.run_until_complete(replica.stop())
-            except Exception:  # noqa: BLE001 - keep stopping the others
-                pass
+        serving.stop()
         actor_wg.shutdown()
         loop.close()
         ray.shutdown()

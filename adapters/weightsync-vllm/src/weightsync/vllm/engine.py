@@ -56,10 +56,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import itertools
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -73,11 +74,13 @@ from vllm.distributed.weight_transfer.base import (
 from weightsync.api import errors
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import ConfigError, LifecycleError, LoadVerificationError, WeightsyncError
+from weightsync.api.parts import Part
 from weightsync.api.protocols import next_batch
 from weightsync.api.topology import epoch_of
 from weightsync.api.types import StagedUpdate, WorkerMetadata
 from weightsync.core.worker.host import EngineHost, is_untouched, mark_untouched
 from weightsync.vllm import internals
+from weightsync.vllm.parts import Unrecordable, checkpoint_shapes, record_part
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -85,6 +88,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LoadClock", "WeightsyncInitInfo", "WeightsyncTransferEngine", "WeightsyncUpdateInfo", "engine_in_process",
            "error_from_data", "error_to_data", "parameter_checksums"]
+
+log = logging.getLogger(__name__)
 
 BACKEND = "weightsync"
 COPY_MODES = ("held", "all", "none")
@@ -130,15 +135,17 @@ class LoadClock:
 
 @dataclass
 class WeightsyncInitInfo(WeightTransferInitInfo):
-    """What ``init_weight_transfer_engine`` carries for a weightsync rollout worker (plain data throughout).
+    """What ``init_weight_transfer_engine`` carries for a replica's weightsync rollout workers (plain data
+    throughout). vLLM hands the same ``init_info`` to every worker of the engine: it lists every worker's entries,
+    and each engine takes its own (:attr:`WeightsyncTransferEngine.index`, as vLLM indexes a list ``update_info``).
 
-    ``engine``: the spec it was prepared with (``weightsync.core.worker.host.engine_spec``: backend name, ``SyncConfig``
-    as a dict, role, rank); ``rank_args``: this worker's entry of the topology; ``epoch``: the membership epoch's
-    token, which must be the one in ``rank_args``.
+    ``engine``: the spec each worker was prepared with (``weightsync.core.worker.host.engine_spec``: backend name,
+    ``SyncConfig`` as a dict, role, rank); ``rank_args``: each worker's entry of the topology; ``epoch``: the
+    membership epoch's token, which must be the one in every ``rank_args``.
     """
 
-    engine: dict[str, Any] = field(default_factory=dict)
-    rank_args: dict[str, Any] = field(default_factory=dict)
+    engine: list[dict[str, Any]] = field(default_factory=list)
+    rank_args: list[dict[str, Any]] = field(default_factory=list)
     epoch: str = ""
 
 
@@ -184,23 +191,51 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
 
     # -- weightsync's steps (called through WeightsyncWorkerExtension and vLLM's own methods) ----------------------
 
-    def prepare(self, *, engine: Mapping[str, Any], node_id: str, host_ip: str) -> WorkerMetadata:
+    @property
+    def index(self) -> int:
+        """This worker's place among the engine's workers: its entry in a list ``init_info`` or ``update_info``."""
+        parallel = self.parallel_config
+        return int(parallel.data_parallel_index) * int(parallel.world_size) + int(parallel.rank)
+
+    def prepare(self, *, engine: Sequence[Mapping[str, Any]], node_id: str, host_ip: str) -> WorkerMetadata:
+        """Build (or keep) this worker's ``EngineHost`` and prepare its engine from its entry of ``engine``; a worker
+        of an engine of several declares its part (recorded once, ``weightsync.vllm.parts``)."""
         if self._host is None or (self._host.node_id, self._host.host_ip) != (node_id, host_ip):
             if self._host is not None:
                 self._host.execute_sync("close")
-            self._host = EngineHost(node_id=node_id, host_ip=host_ip, name=f"vllm worker on {node_id[:8]}")
-        metadata: WorkerMetadata = self._host.execute_sync("prepare", engine=engine)
+            self._host = EngineHost(node_id=node_id, host_ip=host_ip, name=f"vllm worker {self.index}",
+                                    part=self._record_part())
+        metadata: WorkerMetadata = self._host.execute_sync("prepare", engine=engine[self.index])
         return metadata
+
+    def _record_part(self) -> Part | None:
+        """What this worker keeps of the checkpoint, when it keeps less than all of it (one of several workers);
+        None: the whole model (one worker, or where the installed vLLM does not let the part be recorded, which the
+        notes of ``weightsync_internals`` say)."""
+        if int(self.parallel_config.world_size) == 1:
+            return None
+        try:
+            with internals.loadable(self.model) as recording:
+                part = record_part(self.model, checkpoint_shapes(self.model_config.model)) if recording else None
+        except Unrecordable as exc:
+            log.warning("weightsync.vllm: worker %d receives the whole model: its part cannot be recorded (%s)",
+                        self.index, exc)
+            return None
+        return part if part is not None and (part.tensors or part.fallbacks) else None
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         host = self._require_host("init_weight_transfer_engine")
-        if not init_info.epoch or epoch_of(init_info.rank_args) != init_info.epoch:
+        if len(init_info.rank_args) <= self.index or len(init_info.engine) <= self.index:
+            raise ConfigError(f"init_info lists {len(init_info.rank_args)} workers' rank_args; this is worker "
+                              f"{self.index}")
+        rank_args, spec = init_info.rank_args[self.index], init_info.engine[self.index]
+        if not init_info.epoch or epoch_of(rank_args) != init_info.epoch:
             raise ConfigError(f"init_info's epoch {init_info.epoch!r} is not the one in its rank_args "
-                              f"({epoch_of(init_info.rank_args)!r})")
-        if host.spec != dict(init_info.engine):
+                              f"({epoch_of(rank_args)!r})")
+        if host.spec != dict(spec):
             raise LifecycleError("init_weight_transfer_engine for another engine than the one prepared; prepare again")
-        host.execute_sync("init_process_group", rank_args=init_info.rank_args)
-        self._timeout = SyncConfig.from_dict(init_info.engine["config"]).timeouts.transfer
+        host.execute_sync("init_process_group", rank_args=rank_args)
+        self._timeout = SyncConfig.from_dict(spec["config"]).timeouts.transfer
 
     def start_weight_update(self) -> None:
         self._require_host("start_weight_update")

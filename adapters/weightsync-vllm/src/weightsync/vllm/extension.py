@@ -12,7 +12,7 @@ methods are used here (``get_model``, the weight-update steps, ``reload_weights`
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from weightsync.api.types import WorkerMetadata
@@ -33,7 +33,8 @@ class WeightsyncWorkerExtension:
         worker: Any = self
         return worker.get_model()
 
-    def weightsync_prepare(self, engine: Mapping[str, Any], node_id: str, host_ip: str) -> WorkerMetadata:
+    def weightsync_prepare(self, engine: Sequence[Mapping[str, Any]], node_id: str, host_ip: str) -> WorkerMetadata:
+        """Prepare this worker's weightsync engine from its entry of ``engine`` (one per worker of vLLM's engine)."""
         metadata: WorkerMetadata = self._weightsync().prepare(engine=engine, node_id=node_id, host_ip=host_ip)
         return metadata
 

@@ -25,6 +25,10 @@ internal               touches (what for)                                   when
                        observe what vLLM's loader pulls                     0.0)
 ``mtp_check``          ``mtp_validation.disable_mtp_completeness_check``    none needed: a vLLM without it has no
                        (vLLM's own engines disable it for an update)        such check to disable
+``loader_recording``   ``reload.layerwise._get_original_loader``,           no part is recorded: each worker
+                       ``_place_kernel_tensors``, ``LAYERWISE_INFO[layer]   receives and verifies the whole model
+                       .reset()``: the model in its loadable form with its  (``weightsync.vllm.parts``)
+                       own loaders, then restored, to record a part
 =====================  ===================================================  =======================================
 
 The worker's model is its public ``get_model()`` and the engine is found through weightsync's own record of it
@@ -50,13 +54,13 @@ import torch
 from weightsync.api.errors import ConfigError
 
 __all__ = ["AVOID_ENV", "Internal", "InternalName", "VLLM_VERSION", "avoid", "copy_held", "missing_layers",
-           "mtp_check_disabled", "notes", "observe_load_weights", "pause_keeping", "probe", "register_engine",
+           "mtp_check_disabled", "notes", "loadable", "observe_load_weights", "pause_keeping", "probe", "register_engine",
            "report", "usable"]
 
 log = logging.getLogger(__name__)
 
 InternalName = Literal["engine_registry", "pause_scheduler", "held_arguments", "layer_progress", "load_weights_hook",
-                       "mtp_check"]
+                       "mtp_check", "loader_recording"]
 AVOID_ENV = "WEIGHTSYNC_VLLM_AVOID"
 
 
@@ -152,6 +156,16 @@ def _probe_mtp() -> str:
     return "" if callable(disable_mtp_completeness_check) else "is not callable"
 
 
+def _probe_recording() -> str:
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    lacking = [name for name in ("_get_original_loader", "_place_kernel_tensors", "initialize_layerwise_reload")
+               if not callable(getattr(layerwise, name, None))]
+    if not callable(_reloading_info_fields().get("reset")):
+        lacking.append("LayerReloadingInfo.reset")
+    return f"lacks {', '.join(lacking)}" if lacking else ""
+
+
 _INTERNALS: dict[InternalName, tuple[str, str, Callable[[], str]]] = {
     "engine_registry": ("WeightTransferEngineFactory._registry",
                         "register_engine, its duplicate-name ValueError caught", _probe_registry),
@@ -166,6 +180,9 @@ _INTERNALS: dict[InternalName, tuple[str, str, Callable[[], str]]] = {
                           "the reload is timed whole (read_seconds 0.0)", _probe_hook),
     "mtp_check": ("model_loader.mtp_validation.disable_mtp_completeness_check",
                   "vLLM's MTP completeness check is left as it is", _probe_mtp),
+    "loader_recording": ("reload.layerwise._get_original_loader, _place_kernel_tensors, LAYERWISE_INFO[layer].reset",
+                         "no part is recorded: every worker receives and verifies the whole model",
+                         _probe_recording),
 }
 
 
@@ -337,3 +354,34 @@ def mtp_check_disabled() -> contextlib.AbstractContextManager[Any]:
     from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
     return disable_mtp_completeness_check()  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def loadable(model: torch.nn.Module) -> Iterator[bool]:
+    """Within the block, ``model`` is in vLLM's loadable form — the layerwise reload's parameters on the meta device,
+    each with its own loader rather than the reload's wrapper — so that ``load_weights`` runs the loaders without
+    loading anything (``weightsync.vllm.parts`` records a part so); afterwards every layer gets its own tensors back,
+    untouched. Yields whether it could (``loader_recording`` usable); when not, the model is left as it is."""
+    if not usable("loader_recording"):
+        yield False
+        return
+    from vllm.model_executor.model_loader.reload import layerwise
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    vllm_model: Any = model
+    layerwise.initialize_layerwise_reload(model)
+    try:
+        for layer in model.modules():
+            for tensor in get_layer_tensors(layer).values():
+                if hasattr(tensor, "weight_loader"):
+                    tensor.weight_loader = layerwise._get_original_loader(tensor)
+        yield True
+    finally:
+        for layer in model.modules():
+            info = layerwise.LAYERWISE_INFO.get(layer)
+            if info is not None and info.can_load():
+                if info.kernel_tensors is not None:
+                    layerwise._place_kernel_tensors(layer, info)
+                info.reset()
+        if hasattr(vllm_model, "_original_do_torchao_reload"):
+            vllm_model._do_torchao_reload = vllm_model._original_do_torchao_reload

@@ -30,8 +30,14 @@ one RPC whose stream the worker reads from that area.
 
 A replica whose update failed after vLLM had started loading is torn: the manager keeps it paused, and the actor
 aborts the requests it kept, each ending with ``ReplicaTornError`` (never left waiting), and refuses new ones until
-an update repairs it. One worker per replica: tensor parallelism inside one vLLM engine (several workers behind one
-``collective_rpc``) is not supported yet, and ``create`` refuses it.
+an update repairs it.
+
+**Several workers** (``tensor_parallel_size`` > 1): every vLLM worker is a rollout worker of the replica (the
+manager's ``worker0``, ``worker1``, …; each declares the part of the checkpoint its loaders keep,
+``weightsync.vllm.parts``), while vLLM runs each step on all its workers in one ``collective_rpc``. The manager
+calls each worker; the actor meets the calls of one step (:class:`Rendezvous`) and makes the one RPC, with every
+worker's arguments in it (each vLLM worker takes its own entry), and hands each caller its own result. The proof of
+load keys each worker's sums by its place (``worker1/model.layers.0...``).
 
 What the last update or reload went without, where the installed vLLM lacks an internal the adapter uses (a
 fallback taken, a check skipped: ``weightsync.vllm.internals``), the replica reports in
@@ -44,23 +50,24 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import ray
 
 from weightsync.api.errors import ConfigError, LifecycleError, ReplicaTornError
 from weightsync.api.hooks import WholePauseHooks
+from weightsync.api.parts import PART_KEY, Part
 from weightsync.api.types import StagedUpdate, TransferReport
 from weightsync.api.topology import epoch_of
 from weightsync.core.transports.place import ping_answer
 from weightsync.core.transports.plan import Idle, encode_plan
-from weightsync.core.worker.host import EngineHost, is_untouched
+from weightsync.core.worker.host import EngineHost, check_planned_part, is_untouched
 from weightsync.ray.group import RayStagingWorker, actor_options
 from weightsync.vllm import internals
 from weightsync.vllm.engine import BACKEND, error_from_data
 
-__all__ = ["VllmEngineActor", "VllmRolloutReplica", "engine_args"]
+__all__ = ["Rendezvous", "VllmEngineActor", "VllmRolloutReplica", "VllmWorker", "engine_args"]
 
 EXTENSION = "weightsync.vllm.extension.WeightsyncWorkerExtension"
 
@@ -78,6 +85,38 @@ def engine_args(model: str, **overrides: Any) -> dict[str, Any]:
     return args
 
 
+class Rendezvous:
+    """Where the calls of one step from a replica's workers meet, in its actor: the last to arrive runs the step for
+    all of them (``run``, given every worker's value in worker order) and each caller gets its own entry of the
+    result (an exception entry is raised to its worker alone). A worker that calls again before the others arrived
+    (its step was retried) starts the step anew: the earlier callers get a ``LifecycleError``."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._open: dict[str, tuple[dict[int, Any], asyncio.Future[list[Any]]]] = {}
+
+    async def join(self, step: str, worker: int, value: Any, run: Callable[[list[Any]], Awaitable[list[Any]]]) -> Any:
+        if not 0 <= worker < self.size:
+            raise ConfigError(f"worker {worker} of a replica of {self.size} workers")
+        values, future = self._open.get(step) or ({}, asyncio.get_running_loop().create_future())
+        if worker in values:  # a retried step: the earlier round is over
+            future.set_exception(LifecycleError(f"{step}: worker {worker} called again before every worker had"))
+            future.exception()  # retrieved here: its callers raise it
+            values, future = {}, asyncio.get_running_loop().create_future()
+        values[worker] = value
+        self._open[step] = (values, future)
+        if len(values) == self.size:
+            del self._open[step]
+            try:
+                future.set_result(await run([values[index] for index in range(self.size)]))
+            except BaseException as exc:  # noqa: BLE001 - every caller raises it
+                future.set_exception(exc)
+        result = (await asyncio.shield(future))[worker]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+
 class VllmEngineActor:
     """Body of the Ray actor that owns one ``AsyncLLM`` engine.
 
@@ -93,7 +132,13 @@ class VllmEngineActor:
         self._args = dict(args)
         self._weightsync = weightsync
         self._llm: Any = None
-        self._spec: dict[str, Any] | None = None
+        self.workers = int(args.get("tensor_parallel_size", 1))
+        self._meet = Rendezvous(self.workers)
+        self._specs: list[dict[str, Any]] | None = None
+        self._parts: list[Part | None] = [None] * self.workers
+        """What each vLLM worker declared it holds, at the last prepare."""
+        self._part_notes: list[str] = []
+        """The tensors a worker's part keeps whole where its loaders could not be recorded (``notes``)."""
         self._verified: int | None = None  # the version the last update delivered and verified (set on resume)
         self._torn: str | None = None
         self._requests: set[str] = set()
@@ -122,46 +167,70 @@ class VllmEngineActor:
             raise LifecycleError(f"{self.name}: the vLLM engine is not started")
         return self._llm
 
-    async def _rpc(self, method: str, **kwargs: Any) -> Any:
-        results = await self._engine().collective_rpc(method, kwargs=kwargs)
-        if len(results) != 1:
-            raise ConfigError(f"{self.name}: {len(results)} vLLM workers answered; one worker per replica for now")
-        return results[0]
+    async def _rpc(self, method: str, **kwargs: Any) -> list[Any]:
+        """``method`` on every vLLM worker of the engine, in one ``collective_rpc``: each worker's result."""
+        results = list(await self._engine().collective_rpc(method, kwargs=kwargs))
+        if len(results) != self.workers:
+            raise LifecycleError(f"{self.name}: {len(results)} vLLM workers answered, {self.workers} expected")
+        return results
+
+    def _keyed(self, per_worker: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Every worker's mapping in one, each key prefixed with its worker where there are several."""
+        if self.workers == 1:
+            return dict(per_worker[0])
+        return {f"worker{index}/{key}": value for index, entries in enumerate(per_worker)
+                for key, value in entries.items()}
 
     # -- weightsync's calls ----------------------------------------------------------------------------------------
 
-    async def execute_checkpoint_engine(self, method: str, /, **kwargs: Any) -> Any:
+    async def execute_checkpoint_engine(self, method: str, /, worker: int = 0, **kwargs: Any) -> Any:
         if method == "ping":
             return ping_answer(node_id=self._node_id, host_ip=self._host_ip)
         if method == "prepare":
-            self._spec = dict(kwargs["engine"])
-            metadata = await self._rpc("weightsync_prepare", engine=self._spec, node_id=self._node_id,
-                                       host_ip=self._host_ip)
-            if not self._spec.get("config", {}).get("staged"):
-                await self._drop_stager()
-                return metadata
-            if self._stager is None:
-                self._stager = EngineHost(node_id=self._node_id, host_ip=self._host_ip, name=f"{self.name}'s stager")
-            return await self._stager.execute("prepare", engine=self._spec)
+            return await self._meet.join("prepare", worker, dict(kwargs["engine"]), self._prepare)
         if method == "init_process_group":
-            from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+            return await self._meet.join("init", worker, dict(kwargs["rank_args"]), self._init)
+        if method in ("finalize", "close"):
+            return await self._meet.join(method, worker, None, lambda _: self._finish(method))
+        raise ConfigError(f"unknown checkpoint-engine method {method!r}")
 
-            rank_args = dict(kwargs["rank_args"])
-            epoch = epoch_of(rank_args)
-            if self._stager is not None:  # it takes this rank's place in the world; vLLM's engine reads staging
-                await self._stager.execute("init_process_group", rank_args=rank_args)
-                rank_args = encode_plan(Idle(epoch=epoch))
-            await self._engine().init_weight_transfer_engine(WeightTransferInitRequest(init_info={
-                "engine": self._spec, "rank_args": rank_args, "epoch": epoch,
-            }))
-            return None
+    async def _prepare(self, specs: list[dict[str, Any]]) -> list[Any]:
+        self._specs = specs
+        metadata = await self._rpc("weightsync_prepare", engine=specs, node_id=self._node_id, host_ip=self._host_ip)
+        self._parts = [Part.from_dict(entry[PART_KEY]) if PART_KEY in entry else None for entry in metadata]
+        self._part_notes = [f"worker{index} receives {', '.join(part.fallbacks)} whole: its loaders compute on them "
+                            "or take what is not a box" for index, part in enumerate(self._parts)
+                            if part is not None and part.fallbacks]
+        if not specs[0].get("config", {}).get("staged"):
+            await self._drop_stager()
+            return metadata
+        if self._stager is None:
+            self._stager = EngineHost(node_id=self._node_id, host_ip=self._host_ip, name=f"{self.name}'s stager")
+        # Worker 0's place in the world is the stager's (it may stage for the host); its part stays its own.
+        self._stager.part = self._parts[0]
+        metadata[0] = await self._stager.execute("prepare", engine=specs[0])
+        return metadata
+
+    async def _init(self, rank_args: list[dict[str, Any]]) -> list[Any]:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        epoch = epoch_of(rank_args[0])
+        for index, (args, part) in enumerate(zip(rank_args, self._parts)):  # before anything connects
+            check_planned_part(args, part, who=f"{self.name}/worker{index}")
+        if self._stager is not None:  # it takes worker 0's place in the world; vLLM's worker 0 reads staging
+            await self._stager.execute("init_process_group", rank_args=rank_args[0])
+            rank_args = [idle_keeping_part(rank_args[0], epoch), *rank_args[1:]]
+        await self._engine().init_weight_transfer_engine(WeightTransferInitRequest(init_info={
+            "engine": self._specs, "rank_args": rank_args, "epoch": epoch,
+        }))
+        return [None] * self.workers
+
+    async def _finish(self, method: str) -> list[Any]:
         if method == "close":
             await self._drop_stager()
-        elif method == "finalize" and self._stager is not None:
+        elif self._stager is not None:
             await self._stager.execute("finalize")
-        if method in ("finalize", "close"):
-            return await self._rpc(f"weightsync_{method}")
-        raise ConfigError(f"unknown checkpoint-engine method {method!r}")
+        return await self._rpc(f"weightsync_{method}")
 
     def set_copy(self, mode: str) -> None:
         """How tensors are handed to vLLM's loader from the next update on (``WeightsyncUpdateInfo.copy``: "held",
@@ -172,41 +241,55 @@ class VllmEngineActor:
             raise ConfigError(f"copy must be one of {COPY_MODES}, not {mode!r}")
         self._copy = mode
 
-    async def update_weights(self, *, version: int) -> TransferReport:
-        return await self._update({"version": version, "copy": self._copy})
+    async def update_weights(self, *, version: int, worker: int = 0) -> TransferReport:
+        update_info = {"version": version, "copy": self._copy}
+        report: TransferReport = await self._meet.join(f"update {version}", worker, None,
+                                                       lambda _: self._update(update_info))
+        return report
 
-    async def stage_weights(self, *, version: int) -> StagedUpdate:
-        """A staged update's stage, in this actor (module docstring): vLLM keeps serving."""
-        if self._stager is None:
-            raise LifecycleError(f"{self.name}: stage_weights without a staged prepare (SyncConfig.staged)")
+    async def stage_weights(self, *, version: int, worker: int = 0) -> StagedUpdate:
+        """A staged update's stage, in this actor (module docstring): vLLM keeps serving. Only worker 0 stages (its
+        place in the world is the stager's)."""
+        if self._stager is None or worker != 0:
+            raise LifecycleError(f"{self.name}: stage_weights on worker {worker} without a staged prepare "
+                                 "(SyncConfig.staged; worker 0 stages)")
         return await self._stager.stage(version=version)
 
-    async def apply_staged(self, *, version: int, staged: StagedUpdate) -> TransferReport:
-        """A staged update's swap: vLLM's worker loads what this host staged, as an update's stream."""
-        return await self._update({"version": version, "copy": self._copy, "staged": staged.to_dict()})
+    async def apply_staged(self, *, version: int, staged: StagedUpdate, worker: int = 0) -> TransferReport:
+        """A staged update's swap: vLLM's workers load what this host staged, as an update's stream."""
+        update_info = {"version": version, "copy": self._copy, "staged": staged.to_dict()}
+        report: TransferReport = await self._meet.join(f"apply {version}", worker, None,
+                                                       lambda _: self._update(update_info))
+        return report
 
-    async def _update(self, update_info: dict[str, Any]) -> TransferReport:
+    async def _update(self, update_info: dict[str, Any]) -> list[TransferReport | BaseException]:
+        """One update on every vLLM worker, in one RPC: each worker's report, or its error (a torn replica when any
+        worker's model may have been written)."""
         self._verified = None
         self._timings = {}
         self._load_sums = None
         self._notes = []
         try:
-            try:
-                outcome = await self._rpc("weightsync_update", update_info=update_info)
-            except Exception as exc:  # raised by vLLM itself (its RPC carries only the message)
-                raise LifecycleError(f"{self.name}: vLLM's weight update failed: {exc}") from exc
-            self._notes = [*internals.notes("pause_scheduler"), *outcome.get("notes", ())]
-            if "error" in outcome:
-                raise error_from_data(outcome["error"], where=self.name)
-            report = TransferReport.from_dict(outcome["report"])
-            self._timings["load_seconds"] = float(outcome.get("load_seconds", 0.0))
-            self._load_sums = outcome.get("load_checksums")
-        except BaseException as exc:
-            if not is_untouched(exc):
-                await self.tear(f"{type(exc).__name__}: {exc}")
-            raise
+            outcomes = await self._rpc("weightsync_update", update_info=update_info)
+        except Exception as exc:  # raised by vLLM itself (its RPC carries only the message)
+            error = LifecycleError(f"{self.name}: vLLM's weight update failed: {exc}")
+            await self.tear(f"LifecycleError: {error}")
+            return [error] * self.workers
+        self._notes = sorted({*internals.notes("pause_scheduler"),
+                              *(note for outcome in outcomes for note in outcome.get("notes", ()))})
+        results: list[TransferReport | BaseException] = [
+            error_from_data(outcome["error"], where=f"{self.name}/worker{index}") if "error" in outcome
+            else TransferReport.from_dict(outcome["report"]) for index, outcome in enumerate(outcomes)]
+        failed = [result for result in results if isinstance(result, BaseException)]
+        if failed:
+            touched = [error for error in failed if not is_untouched(error)]
+            if touched:
+                await self.tear(f"{type(touched[0]).__name__}: {touched[0]}")
+            return results
+        self._timings["load_seconds"] = max(float(outcome.get("load_seconds", 0.0)) for outcome in outcomes)
+        self._load_sums = self._keyed([outcome.get("load_checksums") or {} for outcome in outcomes])
         self._verified = int(update_info["version"])
-        return report
+        return results
 
     async def _drop_stager(self) -> None:
         stager, self._stager = self._stager, None
@@ -245,16 +328,18 @@ class VllmEngineActor:
 
     def notes(self) -> list[str]:
         """What the last update or reload went without (``weightsync.vllm.internals.notes``): one line per vLLM
-        internal the installed vLLM lacks, naming its version, the fallback taken or the check skipped; empty when
-        it went without nothing."""
-        return list(self._notes)
+        internal the installed vLLM lacks, naming its version, the fallback taken or the check skipped; and the
+        tensors a worker receives whole because its loaders could not be recorded as regions
+        (``weightsync.vllm.parts``); empty when it went without nothing."""
+        return [*self._part_notes, *self._notes]
 
     async def internals(self, avoid: list[str] | None = None) -> dict[str, dict[str, str]]:
-        """``weightsync.vllm.internals.report()`` of this actor's process and of vLLM's worker, after
-        ``internals.avoid(avoid)`` in both when given (``[]``: every internal the probe found is used again)."""
+        """``weightsync.vllm.internals.report()`` of this actor's process and of vLLM's (first) worker, after
+        ``internals.avoid(avoid)`` in all of them when given (``[]``: every internal the probe found is used
+        again)."""
         if avoid is not None:
             internals.avoid(avoid)
-        return {"actor": internals.report(), "worker": await self._rpc("weightsync_internals", avoid=avoid)}
+        return {"actor": internals.report(), "worker": (await self._rpc("weightsync_internals", avoid=avoid))[0]}
 
     def timings(self) -> dict[str, float]:
         """Measured here and in vLLM's worker for the last update or reload: ``pause_seconds`` (from the pause to
@@ -304,11 +389,9 @@ class VllmEngineActor:
         return self._torn
 
     async def checksums(self) -> dict[str, str]:
-        """vLLM's SHA-256 of every parameter it holds (``AsyncLLM.compute_weight_checksums``), one worker's."""
-        merged: dict[str, str] = {}
-        for worker in await self._engine().compute_weight_checksums():
-            merged.update(worker)
-        return merged
+        """vLLM's SHA-256 of every parameter it holds (``AsyncLLM.compute_weight_checksums``), keyed by worker
+        where there are several."""
+        return self._keyed(list(await self._engine().compute_weight_checksums()))
 
     async def load_checksums(self) -> dict[str, str]:
         """weightsync's proof of load: XXH3-128 of every parameter vLLM holds (``parameter_checksums``). Right after
@@ -316,19 +399,21 @@ class VllmEngineActor:
         paused); asked again, or after anything else, taken anew."""
         sums, self._load_sums = self._load_sums, None
         if sums is None:
-            sums = await self._rpc("weightsync_checksums")
+            sums = self._keyed(await self._rpc("weightsync_checksums"))
         return dict(sums)
 
     async def parameters(self) -> dict[str, list[int]]:
-        return dict(await self._rpc("weightsync_parameters"))
+        """The shape of every parameter vLLM holds, keyed by worker where there are several."""
+        return self._keyed(await self._rpc("weightsync_parameters"))
 
     async def reload(self, path: str) -> dict[str, float]:
         """Load a checkpoint directory with vLLM's own ``reload_weights`` (a reference engine, or the disk route);
         its timings (``WeightsyncWorkerExtension.weightsync_reload``)."""
         self._load_sums = None
         self._notes = []
-        timings = dict(await self._rpc("weightsync_reload", weights_path=path))
-        self._notes = list(timings.pop("notes"))
+        every = [dict(timings) for timings in await self._rpc("weightsync_reload", weights_path=path)]
+        self._notes = sorted({note for timings in every for note in timings.pop("notes")})
+        timings = {key: max(float(entry[key]) for entry in every) for key in every[0]}
         self._timings = {"read_seconds": timings["read_seconds"], "load_seconds": timings["load_seconds"]}
         return timings
 
@@ -342,13 +427,43 @@ class VllmEngineActor:
         llm, self._llm = self._llm, None
         if llm is None:
             return
-        if self._weightsync and self._spec is not None:
+        if self._weightsync and self._specs is not None:
             try:
                 await self._drop_stager()
                 await asyncio.wait_for(llm.collective_rpc("weightsync_close"), 30)
             except Exception:  # noqa: BLE001 - shutting down: the engine's own shutdown still runs
                 pass
         llm.shutdown()
+
+
+class VllmWorker(RayStagingWorker):
+    """One of a replica's vLLM workers, as the manager sees it: its calls go to the replica's actor with its place
+    (``index``), where the calls of every worker of a step meet (:class:`Rendezvous`)."""
+
+    def __init__(self, handle: Any, *, name: str, index: int) -> None:
+        super().__init__(handle, name=name)
+        self.index = index
+
+    def execute_checkpoint_engine(self, method: str, /, **kwargs: Any) -> Any:
+        return self.handle.execute_checkpoint_engine.remote(method, worker=self.index, **kwargs)
+
+    def update_weights(self, *, version: int) -> Any:
+        return self.handle.update_weights.remote(version=version, worker=self.index)
+
+    def stage_weights(self, *, version: int) -> Any:
+        return self.handle.stage_weights.remote(version=version, worker=self.index)
+
+    def apply_staged(self, *, version: int, staged: StagedUpdate) -> Any:
+        return self.handle.apply_staged.remote(version=version, staged=staged, worker=self.index)
+
+
+def idle_keeping_part(rank_args: Mapping[str, Any], epoch: str) -> dict[str, Any]:
+    """An idle plan for ``epoch`` that keeps ``rank_args``' part (a worker that reads the host's staging area
+    verifies its part of what it reads)."""
+    idle = encode_plan(Idle(epoch=epoch))
+    if "part" in rank_args:
+        idle["part"] = rank_args["part"]
+    return idle
 
 
 class VllmRolloutReplica(WholePauseHooks):
@@ -361,24 +476,29 @@ class VllmRolloutReplica(WholePauseHooks):
     reference engine's.
     """
 
-    def __init__(self, handle: Any, *, name: str) -> None:
+    def __init__(self, handle: Any, *, name: str, workers: int = 1) -> None:
         self.handle = handle
         self.name = name
-        # The actor answers a RolloutWorker's calls (and a StagingWorker's) itself.
-        self._workers = [RayStagingWorker(handle, name="worker0")]
+        # The actor answers a RolloutWorker's calls (and a StagingWorker's) itself, for each of vLLM's workers.
+        self._workers = [VllmWorker(handle, name=f"worker{index}", index=index) for index in range(workers)]
 
     @classmethod
     async def create(cls, *, replica: int, args: Mapping[str, Any], weightsync: bool = True,
                      env: Mapping[str, str] | None = None, node_id: str | None = None,
                      ray_options: Mapping[str, Any] | None = None) -> VllmRolloutReplica:
-        """Start the actor and its engine (``args``: ``AsyncEngineArgs`` keywords, see :func:`engine_args`)."""
-        if int(args.get("tensor_parallel_size", 1)) != 1 or int(args.get("pipeline_parallel_size", 1)) != 1:
-            raise ConfigError("VllmRolloutReplica runs one vLLM worker per replica (tensor_parallel_size=1, "
-                              "pipeline_parallel_size=1) for now")
+        """Start the actor and its engine (``args``: ``AsyncEngineArgs`` keywords, see :func:`engine_args`). With
+        ``tensor_parallel_size`` > 1 the replica has that many workers (the module docstring)."""
+        workers = args.get("tensor_parallel_size", 1)
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive int, got {workers!r}")
+        if int(args.get("pipeline_parallel_size", 1)) != 1:
+            raise ConfigError("VllmRolloutReplica does not run pipeline_parallel_size > 1: the installed CPU build of "
+                              "vLLM starts such an engine but fails at its first generate (an AssertionError in its "
+                              "pipeline-parallel scheduling); use tensor_parallel_size")
         name = f"replica{replica}"
         handle = ray.remote(VllmEngineActor).options(**actor_options(ray_options, node_id)).remote(
             name=name, args=args, weightsync=weightsync, env=env)
-        made = cls(handle, name=name)
+        made = cls(handle, name=name, workers=workers)
         try:
             await handle.start.remote()
         except BaseException:

@@ -106,7 +106,7 @@ class Setup:
         labelled += steps.worker_calls(workers, "prepare", [
             {"engine": engine_spec(backend=backend, config=config, role="rollout", rank=rank)}
             for rank in range(len(workers))])
-        metadata: list[WorkerMetadata] = await steps.gather("prepare", timeout, labelled)
+        metadata: list[WorkerMetadata] = await steps.gather("prepare", timeout, labelled, fail_fast=True)
         world = WorldMetadata(actor=metadata[:actor_size], rollout=metadata[actor_size:])
         members = flow.members(world)
         topology = with_epoch(build_checked_topology(  # our engines stamp the epoch; any other gets one here
@@ -124,7 +124,7 @@ class Setup:
                 world.rollout, [label for label, _ in labelled[actor_size:]]))
         labelled = steps.actor_calls("init_process_group", actor_wg=self.actor_wg, rank_args=actor_args)
         labelled += steps.worker_calls(workers, "init_process_group", [{"rank_args": args} for args in rollout_args])
-        await steps.gather("init_process_group", timeout, labelled)
+        await steps.gather("init_process_group", timeout, labelled, fail_fast=True)
         where = {label: decode_metadata(entry, Place, who=label).host for (label, _), entry in zip(labelled, metadata)}
         return Epoch(token=token, world=world, where=where, stripes=topology.stripe_of)
 

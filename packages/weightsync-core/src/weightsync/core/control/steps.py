@@ -92,24 +92,33 @@ def root_cause(errors: list[BaseException]) -> BaseException:
 
 
 async def gather(step: str, timeout: float, labelled: Labelled,
-                 *, raise_first: bool = True) -> list[Any]:
+                 *, raise_first: bool = True, fail_fast: bool = False) -> list[Any]:
     """Await every labelled awaitable under one timeout; the results in order.
 
     With ``raise_first`` the first failure (in order) is raised as a typed error, and a timeout raises
     ``StepTimeoutError`` naming the step and every worker still pending; otherwise failures, and that timeout error
-    for the pending workers, are returned in place of results.
+    for the pending workers, are returned in place of results. With ``fail_fast`` (setup's steps, where nothing is
+    paused yet) the first failure ends the wait a moment later (``CANCEL_WAIT_S``), the calls still pending
+    cancelled, rather than at the timeout.
     """
     if not labelled:
         return []
     started = time.perf_counter()
     futures = [asyncio.ensure_future(awaitable) for _, awaitable in labelled]
     try:
-        done, pending = await asyncio.wait(futures, timeout=timeout)
+        done, pending = await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION
+                                           if fail_fast else asyncio.ALL_COMPLETED)
+        if fail_fast and pending and any(not future.cancelled() and future.exception() is not None for future in done):
+            # A worker failed: its peers' failures that follow from it come within a moment; the step's full
+            # timeout is not waited for (a sender left waiting for a receiver that failed would hold it to the end).
+            more, pending = await asyncio.wait(pending, timeout=CANCEL_WAIT_S)
+            done |= more
     except BaseException:
         for future in futures:
             future.cancel()
         raise
     errors = {future: future.exception() for future in done}  # every one retrieved: none "never retrieved"
+    failed = fail_fast and any(error is not None for error in errors.values())
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("step %s: %d workers in %.3f s (%d failed, %d pending)", step, len(futures),
                      time.perf_counter() - started, sum(error is not None for error in errors.values()), len(pending))
@@ -127,7 +136,7 @@ async def gather(step: str, timeout: float, labelled: Labelled,
             f"step {step!r} did not finish within {timeout:g}s; still waiting for: {', '.join(names)}",
             step=step, workers=names,
         )
-        if raise_first:
+        if raise_first and not failed:
             raise timed_out
     results: list[Any] = []
     for (label, _), future in zip(labelled, futures):

@@ -17,17 +17,20 @@ import torch
 
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import (
-    ConfigError, DestinationError, LifecycleError, SharedMemoryFullError, WeightsyncError, WeightStreamError,
+    ConfigError, DestinationError, LifecycleError, SharedMemoryFullError, TopologyError, WeightsyncError,
+    WeightStreamError,
 )
 from weightsync.api.protocols import CheckpointEngine, ReceivedWeights, WeightSink, next_batch
 from weightsync.api.parts import PART_KEY, Part
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import RankArgs, Role, StagedUpdate, TransferReport, WorkerContext, WorkerMetadata
 from weightsync.core.transports.place import ping_answer
+from weightsync.core.transports.plan import decode
+from weightsync.core.wire.parts import PartPlan
 from weightsync.core.transports.stagearea import StageArea
 
-__all__ = ["EngineHost", "EngineSlot", "StagingEngine", "accepted_options", "build_engine", "engine_spec", "is_untouched",
-           "mark_untouched", "unwrap"]
+__all__ = ["EngineHost", "EngineSlot", "StagingEngine", "accepted_options", "build_engine", "check_planned_part",
+           "engine_spec", "is_untouched", "mark_untouched", "unwrap"]
 
 _METHODS = ("prepare", "init_process_group", "finalize", "close", "ping")
 # What build_engine requires of an engine class: the CheckpointEngine Protocol's methods, build_topology class-level.
@@ -183,6 +186,7 @@ class EngineHost:
         return build_engine(spec, node_id=self.node_id, host_ip=self.host_ip)
 
     def _init_process_group(self, *, rank_args: RankArgs) -> None:
+        check_planned_part(rank_args, self.part, who=self.name or "worker")
         self._engine().init_process_group(rank_args=rank_args)
 
     def _finalize(self) -> None:
@@ -258,6 +262,16 @@ class EngineHost:
                 mark_untouched(exc)
             raise
         return self._finalized(report)
+
+
+def check_planned_part(rank_args: Mapping[str, Any], declared: Part | None, *, who: str) -> None:
+    """A ``TopologyError`` naming ``who`` when its plan's part (``RankPlan.part``) is not the part it declared:
+    the manager planned from other metadata than this worker's; nothing was connected yet."""
+    planned = rank_args.get(PART_KEY)
+    if planned is not None and (declared is None or PartPlan.of(declared, 0).tensors != decode(
+            planned, PartPlan, who=who, what="rank_args").tensors):
+        raise TopologyError(f"{who}: its plan is for another part than the one it declared (the manager planned "
+                            "the update from other metadata than this worker's)", field=f"$.{PART_KEY}")
 
 
 def mark_untouched(error: BaseException) -> None:

@@ -1,0 +1,119 @@
+"""Replicas of several vLLM workers (``tensor_parallel_size=2``): every vLLM worker is a rollout worker of its
+replica, declares the part of the checkpoint its own loaders keep (recorded once, ``weightsync.vllm.parts``), and
+reads and verifies only that part of each update, while vLLM loads through its own loaders as at TP 1. Each update
+is checked against a TP-2 reference engine that loads the same version from its checkpoint (greedy tokens, top-5
+logprobs, vLLM's checksums of every parameter of every worker).
+
+Runs last (its name): it stops the session's TP-1 engines before starting its own (``Serving.stop``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tests run in the vllm env: python3 -m hatch run vllm:test")
+
+import ray  # noqa: E402
+
+from tests.adapters.vllm.conftest import Serving  # noqa: E402
+from tests.adapters.vllm.workloads import PROMPTS  # noqa: E402
+from weightsync.api import SyncConfig  # noqa: E402
+from weightsync.api.errors import TopologyError  # noqa: E402
+from weightsync.api.types import UpdateReport  # noqa: E402
+from weightsync.core import CheckpointEngineManager  # noqa: E402
+from weightsync.core.control import parts as control_parts  # noqa: E402
+from weightsync.core.control import setup as control_setup  # noqa: E402
+from weightsync.vllm import VllmRolloutReplica  # noqa: E402
+
+TP = 2
+
+
+@dataclass
+class Fleet:
+    serving: Serving
+    replicas: list[VllmRolloutReplica]
+    reference: VllmRolloutReplica
+
+    def run(self, awaitable: Any) -> Any:
+        return self.serving.loop.run_until_complete(awaitable)
+
+    def manager(self, **config: Any) -> CheckpointEngineManager:
+        return CheckpointEngineManager(backend="shm", actor_wg=self.serving.actor_wg, replicas=self.replicas,
+                                       config=SyncConfig(bucket_bytes=256 << 10, **config))
+
+    def version(self, name: str, *, lr: float = 1e-3) -> str:
+        ray.get(self.serving.actor_wg.call("train", 1, lr))
+        return str(ray.get(self.serving.actor_wg.handles[0].call.remote("save", str(self.serving.checkpoints / name))))
+
+    def generate(self, replica: VllmRolloutReplica) -> list[dict[str, Any]]:
+        return [ray.get(replica.generate(prompt, max_tokens=6, logprobs=5)) for prompt in PROMPTS]
+
+    def assert_same_as_reference(self, path: str) -> None:
+        self.run(self.reference.call("reload", path))
+        expected, sums = self.generate(self.reference), self.run(self.reference.vllm_checksums())
+        assert len(sums) > 0 and all(key.startswith(("worker0/", "worker1/")) for key in sums)
+        for replica in self.replicas:
+            mine = self.generate(replica)
+            assert [o["token_ids"] for o in mine] == [o["token_ids"] for o in expected], replica.name
+            assert [o["logprobs"] for o in mine] == [o["logprobs"] for o in expected], replica.name
+            assert self.run(replica.vllm_checksums()) == sums, replica.name
+
+
+@pytest.fixture(scope="module")
+def fleet(serving: Serving) -> Iterator[Fleet]:
+    serving.stop()  # the session's TP-1 engines: never alive together with these
+    made = serving.start_engines(3, weightsync=2, tensor_parallel_size=TP)
+    try:
+        yield Fleet(serving, made[:2], made[2])
+    finally:
+        serving.stop_engines(made)
+
+
+def model_bytes(fleet: Fleet) -> int:
+    return int(ray.get(fleet.serving.actor_wg.handles[0].call.remote("nbytes")))
+
+
+def check_parts(report: UpdateReport, model: int) -> None:
+    """Every worker verified its part: two distinct parts, one per TP rank, each about half the model."""
+    receivers = [transfer for transfer in report.transfers if transfer.role == "rollout"]
+    assert sorted(transfer.part for transfer in receivers) == [0, 0, 1, 1], receivers
+    for transfer in receivers:
+        assert 0.45 * model < transfer.part_bytes <= 0.52 * model + 4096, (transfer.part_bytes, model)
+
+
+@pytest.mark.parametrize("mode", ["full", "delta", "staged"])
+def test_a_tp2_replica_takes_updates_and_matches_a_tp2_reference(fleet: Fleet, mode: str) -> None:
+    manager = fleet.manager(delta=mode == "delta", staged=mode == "staged")
+    first = fleet.run(manager.update_weights())
+    assert first.ok, first.replicas
+    if mode != "delta":
+        check_parts(first, model_bytes(fleet))
+    path = fleet.version(f"tp2_{mode}", lr=1e-6 if mode == "delta" else 1e-3)
+    report = fleet.run(manager.update_weights())
+    assert report.ok, report.replicas
+    assert [o.received for o in report.replicas] == ["changes" if mode == "delta" else "full"] * 2
+    fleet.assert_same_as_reference(path)
+    sums = fleet.run(fleet.replicas[0].weight_checksums())
+    assert {key.split("/")[0] for key in sums} == {"worker0", "worker1"}  # the proof of load, by worker
+
+
+def test_a_worker_planned_for_another_part_is_refused_before_any_pause(fleet: Fleet,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test hook swaps the parts the manager hands replica1's two workers: each worker finds its plan is not for
+    the part it declared, and the update fails naming it before any replica is paused."""
+    declared = control_parts.declared_parts
+
+    def swapped(rollout: Any, labels: Any) -> Any:
+        parts = declared(rollout, labels)
+        parts[2], parts[3] = parts[3], parts[2]
+        return parts
+
+    monkeypatch.setattr(control_setup, "declared_parts", swapped)
+    manager = fleet.manager()
+    before = [fleet.run(replica.call("pause_log")) for replica in fleet.replicas]
+    with pytest.raises(TopologyError, match="replica1/worker"):
+        fleet.run(manager.update_weights())
+    assert [fleet.run(replica.call("pause_log")) for replica in fleet.replicas] == before
