@@ -124,3 +124,43 @@ def test_box_of_tells_a_box_from_what_is_not_one() -> None:
     assert box_of(positions[1:3, 2:5].t().contiguous(), (4, 6)) == Region(start=(1, 2), size=(2, 3))
     assert box_of(positions[[0, 2]], (4, 6)) is None  # rows 0 and 2: their span holds row 1 too
     assert box_of(torch.cat([positions[0], positions[0]]), (4, 6)) is None  # a row twice is not a box
+
+
+def test_the_calls_of_one_step_meet_and_each_worker_gets_its_own_result() -> None:
+    """``Rendezvous``: the last of a replica's workers to call runs the step once, with every worker's value; each
+    gets its own entry (an error entry raised to that worker alone); a worker calling again before the others
+    arrived starts the step anew, and the earlier callers are told."""
+    import asyncio
+
+    from weightsync.api.errors import LifecycleError
+    from weightsync.vllm.actor import Rendezvous
+
+    runs: list[list[Any]] = []
+
+    async def run(values: list[Any]) -> list[Any]:
+        runs.append(values)
+        return [f"done {value}" if value != "bad" else ValueError("worker 1's own failure") for value in values]
+
+    async def scenario() -> list[Any]:
+        meet = Rendezvous(3)
+        return list(await asyncio.gather(*(meet.join("init", worker, value, run)
+                                           for worker, value in ((2, "c"), (0, "a"), (1, "bad"))),
+                                         return_exceptions=True))
+
+    first, second, third = asyncio.run(scenario())
+    assert runs == [["a", "bad", "c"]] and first == "done c" and second == "done a"
+    assert isinstance(third, ValueError)
+
+    async def retried() -> list[Any]:
+        meet = Rendezvous(2)
+        early = asyncio.ensure_future(meet.join("prepare", 0, "old", run))
+        await asyncio.sleep(0)
+        again = asyncio.ensure_future(meet.join("prepare", 0, "new", run))
+        await asyncio.sleep(0)
+        other = await meet.join("prepare", 1, "b", run)
+        return [await asyncio.gather(early, return_exceptions=True), await again, other]
+
+    runs.clear()
+    (early,), again, other = asyncio.run(retried())
+    assert isinstance(early, LifecycleError) and again == "done new" and other == "done b"
+    assert runs == [["new", "b"]]

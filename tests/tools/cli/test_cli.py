@@ -122,6 +122,20 @@ def test_demo_staged_is_bit_exact() -> None:
     assert len(steps) == 2 and all(re.search(r"replicas paused \d+ ms$", line) for line in steps), steps
 
 
+def test_demo_tp2_replicas_hold_halves_whose_logits_are_bit_exact() -> None:
+    """Replicas of two workers, each holding half of every split layer: each verifies its part (about half the
+    model: the norms whole on both), and the halves put together give the trainer's logits."""
+    result = weightsync("demo", "--backend", "shm", "--steps", "2", "--model-mb", "12", "--replicas", "2",
+                        "--tp", "2")
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert lines[-1] == "2/2 steps bit-exact" and "of 2 workers, each holding its part" in lines[0]
+    pattern = re.compile(r"step \d/2 .* ([\d.]+) MB  each worker verified its part \(([\d.]+) MB\)")
+    sizes = [tuple(map(float, match.groups())) for line in lines if (match := pattern.match(line))]
+    assert len(sizes) == 2 and all(0.45 * whole < part < 0.55 * whole for whole, part in sizes), result.stdout
+    assert weightsync("demo", "--tp", "0").returncode == 2  # refused before anything starts
+
+
 def test_migrate_check_is_wired_into_the_command(tmp_path: pathlib.Path) -> None:
     clean = tmp_path / "clean.py"
     clean.write_text("x = 1\n")

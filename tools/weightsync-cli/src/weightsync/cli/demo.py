@@ -30,7 +30,9 @@ from weightsync.api.config import MiB, SyncConfig
 from weightsync.api.errors import WeightsyncError
 from weightsync.api.protocols import load_into
 from weightsync.api.types import UpdateReport
-from weightsync.cli.model import LlamaConfig, TinyLlama, config_for_megabytes
+from weightsync.cli.model import (
+    LlamaConfig, TinyLlama, config_for_megabytes, tensor_parallel_dims, tensor_parallel_part,
+)
 from weightsync.cli.progress import Progress
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.tensors import as_byte_view, memoryview_of
@@ -105,6 +107,46 @@ class DemoTrainer:
         return _logits_bytes(copy.deepcopy(self.model).to(self.served), prompt)
 
 
+class DemoShard:
+    """One tensor-parallel rollout worker: it holds its part of every layer (``tensor_parallel_part``: half of each
+    split parameter at ``--tp 2``, the norms whole), taken from the update's views as an inference engine's loader
+    takes its slice. The demo assembles a replica's shards on the driver to check its logits."""
+
+    def __init__(self, replica: int, worker: int, *, config: LlamaConfig, tp: int) -> None:
+        torch.set_num_threads(1)
+        self.part = tensor_parallel_part(config, worker, tp)
+        self.held: dict[str, torch.Tensor] = {}
+        self.serving = True
+
+    async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
+        async for name, tensor in weights:
+            regions = self.part.regions(name)
+            if regions is None:
+                self.held[name] = tensor.clone()
+                continue
+            (region,) = regions
+            self.held[name] = tensor[tuple(slice(start, start + size) for start, size
+                                           in zip(region.start, region.size))].clone()
+
+    def shard(self) -> dict[str, torch.Tensor]:
+        return dict(self.held)
+
+    def abort_all_requests(self) -> None:
+        self.serving = False
+
+    def resume_generation(self) -> None:
+        self.serving = True
+
+
+def assembled_logits(shards: list[dict[str, torch.Tensor]], config: LlamaConfig, prompt: list[list[int]]) -> bytes:
+    """The logits of the model a tensor-parallel replica's workers hold together (each its ``shard``)."""
+    model = TinyLlama(config, seed=0).to(next(iter(shards[0].values())).dtype)
+    dims = tensor_parallel_dims({name: tuple(tensor.shape) for name, tensor in model.named_parameters()})
+    whole = {name: torch.cat([shard[name] for shard in shards], dim) for name, dim in dims.items()}
+    model.load_state_dict({**shards[0], **whole})
+    return _logits_bytes(model, prompt)
+
+
 class DemoRolloutModel:
     """One rollout worker's inference model: the ``WeightSink`` (and pause hooks) of a rollout worker."""
 
@@ -155,6 +197,9 @@ class DemoOptions:
     then says how many bytes crossed per receiver."""
     staged: bool = False
     """Staged updates (``SyncConfig.staged``): the replicas serve while the update is staged, paused only to swap."""
+    tp: int = 1
+    """Workers per replica, each holding its tensor-parallel part of every layer (``weightsync.api.parts``): each
+    reads and verifies only its part of every update."""
 
 
 def free_port() -> int:
@@ -171,6 +216,9 @@ def step_line(report: UpdateReport, step: str, *, exact: bool, delta: bool) -> s
         full = sum(outcome.received == "full" for outcome in report.replicas)
         sent = (f"  sent {report.wire_bytes / 1e6:.1f} MB ({report.changed_fraction:.1%} changed; "
                 f"{full}/{len(report.replicas)} replicas full)")
+    parted = [transfer.part_bytes for transfer in report.transfers if transfer.role == "rollout" and transfer.part >= 0]
+    if parted:
+        sent += f"  each worker verified its part ({max(parted) / 1e6:.1f} MB)"
     paused = max((outcome.pause_seconds for outcome in report.replicas), default=0.0)
     return (f"step {step}  version {report.version}  {report.nbytes / 1e6:.1f} MB{sent}  "
             f"{report.transfer_seconds:.3f} s  {report.gbps_per_receiver:.2f} GB/s per receiver  "
@@ -178,14 +226,36 @@ def step_line(report: UpdateReport, step: str, *, exact: bool, delta: bool) -> s
             f"replicas paused {paused * 1e3:.0f} ms")
 
 
+def make_replicas(options: DemoOptions, config: LlamaConfig, served: torch.dtype) -> list[Any]:
+    """The demo's replicas: one worker each holding the whole model, or ``options.tp`` workers each holding its
+    tensor-parallel part."""
+    from weightsync.ray import RayRolloutReplica
+
+    if options.tp == 1:
+        return [RayRolloutReplica.create(replica=index, sink_factory=functools.partial(
+            DemoRolloutModel, config=config, dtype=served)) for index in range(options.replicas)]
+    parts = [tensor_parallel_part(config, rank, options.tp) for rank in range(options.tp)]  # ConfigError if uneven
+    return [RayRolloutReplica.create(replica=index, sink_factory=functools.partial(DemoShard, config=config,
+                                                                                      tp=options.tp),
+                                     num_workers=options.tp, parts=parts) for index in range(options.replicas)]
+
+
+async def replica_logits(replicas: list[Any], config: LlamaConfig, tp: int) -> list[bytes]:
+    """Each replica's logits of ``PROMPT`` (a tensor-parallel replica's from its workers' shards put together)."""
+    if tp == 1:
+        return list(await asyncio.gather(*(replica.call("logits", PROMPT)[0] for replica in replicas)))
+    shards = [await asyncio.gather(*replica.call("shard")) for replica in replicas]
+    return [assembled_logits(list(held), config, PROMPT) if all(held) else b"" for held in shards]
+
+
 async def run_demo(options: DemoOptions) -> int:
     import ray
 
     from weightsync.core.control.manager import CheckpointEngineManager
-    from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
+    from weightsync.ray import RayActorWorkerGroup
 
-    if options.steps < 1 or options.replicas < 1 or options.model_mb <= 0 or options.bucket_mb < 1:
-        raise SystemExit("weightsync demo: --steps, --replicas, --model-mb and --bucket-mb must be positive")
+    if min(options.steps, options.replicas, options.bucket_mb, options.tp) < 1 or options.model_mb <= 0:
+        raise SystemExit("weightsync demo: --steps, --replicas, --model-mb, --bucket-mb and --tp must be positive")
     started = time.perf_counter()
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     # "local" starts a cluster of our own even when another one runs on this machine.
@@ -197,7 +267,9 @@ async def run_demo(options: DemoOptions) -> int:
     model_bytes = config.parameters * served.itemsize
     print(f"weightsync demo: backend {options.backend}, TinyLlama {config.num_layers} layers "
           f"({model_bytes / 1e6:.1f} MB {'bf16, fp32 masters' if options.delta else 'fp32'}, AdamW lr {lr:g}), "
-          f"actor_wg of 2 ranks, {options.replicas} rollout replicas{', staged updates' if options.staged else ''}")
+          f"actor_wg of 2 ranks, {options.replicas} rollout replicas"
+          f"{f' of {options.tp} workers, each holding its part' if options.tp > 1 else ''}"
+          f"{', staged updates' if options.staged else ''}")
     progress = Progress(options.steps)
     actor_wg: Any = None
     replicas: list[Any] = []
@@ -206,11 +278,7 @@ async def run_demo(options: DemoOptions) -> int:
         actor_wg = RayActorWorkerGroup.create(
             world_size=2, source_factory=functools.partial(DemoTrainer, config=config, lr=lr, served=served)
         )
-        replicas = [
-            RayRolloutReplica.create(
-                replica=index, sink_factory=functools.partial(DemoRolloutModel, config=config, dtype=served))
-            for index in range(options.replicas)
-        ]
+        replicas = make_replicas(options, config, served)
         address = await actor_wg.call("address")[0]
         await asyncio.gather(*actor_wg.call("join", f"tcp://{address}:{free_port()}"))
         manager = CheckpointEngineManager(
@@ -218,8 +286,8 @@ async def run_demo(options: DemoOptions) -> int:
             config=SyncConfig(bucket_bytes=options.bucket_mb * MiB, delta=options.delta, staged=options.staged),
         )
         trainer_logits = await actor_wg.call("logits", PROMPT)[0]
-        before = await asyncio.gather(*(replica.call("logits", PROMPT)[0] for replica in replicas))
-        if any(logits == trainer_logits for logits in before) or len(set(before)) != len(before):
+        before = await replica_logits(replicas, config, options.tp)
+        if options.tp == 1 and (any(logits == trainer_logits for logits in before) or len(set(before)) != len(before)):
             print("error: replicas did not start from weights of their own")
             return 1
         previous = ""
@@ -233,7 +301,7 @@ async def run_demo(options: DemoOptions) -> int:
             progress.show(step - 1, f"step {step}: syncing")
             report = await manager.update_weights(version=step)
             expected = await actor_wg.call("logits", PROMPT)[0]
-            got = await asyncio.gather(*(ref for replica in replicas for ref in replica.call("logits", PROMPT)))
+            got = await replica_logits(replicas, config, options.tp)
             exact = all(logits == expected for logits in got)
             exact_steps += exact
             progress.show(step, f"step {step}: {'bit-exact' if exact else 'MISMATCH'}")

@@ -93,6 +93,10 @@ def _add_demo(commands: Any) -> None:
     demo.add_argument("--staged", action="store_true",
                       help="staged updates (SyncConfig.staged): replicas serve while each host stages the update, "
                            "and pause only to swap it in")
+    demo.add_argument("--tp", type=int, default=1, metavar="N",
+                      help="workers per replica, each holding its tensor-parallel part of every layer and reading "
+                           "and verifying only that part of each update (default 1: each replica holds the whole "
+                           "model); the logits are checked from the workers' parts put together")
     demo.add_argument("--rollout", choices=["model", "vllm"], default="model",
                       help="what the replicas are: a small PyTorch model of ours (default), or real vLLM engines "
                            "(needs vLLM: python3 -m hatch run vllm:demo), each step checked against a vLLM engine "
@@ -275,8 +279,10 @@ def _positive(*values: float | None) -> bool:
 
 def _demo_error(args: argparse.Namespace) -> str:
     """What is wrong with ``demo``'s options, or ''."""
-    if not _positive(args.steps, args.replicas, args.model_mb, args.bucket_mb):
-        return "--steps, --replicas, --model-mb and --bucket-mb must be positive"
+    if not _positive(args.steps, args.replicas, args.model_mb, args.bucket_mb, args.tp):
+        return "--steps, --replicas, --model-mb, --bucket-mb and --tp must be positive"
+    if args.tp > 1 and args.rollout == "vllm":
+        return "--tp is the demo's own model's: vLLM's tensor parallelism is tested in vllm:test (test_vllm_workers)"
     return _unknown_backend([args.backend])
 
 
@@ -336,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     options = DemoOptions(
         backend=args.backend, steps=args.steps, replicas=args.replicas, model_mb=args.model_mb,
-        bucket_mb=args.bucket_mb, address=args.address, delta=args.delta, staged=args.staged,
+        bucket_mb=args.bucket_mb, address=args.address, delta=args.delta, staged=args.staged, tp=args.tp,
     )
     error = _demo_error(args)
     if error:

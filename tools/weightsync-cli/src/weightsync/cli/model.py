@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LlamaConfig", "TinyLlama", "config_for_megabytes"]
+from weightsync.api.parts import Part
+
+__all__ = ["LlamaConfig", "TinyLlama", "config_for_megabytes", "tensor_parallel_part", "tensor_parallel_dims"]
 
 
 @dataclass(frozen=True)
@@ -143,3 +145,21 @@ class TinyLlama(nn.Module):
             x = layer(x, cos, sin)
         logits: torch.Tensor = self.lm_head(self.model.norm(x))
         return logits
+
+
+_ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
+"""Layers whose input is split across tensor-parallel ranks: each rank holds a block of their columns."""
+
+
+def tensor_parallel_dims(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """The dimension tensor parallelism splits each parameter along, as vLLM's Llama does: the vocabulary of the
+    embedding and the head, the rows of q/k/v, gate and up (column-parallel), the columns of o and down
+    (row-parallel); norms are not split (every rank holds them whole)."""
+    return {name: 1 if name.endswith(_ROW_PARALLEL) else 0 for name, shape in shapes.items() if len(shape) == 2}
+
+
+def tensor_parallel_part(config: LlamaConfig, rank: int, size: int) -> Part:
+    """Rank ``rank`` of ``size``'s part of a ``TinyLlama`` of ``config`` (``weightsync.api.parts.Part``)."""
+    with torch.device("meta"):
+        shapes = {name: tuple(param.shape) for name, param in TinyLlama(config, seed=0).named_parameters()}
+    return Part.split(shapes, dims=tensor_parallel_dims(shapes), rank=rank, parts=size)
