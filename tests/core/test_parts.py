@@ -18,7 +18,7 @@ from weightsync.api.types import RankArgs, WorkerMetadata
 from weightsync.core.control.parts import declared_parts, with_declared_parts
 from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.parts import PartPlan, PartSums, byte_runs, check_sums
-from weightsync.core.wire.tensors import as_byte_view, dtype_name
+from weightsync.core.wire.tensors import as_byte_view, dtype_name, memoryview_of
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 Stream = list[tuple[str, torch.Tensor]]
@@ -471,3 +471,37 @@ def test_malformed_boxes_and_splits_are_config_errors_naming_the_tensor() -> Non
         Part.split({"a": (4,)}, dims={"b": 0}, rank=0, parts=2)
     with pytest.raises(ConfigError):
         Region(start=(True,), size=(True,))
+
+
+def test_gathered_and_direct_runs_hash_the_selected_bytes_in_row_major_order() -> None:
+    """A block of columns of a large tensor (rows of 2 KiB: gathered, 256 KiB per native copy, several groups per
+    piece) next to a block of rows (one long run: hashed where it lies), folded in uneven pieces: each tensor's sum is
+    XXH3-64 of its name, dtype and shape, then exactly its selected bytes in row-major order."""
+    import xxhash
+
+    from weightsync.core.wire.parts import DIRECT_BYTES, GATHER_BYTES, PartLayout, PartSums
+
+    shape = (1024, 2048)  # bytes per row: 4096 (bfloat16)
+    columns = Region.narrow(shape, 1, 1024, 1024)  # 2 KiB of each row
+    rows = Region.narrow(shape, 0, 256, 512)  # one 2 MiB run
+    plan = PartPlan.of(Part(tensors={"a": (columns,), "b": (rows,)}), 0)
+    generator = torch.Generator().manual_seed(9)
+    tensors = {name: torch.randint(-(1 << 15), 1 << 15, shape, dtype=torch.int16, generator=generator)
+               .view(torch.bfloat16) for name in ("a", "b")}
+    assert 2048 < DIRECT_BYTES and 2 * 1024 * 512 > DIRECT_BYTES and 1024 * 2048 > 3 * GATHER_BYTES
+    layout = PartLayout(plan)
+    for cuts in ((0, 1 << 22), (0, 700_001, 2_300_000, 1 << 22)):
+        sums = PartSums(layout)
+        for name, tensor in tensors.items():
+            data = tensor.contiguous().view(torch.uint8).reshape(-1)
+            for low, high in zip(cuts, cuts[1:]):
+                meta = TensorMeta(name, "bfloat16", shape, low, high - low, 1 << 22, 0)
+                sums.fold(meta, data.data_ptr() + low)
+        expected = b""
+        for name, region in (("a", columns), ("b", rows)):
+            selected = tensors[name][tuple(slice(s, s + n) for s, n in zip(region.start, region.size))]
+            digest = xxhash.xxh3_64(f"{name}\0bfloat16\0{shape}".encode())
+            kept = as_byte_view(selected.contiguous())  # alive while its bytes are read
+            digest.update(bytes(memoryview_of(kept)))
+            expected += digest.intdigest().to_bytes(8, "little")
+        assert sums.sums() == expected, cuts

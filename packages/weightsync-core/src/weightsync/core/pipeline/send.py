@@ -33,7 +33,7 @@ from weightsync.core.transports.seam import NO_SLOT, SenderTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.layout import PlannedBucket, pack_hashing, piece_bytes
-from weightsync.core.wire.parts import PartPlan, PartSums
+from weightsync.core.wire.parts import PartLayout, PartSums
 
 __all__ = ["SendPipeline", "drain"]
 
@@ -128,7 +128,7 @@ class SendPipeline:
         return self.delta.begin()
 
     async def send(self, transport: SenderTransport, weights: Iterable[object], *, epoch: str, version: int,
-                   started: float, stripe: tuple[int, int] = (0, 1), parts: list[PartPlan] | None = None
+                   started: float, stripe: tuple[int, int] = (0, 1), parts: list[PartLayout] | None = None
                    ) -> TransferReport:
         """Send one update; ``stripe``: (s, K), this sender's stripe of K (one sender of everything: (0, 1));
         ``parts``: the distinct parts the receivers declared."""

@@ -25,10 +25,11 @@ import xxhash
 
 from weightsync.api.errors import ConfigError, PartMismatchError
 from weightsync.api.parts import Part, Region
+from weightsync.core.native import copy_batch
 from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.tensors import DTYPES, memoryview_at
 
-__all__ = ["PartPlan", "PartSums", "byte_runs", "check_sums"]
+__all__ = ["PartLayout", "PartPlan", "PartSums", "byte_runs", "check_sums"]
 
 SUM_BYTES = 8
 
@@ -99,21 +100,29 @@ def byte_runs(boxes: Sequence[Box], shape: Sequence[int], itemsize: int, *, name
     return begin[opens].tolist(), reach[last_of].tolist()
 
 
-class PartSums:
-    """The sums of one part (module docstring), folded piece by piece in stream order."""
+DIRECT_BYTES = 16 << 10
+"""A run at least this long is hashed where it lies; shorter ones (the rows of a block of columns) are gathered."""
+GATHER_BYTES = 256 << 10
+"""Short runs are gathered, one native copy per this many bytes, into a buffer that stays in the core's cache, and
+hashed there in one call: a hash call per short run costs more than copying it."""
+
+Step = tuple[int, int] | tuple[list[int], int]
+"""How to read one piece's selected bytes: ``(offset, nbytes)`` where they lie, or ``(triples, nbytes)`` gathered
+(``copy_batch``'s ``(scratch offset, piece offset, nbytes)`` triples)."""
+
+
+class PartLayout:
+    """What a part's sums need of a model's tensors, kept across updates (a model's next update repeats its
+    layout): each tensor's byte runs, each piece's steps, and the buffer short runs are gathered into."""
 
     def __init__(self, plan: PartPlan) -> None:
         self.plan = plan
-        self.names: list[str] = []
-        """The tensors folded so far, in order (the sums' order)."""
-        self._sums = bytearray()
         self._runs: dict[str, tuple[str, tuple[int, ...], Runs | None]] = {}
         """Per tensor: the dtype and shape its runs were computed for, and the runs (None: the whole tensor)."""
-        self._hash: xxhash.xxh3_64 | None = None
-        self.nbytes = 0
-        """Bytes of the part read and hashed so far."""
+        self._steps: dict[tuple[str, str, tuple[int, ...], int, int], tuple[list[Step], int]] = {}
+        self._scratch: torch.Tensor | None = None
 
-    def _runs_of(self, meta: TensorMeta) -> Runs | None:
+    def runs_of(self, meta: TensorMeta) -> Runs | None:
         known = self._runs.get(meta.name)
         if known is not None and known[0] == meta.dtype and known[1] == meta.shape:
             return known[2]
@@ -122,30 +131,80 @@ class PartSums:
         self._runs[meta.name] = (meta.dtype, meta.shape, runs)
         return runs
 
+    def steps(self, meta: TensorMeta, runs: Runs) -> tuple[list[Step], int]:
+        """How to read ``meta``'s piece of a tensor whose runs are ``runs``, and how many bytes that is."""
+        key = (meta.name, meta.dtype, meta.shape, meta.offset, meta.nbytes)
+        known = self._steps.get(key)
+        if known is None:
+            known = self._steps[key] = _steps(runs, meta.offset, meta.offset + meta.nbytes)
+        return known
+
+    def scratch(self) -> int:
+        if self._scratch is None:
+            self._scratch = torch.zeros(GATHER_BYTES, dtype=torch.uint8)  # faulted in once
+        return int(self._scratch.data_ptr())
+
+
+def _steps(runs: Runs, first: int, end: int) -> tuple[list[Step], int]:
+    steps: list[Step] = []
+    group: list[int] = []
+    gathered = total = 0
+    starts, ends = runs
+    for at in range(bisect.bisect_right(ends, first), len(starts)):
+        if starts[at] >= end:
+            break
+        low, high = max(starts[at], first), min(ends[at], end)
+        if high - low >= DIRECT_BYTES or gathered + high - low > GATHER_BYTES:
+            if group:
+                steps.append((group, gathered))
+                group, gathered = [], 0
+        if high - low >= DIRECT_BYTES:
+            steps.append((low - first, high - low))
+        else:
+            group += (gathered, low - first, high - low)
+            gathered += high - low
+        total += high - low
+    if group:
+        steps.append((group, gathered))
+    return steps, total
+
+
+class PartSums:
+    """The sums of one part (module docstring) for one update, folded piece by piece in stream order."""
+
+    def __init__(self, layout: PartLayout | PartPlan) -> None:
+        self.layout = layout if isinstance(layout, PartLayout) else PartLayout(layout)
+        self.plan = self.layout.plan
+        self.names: list[str] = []
+        """The tensors folded so far, in order (the sums' order)."""
+        self._sums = bytearray()
+        self._hash: xxhash.xxh3_64 | None = None
+        self.nbytes = 0
+        """Bytes of the part read and hashed so far."""
+
     def fold(self, meta: TensorMeta, address: int) -> None:
         """Fold one piece: ``meta``'s range of its tensor's bytes, which lie in host memory at ``address``."""
-        runs = self._runs_of(meta)
+        runs = self.layout.runs_of(meta)
         if runs is not None and not runs[0]:
             return  # nothing of this tensor
         if meta.offset == 0 or self._hash is None:
             self._hash = xxhash.xxh3_64()
             self._hash.update(f"{meta.name}\0{meta.dtype}\0{tuple(meta.shape)}".encode())
-        first, nbytes = meta.offset, meta.nbytes
         if runs is None:
-            if nbytes:
-                self._hash.update(memoryview_at(address, nbytes))
-                self.nbytes += nbytes
+            if meta.nbytes:
+                self._hash.update(memoryview_at(address, meta.nbytes))
+                self.nbytes += meta.nbytes
         else:
-            starts, ends = runs
-            end = first + nbytes
-            for at in range(bisect.bisect_right(ends, first), len(starts)):
-                low = starts[at]
-                if low >= end:
-                    break
-                low, high = max(low, first), min(ends[at], end)
-                self._hash.update(memoryview_at(address + low - first, high - low))
-                self.nbytes += high - low
-        if first + nbytes == meta.total_nbytes:
+            steps, total = self.layout.steps(meta, runs)
+            for where, nbytes in steps:
+                if isinstance(where, int):
+                    self._hash.update(memoryview_at(address + where, nbytes))
+                else:
+                    scratch = self.layout.scratch()
+                    copy_batch(where, scratch, address)
+                    self._hash.update(memoryview_at(scratch, nbytes))
+            self.nbytes += total
+        if meta.offset + meta.nbytes == meta.total_nbytes:
             self.names.append(meta.name)
             self._sums += self._hash.intdigest().to_bytes(SUM_BYTES, "little")
             self._hash = None
