@@ -42,7 +42,8 @@ class Fleet:
 
     def manager(self, **config: Any) -> CheckpointEngineManager:
         return CheckpointEngineManager(backend="shm", actor_wg=self.serving.actor_wg, replicas=self.replicas,
-                                       config=SyncConfig(bucket_bytes=256 << 10, **config))
+                                       config=SyncConfig(bucket_bytes=config.pop("bucket_bytes", 256 << 10),
+                                                         **config))
 
     def version(self, name: str, *, lr: float = 1e-3) -> str:
         ray.get(self.serving.actor_wg.call("train", 1, lr))
@@ -117,3 +118,25 @@ def test_a_worker_planned_for_another_part_is_refused_before_any_pause(fleet: Fl
     with pytest.raises(TopologyError, match="replica1/worker"):
         fleet.run(manager.update_weights())
     assert [fleet.run(replica.call("pause_log")) for replica in fleet.replicas] == before
+
+
+def test_a_tp2_update_that_fails_part_way_tears_both_workers_and_the_next_repairs(fleet: Fleet) -> None:
+    """The sender fails after 12 tensors, buckets of 40 KiB (a fused layer's parts in several buckets): both
+    workers of each replica are torn, the replicas stay paused; the next update commits them, equal to the
+    reference."""
+    manager = fleet.manager(bucket_bytes=40 << 10)
+    fleet.run(manager.update_weights())
+    ray.get(fleet.serving.actor_wg.call("set_fail_after", 12))
+    try:
+        fleet.version("tp2_failing")
+        with pytest.raises(Exception):
+            fleet.run(manager.update_weights())
+        assert [o.state for o in manager.status()] == ["torn", "torn"]
+        assert all(fleet.run(replica.call("is_paused")) for replica in fleet.replicas)
+    finally:
+        ray.get(fleet.serving.actor_wg.call("set_fail_after", None))
+    path = str(ray.get(fleet.serving.actor_wg.handles[0].call.remote(
+        "save", str(fleet.serving.checkpoints / "tp2_after"))))
+    report = fleet.run(manager.update_weights())
+    assert report.ok and not any(fleet.run(replica.call("is_paused")) for replica in fleet.replicas)
+    fleet.assert_same_as_reference(path)

@@ -53,9 +53,9 @@ import torch
 
 from weightsync.api.errors import ConfigError
 
-__all__ = ["AVOID_ENV", "Internal", "InternalName", "VLLM_VERSION", "avoid", "copy_held", "missing_layers",
-           "mtp_check_disabled", "notes", "loadable", "observe_load_weights", "pause_keeping", "probe", "register_engine",
-           "report", "usable"]
+__all__ = ["AVOID_ENV", "Internal", "InternalName", "VLLM_VERSION", "avoid", "copy_held", "loadable",
+           "missing_layers", "mtp_check_disabled", "notes", "observe_load_weights", "pause_keeping", "probe",
+           "register_engine", "report", "usable"]
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """``VllmRolloutReplica``: one vLLM ``AsyncLLM`` engine in a Ray actor, as a weightsync ``RolloutReplica``.
 
-The actor (:class:`VllmEngineActor`) owns the engine; vLLM runs its model in a worker process of its own, where
-:class:`~weightsync.vllm.engine.WeightsyncTransferEngine` receives. The driver-side handles forward the manager's
-calls to the actor, which turns them into vLLM calls:
+The actor (:class:`~weightsync.vllm.actor.VllmEngineActor`) owns the engine; vLLM runs its model in a worker
+process of its own, where :class:`~weightsync.vllm.engine.WeightsyncTransferEngine` receives. The driver-side
+handles forward the manager's calls to the actor, which turns them into vLLM calls:
 
 ========================  ==========================================================================================
 manager                   vLLM
@@ -23,10 +23,10 @@ resume                    ``update_weight_version(str(v))`` for a committed upda
 
 A staged update never stops generation to stage: vLLM runs ``collective_rpc`` on its engine core's loop, so a
 receive inside an RPC would. Instead the actor holds an ``EngineHost`` of its own (its *stager* engine, built at
-``prepare`` when the spec says ``staged``): that engine is the one the actor's ``prepare`` answers with and joins
-the transport's world, while vLLM's worker engine joins the epoch idle. ``stage_weights`` receives the update into
-the host's staging area in the actor's process, on threads of its own, as requests keep being served; the swap is
-one RPC whose stream the worker reads from that area.
+``prepare`` when the spec says ``staged``): that engine is the one the actor's ``prepare`` answers with for worker 0
+and joins the transport's world in worker 0's place, while vLLM's worker engines join the epoch idle.
+``stage_weights`` receives the update into the host's staging area in the actor's process, on threads of its own,
+as requests keep being served; the swap is one RPC whose stream every vLLM worker reads from that area.
 
 A replica whose update failed after vLLM had started loading is torn: the manager keeps it paused, and the actor
 aborts the requests it kept, each ending with ``ReplicaTornError`` (never left waiting), and refuses new ones until
@@ -35,9 +35,9 @@ an update repairs it.
 **Several workers** (``tensor_parallel_size`` > 1): every vLLM worker is a rollout worker of the replica (the
 manager's ``worker0``, ``worker1``, …; each declares the part of the checkpoint its loaders keep,
 ``weightsync.vllm.parts``), while vLLM runs each step on all its workers in one ``collective_rpc``. The manager
-calls each worker; the actor meets the calls of one step (:class:`weightsync.vllm.actor.Rendezvous`) and makes the one RPC, with every
-worker's arguments in it (each vLLM worker takes its own entry), and hands each caller its own result. The proof of
-load keys each worker's sums by its place (``worker1/model.layers.0...``).
+calls each worker; the actor meets the calls of one step (``weightsync.vllm.actor.Rendezvous``) and makes the one
+RPC, with every worker's arguments in it (each vLLM worker takes its own entry), and hands each caller its own
+result. The proof of load keys each worker's sums by its place (``worker1/model.layers.0...``).
 
 What the last update or reload went without, where the installed vLLM lacks an internal the adapter uses (a
 fallback taken, a check skipped: ``weightsync.vllm.internals``), the replica reports in
