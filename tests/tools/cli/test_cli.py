@@ -38,7 +38,7 @@ def test_doctor_json_lists_every_known_backend() -> None:
 
 @pytest.mark.parametrize("argv", [
     ("demo", "--backend", "nosuch"), ("demo", "--model-mb", "nan"), ("demo", "--model-mb", "inf"),
-    ("demo", "--steps", "0"), ("bench", "--backends", "shm,nosuch"), ("bench", "--model-mb", "nan"),
+    ("demo", "--steps", "0"), ("demo", "--tp", "0"), ("bench", "--backends", "shm,nosuch"), ("bench", "--model-mb", "nan"),
     ("bench", "--model-mb", "inf"), ("bench", "--receivers", "0"),
 ])
 def test_bad_input_is_a_usage_error_before_any_work(argv: tuple[str, ...]) -> None:
@@ -87,13 +87,24 @@ def test_demo_model_size_follows_the_flag(megabytes: int) -> None:
 
 @pytest.mark.parametrize("backend", ["shm", "gloo", "tcp"])
 def test_demo_is_bit_exact(backend: str) -> None:
-    result = weightsync("demo", "--backend", backend, "--steps", "2", "--model-mb", "12", "--replicas", "2")
+    """Over tcp the replicas are tensor-parallel (``--tp 2``): each of their two workers holds half of every split
+    layer and verifies only its part (about half the model: the norms whole on both), and the halves put together
+    give the trainer's logits."""
+    tp = ["--tp", "2"] if backend == "tcp" else []
+    result = weightsync("demo", "--backend", backend, "--steps", "2", "--model-mb", "12", "--replicas", "2", *tp)
     lines = result.stdout.strip().splitlines()
     assert result.returncode == 0, result.stdout + result.stderr
     assert lines[-1] == "2/2 steps bit-exact"
     steps = [line for line in lines if line.startswith("step ")]
     assert len(steps) == 2 and all("digest ok" in line and "bit-exact" in line for line in steps)
     assert "[" in result.stderr and "2/2" in result.stderr  # the progress bar
+    pattern = re.compile(r"step \d/2 .* ([\d.]+) MB  each worker verified its part \(([\d.]+) MB\)")
+    sizes = [tuple(map(float, match.groups())) for line in steps if (match := pattern.match(line))]
+    if tp:
+        assert "of 2 workers, each holding its part" in lines[0]
+        assert len(sizes) == 2 and all(0.45 * whole < part < 0.55 * whole for whole, part in sizes), result.stdout
+    else:
+        assert sizes == []  # whole-model replicas verify every byte
 
 
 def test_demo_delta_sends_only_what_changed_after_the_first_update() -> None:
@@ -120,20 +131,6 @@ def test_demo_staged_is_bit_exact() -> None:
     assert lines[-1] == "2/2 steps bit-exact" and "staged updates" in lines[0]
     steps = [line for line in lines if line.startswith("step ")]
     assert len(steps) == 2 and all(re.search(r"replicas paused \d+ ms$", line) for line in steps), steps
-
-
-def test_demo_tp2_replicas_hold_halves_whose_logits_are_bit_exact() -> None:
-    """Replicas of two workers, each holding half of every split layer: each verifies its part (about half the
-    model: the norms whole on both), and the halves put together give the trainer's logits."""
-    result = weightsync("demo", "--backend", "shm", "--steps", "2", "--model-mb", "12", "--replicas", "2",
-                        "--tp", "2")
-    lines = result.stdout.strip().splitlines()
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert lines[-1] == "2/2 steps bit-exact" and "of 2 workers, each holding its part" in lines[0]
-    pattern = re.compile(r"step \d/2 .* ([\d.]+) MB  each worker verified its part \(([\d.]+) MB\)")
-    sizes = [tuple(map(float, match.groups())) for line in lines if (match := pattern.match(line))]
-    assert len(sizes) == 2 and all(0.45 * whole < part < 0.55 * whole for whole, part in sizes), result.stdout
-    assert weightsync("demo", "--tp", "0").returncode == 2  # refused before anything starts
 
 
 def test_migrate_check_is_wired_into_the_command(tmp_path: pathlib.Path) -> None:
