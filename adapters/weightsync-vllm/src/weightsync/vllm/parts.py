@@ -175,7 +175,7 @@ def box_of(index: torch.Tensor, shape: tuple[int, ...]) -> Region | None:
     seen = torch.zeros(math.prod(shape), dtype=torch.bool)
     seen[flat] = True
     region = Region(start=start, size=size)
-    inside = seen.reshape(shape)[tuple(slice(low, low + extent) for low, extent in zip(start, size))]
+    inside = seen.reshape(shape)[region.slices()]
     return region if bool(inside.all()) else None
 
 

@@ -66,6 +66,10 @@ class Region:
         return len(shape) == len(self.start) and all(
             start + size <= extent for start, size, extent in zip(self.start, self.size, shape))
 
+    def slices(self) -> tuple[slice, ...]:
+        """The box as an index: ``tensor[region.slices()]`` is its elements."""
+        return tuple(slice(start, start + size) for start, size in zip(self.start, self.size))
+
     def to_list(self) -> list[list[int]]:
         return [list(self.start), list(self.size)]
 

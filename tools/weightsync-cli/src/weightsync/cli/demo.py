@@ -125,8 +125,7 @@ class DemoShard:
                 self.held[name] = tensor.clone()
                 continue
             (region,) = regions
-            self.held[name] = tensor[tuple(slice(start, start + size) for start, size
-                                           in zip(region.start, region.size))].clone()
+            self.held[name] = tensor[region.slices()].clone()
 
     def shard(self) -> dict[str, torch.Tensor]:
         return dict(self.held)

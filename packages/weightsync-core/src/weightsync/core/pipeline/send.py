@@ -241,8 +241,10 @@ class SendPipeline:
                 if after_pack is not None:
                     after_pack(index, payload)  # a test hook: the bytes are hashed after it, as they stand
                 digest.update_bucket(table, payload)
-            for sums in sending.parts:  # what each part's receivers will read of the bucket just packed
-                sums.fold_all([item[0] for item in bucket.items], buffer.data_ptr())
+            if sending.parts:  # what each part's receivers will read of the bucket just packed
+                metas = [item[0] for item in bucket.items]
+                for sums in sending.parts:
+                    sums.fold_all(metas, buffer.data_ptr())
             header = sending.headers.bucket(index=index, slot=slot, nbytes=length, table=table, dense=dense)
         self.tracer.span("pack", index, started, time.perf_counter())
         return header, length, time.perf_counter() - started
