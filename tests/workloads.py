@@ -648,11 +648,21 @@ class TpSink(RecordingSink):
     def __init__(self, replica: int, worker: int) -> None:
         super().__init__(replica, worker)
         self.rank = worker
+        self.shards: dict[str, torch.Tensor] = {}
         HashCounter.install()
 
-    async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
-        async for name, tensor in weights:
-            self.weights[name] = tp_slice(name, tensor, self.rank).clone()
+    async def load_weights(self, weights: Any, *, version: int) -> None:
+        """``views`` (``set_loading``): each slice cloned from the stream's views; ``shards``: ``copy_into`` shards
+        of the slices' shapes, allocated once."""
+        if self.loading == "shards":
+            if not self.shards:
+                self.shards = {name: torch.zeros(tp_slice(name, tensor, self.rank).shape, dtype=tensor.dtype)
+                               for name, tensor in tp_tensors(0)}
+            await weights.copy_into(self.shards)
+            self.weights = dict(self.shards)
+        else:
+            async for name, tensor in weights:
+                self.weights[name] = tp_slice(name, tensor, self.rank).clone()
         self.version = version
 
     def held(self) -> dict[str, torch.Tensor]:

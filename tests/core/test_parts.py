@@ -4,6 +4,7 @@ types' validation, and the parts the manager hands out at setup."""
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from collections.abc import Sequence
@@ -505,3 +506,50 @@ def test_gathered_and_direct_runs_hash_the_selected_bytes_in_row_major_order() -
             digest.update(bytes(memoryview_of(kept)))
             expected += digest.intdigest().to_bytes(8, "little")
         assert sums.sums() == expected, cuts
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_copies_land_exactly_the_part_in_a_full_shape_destination_and_in_a_shard(seed: int) -> None:
+    """``PartLayout.copies`` of a piece, applied by the native copy the reader uses: into a full-shape destination
+    it writes exactly the box's bytes where they lie (the rest untouched); into a shard (the box's shape) the box in
+    row-major order, each group contiguous there — whatever the pieces the tensor was cut into. Small tensors with
+    random boxes, and one large enough for groups and long runs cut at ``GATHER_BYTES``."""
+    from weightsync.core.native import copy_batch
+    from weightsync.core.wire.parts import GATHER_BYTES, PartLayout
+
+    rng, generator = random.Random(seed), torch.Generator().manual_seed(seed)
+    cases: list[tuple[torch.Tensor, Box]] = []
+    while len(cases) < 40:
+        shape = random_shape(rng)
+        cases.append((random_tensor(generator, shape, DTYPE_OF_ITEMSIZE[rng.choice((1, 2, 4))]),
+                      random_box(rng, shape)))
+    large = random_tensor(generator, (640, 1024), torch.bfloat16)  # rows of 2 KiB; 1.25 MiB
+    cases += [(large, ((0, 100), (640, 700))), (large, ((100, 0), (400, 1024)))]
+    for index, (tensor, box) in enumerate(cases):
+        name = f"t{index}"
+        layout = PartLayout(PartPlan(index=0, tensors={name: [box]}))
+        data = as_byte_view(tensor)
+        full = torch.zeros_like(data)
+        shard = torch.zeros(math.prod(box[1]) * tensor.element_size(), dtype=torch.uint8)
+        cuts = cut_points(rng, data.numel())
+        spans: list[tuple[int, int]] = []
+        for low, high in zip(cuts, cuts[1:]):
+            meta = meta_of(name, tensor, low, high)
+            runs = layout.runs_of(meta)
+            assert runs is not None
+            for group in layout.copies(meta, runs, compact=False):
+                copy_batch(group.triples, full.data_ptr(), data.data_ptr() + low)
+            for group in layout.copies(meta, runs, compact=True):
+                assert sum(group.triples[2::3]) == group.nbytes
+                assert group.triples[0::3] == sorted(group.triples[0::3])
+                copy_batch(group.triples, shard.data_ptr(), data.data_ptr() + low)
+                spans.append((group.start, group.nbytes))
+        mask = byte_mask([box], tensor.shape, tensor.element_size())
+        assert torch.equal(full[mask], data[mask]) and not full[~mask].any(), (index, box)
+        selected = tensor[tuple(slice(s, s + n) for s, n in zip(*box))].contiguous()
+        assert torch.equal(shard, as_byte_view(selected).reshape(-1)), (index, box)
+        at = 0  # the groups tile the shard in order
+        for start, nbytes in spans:
+            assert start == at and (nbytes <= 2 * GATHER_BYTES), (index, spans)
+            at += nbytes
+        assert at == shard.numel()

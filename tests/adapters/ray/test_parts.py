@@ -87,6 +87,23 @@ def test_each_worker_reads_and_verifies_only_its_part(fleet: Fleet) -> None:
         assert all(nbytes >= 0.48 * MODEL_BYTES for nbytes in hashed), hashed
 
 
+def test_copy_into_shards_copies_and_hashes_only_the_part(fleet: Fleet) -> None:
+    """Sinks that hold only their slices (shards of the slices' shapes) take a full update with ``copy_into``:
+    each worker's copy lands its part, and its process hashes no more than its part."""
+    for replica in fleet.replicas:
+        ray.get(replica.call("set_loading", "shards"))
+    try:
+        manager = fleet.manager()
+        for version in (3, 4):
+            report = fleet.update(manager, version)
+            assert report.ok, report.replicas
+            fleet.check_holds(version)
+            assert all(nbytes <= 0.52 * MODEL_BYTES + REPLICATED_BYTES for nbytes in fleet.hashed())
+    finally:
+        for replica in fleet.replicas:
+            ray.get(replica.call("set_loading", "views"))
+
+
 def test_the_hash_counter_sees_a_whole_model_verification(fleet: Fleet, ray_nodes: RayNodes) -> None:
     """Negative control of the counter: workers that declare no part hash every byte of the update."""
     whole = RayRolloutReplica.create(replica=9, sink_factory=TpSink, num_workers=2, node_id=ray_nodes.head)

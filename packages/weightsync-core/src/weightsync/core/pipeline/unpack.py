@@ -26,7 +26,7 @@ from weightsync.core.wire.destinations import Fallback, check_destination, desti
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.layout import PIECE_BYTES
 from weightsync.core.wire.parts import PartSums
-from weightsync.core.wire.tensors import COMPLEX_NAMES, DTYPES, dtype_from_name
+from weightsync.core.wire.tensors import COMPLEX_NAMES, DTYPES, dtype_from_name, memoryview_at
 
 __all__ = ["BucketReader", "BulkPlans"]
 
@@ -105,6 +105,8 @@ class BucketReader:
         """This worker's part, when it declared one; folded instead of the whole digest once the update turns out
         full and on the host (:meth:`by_part`)."""
         self.by_part = False
+        self.folded = 0
+        """Pieces of the current bucket already folded into the part's sums (by :meth:`copy_out`)."""
         self.current: Arrived | None = None
         self.position = 0
         self.hashed = 0
@@ -119,7 +121,7 @@ class BucketReader:
         first, so that a failure before it left the model as it was."""
 
     def begin(self, arrived: Arrived) -> None:
-        self.current, self.position, self.hashed = arrived, 0, 0
+        self.current, self.position, self.hashed, self.folded = arrived, 0, 0, 0
         if arrived.fused:
             self.digest.begin_bucket(arrived.table, arrived.header.nbytes)
 
@@ -138,7 +140,7 @@ class BucketReader:
         if current is not None and current.fused:
             self._hash_to(current, current.header.nbytes)
             if self.by_part and self.part is not None:
-                self.part.fold_all(current.header.tensors, current.payload.data_ptr())
+                self.part.fold_all(current.header.tensors[self.folded:], current.payload.data_ptr())
         return current
 
     @property
@@ -161,6 +163,8 @@ class BucketReader:
         """Copy the current bucket's remaining pieces into ``destinations``; the number of tensors completed."""
         current = self._current()
         tensors = current.header.tensors
+        if self.by_part and self.part is not None and not reference:
+            return self._copy_part(current, self.part, destinations, fallback)
         if reference or not current.fused:  # a device payload: every tensor goes through its view
             count = 0
             while self.position < len(tensors):
@@ -258,6 +262,65 @@ class BucketReader:
         self.position, self.hashed = len(found), hashed
         self.tensors += plan.completed
         return plan.completed
+
+    def _copy_part(self, current: Arrived, part: PartSums, destinations: Mapping[str, torch.Tensor],
+                   fallback: Fallback | None) -> int:
+        """This worker's part of the current bucket, and nothing else: a tensor the part does not hold is passed
+        over (it needs no destination); one it holds whole is copied whole; of one it holds a box of, only the box's
+        bytes — where they lie in a destination of the tensor's shape, or packed in row-major order into a
+        **shard** (a destination of the box's shape). Each group of copies is hashed into the part's sums right
+        behind it, while in cache. Any other destination, or the fallback, takes the piece through its view."""
+        tensors, base, layout = current.header.tensors, current.payload.data_ptr(), part.layout
+        count = 0
+        while self.position < len(tensors):
+            meta = tensors[self.position]
+            self.position += 1
+            address, runs = base + meta.bucket_offset, layout.runs_of(meta)
+            destination, dtype = destinations.get(meta.name), DTYPES[meta.dtype]
+            shard = layout.shard_shape(meta.name)
+            if runs is not None and not runs[0]:  # none of this tensor is the part's
+                pass
+            elif destination_fits(destination, dtype, meta.shape) or (
+                    shard is not None and destination_fits(destination, dtype, shard)):
+                self.wrote = True
+                self._copy_selected(meta, address, destination, part, runs)
+            else:
+                count += self._copy_viewed(current, meta, destination, fallback)
+                part.fold(meta, address)
+                self.folded = self.position
+                continue
+            self.folded = self.position
+            completes = meta.offset + meta.nbytes == meta.total_nbytes
+            self.tensors += completes
+            count += completes
+        return count
+
+    @staticmethod
+    def _copy_selected(meta: TensorMeta, address: int, destination: torch.Tensor, part: PartSums,
+                       runs: tuple[list[int], list[int]] | None) -> None:
+        """Copy a piece's selected bytes into ``destination`` (of the tensor's shape, or a shard) and fold them: a
+        whole tensor's and a shard's group by group, each hashed behind its copy (in the shard, where the group is
+        contiguous); a box's in a full-shape destination after its copies, from the bucket."""
+        target = destination.data_ptr()
+        compact = tuple(destination.shape) != meta.shape
+        if runs is not None and not compact:
+            for group in part.layout.copies(meta, runs, compact=False):
+                copy_batch(group.triples, target, address)
+            part.fold(meta, address)
+            return
+        hashing = part.open(meta)
+        if runs is None:  # held whole
+            for done in range(0, meta.nbytes, PIECE_BYTES):
+                nbytes = min(PIECE_BYTES, meta.nbytes - done)
+                copy_stream(target + meta.offset + done, address + done, nbytes)
+                hashing.update(memoryview_at(address + done, nbytes))
+            part.nbytes += meta.nbytes
+        else:
+            for group in part.layout.copies(meta, runs, compact=True):
+                copy_batch(group.triples, target, address)
+                hashing.update(memoryview_at(target + group.start, group.nbytes))
+                part.nbytes += group.nbytes
+        part.close(meta, hashing)
 
     def _copy_viewed(self, current: Arrived, meta: TensorMeta, destination: torch.Tensor | None,
                      fallback: Fallback | None) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import msgspec
 import torch
@@ -29,7 +30,7 @@ from weightsync.core.native import copy_batch
 from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.tensors import DTYPES, memoryview_at
 
-__all__ = ["PartLayout", "PartPlan", "PartSums", "byte_runs", "check_sums"]
+__all__ = ["Copy", "PartLayout", "PartPlan", "PartSums", "byte_runs", "check_sums"]
 
 SUM_BYTES = 8
 
@@ -111,6 +112,16 @@ Step = tuple[int, int] | tuple[list[int], int]
 (``copy_batch``'s ``(scratch offset, piece offset, nbytes)`` triples)."""
 
 
+class Copy(NamedTuple):
+    """A group of a piece's copies out of its part (:meth:`PartLayout.copies`)."""
+
+    triples: list[int]
+    """``copy_batch``'s (destination offset, piece offset, nbytes) triples."""
+    start: int
+    """Where the group's bytes begin in a shard (contiguous there)."""
+    nbytes: int
+
+
 class PartLayout:
     """What a part's sums need of a model's tensors, kept across updates (a model's next update repeats its
     layout): each tensor's byte runs, each piece's steps, and the buffer short runs are gathered into."""
@@ -120,6 +131,7 @@ class PartLayout:
         self._runs: dict[str, tuple[str, tuple[int, ...], Runs | None]] = {}
         """Per tensor: the dtype and shape its runs were computed for, and the runs (None: the whole tensor)."""
         self._steps: dict[tuple[str, str, tuple[int, ...], int, int], tuple[list[Step], int]] = {}
+        self._copies: dict[tuple[str, str, tuple[int, ...], int, int, bool], list[Copy]] = {}
         self._scratch: torch.Tensor | None = None
 
     def runs_of(self, meta: TensorMeta) -> Runs | None:
@@ -139,10 +151,54 @@ class PartLayout:
             known = self._steps[key] = _steps(runs, meta.offset, meta.offset + meta.nbytes)
         return known
 
+    def shard_shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape of a tensor's shard (the size of its one box), or None where the part has no single box of it
+        (held whole, not at all, or several boxes)."""
+        boxes = self.plan.tensors.get(name)
+        return tuple(boxes[0][1]) if boxes is not None and len(boxes) == 1 else None
+
+    def copies(self, meta: TensorMeta, runs: Runs, *, compact: bool) -> list[Copy]:
+        """How to copy ``meta``'s piece of the part out, in groups of about ``GATHER_BYTES`` (each copied and then
+        hashed while it is in cache). Destination offsets are the tensor's own (a full-shape destination), or with
+        ``compact`` the places in a shard that holds the one box's elements in row-major order (the selected bytes
+        before this piece come first), where each group's bytes are contiguous."""
+        key = (meta.name, meta.dtype, meta.shape, meta.offset, meta.nbytes, compact)
+        known = self._copies.get(key)
+        if known is None:
+            known = self._copies[key] = _copies(runs, meta.offset, meta.offset + meta.nbytes, compact)
+        return known
+
     def scratch(self) -> int:
         if self._scratch is None:
             self._scratch = torch.zeros(GATHER_BYTES, dtype=torch.uint8)  # faulted in once
         return int(self._scratch.data_ptr())
+
+
+def _copies(runs: Runs, first: int, end: int, compact: bool) -> list[Copy]:
+    starts, ends = runs
+    at = bisect.bisect_right(ends, first)
+    # Where the piece's first selected byte goes in a shard: after the runs wholly before the piece, and the head
+    # of one it cuts.
+    place = sum(ends[:at]) - sum(starts[:at]) + max(0, first - starts[at]) if at < len(starts) else 0
+    groups: list[Copy] = []
+    triples: list[int] = []
+    begin = grouped = 0
+    for at in range(at, len(starts)):
+        if starts[at] >= end:
+            break
+        low, high = max(starts[at], first), min(ends[at], end)
+        for cut in range(low, high, GATHER_BYTES):  # a long run in pieces of GATHER_BYTES
+            nbytes = min(GATHER_BYTES, high - cut)
+            if not triples:
+                begin = place
+            triples += (place if compact else cut, cut - first, nbytes)
+            place, grouped = place + nbytes, grouped + nbytes
+            if grouped >= GATHER_BYTES:
+                groups.append(Copy(triples, begin, grouped))
+                triples, grouped = [], 0
+    if triples:
+        groups.append(Copy(triples, begin, grouped))
+    return groups
 
 
 def _steps(runs: Runs, first: int, end: int) -> tuple[list[Step], int]:
@@ -187,26 +243,36 @@ class PartSums:
         runs = self.layout.runs_of(meta)
         if runs is not None and not runs[0]:
             return  # nothing of this tensor
-        if meta.offset == 0 or self._hash is None:
-            self._hash = xxhash.xxh3_64()
-            self._hash.update(f"{meta.name}\0{meta.dtype}\0{tuple(meta.shape)}".encode())
+        hashing = self.open(meta)
         if runs is None:
             if meta.nbytes:
-                self._hash.update(memoryview_at(address, meta.nbytes))
+                hashing.update(memoryview_at(address, meta.nbytes))
                 self.nbytes += meta.nbytes
         else:
             steps, total = self.layout.steps(meta, runs)
             for where, nbytes in steps:
                 if isinstance(where, int):
-                    self._hash.update(memoryview_at(address + where, nbytes))
+                    hashing.update(memoryview_at(address + where, nbytes))
                 else:
                     scratch = self.layout.scratch()
                     copy_batch(where, scratch, address)
-                    self._hash.update(memoryview_at(scratch, nbytes))
+                    hashing.update(memoryview_at(scratch, nbytes))
             self.nbytes += total
+        self.close(meta, hashing)
+
+    def open(self, meta: TensorMeta) -> xxhash.xxh3_64:
+        """Begin folding a piece of ``meta``'s tensor that the part holds some of, whose selected bytes the caller
+        feeds to the hash it returns in order (and counts in ``nbytes``); then :meth:`close`."""
+        if meta.offset == 0 or self._hash is None:
+            self._hash = xxhash.xxh3_64()
+            self._hash.update(f"{meta.name}\0{meta.dtype}\0{tuple(meta.shape)}".encode())
+        return self._hash
+
+    def close(self, meta: TensorMeta, hashing: xxhash.xxh3_64) -> None:
+        """End folding a piece (the tensor's sum, at its last piece)."""
         if meta.offset + meta.nbytes == meta.total_nbytes:
             self.names.append(meta.name)
-            self._sums += self._hash.intdigest().to_bytes(SUM_BYTES, "little")
+            self._sums += hashing.intdigest().to_bytes(SUM_BYTES, "little")
             self._hash = None
 
     def fold_all(self, metas: Sequence[TensorMeta], base: int) -> None:
