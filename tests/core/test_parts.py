@@ -553,3 +553,36 @@ def test_copies_land_exactly_the_part_in_a_full_shape_destination_and_in_a_shard
             assert start == at and (nbytes <= 2 * GATHER_BYTES), (index, spans)
             at += nbytes
         assert at == shard.numel()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_senders_parts_digest_folds_while_packing_what_a_reader_folds_from_the_bucket(seed: int) -> None:
+    """``PartsDigest`` fed by ``pack_hashing`` (the sender's pack: small pieces from the bucket, large ones from
+    their sources, padding between) gives each part the sums a reader folds from the packed bucket (``fold_all``);
+    with ``whole`` its whole digest is a plain digest's, without it the digest is the parts' sums' and no whole
+    digest is computed. Random tensors (empty ones included) and a large one split across buckets."""
+    from weightsync.core.pipeline.planner import plan_buckets
+    from weightsync.core.wire.digest import UpdateDigest
+    from weightsync.core.wire.layout import pack_hashing
+    from weightsync.core.wire.parts import PartsDigest
+
+    rng, generator = random.Random(seed), torch.Generator().manual_seed(seed)
+    stream, part = random_stream(rng, generator, 30)
+    stream.insert(rng.randint(0, len(stream)), ("large", random_tensor(generator, (700, 1024), torch.bfloat16)))
+    plans = [PartPlan.of(part, 0), PartPlan.of(Part(tensors={"large": (Region.narrow((700, 1024), 1, 0, 512),)}), 1)]
+    for whole in (True, False):
+        folding, reference = PartsDigest([PartSums(plan) for plan in plans], whole=whole), UpdateDigest()
+        read = [PartSums(plan) for plan in plans]
+        for bucket in plan_buckets(stream, bucket_bytes=600_000, devices=frozenset({"cpu"})):
+            metas = [item[0] for item in bucket.items]
+            buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+            folding.pieces(metas)
+            folding.begin_bucket(b"table", bucket.nbytes)
+            pack_hashing(buffer.data_ptr(), bucket, folding)
+            reference.update_bucket(b"table", buffer)
+            for sums in read:
+                sums.fold_all(metas, buffer.data_ptr())
+        assert [sums.sums() for sums in folding.parts] == [sums.sums() for sums in read], whole
+        assert [sums.names for sums in folding.parts] == [sums.names for sums in read]
+        assert (folding.hexdigest() == reference.hexdigest()) is whole
+        assert whole or folding.hexdigest().startswith("parts-")

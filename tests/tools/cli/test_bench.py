@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 from typing import Any
@@ -21,9 +22,15 @@ RESULT_KEYS = {"backend", "gbps_p50", "gbps_p90", "ratio_bucketed", "ratio_limit
 BASELINE_NAMES = ("naive", "bucketed")
 
 
+PARTS_KEYS = {"parts_of", "ratio_seconds_whole", "ratio_busy_whole"}
+
+
 def result_keys(row: dict[str, Any]) -> set[str]:
-    """The keys every result row has: an engine entry's also the manager's report of its last update."""
-    return RESULT_KEYS | (set() if row["backend"] in BASELINE_NAMES else {"report"})
+    """The keys every result row has: an engine entry's also the manager's report of its last update and its
+    receivers' busy seconds, an entry of workers holding parts its comparison with its whole-model twin."""
+    if row["backend"] in BASELINE_NAMES:
+        return RESULT_KEYS
+    return RESULT_KEYS | {"report", "busy_seconds_p50"} | (PARTS_KEYS if "+tp2" in row["backend"] else set())
 
 
 RAY_KEYS = {"backend", "model_bytes", "bucket_bytes", "workers", "repeat", "update_ms_p50", "noop_ms_p50", "ratio",
@@ -43,7 +50,7 @@ def shm_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], d
     folder = tmp_path_factory.mktemp("bench")
     out, trace = folder / "bench.json", folder / "trace.json"
     result = bench("--backends", "shm,auto", "--model-mb", "16", "--bucket-mb", "4", "--repeat", "2",
-                   "--json", str(out), "--trace", str(trace))
+                   "--json", str(out), "--trace", str(trace), "--parts", "tp2")
     assert result.returncode == 0, result.stderr
     return json.loads(out.read_text()), json.loads(trace.read_text()), result.stdout
 
@@ -52,8 +59,8 @@ def test_json_has_the_documented_schema(shm_run: tuple[dict[str, Any], dict[str,
     data, _, _ = shm_run
     assert set(data) == {"scenario", "limit_gbps", "engine_copy_limit_gbps", "raw_gloo_gbps", "results",
                          "ray_end_to_end"}
-    assert [row["backend"] for row in data["results"]] == ["shm", "auto", "naive", "bucketed"]
-    assert all(set(row) == result_keys(row) | ({"chosen"} if row["backend"] == "auto" else set())
+    assert [row["backend"] for row in data["results"]] == ["shm", "shm+tp2", "auto", "auto+tp2", "naive", "bucketed"]
+    assert all(set(row) == result_keys(row) | ({"chosen"} if row["backend"].startswith("auto") else set())
                for row in data["results"])
     report = data["results"][0]["report"]  # the manager's UpdateReport: the entry was its update
     assert report["backend"] == "shm" and report["receivers"] == 2 and report["stages"]["transfer"] > 0
@@ -88,6 +95,34 @@ def test_ratios_agree_with_the_figures(shm_run: tuple[dict[str, Any], dict[str, 
         assert rows[name]["gbps_p50"] == pytest.approx(scenario["model_bytes"] / min(seconds) / 1e9, rel=0.6)
     for name in rows:
         assert name in stdout
+
+
+def test_parts_entries_hold_their_parts_and_are_compared_with_their_twins(
+        shm_run: tuple[dict[str, Any], dict[str, Any], str]) -> None:
+    """``--parts tp2``: each entry's twin of one replica of two workers, each verifying its half (the report's
+    ``part`` and ``part_bytes``, the sender's digest the parts'), compared with the whole-model entry on the same
+    figures the JSON holds."""
+    data, _, stdout = shm_run
+    rows = {row["backend"]: row for row in data["results"]}
+    total, seconds = data["scenario"]["model_bytes"], data["scenario"]["seconds"]
+    for whole, parted in (("shm", "shm+tp2"), ("auto", "auto+tp2")):
+        row = rows[parted]
+        report = row["report"]
+        assert [outcome["state"] for outcome in report["replicas"]] == ["committed"]  # one replica of two
+        receivers = [transfer for transfer in report["transfers"] if transfer["role"] == "rollout"]
+        assert sorted(transfer["part"] for transfer in receivers) == [0, 1]
+        # half of every matrix, and the norms (5 % of this small model) whole on both
+        assert all(0.45 * total < transfer["part_bytes"] <= 0.55 * total for transfer in receivers), receivers
+        sender = next(transfer for transfer in report["transfers"] if transfer["role"] == "actor")
+        assert sender["digest"].startswith("parts-")  # every receiver verifies a part: no whole digest computed
+        assert all(transfer["digest"] == sender["digest"] for transfer in receivers)
+        assert row["parts_of"] == whole
+        assert row["ratio_seconds_whole"] == pytest.approx(
+            statistics.median(seconds[parted]) / statistics.median(seconds[whole]), rel=1e-2)
+        assert row["ratio_busy_whole"] == pytest.approx(row["busy_seconds_p50"] / rows[whole]["busy_seconds_p50"],
+                                                        rel=2e-2)
+        assert all(transfer["part"] == -1 for transfer in rows[whole]["report"]["transfers"])
+    assert "parts (tp2: replicas of two workers" in stdout
 
 
 def test_trace_merges_every_worker(shm_run: tuple[dict[str, Any], dict[str, Any], str]) -> None:

@@ -116,7 +116,8 @@ class Topology:
 @dataclass(frozen=True, kw_only=True)
 class PhaseTiming:
     """Seconds spent in one phase of the pipeline on one worker (busy time, not wall time: pack, publish, receive,
-    and for a staged update's stager its staging)."""
+    unpack — a receiver's consumer with a bucket in hand, reading, copying and hashing it — and for a staged update's
+    stager its staging)."""
 
     phase: str
     seconds: float

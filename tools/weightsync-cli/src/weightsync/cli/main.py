@@ -124,6 +124,10 @@ def _add_bench(commands: Any) -> None:
                        help="also measure every entry B with staged updates (SyncConfig.staged) as B+staged; every "
                             "receiver of every entry then serves (an 8 MiB MLP every 20 ms) and pause figures are "
                             "reported")
+    bench.add_argument("--parts", choices=["tp2", "layers2"], default=None,
+                       help="also measure every entry B with the receivers in replicas of two workers, each holding "
+                            "its part (tp2: half of every matrix; layers2: half the layers) and reading only it, as "
+                            "B+tp2 (B+layers2); full updates on this host, --receivers even")
     bench.add_argument("--verify-every", type=int, default=1, metavar="K",
                        help="with --delta: receivers verify what they hold after every K-th delta update (default 1)")
     bench.add_argument("--repeat", type=int, default=5, help="timed runs per backend after a warm-up")
@@ -215,7 +219,7 @@ def _run_vllm(command: str, options: object) -> int:
 
 def _vllm_bench(args: argparse.Namespace) -> int:
     if args.hosts or args.delta or args.mix != "realistic" or args.lr is not None or args.backends \
-            or args.plot_path or args.trace_path or args.ray_backend or args.verify_every != 1:
+            or args.plot_path or args.trace_path or args.ray_backend or args.verify_every != 1 or args.parts:
         return _usage_error("bench", "--rollout vllm runs on this host, full updates of its own Llama over shm "
                             "against the disk route; it takes --model-mb, --receivers, --bucket-mb, --repeat, --json "
                             "and --disk-dir only")
@@ -254,7 +258,7 @@ def _bench(args: argparse.Namespace) -> int:
         ray=args.ray and not args.hosts, ray_backend=args.ray_backend, hosts=args.hosts,
         link_gbps=args.link_gbps if args.link_gbps is not None else HOSTS_LINK_GBPS, rtt_ms=args.rtt_ms,
         rails=args.rails, actor_ranks=args.actor_ranks,
-        delta=args.delta, verify_every=args.verify_every, staged=args.staged,
+        delta=args.delta, verify_every=args.verify_every, staged=args.staged, parts=args.parts or "",
         **({"lr": args.lr} if args.lr is not None else {}),
     ))
 
@@ -298,6 +302,9 @@ def _bench_error(args: argparse.Namespace) -> str:
         return "--lr needs --mix rl and must be in (0, 1]"
     if args.verify_every < 1 or (args.verify_every != 1 and not args.delta):
         return "--verify-every needs --delta and must be positive"
+    if args.parts and (args.hosts or args.delta or args.mix != "realistic" or args.receivers % 2):
+        return ("--parts measures full updates of the realistic mix on this host into an even number of --receivers "
+                "(two workers per replica): not with --hosts, --delta or another --mix")
     if args.mix == "rl" and args.plot_path:
         return "--plot does not apply with --mix rl (its model is the decoder's, not a size to sweep)"
     if not args.hosts:

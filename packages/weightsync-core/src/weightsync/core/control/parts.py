@@ -37,13 +37,16 @@ def declared_parts(rollout: Sequence[WorkerMetadata], labels: Sequence[str]) -> 
     return plans
 
 
-def with_declared_parts(actor_args: list[RankArgs], rollout_args: list[RankArgs], parts: Sequence[PartPlan | None]
-                        ) -> None:
-    """Hand out the parts (in place): every actor rank the distinct ones, every rollout worker its own."""
+def with_declared_parts(actor_args: list[RankArgs], rollout_args: list[RankArgs], parts: Sequence[PartPlan | None],
+                        *, staged: bool = False) -> None:
+    """Hand out the parts (in place): every actor rank the distinct ones, every rollout worker its own. Where every
+    rollout worker declared one and the updates are not ``staged`` (a host's stager checks the whole digest of what
+    it stages), no receiver checks the whole digest: the senders are told not to compute it (``parts_only``)."""
     distinct = sorted({part.index: part for part in parts if part is not None}.values(), key=lambda part: part.index)
     if not distinct:
         return
-    actor_args[:] = [with_parts(args, parts=distinct) for args in actor_args]
+    parts_only = not staged and all(part is not None for part in parts)
+    actor_args[:] = [with_parts(args, parts=distinct, parts_only=parts_only) for args in actor_args]
     for rank, part in enumerate(parts):
         if part is not None:
             rollout_args[rank] = with_parts(rollout_args[rank], part=part)

@@ -121,7 +121,7 @@ class Setup:
             rollout_args[member] = args
         if engine_class.verifies_parts:
             with_declared_parts(actor_args, rollout_args, declared_parts(
-                world.rollout, [label for label, _ in labelled[actor_size:]]))
+                world.rollout, [label for label, _ in labelled[actor_size:]]), staged=config.staged)
         labelled = steps.actor_calls("init_process_group", actor_wg=self.actor_wg, rank_args=actor_args)
         labelled += steps.worker_calls(workers, "init_process_group", [{"rank_args": args} for args in rollout_args])
         await steps.gather("init_process_group", timeout, labelled, fail_fast=True)

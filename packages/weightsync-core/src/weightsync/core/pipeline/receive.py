@@ -60,6 +60,8 @@ class ReceiveStream:
         self._queue: asyncio.Queue[Arrived | BaseException] | None = None
         self._started = time.perf_counter()
         self._receive_seconds = 0.0
+        self._unpack_seconds = 0.0
+        """The consumer's seconds with a bucket current (reading, copying and hashing it), every bucket's."""
         self._nbytes = self._buckets = self._wire = self._delta_buckets = 0
         self._finished = False
         self._unpack_started = 0.0
@@ -171,7 +173,9 @@ class ReceiveStream:
             if self._context.delta is not None and done is not self._applied:
                 self._context.delta.read(done, self._destinations)
             self._transport.release(done.token)
-            self._context.tracer.span("unpack", done.header.index, self._unpack_started, time.perf_counter())
+            ended = time.perf_counter()
+            self._unpack_seconds += ended - self._unpack_started
+            self._context.tracer.span("unpack", done.header.index, self._unpack_started, ended)
         arrived = await (await self._start()).get()
         if isinstance(arrived, BaseException):
             raise arrived
@@ -284,7 +288,8 @@ class ReceiveStream:
                 role="rollout", rank=settings.context.rank, version=header.version, nbytes=self._nbytes,
                 tensors=self._reader.tensors, buckets=self._buckets, seconds=time.perf_counter() - self._started,
                 digest=digest, sender=header.sender,
-                phases=(PhaseTiming(phase="receive", seconds=self._receive_seconds),),
+                phases=(PhaseTiming(phase="receive", seconds=self._receive_seconds),
+                        PhaseTiming(phase="unpack", seconds=self._unpack_seconds)),
                 wire_bytes=self._wire, base=header.base, delta_buckets=self._delta_buckets,
                 part=part.plan.index if part is not None else -1, part_bytes=part.nbytes if part is not None else -1,
             )

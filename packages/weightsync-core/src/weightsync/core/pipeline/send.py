@@ -33,7 +33,7 @@ from weightsync.core.transports.seam import NO_SLOT, SenderTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.layout import PlannedBucket, pack_hashing, piece_bytes
-from weightsync.core.wire.parts import PartLayout, PartSums
+from weightsync.core.wire.parts import PartLayout, PartsDigest, PartSums
 
 __all__ = ["SendPipeline", "drain"]
 
@@ -68,8 +68,8 @@ class Sending:
     """This sender sends stripe ``stripe`` of ``stripes`` (:mod:`weightsync.core.transports.chain.stripes`): it plans
     every bucket (the stream is drained whole) and packs and publishes only its stripe's."""
     parts: list[PartSums] = field(default_factory=list)
-    """The sums of every distinct part the receivers declared, folded from each packed bucket (a full update over
-    host buckets from one sender; otherwise none, and every receiver checks the whole digest)."""
+    """The sums of every distinct part the receivers declared, folded as each bucket is packed (``PartsDigest``: a
+    full update over host buckets from one sender; otherwise none, and every receiver checks the whole digest)."""
     buckets: int = 0
     """Buckets planned so far (every stripe's): the next bucket's index."""
     planned: int = 0
@@ -128,10 +128,11 @@ class SendPipeline:
         return self.delta.begin()
 
     async def send(self, transport: SenderTransport, weights: Iterable[object], *, epoch: str, version: int,
-                   started: float, stripe: tuple[int, int] = (0, 1), parts: list[PartLayout] | None = None
-                   ) -> TransferReport:
+                   started: float, stripe: tuple[int, int] = (0, 1), parts: list[PartLayout] | None = None,
+                   parts_only: bool = False) -> TransferReport:
         """Send one update; ``stripe``: (s, K), this sender's stripe of K (one sender of everything: (0, 1));
-        ``parts``: the distinct parts the receivers declared."""
+        ``parts``: the distinct parts the receivers declared; ``parts_only``: every receiver verifies its part
+        (``RankPlan.parts_only``)."""
         digest = self.policy.new_digest()
         sending = Sending(transport, epoch, version, self.settings.context.rank, digest,
                           time.monotonic() + self.settings.timeout,
@@ -139,6 +140,8 @@ class SendPipeline:
                           stripe=stripe[0], stripes=stripe[1])
         if parts and stripe[1] == 1 and transport.buffer(0).is_cpu and sending.headers.base < 0:
             sending.parts = [PartSums(part) for part in parts]
+            # Folded as each bucket is packed; the whole digest too, unless no receiver verifies it.
+            sending.digest = PartsDigest(sending.parts, whole=not parts_only)
         in_flight: dict[int, asyncio.Future[float]] = {}
         try:
             await self._buckets(sending, weights, in_flight)
@@ -222,6 +225,8 @@ class SendPipeline:
             if bucket.on_device and buffer.is_cpu and self.bounce is not None:
                 bucket = self.bounce.bounce(bucket, sending.deadline)
             table = codec.encode_tensors([item[0] for item in bucket.items])
+            if isinstance(digest, PartsDigest):  # what each part's receivers will read of the bucket
+                digest.pieces([item[0] for item in bucket.items])
             after_pack = self.settings.after_pack
             length, dense = bucket.nbytes, -1
             if sending.delta is not None:
@@ -241,10 +246,6 @@ class SendPipeline:
                 if after_pack is not None:
                     after_pack(index, payload)  # a test hook: the bytes are hashed after it, as they stand
                 digest.update_bucket(table, payload)
-            if sending.parts:  # what each part's receivers will read of the bucket just packed
-                metas = [item[0] for item in bucket.items]
-                for sums in sending.parts:
-                    sums.fold_all(metas, buffer.data_ptr())
             header = sending.headers.bucket(index=index, slot=slot, nbytes=length, table=table, dense=dense)
         self.tracer.span("pack", index, started, time.perf_counter())
         return header, length, time.perf_counter() - started

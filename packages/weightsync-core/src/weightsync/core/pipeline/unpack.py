@@ -317,8 +317,12 @@ class BucketReader:
             part.nbytes += meta.nbytes
         else:
             for group in part.layout.copies(meta, runs, compact=True):
-                copy_batch(group.triples, target, address)
-                hashing.update(memoryview_at(target + group.start, group.nbytes))
+                if len(group.triples) == 3:  # a long run's piece: streamed, hashed from the source just read
+                    copy_stream(target + group.start, address + group.triples[1], group.nbytes)
+                    hashing.update(memoryview_at(address + group.triples[1], group.nbytes))
+                else:  # short runs: copied through the cache, hashed where they now lie together
+                    copy_batch(group.triples, target, address)
+                    hashing.update(memoryview_at(target + group.start, group.nbytes))
                 part.nbytes += group.nbytes
         part.close(meta, hashing)
 

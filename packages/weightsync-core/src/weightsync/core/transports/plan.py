@@ -48,6 +48,9 @@ class RankPlan(msgspec.Struct, kw_only=True, frozen=True, tag_field="kind", forb
     """A sender's: the version every receiver holds, which this update may send changes against (the manager's)."""
     parts: list[PartPlan] = []
     """A sender's: every distinct part its receivers declared, whose sums a full update's final header carries."""
+    parts_only: bool = False
+    """A sender's: every receiver verifies its part (none checks the whole digest): a full update's whole digest is
+    not computed, the parts' sums are (``weightsync.core.wire.parts.PartsDigest``)."""
     part: PartPlan | None = None
     """A rollout worker's that declared its part (a receiver, or an idle worker that reads a staging area): its
     regions, and its place in the senders' ``parts``."""
@@ -81,12 +84,15 @@ def with_delta_base(rank_args: RankArgs, base: int) -> RankArgs:
     return {**rank_args, "delta_base": base}
 
 
-def with_parts(rank_args: RankArgs, *, parts: list[PartPlan] | None = None, part: PartPlan | None = None
-               ) -> RankArgs:
-    """``rank_args`` with the manager's parts: a sender's ``parts``, a rollout worker's ``part``."""
+def with_parts(rank_args: RankArgs, *, parts: list[PartPlan] | None = None, part: PartPlan | None = None,
+               parts_only: bool = False) -> RankArgs:
+    """``rank_args`` with the manager's parts: a sender's ``parts`` (and ``parts_only``), a rollout worker's
+    ``part``."""
     added: RankArgs = {}
     if parts:
         added["parts"] = msgspec.to_builtins(parts)
+    if parts_only:
+        added["parts_only"] = True
     if part is not None:
         added["part"] = msgspec.to_builtins(part)
     return {**rank_args, **added}

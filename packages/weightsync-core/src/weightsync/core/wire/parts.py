@@ -28,9 +28,10 @@ from weightsync.api.errors import ConfigError, PartMismatchError
 from weightsync.api.parts import Part, Region
 from weightsync.core.native import copy_batch
 from weightsync.core.wire.codec import TensorMeta
+from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.tensors import DTYPES, memoryview_at
 
-__all__ = ["Copy", "PartLayout", "PartPlan", "PartSums", "byte_runs", "check_sums"]
+__all__ = ["Copy", "PartLayout", "PartPlan", "PartSums", "PartsDigest", "byte_runs", "check_sums"]
 
 SUM_BYTES = 8
 
@@ -307,3 +308,66 @@ def check_sums(sums: PartSums, expected: Sequence[bytes], *, receiver: int, peer
         f"rollout rank {receiver} received other bytes than {peer} sent of its part of {tensor!r}: the update was "
         f"corrupted in transit, or this worker does not hold the part it was planned for",
         receiver=receiver, tensor=tensor, expected=theirs.hex()[:32], actual=mine.hex()[:32])
+
+
+class PartsDigest(UpdateDigest):
+    """A sender's digest that also folds every distinct part's sums from the bytes it is fed, so each piece is
+    hashed for the parts right behind its copy, while in cache (``pack_hashing`` feeds a bucket's payload in order,
+    from the bucket or from a large piece's source, which hold the same bytes).
+
+    With ``whole`` False (every receiver of the update verifies a part, none the whole digest) the whole digest is
+    not computed at all, and the update's digest is a digest of the parts' sums (:meth:`hexdigest`), which every
+    receiver reports as the final header carries it."""
+
+    def __init__(self, parts: Sequence[PartSums], *, whole: bool) -> None:
+        super().__init__()
+        self.parts = list(parts)
+        self.whole = whole
+        self._metas: Sequence[TensorMeta] = ()
+        self._next = 0
+        """The first piece of the current bucket not folded whole yet."""
+        self._at = 0
+        """Bytes of the current bucket's payload fed so far."""
+
+    def pieces(self, metas: Sequence[TensorMeta]) -> None:
+        """The current bucket's pieces (in bucket order), before its payload is fed."""
+        self._metas, self._next, self._at = metas, 0, 0
+
+    def begin_bucket(self, table: bytes, nbytes: int) -> None:
+        if self.whole:
+            super().begin_bucket(table, nbytes)
+
+    def update_at(self, address: int, nbytes: int) -> None:
+        if self.whole:
+            super().update_at(address, nbytes)
+        low, high = self._at, self._at + nbytes
+        self._at = high
+        metas = self._metas
+        while self._next < len(metas):
+            meta = metas[self._next]
+            start, end = meta.bucket_offset, meta.bucket_offset + meta.nbytes
+            if start > high or (start == high and meta.nbytes):
+                return  # not fed yet
+            if end > low or not meta.nbytes:
+                first, last = max(start, low), min(end, high)
+                piece = meta if (first, last) == (start, end) else msgspec.structs.replace(
+                    meta, offset=meta.offset + first - start, nbytes=last - first, bucket_offset=first)
+                for sums in self.parts:
+                    sums.fold(piece, address + first - low)
+            if end > high:
+                return  # the rest of it comes next
+            self._next += 1
+
+    def update_bucket(self, table: bytes, payload: torch.Tensor) -> None:
+        if self.whole:
+            super().update_bucket(table, payload)
+        for sums in self.parts:
+            sums.fold_all(self._metas, payload.data_ptr())
+
+    def hexdigest(self) -> str:
+        if self.whole:
+            return super().hexdigest()
+        folded = xxhash.xxh3_128()
+        for sums in self.parts:
+            folded.update(sums.sums())
+        return f"parts-{folded.hexdigest()}"

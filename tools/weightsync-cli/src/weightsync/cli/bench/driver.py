@@ -21,6 +21,11 @@ B gets a twin ``B+staged``: the update is staged on each host's first receiver w
 swaps (the bench swaps them once every host has staged, where the manager swaps each replica as soon as its own
 hosts have). A staged entry's time runs from the start of the stage to the last resume.
 
+With ``--parts tp2|layers2`` every entry B gets a twin ``B+tp2`` (``B+layers2``): the same receivers in replicas of
+two workers, each holding its part (``scenario.bench_part``) and only that (shards of its boxes), each reading,
+copying and hashing only its part of every update. The report compares each twin with B: the update's time, and the
+receivers' busy seconds (their transfer reports' ``unpack`` phase).
+
 Also measured, unless ``--no-ray`` or ``--hosts`` (see ``ray_e2e``): ``CheckpointEngineManager.update_weights`` of a 1 MiB model
 through the Ray adapter, pause → resume included, against one no-op call gathered from every worker (target: at
 most 5 ×). The JSON's ``ray_end_to_end`` holds those figures, or ``{"skipped": reason}``.
@@ -78,6 +83,8 @@ def run_bench(options: BenchOptions) -> int:
         plotting = sweep_cases(options, backends)
     names = [name for backend in backends
              for name in ((backend, backend + DELTA) if options.delta and _supports_delta(backend) else (backend,))]
+    if options.parts:  # each entry of replicas of two workers that hold parts right after its whole-model twin
+        names = [entry for name in names for entry in (name, _with_parts(name, options.parts))]
     if options.staged:  # each staged entry right after its unstaged twin
         names = [entry for name in names for entry in (name, name + STAGED)]
     names += BASELINES
@@ -124,6 +131,12 @@ def _placement(options: BenchOptions) -> contextlib.AbstractContextManager[Place
     from weightsync.cli.bench.hosts import placement
 
     return placement(options)
+
+
+def _with_parts(name: str, parts: str) -> str:
+    """The entry ``name`` with its receivers holding ``parts``: ``B+delta`` → ``B+tp2+delta``."""
+    backend = name.removesuffix(DELTA)
+    return f"{backend}+{parts}{name[len(backend):]}"
 
 
 def _supports_delta(backend: str) -> bool:

@@ -1,5 +1,5 @@
 """The bench's workers as the manager sees them: an ``ActorWorkerGroup`` over the actor ranks' pipes and one
-``RolloutReplica`` of one worker per receiving process, so that every engine entry is
+``RolloutReplica`` of one worker per receiving process (of two, with ``--parts``), so that every engine entry is
 ``CheckpointEngineManager.update_weights()`` — its setup, ``auto``, staged flow, stripes and delta — exactly as a
 deployment runs it. The bench only measures around it (the serving probe, the links' counters).
 
@@ -96,26 +96,29 @@ class PipeWorker:
 
 
 class PipeReplica(WholePauseHooks):
-    """``RolloutReplica`` (and ``PausableReplica``) of one worker. With ``serving`` its pause and resume stop and
-    start the worker's serving loop, and record what the serving probe reads afterwards: the end of the last pass
-    before each pause (``lasts``) and the pass count at each resume (``marks``)."""
+    """``RolloutReplica`` (and ``PausableReplica``) of its workers (one, or two that each hold a part: ``--parts``).
+    With ``serving`` its pause and resume stop and start the workers' serving loops, and record what the serving
+    probe reads afterwards, worker by worker: the end of the last pass before each pause (``lasts``) and the pass
+    count at each resume (``marks``)."""
 
-    def __init__(self, worker: PipeWorker, pipes: Pipes, index: int, *, serving: bool) -> None:
-        self._worker, self._pipes, self._index, self._serving = worker, pipes, index, serving
-        self.lasts: list[float] = []
-        self.marks: list[int] = []
+    def __init__(self, workers: list[PipeWorker], pipes: Pipes, indices: list[int], *, serving: bool) -> None:
+        self._workers, self._pipes, self._indices, self._serving = workers, pipes, indices, serving
+        self.lasts: list[list[float]] = []
+        self.marks: list[list[int]] = []
 
     @property
     def workers(self) -> list[PipeWorker]:
-        return [self._worker]
+        return list(self._workers)
 
     async def pause(self) -> None:
         if self._serving:
-            self.lasts.append(float(await self._pipes.call(self._index, "pause")))
+            lasts = await asyncio.gather(*(self._pipes.call(index, "pause") for index in self._indices))
+            self.lasts.append([float(last) for last in lasts])
 
     async def resume(self) -> None:
         if self._serving:
-            self.marks.append(int(await self._pipes.call(self._index, "resume")))
+            marks = await asyncio.gather(*(self._pipes.call(index, "resume") for index in self._indices))
+            self.marks.append([int(mark) for mark in marks])
 
 
 async def _report(reply: Any) -> TransferReport:

@@ -34,8 +34,11 @@ class ManagedUpdates:
     def __init__(self, case: Case, workers: _Workers) -> None:
         self.case, self.workers = case, workers
         self.pipes = Pipes(workers.pipes, case.name)
-        self.replicas = [PipeReplica(PipeWorker(self.pipes, rank, f"receiver{rank - case.actors}"), self.pipes, rank,
-                                     serving=case.serving) for rank in case.receiving]
+        size = 2 if case.parts else 1  # workers per replica
+        ranks = list(case.receiving)
+        self.replicas = [PipeReplica([PipeWorker(self.pipes, rank, f"receiver{rank - case.actors}") for rank in group],
+                                     self.pipes, group, serving=case.serving)
+                         for group in (ranks[at:at + size] for at in range(0, len(ranks), size))]
         timeouts = StepTimeouts(**{step.name: TIMEOUT_S for step in dataclasses.fields(StepTimeouts)})
         config = SyncConfig(bucket_bytes=case.bucket_bytes, delta=case.delta, verify_every=case.verify_every,
                             staged=case.staged, timeouts=timeouts)
@@ -69,8 +72,8 @@ class ManagedUpdates:
             serving.served_during_stage.append(int(statistics.median(counts)))
             serving.stage_seconds.append(stage_end - started)
             serving.apply_ms.append(max(outcome.swap_seconds for outcome in report.replicas) * 1e3)
-        self.workers.record_pauses(serving, [replica.lasts[-1] for replica in self.replicas],
-                                   [replica.marks[-1] for replica in self.replicas])
+        self.workers.record_pauses(serving, [last for replica in self.replicas for last in replica.lasts[-1]],
+                                   [mark for replica in self.replicas for mark in replica.marks[-1]])
 
     def traced(self, serving: ServingFigures | None) -> list[dict[str, Any]]:
         """One update with every engine's tracing on; its events."""

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from weightsync.api.config import MiB
+from weightsync.api.types import UpdateReport
 from weightsync.cli.bench.managed import ManagedUpdates, report_dict
-from weightsync.cli.bench.scenario import BASELINES, Case
+from weightsync.cli.bench.scenario import BASELINES, Case, bench_part
 from weightsync.cli.bench.worker import Channel, c10d, serve
 from weightsync.cli.progress import Progress
 from weightsync.core.transports.place import default_node_id
@@ -57,6 +58,9 @@ class BenchResult:
     """An engine entry's: the manager's ``UpdateReport`` of its last timed update, as plain data."""
     serving: ServingFigures | None = None
     """``--staged``: what the receivers' serving loops saw."""
+    busy_seconds: list[float] = field(default_factory=list)
+    """An engine entry's, per timed update: the receivers' busy seconds (each receiver's ``unpack`` phase, their
+    median): what reading, copying and hashing an update cost a receiver."""
 
 
 @dataclass
@@ -163,6 +167,8 @@ class _Workers:
             role, rank = ("actor", group_rank) if group_rank < case.actors else ("rollout", group_rank - case.actors)
             spec = {**common, "role": role, "rank": rank, "group_rank": group_rank,
                     "local_rank": case.local_rank(group_rank)}
+            if case.parts and role == "rollout":  # replicas of two: rollout ranks 2j and 2j + 1 hold parts 0 and 1
+                spec["part"] = bench_part(case.layout, case.parts, rank % 2).to_dict()
             spawned = placement.start(spec, host=case.host_of(group_rank))
             self.pipes.append(spawned.channel)
             self.stops.append(spawned.stop)
@@ -242,11 +248,13 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
         workers.each("load", version=0)
         updates.update(None)
         progress.step(f"{case.name}: warm-up")
-        seconds = []
+        seconds, busy = [], []
         for index in range(case.repeat):
             workers.each("load", version=index + 1)
             before = placement.read_links()
             seconds.append(updates.update(serving))
+            if managed is not None and managed.report is not None:
+                busy.append(receivers_busy(managed.report))
             after = placement.read_links()
             if before is not None and after is not None:
                 links.add(before, after)
@@ -270,7 +278,13 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
                        peak_extra_rss_mb=peak_extra, seconds=seconds, sender_egress_bytes=links.egress,
                        host_ingress_bytes=links.ingress, rail_egress_bytes=links.rail_egress,
                        rail_ingress_bytes=links.rail_ingress, chosen=managed.chosen if managed else "",
-                       serving=serving, report=report)
+                       serving=serving, report=report, busy_seconds=busy)
+
+
+def receivers_busy(report: UpdateReport) -> float:
+    """The median receiver's busy seconds in ``report``: its consumer's time with a bucket in hand (``unpack``)."""
+    return statistics.median(phase.seconds for transfer in report.transfers if transfer.role == "rollout"
+                             for phase in transfer.phases if phase.phase == "unpack")
 
 
 @dataclass

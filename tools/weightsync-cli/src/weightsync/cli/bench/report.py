@@ -85,6 +85,9 @@ class Summary:
                 row["report"] = result.report
             if result.serving is not None:
                 row.update(_serving_row(result))
+            if result.busy_seconds:
+                row["busy_seconds_p50"] = round(statistics.median(result.busy_seconds), 5)
+            row.update(self._parts_row(result))
             if self.options.hosts:
                 # Per update: the median over the timed updates (every update's counts are in the scenario).
                 row.update(ratio_link_limit=round(result.gbps_p50 / self.link_limit_gbps, 4),
@@ -101,6 +104,17 @@ class Summary:
                                                for host in range(self.options.hosts - 1)])
             rows.append(row)
         return rows
+
+    def _parts_row(self, result: BenchResult) -> dict[str, Any]:
+        """``--parts``: an entry of workers holding parts against its whole-model twin (p50 against p50)."""
+        parts = self.options.parts
+        twin = self.results.get(result.backend.replace(f"+{parts}", "", 1)) if parts else None
+        if twin is None or twin is result or not result.busy_seconds or not twin.busy_seconds:
+            return {}
+        return {"parts_of": twin.backend,
+                "ratio_seconds_whole": round(statistics.median(result.seconds) / statistics.median(twin.seconds), 4),
+                "ratio_busy_whole": round(statistics.median(result.busy_seconds)
+                                          / statistics.median(twin.busy_seconds), 4)}
 
     def scenario(self) -> dict[str, Any]:
         options, total, yardsticks = self.options, self.main.total_bytes, self.yardsticks
@@ -156,6 +170,8 @@ def print_report(summary: Summary, ray: RayOutcome) -> None:
         _print_links(summary)
     if options.staged:
         _print_serving(summary)
+    if options.parts:
+        _print_parts(summary)
     e2e = ray.measured
     if e2e is not None:
         stages = " + ".join(f"{step} {ms:.1f}" for step, ms in e2e.to_json()["stages_ms_p50"].items())
@@ -191,6 +207,25 @@ def _print_links(summary: Summary) -> None:
         per_rail = " ".join(f"{value / total:.3f}" for value in row["rail_egress_bytes"])
         print(f"{row['backend']:<12} {row['ratio_link_limit']:>7.2f} {row['sender_egress_bytes'] / total:>15.3f} "
               f"{ingress:>17}" + (f"  {per_rail}" if rails else ""))
+
+
+PARTS_SECONDS_BAR = 0.8
+PARTS_BUSY_BAR = 0.6
+
+
+def _print_parts(summary: Summary) -> None:
+    """``--parts``: each entry of workers holding parts against its whole-model twin, update time and receivers'
+    busy seconds (p50s)."""
+    print(f"parts ({summary.options.parts}: replicas of two workers, each reading, copying and hashing only its part; "
+          "p50 against the whole-model entry's)")
+    print(f"{'entry':<22} {'x time':>7} {'x busy':>7} {'busy ms':>8}")
+    for row in summary.rows():
+        if "parts_of" not in row:
+            continue
+        meets = row["ratio_seconds_whole"] <= PARTS_SECONDS_BAR and row["ratio_busy_whole"] <= PARTS_BUSY_BAR
+        print(f"{row['backend']:<22} {row['ratio_seconds_whole']:>7.2f} {row['ratio_busy_whole']:>7.2f} "
+              f"{row['busy_seconds_p50'] * 1e3:>8.1f}  ({'meets' if meets else 'MISSES'} time <= "
+              f"{PARTS_SECONDS_BAR:g} x, busy <= {PARTS_BUSY_BAR:g} x)")
 
 
 def _serving_row(result: BenchResult) -> dict[str, Any]:

@@ -6,17 +6,23 @@ import math
 from dataclasses import dataclass
 
 from weightsync.api.config import MiB
+from weightsync.api.parts import Part
 from weightsync.cli.bench.rl import DEFAULT_LR, RLVersions
 from weightsync.cli.bench.worker import Layout
 
-__all__ = ["BASELINES", "DELTA", "HOSTS_MODEL_MB", "STAGED", "BenchOptions", "Case", "make_case", "model_bytes",
-           "model_layout"]
+__all__ = ["BASELINES", "DELTA", "HOSTS_MODEL_MB", "PARTS", "STAGED", "BenchOptions", "Case", "bench_part",
+           "make_case", "model_bytes", "model_layout"]
 
 BASELINES = ("naive", "bucketed")
 DELTA = "+delta"
 """The suffix of a backend's entry measured with delta updates (``--delta``)."""
 STAGED = "+staged"
 """The suffix of an entry measured with staged updates (``--staged``): ``B+staged``, ``B+delta+staged``."""
+PARTS = ("tp2", "layers2")
+"""``--parts``: replicas of two workers, each holding half of every split layer (``tp2``: tensor parallelism's
+column- and row-parallel halves, norms whole on both) or half the layers (``layers2``: the tensors in the first
+half of the model's bytes in stream order, or the rest); the entry ``B+tp2`` (``B+layers2``) beside ``B``."""
+MATRIX_COLUMNS = 4096
 SMALL_TENSOR_BYTES = 4096
 SMALL_DEFAULT_TENSORS = 10_000
 # ``--hosts``'s and ``--mix rl``'s model (its other defaults are the CLI's): small enough that a run across 2 Gb/s
@@ -62,6 +68,9 @@ class BenchOptions:
     staged: bool = False
     """Also measure every entry B with staged updates (``SyncConfig.staged``), as ``B+staged``; every receiver of
     every entry then serves while not paused (``weightsync.cli.bench.serving``)."""
+    parts: str = ""
+    """One of ``PARTS``: also measure every entry B with the receivers in replicas of two workers that each hold a
+    part, as ``B+tp2`` (``B+layers2``)."""
 
 
 @dataclass
@@ -85,11 +94,14 @@ class Case:
     """The receivers serve while not paused (``--staged``: in every entry, staged or not)."""
     actors: int = 1
     """Actor ranks (group ranks 0..A-1, on the sender's host); the receivers are group ranks A..A+R-1."""
+    parts: str = ""
+    """One of ``PARTS`` (the entry's name says so: ``B+tp2``): receivers in replicas of two, each its part
+    (:func:`bench_part`)."""
 
     @property
     def backend(self) -> str:
-        """The backend or baseline measured (an entry ``B+delta+staged`` measures B)."""
-        return self.name.removesuffix(STAGED).removesuffix(DELTA)
+        """The backend or baseline measured (an entry ``B+tp2+delta+staged`` measures B)."""
+        return self.name.removesuffix(STAGED).removesuffix(DELTA).removesuffix(f"+{self.parts}")
 
     @property
     def delta(self) -> bool:
@@ -131,9 +143,10 @@ def model_layout(total_bytes: int, bucket_bytes: int, mix: str) -> Layout:
         count = max(1, total_bytes // SMALL_TENSOR_BYTES)
         return [(f"layers.{i}.bias", (SMALL_TENSOR_BYTES // 2,)) for i in range(count)]
     elements = total_bytes // 2
-    # One tensor larger than a bucket (split across buckets), many small vectors, large matrices for the rest.
-    shapes: Layout = [("lm_head.weight", (min(elements, int(1.5 * bucket_bytes) // 2),))]
-    remaining = elements - shapes[0][1][0]
+    # One tensor larger than a bucket (split across buckets), many small vectors, large matrices for the rest:
+    # rows of 4096 columns where there are two rows or more (the MLP's up and down projections in turn).
+    shapes: Layout = [("lm_head.weight", _matrix(min(elements, int(1.5 * bucket_bytes) // 2)))]
+    remaining = elements - math.prod(shapes[0][1])
     for i in range(200):
         if remaining < 2048:
             break
@@ -141,11 +154,40 @@ def model_layout(total_bytes: int, bucket_bytes: int, mix: str) -> Layout:
         remaining -= 2048
     layer = 0
     while remaining > 0:
-        numel = min(remaining, 4096 * 4096)
-        shapes.append((f"model.layers.{layer}.mlp.up_proj.weight", (numel,)))
-        remaining -= numel
+        shape = _matrix(min(remaining, MATRIX_COLUMNS * MATRIX_COLUMNS))
+        shapes.append((f"model.layers.{layer}.mlp.{'down' if layer % 2 else 'up'}_proj.weight", shape))
+        remaining -= math.prod(shape)
         layer += 1
     return shapes
+
+
+def _matrix(elements: int) -> tuple[int, ...]:
+    """Whole rows of ``MATRIX_COLUMNS`` where ``elements`` make two or more, else a vector of them all."""
+    rows = elements // MATRIX_COLUMNS
+    return (rows, MATRIX_COLUMNS) if rows >= 2 else (elements,)
+
+
+def bench_part(layout: Layout, parts: str, rank: int) -> Part:
+    """Worker ``rank``'s part of a replica of two (``PARTS``): ``tp2`` splits every matrix in two, the down
+    projections along their columns (row-parallel) and the others along their rows, an odd extent and the vectors
+    whole on both; ``layers2`` gives worker 0 every tensor whose middle lies in the first half of the model's bytes
+    in stream order, worker 1 the rest."""
+    shapes = dict(layout)
+    if parts == "tp2":
+        dims = {name: 1 if "down_proj" in name else 0 for name, shape in layout if len(shape) == 2}
+        return Part.split(shapes, dims={name: dim for name, dim in dims.items() if shapes[name][dim] % 2 == 0},
+                          rank=rank, parts=2)
+    if parts != "layers2":
+        raise ValueError(f"--parts is one of {', '.join(PARTS)}, got {parts!r}")
+    half, start = sum(math.prod(shape) for shape in shapes.values()) / 2, 0
+    others: dict[str, tuple[()]] = {}
+    for name, shape in layout:
+        if (start + math.prod(shape) / 2 < half) != (rank == 0):  # by where its middle lies
+            others[name] = ()
+        start += math.prod(shape)
+    if len(others) == len(layout):
+        raise ValueError(f"--parts layers2: worker {rank} would hold nothing of a model of {len(layout)} tensors")
+    return Part(tensors=others)
 
 
 def make_case(name: str, options: BenchOptions, receivers: int | None = None, bucket_mb: int | None = None,
@@ -158,8 +200,9 @@ def make_case(name: str, options: BenchOptions, receivers: int | None = None, bu
     else:
         layout = model_layout(total_bytes or model_bytes(options), bucket_bytes, options.mix)
     receiving_hosts = max(1, options.hosts - 1)
+    parts = next((kind for kind in PARTS if f"+{kind}" in name), "")
     return Case(name=name, total_bytes=sum(2 * math.prod(shape) for _, shape in layout), layout=layout,
                 bucket_bytes=bucket_bytes, receivers=(receivers or options.receivers) * receiving_hosts,
                 repeat=repeat or options.repeat, hosts=options.hosts, versions=rl.directory if rl else "",
                 verify_every=options.verify_every, serving=options.staged,
-                actors=1 if name in BASELINES else options.actor_ranks or options.rails)
+                actors=1 if name in BASELINES else options.actor_ranks or options.rails, parts=parts)

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from weightsync.api.parts import Part
 from weightsync.api.types import StagedUpdate
 from weightsync.cli.bench.rl import load_version
 from weightsync.cli.bench.serving import Server
@@ -225,6 +226,16 @@ class _Sink:
         await weights.copy_into(self.destinations)
 
 
+def _held_shape(part: Part | None, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """What a receiver holding ``part`` keeps of tensor ``name``: its shape, or its one box's."""
+    regions = part.regions(name) if part is not None else None
+    if regions is None:
+        return shape
+    if len(regions) != 1:
+        raise ValueError(f"a bench part holds one box of a tensor, {name!r} has {len(regions)}")
+    return regions[0].size
+
+
 class _Worker:
     """One rank's state between the driver's commands: its model, its engine's host or gloo group, and the
     yardsticks' buffers."""
@@ -232,14 +243,17 @@ class _Worker:
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
         layout: Layout = [(name, tuple(shape)) for name, shape in spec["layout"]]
+        part = Part.from_dict(spec["part"]) if spec.get("part") is not None else None
         # torch.ones touches every page: the receivers' model copies are pre-faulted, as an inference engine's are.
-        self.tensors = [torch.ones(shape, dtype=torch.bfloat16) for _, shape in layout]
-        self.by_name = dict(zip((name for name, _ in layout), self.tensors))
+        # A receiver that holds a part (``--parts``) holds only it: a shard of each box, whole tensors, nothing else.
+        self.by_name = {name: torch.ones(_held_shape(part, name, shape), dtype=torch.bfloat16)
+                        for name, shape in layout if part is None or part.regions(name) != ()}
+        self.tensors = list(self.by_name.values())
         self.gloo: _Gloo | None = None
         self.store: Any = None
         self.node_id, self.host_ip = worker_identity(spec)
-        self.host = EngineHost(node_id=self.node_id, host_ip=self.host_ip,
-                               name=f"{spec['role']} {spec['rank']}") if spec["kind"] == "engine" else None
+        self.host = EngineHost(node_id=self.node_id, host_ip=self.host_ip, name=f"{spec['role']} {spec['rank']}",
+                               part=part) if spec["kind"] == "engine" else None
         self.sink = _Sink(self.by_name)
         self.server: Server | None = None
         """``--staged``: this receiver's serving loop."""
