@@ -588,10 +588,20 @@ def tp_part(rank: int, parts: int = 2) -> Any:
     return Part.split(tp_shapes(), dims=tp_dims(), rank=rank, parts=parts)
 
 
+NUDGED = 1000
+"""Versions from this one on are :data:`NUDGED` itself with a few elements changed (what a delta update sends as
+changes); the versions below it are random, each wholly unlike the others."""
+
+
 def tp_tensors(version: int) -> list[tuple[str, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(7000 + version)
-    return [(name, torch.randint(0, 1 << 16, shape, dtype=torch.int32, generator=generator).to(torch.int16)
-             .view(torch.bfloat16)) for name, shape in tp_shapes().items()]
+    generator = torch.Generator().manual_seed(7000 + min(version, NUDGED))
+    tensors = [(name, torch.randint(0, 1 << 16, shape, dtype=torch.int32, generator=generator).to(torch.int16)
+                .view(torch.bfloat16)) for name, shape in tp_shapes().items()]
+    if version > NUDGED:
+        for _, tensor in tensors:
+            flat = tensor.view(-1)
+            flat[(version * 7919) % flat.numel()] = float(version % 256)
+    return tensors
 
 
 def tp_slice(name: str, tensor: torch.Tensor, rank: int, parts: int = 2) -> torch.Tensor:

@@ -18,7 +18,7 @@ from weightsync.core.control.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 
 from tests.conftest import RayNodes
-from tests.workloads import TpSink, TpSource, tp_part, tp_slice, tp_tensors
+from tests.workloads import NUDGED, TpSink, TpSource, tp_part, tp_slice, tp_tensors
 
 BUCKET = 256 * 1024
 MODEL_BYTES = sum(tensor.nbytes for _, tensor in tp_tensors(0))
@@ -87,18 +87,23 @@ def test_each_worker_reads_and_verifies_only_its_part(fleet: Fleet) -> None:
         assert all(nbytes >= 0.48 * MODEL_BYTES for nbytes in hashed), hashed
 
 
-def test_copy_into_shards_copies_and_hashes_only_the_part(fleet: Fleet) -> None:
-    """Sinks that hold only their slices (shards of the slices' shapes) take a full update with ``copy_into``:
-    each worker's copy lands its part, and its process hashes no more than its part."""
+@pytest.mark.parametrize("mode", ["full", "delta"])
+def test_copy_into_shards_copies_and_hashes_only_the_part(fleet: Fleet, mode: str) -> None:
+    """Sinks that hold only their slices (shards of the slices' shapes) take updates with ``copy_into``: in a full
+    update each worker's copy lands its part, and its process hashes no more than its part; a delta update (the
+    second of a delta manager) lands in the shards too."""
     for replica in fleet.replicas:
         ray.get(replica.call("set_loading", "shards"))
     try:
-        manager = fleet.manager()
-        for version in (3, 4):
+        manager = fleet.manager(delta=mode == "delta")
+        for version in (NUDGED, NUDGED + 1):
             report = fleet.update(manager, version)
             assert report.ok, report.replicas
             fleet.check_holds(version)
-            assert all(nbytes <= 0.52 * MODEL_BYTES + REPLICATED_BYTES for nbytes in fleet.hashed())
+            if version == NUDGED or mode == "full":
+                assert all(nbytes <= 0.52 * MODEL_BYTES + REPLICATED_BYTES for nbytes in fleet.hashed())
+            else:
+                assert [outcome.received for outcome in report.replicas] == ["changes"] * 2
     finally:
         for replica in fleet.replicas:
             ray.get(replica.call("set_loading", "views"))
@@ -124,12 +129,14 @@ def test_the_hash_counter_sees_a_whole_model_verification(fleet: Fleet, ray_node
 @pytest.mark.parametrize("mode", ["delta", "staged", "delta+staged"])
 def test_parts_compose_with_delta_and_staged_updates(fleet: Fleet, mode: str) -> None:
     manager = fleet.manager(delta="delta" in mode, staged="staged" in mode)
-    for version in (10, 11, 12):
+    for version in (NUDGED + 10, NUDGED + 11, NUDGED + 12):  # a few elements apart: a delta sends changes
         report = fleet.update(manager, version)
         assert report.ok, report.replicas
         fleet.check_holds(version)
-        if "delta" not in mode or version == 10:  # the first update of a delta manager is full
+        if "delta" not in mode or version == NUDGED + 10:  # the first update of a delta manager is full
             assert sorted(transfer.part for transfer in receivers(report)) == [0, 0, 1, 1], mode
+        else:
+            assert [outcome.received for outcome in report.replicas] == ["changes"] * 2, mode
 
 
 def test_a_corrupted_byte_fails_only_the_worker_whose_part_holds_it(fleet: Fleet) -> None:

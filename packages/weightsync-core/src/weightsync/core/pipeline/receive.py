@@ -21,7 +21,7 @@ from weightsync.api.types import PhaseTiming, TransferReport
 from weightsync.core.delta.receiver import ReceiverDelta
 from weightsync.core.pipeline.handover import Hold
 from weightsync.core.pipeline.trace import Tracer
-from weightsync.core.pipeline.unpack import BucketReader, BulkPlans
+from weightsync.core.pipeline.unpack import BucketReader, BulkPlans, whole_only
 from weightsync.core.transports.settings import EngineSettings
 from weightsync.core.transports.seam import Arrived
 from weightsync.core.transports.seam import ReceivedBucket, ReceiverTransport
@@ -136,11 +136,17 @@ class ReceiveStream:
             return 0
         count = 0
         self._destinations, self._fallback = destinations, fallback
+        part = self._reader.part
+        if part is not None and self._context.delta is not None:
+            # Delta updates write whole tensors: a shard's tensor is kept whole by the delta receiver (as one the
+            # fallback takes) and handed, brought up to date, to a fallback that takes the shard's box of it.
+            self._destinations, self._fallback = whole_only(destinations, fallback, part.layout)
         try:
             while True:
                 if self._reader.pending:
                     if self._patch():
-                        count += self._reader.copy_out(destinations, fallback)
+                        count += self._reader.copy_out(*((destinations, fallback) if self._reader.by_part else
+                                                         (self._destinations, self._fallback)))
                     else:
                         count += self._reader.skip_applied()
                     continue

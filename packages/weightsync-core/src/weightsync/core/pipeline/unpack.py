@@ -25,10 +25,10 @@ from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.destinations import Fallback, check_destination, destination_fits, typed_view
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.layout import PIECE_BYTES
-from weightsync.core.wire.parts import PartSums
+from weightsync.core.wire.parts import PartLayout, PartSums
 from weightsync.core.wire.tensors import COMPLEX_NAMES, DTYPES, dtype_from_name, memoryview_at
 
-__all__ = ["BucketReader", "BulkPlans"]
+__all__ = ["BucketReader", "BulkPlans", "whole_only"]
 
 class BulkPlan:
     """A bucket of small pieces of real dtypes (the many-small-tensors case) in columns, for the bulk copy."""
@@ -80,6 +80,33 @@ class BulkPlans:
         self._plans[table] = plan
         self._entries += len(tensors)
         return plan
+
+
+def whole_only(destinations: Mapping[str, torch.Tensor], fallback: Fallback | None, layout: PartLayout
+               ) -> tuple[dict[str, torch.Tensor], Fallback]:
+    """``copy_into``'s destinations and fallback for a worker that holds ``layout``'s part, where whole tensors are
+    written (a delta update): the destinations of a tensor's whole shape, and a fallback that takes the rest —
+    nothing of a tensor the part does not hold, its box of one it holds into a shard, anything else to
+    ``fallback``."""
+    shapes = {name: layout.shard_shape(name) for name in destinations}
+    whole = {name: destination for name, destination in destinations.items()
+             if shapes[name] is None or tuple(destination.shape) != shapes[name]}
+
+    def into_shards(name: str, tensor: torch.Tensor) -> object:
+        boxes = layout.plan.tensors.get(name)
+        if boxes is not None and not boxes:  # none of it is this worker's
+            return None
+        shard = destinations.get(name)
+        if boxes is not None and shard is not None and name not in whole:
+            (start, size), = boxes
+            with torch.no_grad():
+                shard.copy_(tensor[tuple(slice(first, first + length) for first, length in zip(start, size))])
+            return None
+        if fallback is None:
+            raise DestinationError(f"no destination for received tensor {name!r} (and no fallback)", name=name)
+        return fallback(name, tensor)
+
+    return whole, into_shards
 
 
 class _Skipped(UpdateDigest):
