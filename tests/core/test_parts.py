@@ -541,7 +541,7 @@ def test_copies_land_exactly_the_part_in_a_full_shape_destination_and_in_a_shard
                 copy_batch(group.triples, full.data_ptr(), data.data_ptr() + low)
             for group in layout.copies(meta, runs, compact=True):
                 assert sum(group.triples[2::3]) == group.nbytes
-                assert group.triples[0::3] == sorted(group.triples[0::3])
+                assert list(group.triples[0::3]) == sorted(group.triples[0::3])
                 copy_batch(group.triples, shard.data_ptr(), data.data_ptr() + low)
                 spans.append((group.start, group.nbytes))
         mask = byte_mask([box], tensor.shape, tensor.element_size())

@@ -141,16 +141,18 @@ Releases the GIL. ``STREAM_COPY`` says which copy runs (``weightsync doctor`` sh
 in the environment turns the compiled helper off (memmove, and ``copy_batch`` one call per copy)."""
 
 
-def copy_batch(entries: list[int], destination_base: int, source_base: int, *, stream: bool = False) -> None:
+def copy_batch(entries: list[int] | array.array[int], destination_base: int, source_base: int, *,
+               stream: bool = False) -> None:
     """Copy every ``(destination offset, source offset, nbytes)`` triple of the flat list ``entries``, from
     ``source_base + source offset`` to ``destination_base + destination offset``; the ranges must not overlap.
 
     One call for many small tensors (a bucket's worth on a sender, a few hundred KiB's worth on a receiver) instead
-    of one ctypes call each, which costs more than a 4 KiB copy itself. ``stream``: write like ``copy_stream`` (for
+    of one ctypes call each, which costs more than a 4 KiB copy itself; ``entries`` kept as an ``array('Q')`` are
+    not converted again. ``stream``: write like ``copy_stream`` (for
     destinations not read back soon, such as a receiver's model tensors). Releases the GIL for the batch.
     """
     if HELPER is not None:
-        table = array.array("Q", entries)
+        table = entries if isinstance(entries, array.array) else array.array("Q", entries)
         HELPER.weightsync_copy_batch(table.buffer_info()[0], len(table) // 3, destination_base, source_base, stream)
         return
     for index in range(0, len(entries), 3):
