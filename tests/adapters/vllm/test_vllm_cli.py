@@ -13,9 +13,10 @@ pytest.importorskip("vllm", reason="the vLLM tests run in the vllm env: python3 
 from tests.tools.cli.test_cli import weightsync  # noqa: E402
 
 
-@pytest.mark.parametrize("staged", [[], ["--staged"]], ids=["unstaged", "staged"])
-def test_demo_every_step_matches_the_reference_engine(staged: list[str]) -> None:
-    result = weightsync("demo", "--rollout", "vllm", "--steps", "2", "--model-mb", "1", *staged)
+def test_demo_every_step_matches_the_reference_engine() -> None:
+    """The default demo (unstaged; staged updates into vLLM replicas are tests/adapters/vllm/test_vllm_updates.py's,
+    the demo's staged flow test_cli.py's: a second run of its own engines would cost CI 100 s)."""
+    result = weightsync("demo", "--rollout", "vllm", "--steps", "2", "--model-mb", "1")
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert len(lines) == 2, result.stdout

@@ -165,27 +165,18 @@ def test_ray_end_to_end_update_against_a_gathered_noop(shm_run: tuple[dict[str, 
     assert ("meets" if e2e["meets"] else "MISSES") in line
 
 
-def test_small_mix_defaults_to_ten_thousand_4k_tensors(tmp_path: pathlib.Path) -> None:
+def test_small_mix_defaults_to_ten_thousand_4k_tensors_and_ray_is_skipped_without_ray(tmp_path: pathlib.Path) -> None:
+    # A `ray` package earlier on the path that fails to import, as when Ray is not installed.
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "__init__.py").write_text("raise ImportError('No module named ray (hidden by the test)')\n")
     out = tmp_path / "small.json"
-    result = bench("--backends", "shm", "--mix", "small", "--repeat", "1", "--receivers", "1", "--no-ray",
-                   "--json", str(out))
+    result = bench("--backends", "shm", "--mix", "small", "--repeat", "1", "--receivers", "1", "--json", str(out),
+                   pythonpath=str(tmp_path))
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
     scenario = data["scenario"]
     assert scenario["tensors"] == 10_000 and scenario["model_bytes"] == 10_000 * 4096
-    assert data["ray_end_to_end"] == {"skipped": "--no-ray"}
-    assert "ray end-to-end: skipped (--no-ray)" in result.stdout
-
-
-def test_ray_end_to_end_is_skipped_without_ray(tmp_path: pathlib.Path) -> None:
-    # A `ray` package earlier on the path that fails to import, as when Ray is not installed.
-    (tmp_path / "ray").mkdir()
-    (tmp_path / "ray" / "__init__.py").write_text("raise ImportError('No module named ray (hidden by the test)')\n")
-    out = tmp_path / "bench.json"
-    result = bench("--backends", "shm", "--model-mb", "1", "--bucket-mb", "1", "--repeat", "1", "--receivers", "1",
-                   "--json", str(out), pythonpath=str(tmp_path))
-    assert result.returncode == 0, result.stderr
-    skipped = json.loads(out.read_text())["ray_end_to_end"]["skipped"]
+    skipped = data["ray_end_to_end"]["skipped"]
     assert "hidden by the test" in skipped and "weightsync-ray" in skipped
     assert "ray end-to-end: skipped (" in result.stdout
 
