@@ -148,8 +148,8 @@ def copy_batch(entries: list[int] | array.array[int], destination_base: int, sou
 
     One call for many small tensors (a bucket's worth on a sender, a few hundred KiB's worth on a receiver) instead
     of one ctypes call each, which costs more than a 4 KiB copy itself; ``entries`` kept as an ``array('Q')`` are
-    not converted again. ``stream``: write like ``copy_stream`` (for
-    destinations not read back soon, such as a receiver's model tensors). Releases the GIL for the batch.
+    not converted again. ``stream``: write like ``copy_stream`` (for destinations not read back soon, such as a
+    receiver's model tensors). Releases the GIL for the batch.
     """
     if HELPER is not None:
         table = entries if isinstance(entries, array.array) else array.array("Q", entries)

@@ -305,6 +305,7 @@ class BucketReader:
             address, runs = base + meta.bucket_offset, layout.runs_of(meta)
             destination, dtype = destinations.get(meta.name), DTYPES[meta.dtype]
             shard = layout.shard_shape(meta.name)
+            completed = meta.offset + meta.nbytes == meta.total_nbytes
             if runs is not None and not runs[0]:  # none of this tensor is the part's
                 pass
             elif destination_fits(destination, dtype, meta.shape) or (
@@ -312,14 +313,12 @@ class BucketReader:
                 self.wrote = True
                 self._copy_selected(meta, address, destination, part, runs)
             else:
-                count += self._copy_viewed(current, meta, destination, fallback)
+                count += self._copy_viewed(current, meta, destination, fallback)  # (counts what it completes)
                 part.fold(meta, address)
-                self.folded = self.position
-                continue
+                completed = False
             self.folded = self.position
-            completes = meta.offset + meta.nbytes == meta.total_nbytes
-            self.tensors += completes
-            count += completes
+            self.tensors += completed
+            count += completed
         return count
 
     @staticmethod
