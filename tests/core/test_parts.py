@@ -586,3 +586,60 @@ def test_the_senders_parts_digest_folds_while_packing_what_a_reader_folds_from_t
         assert [sums.names for sums in folding.parts] == [sums.names for sums in read]
         assert (folding.hexdigest() == reference.hexdigest()) is whole
         assert whole or folding.hexdigest().startswith("parts-")
+
+
+def test_part_groups_by_what_each_host_skips() -> None:
+    """WIP (delivery by part across hosts): hosts whose workers hold half the layers each skip the other half's
+    tensors and form two groups; hosts of tensor-parallel halves skip nothing (one group, today's delivery); a worker
+    without a part makes its host skip nothing."""
+    from weightsync.core.wire.parts import part_groups, skipped_by_host
+
+    first, second = (PartPlan.of(Part(tensors={name: () for name in names}), index)
+                     for index, names in enumerate((("b", "c"), ("a",))))
+    groups = part_groups([first, first, second, second], ["h1", "h1", "h2", "h2"])
+    assert groups == [(frozenset({"b", "c"}), ["h1"]), (frozenset({"a"}), ["h2"])]
+    halves = [PartPlan.of(tp_part(rank), rank) for rank in (0, 1)]
+    assert part_groups(halves * 2, ["h1", "h1", "h2", "h2"]) == [(frozenset(), ["h1", "h2"])]
+    assert skipped_by_host([first, None, second], ["h1", "h1", "h2"]) == {"h1": frozenset(), "h2": frozenset({"a"})}
+    both = [first, second, first, second]  # each host holds both halves: nothing skipped anywhere
+    assert part_groups(both, ["h1", "h1", "h2", "h2"]) == [(frozenset(), ["h1", "h2"])]
+
+
+def test_grouped_topology_gives_each_group_of_hosts_a_sender_and_a_chain_of_its_own() -> None:
+    """WIP: hosts h1 and h2 each hold half the layers (two workers each): two groups, each with its own sender
+    (actor ranks 0 and 1 on the sender's host), which skips the other half's tensors, and a two-level chain over its
+    host alone (its first worker reads over the network, the second in place)."""
+    from weightsync.api.types import WorldMetadata
+    from weightsync.core.transports.chain.groups import grouped_topology
+    from weightsync.core.transports.chain.plan import ChainReceive, ChainSend
+    from weightsync.core.transports.plan import decode_plan
+
+    def worker(node: str, address: str, part: Part | None = None) -> WorkerMetadata:
+        entry: WorkerMetadata = {"node_id": node, "address": address, "library": "tcp"}
+        if part is not None:
+            entry[PART_KEY] = part.to_dict()
+        return entry
+
+    first, second = Part(tensors={"b": (), "c": ()}), Part(tensors={"a": ()})
+    leader = {**worker("h0", "h0:1"), "layout": "two_level"}  # actor rank 0 says the layout
+    metadata = WorldMetadata(actor=[leader, worker("h0", "h0:2")],
+                             rollout=[worker("h1", "h1:1", first), worker("h1", "h1:2", first),
+                                      worker("h2", "h2:1", second), worker("h2", "h2:2", second)])
+    topology = grouped_topology("tcp", metadata, fanout=1, addresses=["h1:1", "h1:2", "h2:1", "h2:2"])
+    assert topology is not None and topology.senders == (0, 1)
+    senders = [decode_plan(args, ChainSend, who="actor") for args in topology.actor]
+    assert [sender.skip for sender in senders] == [("b", "c"), ("a",)]
+    assert [sender.children for sender in senders] == [(1,), (3,)]
+    receivers = [decode_plan(args, ChainReceive, who="rollout") for args in topology.rollout]
+    assert [receiver.sender for receiver in receivers] == [0, 0, 1, 1]
+    assert [(r.source.upstream, r.source.local) for r in receivers] == [
+        ("h0:1", False), ("h1:1", True), ("h0:2", False), ("h2:1", True)]
+    # One group (every host holds both halves of every tensor), or too few actor ranks: no grouped topology.
+    halves = WorldMetadata(actor=metadata.actor, rollout=[worker(f"h{i // 2 + 1}", f"x:{i}", tp_part(i % 2))
+                                                          for i in range(4)])
+    assert grouped_topology("tcp", halves, fanout=1, addresses=["x"] * 4) is None
+    alone = WorldMetadata(actor=metadata.actor[:1], rollout=metadata.rollout)
+    assert grouped_topology("tcp", alone, fanout=1, addresses=["x"] * 4) is None
+    for other in ({"layout": "chain"}, {"staged": True}):  # by host only; a host's stager stages for all its workers
+        changed = WorldMetadata(actor=[{**leader, **other}, *metadata.actor[1:]], rollout=metadata.rollout)
+        assert grouped_topology("tcp", changed, fanout=1, addresses=["x"] * 4) is None

@@ -11,6 +11,7 @@ bytes cross: at least 0.95 × S out of the sender's host and into each receiving
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import signal
@@ -23,7 +24,7 @@ from typing import Any
 
 import pytest
 from weightsync.api.registry import available_backends
-from weightsync.cli.bench.scenario import BenchOptions, make_case
+from weightsync.cli.bench.scenario import BenchOptions, bench_part, make_case
 from weightsync.cli.main import main
 from weightsync.core.control.auto import choose
 from weightsync.testbed import probe
@@ -54,7 +55,7 @@ def hosts_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
     # shm is asked for explicitly: it must be left out, not fail the run.
     result = bench("--hosts", "3", "--receivers", "1", "--link-gbps", str(LINK_GBPS), "--model-mb", "16",
                    "--bucket-mb", "4", "--repeat", "2", "--backends", ",".join([*backends, "shm"]),
-                   "--json", str(out))
+                   "--parts", "layers2", "--json", str(out))
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(out.read_text()), result.stdout, backends
 
@@ -63,12 +64,15 @@ def test_json_keeps_the_schema_and_adds_the_testbed_fields(hosts_run: tuple[dict
     data, stdout, backends = hosts_run
     assert set(data) == {"scenario", "limit_gbps", "engine_copy_limit_gbps", "raw_gloo_gbps", "link_limit_gbps",
                          "results", "ray_end_to_end"}
-    assert [row["backend"] for row in data["results"]] == [*backends, "naive", "bucketed"]
-    engines = {"report"}  # an engine entry's: the manager's report of its last update
+    # --parts layers2: auto's twin only (its two-level layout delivers by part; see test_parts_across_hosts...)
+    assert [row["backend"] for row in data["results"]] == [*backends, "auto+layers2", "naive", "bucketed"]
+    engines = {"report", "busy_seconds_p50"}  # an engine entry's: the manager's report of its last update
     assert all(set(row) == HOSTS_RESULT_KEYS | (set() if row["backend"] in ("naive", "bucketed") else engines)
-               for row in data["results"] if row["backend"] != "auto")
+               for row in data["results"] if not row["backend"].startswith("auto"))
     auto = next(row for row in data["results"] if row["backend"] == "auto")
     assert set(auto) == HOSTS_RESULT_KEYS | {"chosen"} | engines
+    parted = next(row for row in data["results"] if row["backend"] == "auto+layers2")
+    assert set(parted) == HOSTS_RESULT_KEYS | {"chosen", "parts_of", "ratio_seconds_whole", "ratio_busy_whole"} | engines
     assert auto["chosen"] == choose(sender_node="0", rollout_nodes=["1", "2"]).name  # e.g. "nixl (two-level)"
     assert f"(auto picked {auto['chosen']} here)" in stdout
     scenario = data["scenario"]
@@ -109,7 +113,8 @@ def test_link_counters_show_every_update_crossing_every_link(
         for update_egress, update_ingress in zip(egress, ingress):
             assert update_egress >= 0.95 * MODEL_BYTES, (name, update_egress)
             assert len(update_ingress) == 2
-            assert all(value >= 0.95 * MODEL_BYTES for value in update_ingress), (name, update_ingress)
+            if name != "auto+layers2":  # (each host its half: test_parts_across_hosts_...)
+                assert all(value >= 0.95 * MODEL_BYTES for value in update_ingress), (name, update_ingress)
         # The entry holds the median per update.
         assert row["sender_egress_bytes"] == int(statistics.median(egress))
         assert row["host_ingress_bytes"] == [int(statistics.median(update[host] for update in ingress))
@@ -124,6 +129,32 @@ def test_link_counters_show_every_update_crossing_every_link(
         assert rows[name]["sender_egress_bytes"] <= 1.1 * MODEL_BYTES, rows[name]
     for name in ("naive", "bucketed"):
         assert rows[name]["sender_egress_bytes"] >= 1.9 * MODEL_BYTES, rows[name]
+
+
+def test_parts_across_hosts_each_host_takes_in_only_its_half(hosts_run: tuple[dict[str, Any], str, list[str]]
+                                                               ) -> None:
+    """``--parts layers2`` across 3 hosts: each replica's two workers sit on hosts 1 and 2, each holding half the
+    layers. By the link counters each receiving host takes in its half (the tensors its workers hold, headers on
+    top) and the sender's host sends out the model once, as two streams (``auto``'s part groups: one sender each);
+    the whole-model entry of the same run, the control, takes the model into each host."""
+    data, _, _ = hosts_run
+    rows = {row["backend"]: row for row in data["results"]}
+    options = BenchOptions(hosts=3, receivers=1, model_mb=16, bucket_mb=4)
+    layout = make_case("auto", options).layout
+    halves = [sum(2 * math.prod(shape) for name, shape in layout if bench_part(layout, "layers2", rank).regions(name)
+                  != ()) for rank in (0, 1)]
+    assert sum(halves) == MODEL_BYTES and min(halves) > 0.3 * MODEL_BYTES
+    parted, whole = rows["auto+layers2"], rows["auto"]
+    for host, half in enumerate(halves):
+        assert half <= parted["host_ingress_bytes"][host] <= half + 0.02 * MODEL_BYTES, (host, parted, halves)
+        assert whole["host_ingress_bytes"][host] >= 0.95 * MODEL_BYTES, whole
+    assert MODEL_BYTES <= parted["sender_egress_bytes"] <= 1.04 * MODEL_BYTES, parted
+    receivers = [t for t in parted["report"]["transfers"] if t["role"] == "rollout"]
+    senders = [t for t in parted["report"]["transfers"] if t["role"] == "actor" and t["nbytes"]]
+    assert sorted(t["sender"] for t in receivers) == [0, 1] and len(senders) == 2  # a stream per host
+    assert sorted(t["nbytes"] for t in senders) == sorted(halves)
+    assert [outcome["state"] for outcome in parted["report"]["replicas"]] == ["committed"]
+    assert parted["parts_of"] == "auto" and "parts (layers2" in hosts_run[1]
 
 
 def test_delta_updates_cross_the_links_as_a_few_percent_of_the_model(tmp_path: pathlib.Path) -> None:

@@ -127,7 +127,9 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument("--parts", choices=["tp2", "layers2"], default=None,
                        help="also measure every entry B with the receivers in replicas of two workers, each holding "
                             "its part (tp2: half of every matrix; layers2: half the layers) and reading only it, as "
-                            "B+tp2 (B+layers2); full updates on this host, --receivers even")
+                            "B+tp2 (B+layers2); full updates. With --hosts and an even number of receiving hosts a "
+                            "replica's two workers sit on two hosts (--actor-ranks defaults to 2: one sender per "
+                            "part group); else two neighbours on one host, --receivers even")
     bench.add_argument("--verify-every", type=int, default=1, metavar="K",
                        help="with --delta: receivers verify what they hold after every K-th delta update (default 1)")
     bench.add_argument("--repeat", type=int, default=5, help="timed runs per backend after a warm-up")
@@ -257,7 +259,7 @@ def _bench(args: argparse.Namespace) -> int:
         json_path=args.json_path, plot_path=args.plot_path, trace_path=args.trace_path,
         ray=args.ray and not args.hosts, ray_backend=args.ray_backend, hosts=args.hosts,
         link_gbps=args.link_gbps if args.link_gbps is not None else HOSTS_LINK_GBPS, rtt_ms=args.rtt_ms,
-        rails=args.rails, actor_ranks=args.actor_ranks,
+        rails=args.rails, actor_ranks=args.actor_ranks or (2 if args.parts and args.hosts else 0),
         delta=args.delta, verify_every=args.verify_every, staged=args.staged, parts=args.parts or "",
         **({"lr": args.lr} if args.lr is not None else {}),
     ))
@@ -302,9 +304,11 @@ def _bench_error(args: argparse.Namespace) -> str:
         return "--lr needs --mix rl and must be in (0, 1]"
     if args.verify_every < 1 or (args.verify_every != 1 and not args.delta):
         return "--verify-every needs --delta and must be positive"
-    if args.parts and (args.hosts or args.delta or args.mix != "realistic" or args.receivers % 2):
-        return ("--parts measures full updates of the realistic mix on this host into an even number of --receivers "
-                "(two workers per replica): not with --hosts, --delta or another --mix")
+    if args.parts and (args.delta or args.mix != "realistic"):
+        return "--parts measures full updates of the realistic mix: not with --delta or another --mix"
+    if args.parts and args.receivers % 2 and (not args.hosts or args.hosts % 2 == 0):
+        return ("--parts pairs the receivers into replicas of two: an even --receivers (or, with --hosts, an even "
+                "number of receiving hosts)")
     if args.mix == "rl" and args.plot_path:
         return "--plot does not apply with --mix rl (its model is the decoder's, not a size to sweep)"
     if not args.hosts:

@@ -50,3 +50,4 @@ def with_declared_parts(actor_args: list[RankArgs], rollout_args: list[RankArgs]
     for rank, part in enumerate(parts):
         if part is not None:
             rollout_args[rank] = with_parts(rollout_args[rank], part=part)
+

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,10 +129,13 @@ class SendPipeline:
 
     async def send(self, transport: SenderTransport, weights: Iterable[object], *, epoch: str, version: int,
                    started: float, stripe: tuple[int, int] = (0, 1), parts: list[PartLayout] | None = None,
-                   parts_only: bool = False) -> TransferReport:
+                   parts_only: bool = False, skip: frozenset[str] = frozenset()) -> TransferReport:
         """Send one update; ``stripe``: (s, K), this sender's stripe of K (one sender of everything: (0, 1));
         ``parts``: the distinct parts the receivers declared; ``parts_only``: every receiver verifies its part
-        (``RankPlan.parts_only``)."""
+        (``RankPlan.parts_only``); ``skip``: the tensors left out (``RankPlan.skip``: the stream is still drained
+        whole)."""
+        if skip:
+            weights = _leaving_out(weights, skip)
         digest = self.policy.new_digest()
         sending = Sending(transport, epoch, version, self.settings.context.rank, digest,
                           time.monotonic() + self.settings.timeout,
@@ -287,6 +290,14 @@ class SendPipeline:
             await asyncio.wait_for(asyncio.shield(asyncio.gather(*pending, return_exceptions=True)), 15.0)
         except (asyncio.TimeoutError, asyncio.CancelledError):
             pass
+
+
+def _leaving_out(weights: Iterable[object], skip: frozenset[str]) -> Iterator[object]:
+    """``weights`` less the pairs whose name is in ``skip`` (anything else, malformed items included, goes on to
+    the planner, which says what is wrong with it)."""
+    for item in weights:
+        if not (isinstance(item, tuple) and len(item) == 2 and item[0] in skip):
+            yield item
 
 
 def _timed(function: Any, *args: Any) -> float:

@@ -51,6 +51,9 @@ class RankPlan(msgspec.Struct, kw_only=True, frozen=True, tag_field="kind", forb
     parts_only: bool = False
     """A sender's: every receiver verifies its part (none checks the whole digest): a full update's whole digest is
     not computed, the parts' sums are (``weightsync.core.wire.parts.PartsDigest``)."""
+    skip: tuple[str, ...] = ()
+    """A sender's: the tensors it leaves out of its stream, which none of its receivers holds anything of (a part
+    group's sender: :mod:`weightsync.core.transports.chain.groups`)."""
     part: PartPlan | None = None
     """A rollout worker's that declared its part (a receiver, or an idle worker that reads a staging area): its
     regions, and its place in the senders' ``parts``."""

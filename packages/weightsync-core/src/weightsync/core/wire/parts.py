@@ -32,7 +32,8 @@ from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.tensors import DTYPES, memoryview_at
 
-__all__ = ["Copy", "PartLayout", "PartPlan", "PartSums", "PartsDigest", "byte_runs", "check_sums"]
+__all__ = ["Copy", "PartLayout", "PartPlan", "PartSums", "PartsDigest", "byte_runs", "check_sums", "part_groups",
+           "skipped_by_host"]
 
 SUM_BYTES = 8
 
@@ -390,3 +391,28 @@ class PartsDigest(UpdateDigest):
         for sums in self.parts:
             folded.update(sums.sums())
         return f"parts-{folded.hexdigest()}"
+
+
+def skipped_by_host(parts: Sequence[PartPlan | None], hosts: Sequence[str]) -> dict[str, frozenset[str]]:
+    """Per host (in the order hosts first appear), the checkpoint tensors none of its workers holds anything of: what
+    a host receiving only its workers' parts (rounded up to whole tensors) need not receive. A worker that declared
+    no part holds everything, so its host skips nothing."""
+    skipped: dict[str, frozenset[str]] = {}
+    for host in dict.fromkeys(hosts):
+        mine = [part for part, where in zip(parts, hosts) if where == host]
+        if any(part is None for part in mine):
+            skipped[host] = frozenset()
+            continue
+        nothing = [{name for name, boxes in part.tensors.items() if not boxes} for part in mine if part is not None]
+        skipped[host] = frozenset(set.intersection(*nothing))
+    return skipped
+
+
+def part_groups(parts: Sequence[PartPlan | None], hosts: Sequence[str]) -> list[tuple[frozenset[str], list[str]]]:
+    """The hosts grouped by what they skip (:func:`skipped_by_host`): each group's hosts can share one stream that
+    leaves those tensors out. In the order the groups' first hosts appear; one group where every host needs the
+    same (today's delivery)."""
+    groups: dict[frozenset[str], list[str]] = {}
+    for host, skipped in skipped_by_host(parts, hosts).items():
+        groups.setdefault(skipped, []).append(host)
+    return list(groups.items())

@@ -91,6 +91,7 @@ class BucketCheckpointEngine(EngineBase):
         self._receiver: ReceiverTransport | None = None
         self._parts: list[PartLayout] = []
         self._parts_only = False
+        self._skip: frozenset[str] = frozenset()
         """A sender's: the distinct parts its receivers declared (``RankPlan.parts``), kept for the epoch."""
         self._part: PartLayout | None = None
         """A rollout worker's that declared its part (``RankPlan.part``), kept for the epoch."""
@@ -136,6 +137,7 @@ class BucketCheckpointEngine(EngineBase):
         self._send.delta.allowed_base = plan.delta_base  # the manager's: the version every receiver holds
         self._parts = [PartLayout(part) for part in plan.parts]
         self._parts_only = plan.parts_only
+        self._skip = frozenset(plan.skip)
         self._part = PartLayout(plan.part) if plan.part is not None else None
         if plan.role == "sender":
             connected = self.transport.connect_sender(plan)
@@ -219,7 +221,7 @@ class BucketCheckpointEngine(EngineBase):
             try:
                 return await self._send.send(self._sender, weights, epoch=self._epoch or "", version=version,
                                              started=started, stripe=self._stripe, parts=self._parts,
-                                             parts_only=self._parts_only)
+                                             parts_only=self._parts_only, skip=self._skip)
             finally:
                 self._policy.end_send()
         finally:

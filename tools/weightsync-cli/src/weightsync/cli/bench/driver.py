@@ -24,7 +24,10 @@ hosts have). A staged entry's time runs from the start of the stage to the last 
 With ``--parts tp2|layers2`` every entry B gets a twin ``B+tp2`` (``B+layers2``): the same receivers in replicas of
 two workers, each holding its part (``scenario.bench_part``) and only that (shards of its boxes), each reading,
 copying and hashing only its part of every update. The report compares each twin with B: the update's time, and the
-receivers' busy seconds (their transfer reports' ``unpack`` phase).
+receivers' busy seconds (their transfer reports' ``unpack`` phase). With ``--hosts`` and an even number of
+receiving hosts a replica's two workers sit on two hosts (``Case.replicas``), and only ``auto`` gets the twin: its
+two-level layout gives each group of hosts that skip the same tensors a stream of its own
+(``weightsync.core.transports.chain.groups``), so with ``layers2`` each host takes in only its half.
 
 Also measured, unless ``--no-ray`` or ``--hosts`` (see ``ray_e2e``): ``CheckpointEngineManager.update_weights`` of a 1 MiB model
 through the Ray adapter, pause → resume included, against one no-op call gathered from every worker (target: at
@@ -84,7 +87,10 @@ def run_bench(options: BenchOptions) -> int:
     names = [name for backend in backends
              for name in ((backend, backend + DELTA) if options.delta and _supports_delta(backend) else (backend,))]
     if options.parts:  # each entry of replicas of two workers that hold parts right after its whole-model twin
-        names = [entry for name in names for entry in (name, _with_parts(name, options.parts))]
+        # (across hosts auto's only: its two-level layout delivers by part; a named backend's rank-order chain is
+        # host-oblivious, and a replica's workers on two hosts would take the model into each host twice)
+        names = [entry for name in names for entry in (
+            (name, _with_parts(name, options.parts)) if not options.hosts or name.startswith(AUTO) else (name,))]
     if options.staged:  # each staged entry right after its unstaged twin
         names = [entry for name in names for entry in (name, name + STAGED)]
     names += BASELINES

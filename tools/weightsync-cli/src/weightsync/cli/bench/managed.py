@@ -34,11 +34,8 @@ class ManagedUpdates:
     def __init__(self, case: Case, workers: _Workers) -> None:
         self.case, self.workers = case, workers
         self.pipes = Pipes(workers.pipes, case.name)
-        size = 2 if case.parts else 1  # workers per replica
-        ranks = list(case.receiving)
         self.replicas = [PipeReplica([PipeWorker(self.pipes, rank, f"receiver{rank - case.actors}") for rank in group],
-                                     self.pipes, group, serving=case.serving)
-                         for group in (ranks[at:at + size] for at in range(0, len(ranks), size))]
+                                     self.pipes, group, serving=case.serving) for group in case.replicas()]
         timeouts = StepTimeouts(**{step.name: TIMEOUT_S for step in dataclasses.fields(StepTimeouts)})
         config = SyncConfig(bucket_bytes=case.bucket_bytes, delta=case.delta, verify_every=case.verify_every,
                             staged=case.staged, timeouts=timeouts)

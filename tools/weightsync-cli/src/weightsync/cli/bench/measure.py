@@ -163,12 +163,13 @@ class _Workers:
         self.pipes: list[Channel] = []
         self.stops: list[Callable[[float], None]] = []
         self.actors = case.actors
+        part_of = {rank: index for replica in case.replicas() for index, rank in enumerate(replica)}
         for group_rank in range(case.actors + case.receivers):
             role, rank = ("actor", group_rank) if group_rank < case.actors else ("rollout", group_rank - case.actors)
             spec = {**common, "role": role, "rank": rank, "group_rank": group_rank,
                     "local_rank": case.local_rank(group_rank)}
-            if case.parts and role == "rollout":  # replicas of two: rollout ranks 2j and 2j + 1 hold parts 0 and 1
-                spec["part"] = bench_part(case.layout, case.parts, rank % 2).to_dict()
+            if case.parts and role == "rollout":  # worker k of its replica holds part k
+                spec["part"] = bench_part(case.layout, case.parts, part_of[group_rank]).to_dict()
             spawned = placement.start(spec, host=case.host_of(group_rank))
             self.pipes.append(spawned.channel)
             self.stops.append(spawned.stop)

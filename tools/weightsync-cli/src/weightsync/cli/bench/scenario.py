@@ -23,6 +23,9 @@ PARTS = ("tp2", "layers2")
 column- and row-parallel halves, norms whole on both) or half the layers (``layers2``: the tensors in the first
 half of the model's bytes in stream order, or the rest); the entry ``B+tp2`` (``B+layers2``) beside ``B``."""
 MATRIX_COLUMNS = 4096
+MATRIX_ELEMENTS = 2048 * MATRIX_COLUMNS
+"""The realistic mix's matrices: 16 MiB each in bf16 (fine enough that ``layers2``'s halves are within 3 % of the
+model of each other at 256 MiB)."""
 SMALL_TENSOR_BYTES = 4096
 SMALL_DEFAULT_TENSORS = 10_000
 # ``--hosts``'s and ``--mix rl``'s model (its other defaults are the CLI's): small enough that a run across 2 Gb/s
@@ -123,6 +126,20 @@ class Case:
             return 0
         return 1 + (group_rank - self.actors) // (self.receivers // (self.hosts - 1))
 
+    def replicas(self) -> list[list[int]]:
+        """The receivers' group ranks, replica by replica: one each; with ``parts`` two, worker k holding part k —
+        on two hosts where there is an even number of receiving hosts (the j-th receiver of host 2i + 1 with the
+        j-th of host 2i + 2: a host then holds one part), else two neighbours on one host."""
+        ranks = list(self.receiving)
+        if not self.parts:
+            return [[rank] for rank in ranks]
+        hosts = max(1, self.hosts - 1)
+        if hosts % 2:
+            return [ranks[at:at + 2] for at in range(0, len(ranks), 2)]
+        per_host = len(ranks) // hosts
+        return [[ranks[pair * 2 * per_host + j], ranks[(pair * 2 + 1) * per_host + j]]
+                for pair in range(hosts // 2) for j in range(per_host)]
+
     def local_rank(self, group_rank: int) -> int:
         """Its rank among the workers of its host (its rail on a host of rails: local rank mod rails)."""
         host = self.host_of(group_rank)
@@ -154,7 +171,7 @@ def model_layout(total_bytes: int, bucket_bytes: int, mix: str) -> Layout:
         remaining -= 2048
     layer = 0
     while remaining > 0:
-        shape = _matrix(min(remaining, MATRIX_COLUMNS * MATRIX_COLUMNS))
+        shape = _matrix(min(remaining, MATRIX_ELEMENTS))
         shapes.append((f"model.layers.{layer}.mlp.{'down' if layer % 2 else 'up'}_proj.weight", shape))
         remaining -= math.prod(shape)
         layer += 1

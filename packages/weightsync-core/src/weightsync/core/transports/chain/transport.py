@@ -70,6 +70,7 @@ from weightsync.core.transports.chain.plan import (
 )
 from weightsync.core.transports.chain.rings import HOST_SHARED, BucketReady, RegisteredRing, RemoteRing, RingEndpoint, decode_ring
 from weightsync.core.transports.settings import EngineSettings
+from weightsync.core.transports.chain.groups import grouped_topology
 from weightsync.core.transports.chain.stripes import OneStripe, StripedReceiver, striped_topology
 from weightsync.core.transports.device import DevicePolicy, HOST_POLICY
 from weightsync.core.transports.transport import Transport
@@ -152,8 +153,10 @@ class ChainTransport(Transport):
     # -- step 1 --------------------------------------------------------------------------------------------------------
 
     def _serves(self) -> bool:
-        """Rollout workers and actor rank 0 serve; with stripes every actor rank may send one."""
-        return self.settings.context.role == "rollout" or self.settings.context.rank == 0 or self.stripes != 1
+        """Rollout workers and actor rank 0 serve; with stripes every actor rank may send one, and in the two-level
+        layout a part group's stream (:mod:`weightsync.core.transports.chain.groups`)."""
+        return (self.settings.context.role == "rollout" or self.settings.context.rank == 0 or self.stripes != 1
+                or self.layout == "two_level")
 
     def prepare(self) -> WorkerMetadata:
         if not self._serves():
@@ -206,6 +209,9 @@ class ChainTransport(Transport):
         striped = striped_topology(cls.library, metadata, fanout=fanout, addresses=addresses[1:])
         if striped is not None:
             return striped
+        grouped = grouped_topology(cls.library, metadata, fanout=fanout, addresses=addresses[1:])
+        if grouped is not None:
+            return grouped
         plan = plan_positions(nodes=[worker.node_id for worker in workers], fanout=fanout, layout=layout)
 
         def in_place(position: int) -> tuple[int, ...]:
