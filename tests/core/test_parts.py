@@ -643,3 +643,7 @@ def test_grouped_topology_gives_each_group_of_hosts_a_sender_and_a_chain_of_its_
     for other in ({"layout": "chain"}, {"staged": True}):  # by host only; a host's stager stages for all its workers
         changed = WorldMetadata(actor=[{**leader, **other}, *metadata.actor[1:]], rollout=metadata.rollout)
         assert grouped_topology("tcp", changed, fanout=1, addresses=["x"] * 4) is None
+    malformed = WorldMetadata(actor=metadata.actor, rollout=[*metadata.rollout[:3], {**metadata.rollout[3],
+                                                                                     PART_KEY: {"tensors": 5}}])
+    with pytest.raises(TopologyError, match="rollout rank 3: malformed part"):
+        grouped_topology("tcp", malformed, fanout=1, addresses=["x"] * 4)

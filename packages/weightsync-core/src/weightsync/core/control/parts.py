@@ -1,5 +1,6 @@
 """Parts at setup: the parts rollout workers declared in their ``prepare`` metadata (``weightsync.api.parts``), made
-distinct and handed out with the plan — every sender the list, every worker that declared one its own.
+distinct (:func:`~weightsync.core.wire.parts.declared_parts`, where they are decoded: the chain's part groups read
+them too) and handed out with the plan — every sender the list, every worker that declared one its own.
 
 Equal parts (the same regions of the same tensors: the workers of one tensor-parallel rank across replicas) are one
 entry of the list, so the sender hashes each distinct part once.
@@ -9,32 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from weightsync.api.errors import ConfigError, TopologyError
-from weightsync.api.parts import PART_KEY, Part
-from weightsync.api.types import RankArgs, WorkerMetadata
+from weightsync.api.types import RankArgs
 from weightsync.core.transports.plan import with_parts
-from weightsync.core.wire.parts import PartPlan
+from weightsync.core.wire.parts import PartPlan, declared_parts
 
 __all__ = ["declared_parts", "with_declared_parts"]
-
-
-def declared_parts(rollout: Sequence[WorkerMetadata], labels: Sequence[str]) -> list[PartPlan | None]:
-    """Each rollout worker's part as a plan entry (None: it declared none, the whole model), equal parts sharing an
-    index; a ``TopologyError`` naming the worker whose declaration is malformed."""
-    plans: list[PartPlan | None] = []
-    known: dict[bytes, PartPlan] = {}
-    for metadata, label in zip(rollout, labels):
-        declared = metadata.get(PART_KEY)
-        if declared is None:
-            plans.append(None)
-            continue
-        try:
-            part = Part.from_dict(declared)  # type: ignore[arg-type]
-        except ConfigError as exc:
-            raise TopologyError(f"{label}: malformed part in its metadata: {exc}", field=f"$.{PART_KEY}") from None
-        plan = PartPlan.of(part, len(known))
-        plans.append(known.setdefault(plan.key(), plan))
-    return plans
 
 
 def with_declared_parts(actor_args: list[RankArgs], rollout_args: list[RankArgs], parts: Sequence[PartPlan | None],

@@ -25,15 +25,16 @@ import msgspec
 import torch
 import xxhash
 
-from weightsync.api.errors import ConfigError, PartMismatchError
-from weightsync.api.parts import Part, Region
+from weightsync.api.errors import ConfigError, PartMismatchError, TopologyError
+from weightsync.api.parts import PART_KEY, Part, Region
+from weightsync.api.types import WorkerMetadata
 from weightsync.core.native import copy_batch
 from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.tensors import DTYPES, memoryview_at
 
-__all__ = ["Copy", "PartLayout", "PartPlan", "PartSums", "PartsDigest", "byte_runs", "check_sums", "part_groups",
-           "skipped_by_host"]
+__all__ = ["Copy", "PartLayout", "PartPlan", "PartSums", "PartsDigest", "byte_runs", "check_sums", "declared_parts",
+           "part_groups", "skipped_by_host"]
 
 SUM_BYTES = 8
 
@@ -391,6 +392,25 @@ class PartsDigest(UpdateDigest):
         for sums in self.parts:
             folded.update(sums.sums())
         return f"parts-{folded.hexdigest()}"
+
+
+def declared_parts(rollout: Sequence[WorkerMetadata], labels: Sequence[str]) -> list[PartPlan | None]:
+    """Each rollout worker's part as a plan entry (None: it declared none, the whole model), equal parts sharing an
+    index; a ``TopologyError`` naming the worker whose declaration is malformed."""
+    plans: list[PartPlan | None] = []
+    known: dict[bytes, PartPlan] = {}
+    for metadata, label in zip(rollout, labels):
+        declared = metadata.get(PART_KEY)
+        if declared is None:
+            plans.append(None)
+            continue
+        try:
+            part = Part.from_dict(declared)  # type: ignore[arg-type]
+        except ConfigError as exc:
+            raise TopologyError(f"{label}: malformed part in its metadata: {exc}", field=f"$.{PART_KEY}") from None
+        plan = PartPlan.of(part, len(known))
+        plans.append(known.setdefault(plan.key(), plan))
+    return plans
 
 
 def skipped_by_host(parts: Sequence[PartPlan | None], hosts: Sequence[str]) -> dict[str, frozenset[str]]:

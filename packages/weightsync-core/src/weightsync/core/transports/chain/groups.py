@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from weightsync.api.parts import PART_KEY, Part
 from weightsync.api.types import Topology, WorldMetadata
 from weightsync.core.transports.chain.plan import ChainMetadata, ChainReceive, ChainSend, Source
 from weightsync.core.transports.chain.topology import plan_positions
 from weightsync.core.transports.plan import Idle, RankPlan, decode_metadata, encode_plan
-from weightsync.core.wire.parts import PartPlan, part_groups
+from weightsync.core.wire.parts import declared_parts, part_groups
 
 __all__ = ["grouped_topology"]
 
@@ -25,7 +24,8 @@ def grouped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
                      ) -> Topology | None:
     """The chain split into part groups, or None where one stream serves every host (no parts, or every host
     needs the same tensors) or the sender's host has fewer actor ranks than there are groups."""
-    if not any(entry.get(PART_KEY) is not None for entry in metadata.rollout):
+    parts = declared_parts(metadata.rollout, [f"rollout rank {rank}" for rank in range(len(metadata.rollout))])
+    if all(part is None for part in parts):
         return None
     actor = [decode_metadata(entry, ChainMetadata, who=f"actor rank {rank}") for rank, entry in
              enumerate(metadata.actor)]
@@ -34,9 +34,7 @@ def grouped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
     rollout = [decode_metadata(entry, ChainMetadata, who=f"rollout rank {rank}") for rank, entry in
                enumerate(metadata.rollout)]
     hosts = [worker.node_id for worker in rollout]
-    declared = [entry.get(PART_KEY) for entry in metadata.rollout]  # (checked by setup's declared_parts)
-    groups = part_groups([None if part is None else PartPlan.of(Part.from_dict(part), 0)  # type: ignore[arg-type]
-                          for part in declared], hosts)
+    groups = part_groups(parts, hosts)
     sender_node = actor[0].node_id
     senders = [rank for rank, worker in enumerate(actor) if worker.node_id == sender_node and worker.address]
     if len(groups) < 2 or len(senders) < len(groups):
