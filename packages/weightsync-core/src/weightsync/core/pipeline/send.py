@@ -227,9 +227,10 @@ class SendPipeline:
             buffer = transport.buffer(slot)
             if bucket.on_device and buffer.is_cpu and self.bounce is not None:
                 bucket = self.bounce.bounce(bucket, sending.deadline)
-            table = codec.encode_tensors([item[0] for item in bucket.items])
+            metas = [item[0] for item in bucket.items]
+            table = codec.encode_tensors(metas)
             if isinstance(digest, PartsDigest):  # what each part's receivers will read of the bucket
-                digest.pieces([item[0] for item in bucket.items])
+                digest.pieces(metas)
             after_pack = self.settings.after_pack
             length, dense = bucket.nbytes, -1
             if sending.delta is not None:

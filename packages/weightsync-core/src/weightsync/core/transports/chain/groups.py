@@ -47,18 +47,14 @@ def grouped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
         plan = plan_positions(nodes=nodes, fanout=fanout, layout="two_level")
         where = [actor[sender].address, *addresses]
 
-        def children(i: int) -> tuple[int, ...]:
-            return tuple(taking[child] for child in plan.children[i])  # noqa: B023 - used at once
-
-        def in_place(i: int) -> tuple[int, ...]:
-            return tuple(taking[child] for child in plan.children[i] if plan.local[child])  # noqa: B023 - used at once
-
-        actor_plans[sender] = ChainSend(sender=sender, children=children(0), in_place=in_place(0),
+        children, in_place = plan.downstream(0, taking)
+        actor_plans[sender] = ChainSend(sender=sender, children=children, in_place=in_place,
                                         skip=tuple(sorted(skipped)))
         for i, position in enumerate(taking[1:], start=1):
             upstream = taking[plan.upstream[i]]
+            children, in_place = plan.downstream(i, taking)
             rollout_plans[position - 1] = ChainReceive(sender=sender, rank=position - 1, source=Source(
-                upstream=where[upstream], upstream_position=upstream, local=plan.local[i], children=children(i),
-                in_place=in_place(i)))
+                upstream=where[upstream], upstream_position=upstream, local=plan.local[i], children=children,
+                in_place=in_place))
     return Topology(actor=[encode_plan(plan) for plan in actor_plans],
                     rollout=[encode_plan(plan) for plan in rollout_plans], senders=tuple(senders[:len(groups)]))

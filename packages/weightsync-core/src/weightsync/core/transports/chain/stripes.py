@@ -275,21 +275,17 @@ def striped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
         workers = [actor[sender], *rollout]
         dealt = Stripe(stripe, count)
 
-        def children(i: int) -> tuple[int, ...]:
-            return tuple(taking[child] for child in plan.children[i])  # noqa: B023 - used at once
-
-        def in_place(i: int) -> tuple[int, ...]:
-            return tuple(taking[child] for child in plan.children[i] if plan.local[child])  # noqa: B023 - used at once
-
-        actor_plans[sender] = ChainSend(sender=sender, stripe=dealt, children=children(0), in_place=in_place(0))
+        children, in_place = plan.downstream(0, taking)
+        actor_plans[sender] = ChainSend(sender=sender, stripe=dealt, children=children, in_place=in_place)
         for i, position in enumerate(taking[1:], start=1):
+            children, in_place = plan.downstream(i, taking)
             upstream = taking[plan.upstream[i]]
             name = f"actor rank {sender}" if upstream == 0 else f"rollout rank {upstream - 1}"
             # Errors name the peer by this: which stripe, over which rail, between which hosts.
             ends = (workers[upstream].host_name, workers[position].host_name)
             how = "in place" if plan.local[i] else f"rail {rail} from host {ends[0]} to host {ends[1]}"
             source = Source(upstream=where[upstream], upstream_position=upstream, local=plan.local[i],
-                            children=children(i), in_place=in_place(i), peer=f"{name} (stripe {stripe}, {how})",
+                            children=children, in_place=in_place, peer=f"{name} (stripe {stripe}, {how})",
                             route=Route(rail=rail, hosts=ends))
             if staged:
                 rollout_plans[position - 1] = ChainReceive(sender=sender, rank=position - 1, source=source,

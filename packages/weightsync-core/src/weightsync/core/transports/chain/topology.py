@@ -50,6 +50,12 @@ class ChainPlan:
     children: list[list[int]]
     local: list[bool]
 
+    def downstream(self, i: int, positions: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Position ``i``'s children, and those of them that read its ring in place, as ``positions`` numbers
+        them (a plan over some of the positions: a stripe's, a part group's)."""
+        return (tuple(positions[child] for child in self.children[i]),
+                tuple(positions[child] for child in self.children[i] if self.local[child]))
+
 
 def plan_positions(*, nodes: list[str], fanout: int, layout: str) -> ChainPlan:
     """The plan for positions on ``nodes`` (``nodes[p]``: position p's host, ``nodes[0]`` the sender's)."""
