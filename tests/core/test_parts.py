@@ -647,3 +647,38 @@ def test_grouped_topology_gives_each_group_of_hosts_a_sender_and_a_chain_of_its_
                                                                                      PART_KEY: {"tensors": 5}}])
     with pytest.raises(TopologyError, match="rollout rank 3: malformed part"):
         grouped_topology("tcp", malformed, fanout=1, addresses=["x"] * 4)
+
+
+def test_layouts_keep_what_was_found_for_the_same_regions_across_epochs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new epoch's plan with the same regions (another index) takes over the runs already found — counted by
+    wrapping ``byte_runs`` — and folds the same sums as a fresh layout; other regions are found anew, and the least
+    recently used layout goes when there are too many."""
+    from weightsync.core.wire import parts as wire_parts
+
+    calls: list[str] = []
+    found = wire_parts.byte_runs
+
+    def counted(boxes: Sequence[Box], shape: Sequence[int], itemsize: int, *, name: str) -> tuple[list[int], list[int]]:
+        calls.append(name)
+        return found(boxes, shape, itemsize, name=name)
+
+    monkeypatch.setattr(wire_parts, "byte_runs", counted)
+    tensor = torch.arange(64 * 32, dtype=torch.float32).to(torch.bfloat16).reshape(64, 32)
+    meta = meta_of("w", tensor, 0, tensor.numel() * 2)
+    columns, rows = Part(tensors={"w": (Region.narrow((64, 32), 1, 0, 16),)}), \
+        Part(tensors={"w": (Region.narrow((64, 32), 0, 0, 32),)})
+
+    def fold(layout: wire_parts.PartLayout) -> bytes:
+        sums = PartSums(layout)
+        sums.fold(meta, as_byte_view(tensor).data_ptr())
+        return sums.sums()
+
+    layouts = wire_parts.Layouts(most=2)
+    first = fold(layouts.of(PartPlan.of(columns, 0)))
+    again = layouts.of(PartPlan.of(columns, 3))
+    assert again.plan.index == 3 and fold(again) == first == fold(wire_parts.PartLayout(PartPlan.of(columns, 0)))
+    assert calls == ["w", "w"]  # the first epoch's, and the fresh layout's; none for the kept one
+    fold(layouts.of(PartPlan.of(rows, 1)))
+    fold(layouts.of(PartPlan.of(Part(), 2)))  # a third distinct part: the columns' layout is the oldest, and goes
+    fold(layouts.of(PartPlan.of(columns, 0)))
+    assert calls == ["w", "w", "w", "w"]

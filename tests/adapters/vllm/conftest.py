@@ -43,13 +43,12 @@ class Serving:
         from weightsync.cli.vllm.serving import bind_env  # on this 2-core machine engines share the cores
         from weightsync.vllm import VllmRolloutReplica, engine_args
 
-        env = (lambda i: {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) if overrides.get("tensor_parallel_size", 1) > 1 \
-            else bind_env
 
         async def start_all() -> list[Any]:
             return list(await asyncio.gather(*[
                 VllmRolloutReplica.create(replica=i, args=engine_args(str(self.start), **overrides),
-                                          weightsync=i < weightsync, env=env(i))
+                                          weightsync=i < weightsync,
+                                          env=bind_env(i, overrides.get("tensor_parallel_size", 1)))
                 for i in range(count)
             ]))
 

@@ -46,3 +46,30 @@ def test_bench_compares_shm_with_the_disk_route(tmp_path: pathlib.Path) -> None:
 def test_bench_refuses_a_memory_filesystem_for_the_disk_route() -> None:
     result = weightsync("bench", "--rollout", "vllm", "--disk-dir", "/dev/shm", timeout=120)
     assert result.returncode == 2 and "memory, not a disk" in result.stderr, result.stderr
+
+
+def test_bench_tp2_compares_delivery_by_part_with_whole(tmp_path: pathlib.Path) -> None:
+    """``--tp 2``: one replica of two workers fed by part, one fed whole, one update each in turn; each worker's
+    stream CPU and the pauses are compared, and both kinds of replica end on identical weights."""
+    out = tmp_path / "bench.json"
+    result = weightsync("bench", "--rollout", "vllm", "--tp", "2", "--model-mb", "1", "--repeat", "1", "--json",
+                        str(out), "--disk-dir", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["tensor_parallel_size"] == 2 and report["routes_agree"] is True
+    parts, whole = report["rows"]
+    assert parts["backend"] == "parts" and whole["backend"] == "whole"
+    for row in (parts, whole):
+        assert row["samples"] == 1  # one round, one replica
+        assert 0 < row["load_ms_p50"] <= row["pause_ms_p50"] <= row["end_to_end_ms_p50"], row
+        assert row["stream_cpu_worker0_ms_p50"] > 0 and row["stream_cpu_worker1_ms_p50"] > 0, row
+    assert set(report["ratio_stream_cpu"]) == {"worker0", "worker1"} and report["ratio_outside_load"] > 0
+    # Read from each worker's transfer report: a worker fed whole reads the model, one fed by part about half.
+    assert whole["worker_read_bytes"] == report["model_bytes"], whole
+    assert 0.4 * report["model_bytes"] < parts["worker_read_bytes"] <= 0.52 * report["model_bytes"] + 65536, parts
+    assert "by part / whole: stream CPU per worker" in result.stdout
+
+
+def test_bench_tp_needs_an_even_number_of_replicas() -> None:
+    result = weightsync("bench", "--rollout", "vllm", "--tp", "2", "--receivers", "3", timeout=120)
+    assert result.returncode == 2 and "even --receivers" in result.stderr, result.stderr

@@ -169,6 +169,7 @@ def test_bench_rollout_vllm_refuses_what_it_does_not_take(args: list[str]) -> No
     assert result.returncode == 2 and "--rollout vllm runs on this host" in result.stderr, result.stderr
 
 
-def test_bench_disk_dir_needs_rollout_vllm() -> None:
-    result = weightsync("bench", "--disk-dir", "/var/tmp")
-    assert result.returncode == 2 and "--disk-dir needs --rollout vllm" in result.stderr, result.stderr
+@pytest.mark.parametrize("args", [["--disk-dir", "/var/tmp"], ["--tp", "2"]])
+def test_bench_disk_dir_and_tp_need_rollout_vllm(args: list[str]) -> None:
+    result = weightsync("bench", *args)
+    assert result.returncode == 2 and "--disk-dir and --tp need --rollout vllm" in result.stderr, result.stderr

@@ -70,15 +70,17 @@ class VllmEngineActor:
 
     ``weightsync=True`` starts it with weightsync as its weight-transfer engine; ``False`` gives a plain engine (a
     reference that loads versions from checkpoints with :meth:`reload`). ``env`` is set before vLLM is imported
-    (e.g. ``VLLM_CPU_OMP_THREADS_BIND``).
+    (e.g. ``VLLM_CPU_OMP_THREADS_BIND``). ``parts=False``: each of several vLLM workers receives the whole model
+    instead of declaring its part.
     """
 
     def __init__(self, *, name: str, args: Mapping[str, Any], weightsync: bool = True,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, parts: bool = True) -> None:
         os.environ.update(env or {})
         self.name = name
         self._args = dict(args)
         self._weightsync = weightsync
+        self._declare_parts = parts
         self._llm: Any = None
         self.workers = int(args.get("tensor_parallel_size", 1))
         self._meet = Rendezvous(self.workers)
@@ -144,7 +146,8 @@ class VllmEngineActor:
 
     async def _prepare(self, specs: list[dict[str, Any]]) -> list[Any]:
         self._specs = specs
-        metadata = await self._rpc("weightsync_prepare", engine=specs, node_id=self._node_id, host_ip=self._host_ip)
+        metadata = await self._rpc("weightsync_prepare", engine=specs, node_id=self._node_id, host_ip=self._host_ip,
+                                   parts=self._declare_parts)
         self._parts = [Part.from_dict(entry[PART_KEY]) if PART_KEY in entry else None for entry in metadata]
         self._part_notes = [f"worker{index} receives {', '.join(part.fallbacks)} whole: its loaders compute on them "
                             "or take what is not a box" for index, part in enumerate(self._parts)
@@ -235,6 +238,8 @@ class VllmEngineActor:
                 await self.tear(f"{type(touched[0]).__name__}: {touched[0]}")
             return results
         self._timings["load_seconds"] = max(float(outcome.get("load_seconds", 0.0)) for outcome in outcomes)
+        self._timings.update({f"stream_cpu_seconds.worker{index}": float(outcome.get("stream_cpu_seconds", 0.0))
+                              for index, outcome in enumerate(outcomes)})
         self._load_sums = self._keyed([outcome.get("load_checksums") or {} for outcome in outcomes])
         self._verified = int(update_info["version"])
         return results
@@ -291,8 +296,10 @@ class VllmEngineActor:
 
     def timings(self) -> dict[str, float]:
         """Measured here and in vLLM's worker for the last update or reload: ``pause_seconds`` (from the pause to
-        the end of the resume), ``load_seconds`` (vLLM's own load, see ``LoadClock``), and for a reload
-        ``read_seconds`` (reading the checkpoint)."""
+        the end of the resume), ``load_seconds`` (vLLM's own load, see ``LoadClock``; the slowest worker's), for an
+        update ``stream_cpu_seconds.worker<i>`` (each worker's CPU time on weightsync's side of it: taking each
+        bucket, handing vLLM its views, hashing what the worker verifies), and for a reload ``read_seconds`` (reading
+        the checkpoint)."""
         return dict(self._timings)
 
     # -- serving and inspection ------------------------------------------------------------------------------------

@@ -184,8 +184,15 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         self.kept: dict[tuple[int, int, str], torch.Tensor] = {}
         """CPU buffers the copies of held views go into, reused from update to update (``internals.copy_held``)."""
         self.outcome: dict[str, Any] = {}
-        """The last step's result as plain data: ``{"report": ...}`` or ``{"error": ...}``, and ``"notes"``
-        (``weightsync_outcome``)."""
+        """The last step's result as plain data: ``{"report": ...}`` or ``{"error": ...}``, ``"notes"``
+        (``weightsync_outcome``), and for an update ``"stream_cpu_seconds"``: the CPU time of the thread that ran
+        weightsync's side of it (taking each bucket, handing vLLM its views, hashing what this worker verifies;
+        vLLM's loader runs in a thread of its own, timed by ``load_seconds``)."""
+        self.reload_cpu = 0.0
+        """The CPU seconds vLLM's ``initialize_layerwise_reload`` took in this update (on the stream's thread)."""
+        self._part: Part | None = None
+        self._part_recorded = False
+        """Whether ``_part`` was recorded (at the first prepare that wanted it; None is a result too)."""
         global _in_process
         _in_process = weakref.ref(self)  # vLLM builds one per worker process; the worker extension finds it here
 
@@ -197,14 +204,18 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         parallel = self.parallel_config
         return int(parallel.data_parallel_index) * int(parallel.world_size) + int(parallel.rank)
 
-    def prepare(self, *, engine: Sequence[Mapping[str, Any]], node_id: str, host_ip: str) -> WorkerMetadata:
+    def prepare(self, *, engine: Sequence[Mapping[str, Any]], node_id: str, host_ip: str, parts: bool = True
+                ) -> WorkerMetadata:
         """Build (or keep) this worker's ``EngineHost`` and prepare its engine from its entry of ``engine``; a worker
-        of an engine of several declares its part (recorded once, ``weightsync.vllm.parts``)."""
+        of an engine of several declares its part (recorded once, ``weightsync.vllm.parts``) unless ``parts`` is
+        False (then it receives the whole model, as at one worker)."""
         if self._host is None or (self._host.node_id, self._host.host_ip) != (node_id, host_ip):
             if self._host is not None:
                 self._host.execute_sync("close")
-            self._host = EngineHost(node_id=node_id, host_ip=host_ip, name=f"vllm worker {self.index}",
-                                    part=self._record_part())
+            self._host = EngineHost(node_id=node_id, host_ip=host_ip, name=f"vllm worker {self.index}")
+        if parts and not self._part_recorded:
+            self._part, self._part_recorded = self._record_part(), True
+        self._host.part = self._part if parts else None
         metadata: WorkerMetadata = self._host.execute_sync("prepare", engine=engine[self.index])
         return metadata
 
@@ -253,6 +264,8 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         if not self._updating:
             raise LifecycleError("update_weights without start_weight_update")
         loader = _Loader(self, copy=update_info.copy)
+        cpu = time.thread_time()
+        self.reload_cpu = 0.0
         try:
             if update_info.staged is None:
                 report = asyncio.run(host.receive(loader, version=update_info.version))
@@ -269,7 +282,8 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             self._abandon_reload()
             self.outcome = {"error": error_to_data(exc), "notes": loader.notes}
             raise
-        self.outcome = {"report": report.to_dict(), "notes": loader.notes}
+        self.outcome = {"report": report.to_dict(), "notes": loader.notes,
+                        "stream_cpu_seconds": time.thread_time() - cpu - self.reload_cpu}
 
     def finish_weight_update(self) -> None:
         self._updating = False
@@ -305,7 +319,9 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self.clock = LoadClock()
+        cpu = time.thread_time()
         initialize_layerwise_reload(self.model)
+        self.reload_cpu = time.thread_time() - cpu  # vLLM's, on the stream's thread: not the stream's CPU
         self._reloading = True
         return self.clock
 

@@ -33,9 +33,12 @@ class WeightsyncWorkerExtension:
         worker: Any = self
         return worker.get_model()
 
-    def weightsync_prepare(self, engine: Sequence[Mapping[str, Any]], node_id: str, host_ip: str) -> WorkerMetadata:
-        """Prepare this worker's weightsync engine from its entry of ``engine`` (one per worker of vLLM's engine)."""
-        metadata: WorkerMetadata = self._weightsync().prepare(engine=engine, node_id=node_id, host_ip=host_ip)
+    def weightsync_prepare(self, engine: Sequence[Mapping[str, Any]], node_id: str, host_ip: str,
+                           parts: bool = True) -> WorkerMetadata:
+        """Prepare this worker's weightsync engine from its entry of ``engine`` (one per worker of vLLM's engine);
+        ``parts``: whether a worker of several declares its part (``WeightsyncTransferEngine.prepare``)."""
+        metadata: WorkerMetadata = self._weightsync().prepare(engine=engine, node_id=node_id, host_ip=host_ip,
+                                                              parts=parts)
         return metadata
 
     def weightsync_finalize(self) -> None:

@@ -114,19 +114,23 @@ class VllmRolloutReplica(WholePauseHooks):
     @classmethod
     async def create(cls, *, replica: int, args: Mapping[str, Any], weightsync: bool = True,
                      env: Mapping[str, str] | None = None, node_id: str | None = None,
-                     ray_options: Mapping[str, Any] | None = None) -> VllmRolloutReplica:
+                     ray_options: Mapping[str, Any] | None = None, parts: bool = True) -> VllmRolloutReplica:
         """Start the actor and its engine (``args``: ``AsyncEngineArgs`` keywords, see :func:`engine_args`). With
-        ``tensor_parallel_size`` > 1 the replica has that many workers (the module docstring)."""
+        ``tensor_parallel_size`` > 1 the replica has that many workers (the module docstring), each receiving only
+        its part; ``parts=False``: each receives the whole model (vLLM's loaders take their slices, as from a
+        checkpoint), for a model whose part should not be trusted and for comparisons."""
         workers = args.get("tensor_parallel_size", 1)
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive int, got {workers!r}")
+        if not isinstance(parts, bool):
+            raise ConfigError(f"parts must be a bool, got {parts!r}")
         if int(args.get("pipeline_parallel_size", 1)) != 1:
             raise ConfigError("VllmRolloutReplica does not run pipeline_parallel_size > 1: the installed CPU build of "
                               "vLLM starts such an engine but fails at its first generate (an AssertionError in its "
                               "pipeline-parallel scheduling); use tensor_parallel_size")
         name = f"replica{replica}"
         handle = ray.remote(VllmEngineActor).options(**actor_options(ray_options, node_id)).remote(
-            name=name, args=args, weightsync=weightsync, env=env)
+            name=name, args=args, weightsync=weightsync, env=env, parts=parts)
         made = cls(handle, name=name, workers=workers)
         try:
             await handle.start.remote()

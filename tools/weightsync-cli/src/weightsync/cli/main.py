@@ -164,6 +164,10 @@ def _add_bench(commands: Any) -> None:
                             "vllm:bench); --model-mb defaults to 256, --bucket-mb to 16")
     bench.add_argument("--disk-dir", default=None,
                        help="with --rollout vllm: where the disk route writes (default /var/tmp; not a tmpfs)")
+    bench.add_argument("--tp", type=int, default=1, metavar="N",
+                       help="with --rollout vllm: every engine's tensor_parallel_size; above 1 the routes are by part "
+                            "(each worker reads and hashes only its part) and whole (each worker the whole model), "
+                            "into half the --receivers replicas each (an even number), instead of shm and disk")
 
 
 def _doctor(as_json: bool) -> int:
@@ -223,16 +227,18 @@ def _vllm_bench(args: argparse.Namespace) -> int:
     if args.hosts or args.delta or args.mix != "realistic" or args.lr is not None or args.backends \
             or args.plot_path or args.trace_path or args.ray_backend or args.verify_every != 1 or args.parts:
         return _usage_error("bench", "--rollout vllm runs on this host, full updates of its own Llama over shm "
-                            "against the disk route; it takes --model-mb, --receivers, --bucket-mb, --repeat, --json "
-                            "and --disk-dir only")
+                            "against the disk route (or, with --tp, by part against whole); it takes --model-mb, "
+                            "--receivers, --bucket-mb, --repeat, --json, --disk-dir and --tp only")
     error = _bench_error(args)  # what is left to check: the sizes, and --link-gbps/--rtt-ms without --hosts
     if error:
         return _usage_error("bench", error)
+    if args.tp > 1 and args.receivers % 2:
+        return _usage_error("bench", "--tp splits the replicas into two halves (by part, whole): an even --receivers")
     from weightsync.cli.vllm import VllmBenchOptions
 
     return _run_vllm("bench", VllmBenchOptions(
         model_mb=args.model_mb or 256.0, replicas=args.receivers, repeat=args.repeat, bucket_mb=args.bucket_mb or 16,
-        json_path=args.json_path, **({"disk_dir": args.disk_dir} if args.disk_dir else {})))
+        json_path=args.json_path, tp=args.tp, **({"disk_dir": args.disk_dir} if args.disk_dir else {})))
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -245,8 +251,8 @@ def _bench(args: argparse.Namespace) -> int:
         return run_cleanup()
     if args.rollout == "vllm":
         return _vllm_bench(args)
-    if args.disk_dir is not None:
-        return _usage_error("bench", "--disk-dir needs --rollout vllm")
+    if args.disk_dir is not None or args.tp != 1:
+        return _usage_error("bench", "--disk-dir and --tp need --rollout vllm (the model bench's parts are --parts)")
     error = _bench_error(args)
     if error:
         return _usage_error("bench", error)
@@ -294,8 +300,8 @@ def _demo_error(args: argparse.Namespace) -> str:
 
 def _bench_error(args: argparse.Namespace) -> str:
     """What is wrong with ``bench``'s options, or ''."""
-    if not _positive(args.receivers, args.repeat, args.model_mb, args.bucket_mb):
-        return "--receivers, --repeat, --model-mb and --bucket-mb must be positive"
+    if not _positive(args.receivers, args.repeat, args.model_mb, args.bucket_mb, args.tp):
+        return "--receivers, --repeat, --model-mb, --bucket-mb and --tp must be positive"
     # The baselines' names are the bench's to refuse (it runs them always): weightsync.cli.bench.scenario imports torch.
     unknown = _unknown_backend([name for name in args.backends.split(",") if name], allowed=("naive", "bucketed"))
     if unknown:

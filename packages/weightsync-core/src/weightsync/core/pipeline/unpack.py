@@ -374,9 +374,16 @@ class BucketReader:
         return 1
 
     def _hash_to(self, current: Arrived, end: int) -> None:
+        """Hash the current bucket's bytes up to ``end`` (or fold this worker's part of the pieces that end there)."""
         if end > self.hashed:
             self.digest.update_at(current.payload.data_ptr() + self.hashed, end - self.hashed)
             self.hashed = end
+            if self.by_part and self.part is not None:
+                tensors, stop = current.header.tensors, self.folded
+                while stop < len(tensors) and tensors[stop].bucket_offset + tensors[stop].nbytes <= end:
+                    stop += 1
+                self.part.fold_all(tensors[self.folded:stop], current.payload.data_ptr())
+                self.folded = stop
 
     def _tensor(self, meta: TensorMeta, payload: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         dtype = dtype_from_name(meta.dtype)

@@ -180,6 +180,28 @@ class PartLayout:
         return int(self._scratch.data_ptr())
 
 
+class Layouts:
+    """Part layouts by their regions, kept across epochs (a worker's engine has one): a membership change rarely
+    changes the parts, and a model's runs and steps cost a pass over every row of every column block to find."""
+
+    def __init__(self, most: int = 32) -> None:
+        self._known: dict[bytes, PartLayout] = {}
+        self._most = most
+
+    def of(self, plan: PartPlan) -> PartLayout:
+        """A layout for ``plan`` (a new epoch's), with what was computed for the same regions before."""
+        key = plan.key()
+        known = self._known.pop(key, None)
+        layout = PartLayout(plan)
+        if known is not None:
+            layout._runs, layout._steps, layout._copies = known._runs, known._steps, known._copies
+            layout._scratch = known._scratch
+        self._known[key] = layout
+        while len(self._known) > self._most:  # the least recently used first
+            del self._known[next(iter(self._known))]
+        return layout
+
+
 def _copies(runs: Runs, first: int, end: int, compact: bool) -> list[Copy]:
     starts, ends = runs
     at = bisect.bisect_right(ends, first)

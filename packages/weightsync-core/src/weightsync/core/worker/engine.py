@@ -37,7 +37,7 @@ from weightsync.core.transports.chain.stripes import StripedReceiver
 from weightsync.core.transports.seam import ReceiverTransport, SenderTransport
 from weightsync.core.transports.transport import Transport
 from weightsync.core.wire.digest import StripedDigest, UpdateDigest
-from weightsync.core.wire.parts import PartLayout, PartSums
+from weightsync.core.wire.parts import Layouts, PartLayout, PartSums
 
 __all__ = ["BucketCheckpointEngine", "engine_class", "RankRole", "guard_build_topology"]
 
@@ -90,11 +90,13 @@ class BucketCheckpointEngine(EngineBase):
         self._sender: SenderTransport | None = None
         self._receiver: ReceiverTransport | None = None
         self._parts: list[PartLayout] = []
+        """A sender's: the distinct parts its receivers declared (``RankPlan.parts``), for the epoch (their layouts'
+        runs and steps kept across epochs in ``_layouts``)."""
         self._parts_only = False
         self._skip: frozenset[str] = frozenset()
-        """A sender's: the distinct parts its receivers declared (``RankPlan.parts``), kept for the epoch."""
         self._part: PartLayout | None = None
-        """A rollout worker's that declared its part (``RankPlan.part``), kept for the epoch."""
+        """A rollout worker's that declared its part (``RankPlan.part``), for the epoch (as ``_parts``)."""
+        self._layouts = Layouts()
         pack_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-pack")
         transfer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-xfer")
         # Delta updates only (its thread starts at the first use): the sender hashes its kept buckets there, off the
@@ -135,10 +137,10 @@ class BucketCheckpointEngine(EngineBase):
         self._stripe = plan.striping
         self._one_stripe = plan.one_stripe
         self._send.delta.allowed_base = plan.delta_base  # the manager's: the version every receiver holds
-        self._parts = [PartLayout(part) for part in plan.parts]
+        self._parts = [self._layouts.of(part) for part in plan.parts]
         self._parts_only = plan.parts_only
         self._skip = frozenset(plan.skip)
-        self._part = PartLayout(plan.part) if plan.part is not None else None
+        self._part = self._layouts.of(plan.part) if plan.part is not None else None
         if plan.role == "sender":
             connected = self.transport.connect_sender(plan)
             self._sender = checked_sender(connected) if self._check_transport else connected

@@ -30,7 +30,10 @@ class VllmBenchOptions:
     """weightsync's bucket size: 16 MiB lets vLLM's loader start sooner than 64 (docs/performance.md)."""
     json_path: str | None = None
     disk_dir: str = DISK_DIR
-    """Where the disk route writes its checkpoint."""
+    """Where the disk route writes its checkpoint (and every engine starts from)."""
+    tp: int = 1
+    """Every engine's ``tensor_parallel_size``; above 1 the routes are by part and whole (``weightsync.cli.vllm.bench``)
+    instead of shm and disk, and ``replicas`` is even."""
 
 
 def require_vllm() -> str:

@@ -28,15 +28,21 @@ class Serving:
     """The checkpoint every engine started from (version 0)."""
 
 
-def bind_env(index: int) -> dict[str, str]:
-    """Engine ``index``'s OpenMP threads on one core (two engines sharing a core by accident make both slow)."""
-    return {"VLLM_CPU_OMP_THREADS_BIND": str(index % (os.cpu_count() or 1))}
+def bind_env(index: int, tensor_parallel_size: int = 1) -> dict[str, str]:
+    """Engine ``index``'s OpenMP threads: each of its workers on a core of its own, engines taking the next cores in
+    turn (two workers sharing a core by accident make both slow); vLLM's form, ``"0|1"`` for two workers."""
+    cores = os.cpu_count() or 1
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(
+        str((index * tensor_parallel_size + worker) % cores) for worker in range(tensor_parallel_size))}
 
 
 @contextlib.asynccontextmanager
 async def serving(*, config: dict[str, Any], root: pathlib.Path, replicas: int, plain: int = 0,
-                  address: str | None = None) -> AsyncIterator[Serving]:
-    """Start everything (Ray included) and stop it all on the way out; ``plain`` engines without weightsync."""
+                  address: str | None = None, tensor_parallel_size: int = 1, whole: int = 0
+                  ) -> AsyncIterator[Serving]:
+    """Start everything (Ray included) and stop it all on the way out; ``plain`` engines without weightsync. Every
+    engine runs ``tensor_parallel_size`` workers; of several, the last ``whole`` weightsync replicas' workers each
+    receive the whole model (``VllmRolloutReplica.create(parts=False)``), the others' only their parts."""
     import ray
 
     from weightsync.ray import RayActorWorkerGroup
@@ -55,9 +61,11 @@ async def serving(*, config: dict[str, Any], root: pathlib.Path, replicas: int, 
         host = await actor_wg.call("address")[0]
         await asyncio.gather(*actor_wg.call("join", f"tcp://{host}:{free_port()}"))
         start = pathlib.Path(await actor_wg.handles[0].call.remote("save", str(root / "v0")))
-        args = engine_args(str(start), kv_cache_memory_bytes=128 << 20)
+        args = engine_args(str(start), kv_cache_memory_bytes=128 << 20, tensor_parallel_size=tensor_parallel_size)
         results = await asyncio.gather(*[
-            VllmRolloutReplica.create(replica=index, args=args, weightsync=index < replicas, env=bind_env(index))
+            VllmRolloutReplica.create(replica=index, args=args, weightsync=index < replicas,
+                                      env=bind_env(index, tensor_parallel_size),
+                                      parts=not replicas - whole <= index < replicas)
             for index in range(replicas + plain)
         ], return_exceptions=True)
         made = [result for result in results if not isinstance(result, BaseException)]
