@@ -46,7 +46,10 @@ async def _invoke(target: object, method: str, *args: Any, **kwargs: Any) -> Any
 class ActorRankHost:
     """Body of one actor-rank Ray actor: the rank's weight source plus its engine."""
 
-    def __init__(self, *, rank: int, world_size: int, source_factory: SourceFactory) -> None:
+    def __init__(self, *, rank: int, world_size: int, source_factory: SourceFactory, local_rank: int | None = None
+                 ) -> None:
+        if local_rank is not None:
+            _set_local_rank(local_rank)
         self.rank = rank
         self.host = _host(f"actor rank {rank}")
         self.source = source_factory(rank, world_size)
@@ -72,18 +75,32 @@ def _set_local_rank(local_rank: int) -> None:
     os.environ[LOCAL_RANK_ENV] = str(local_rank)
 
 
-def _assign_local_ranks(handles: Sequence[Any], given: Sequence[int] | None) -> None:
-    """Tell each actor its local rank: ``given``, or its index among ``handles`` on the same Ray node."""
-    if given is None:
-        nodes = ray.get([handle.node_id.remote() for handle in handles])
-        given = [nodes[:index].count(node) for index, node in enumerate(nodes)]
-    ray.get([handle.set_local_rank.remote(rank) for handle, rank in zip(handles, given)])
+def _local_ranks(given: Sequence[int] | None, nodes: Sequence[str | None]) -> list[int] | None:
+    """Each actor's local rank where it is known before the actors start: ``given``, or, every actor placed on a
+    named node, its index among them on its node; None where Ray places them (:func:`_assign_local_ranks` then)."""
+    if given is not None:
+        return list(given)
+    if any(node is None for node in nodes):
+        return None
+    return [list(nodes[:index]).count(node) for index, node in enumerate(nodes)]
+
+
+def _assign_local_ranks(handles: Sequence[Any]) -> None:
+    """Tell each actor Ray placed its local rank, its index among ``handles`` on the same node (which waits for the
+    actors to start). Where the ranks are known before, each actor takes its own as an argument, and a group is
+    made without waiting for its processes, which then start side by side."""
+    nodes = ray.get([handle.node_id.remote() for handle in handles])
+    ray.get([handle.set_local_rank.remote(nodes[:index].count(node)) for index, (handle, node)
+             in enumerate(zip(handles, nodes))])
 
 
 class RolloutWorkerHost:
     """Body of one rollout-worker Ray actor: the worker's sink plus its engine."""
 
-    def __init__(self, *, replica: int, worker: int, sink_factory: SinkFactory, part: Part | None = None) -> None:
+    def __init__(self, *, replica: int, worker: int, sink_factory: SinkFactory, part: Part | None = None,
+                 local_rank: int | None = None) -> None:
+        if local_rank is not None:
+            _set_local_rank(local_rank)
         self.host = _host(f"replica{replica}/worker{worker}", part)
         self.sink = sink_factory(replica, worker)
 
@@ -163,13 +180,17 @@ class RayActorWorkerGroup:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
         remote = ray.remote(ActorRankHost)
+        local_ranks = _local_ranks(None, [node_id] * world_size)  # rank r's rail: its index among the ranks on its
+        # node, mod the rails
         handles = [
             remote.options(**actor_options(ray_options, node_id)).remote(
-                rank=rank, world_size=world_size, source_factory=source_factory
+                rank=rank, world_size=world_size, source_factory=source_factory,
+                local_rank=local_ranks[rank] if local_ranks is not None else None,
             )
             for rank in range(world_size)
         ]
-        _assign_local_ranks(handles, None)  # rank r's rail: its index among the ranks on its node, mod the rails
+        if local_ranks is None:
+            _assign_local_ranks(handles)
         return cls(handles)
 
     @property
@@ -269,17 +290,20 @@ class RayRolloutReplica:
         if len(nodes) != num_workers:
             raise ConfigError(f"node_id lists {len(nodes)} nodes for {num_workers} workers")
         remote = ray.remote(RolloutWorkerHost)
+        known = _local_ranks(local_ranks, nodes)
         workers: list[RayRolloutWorker] = [
             RayStagingWorker(
                 remote.options(**actor_options(ray_options, node)).remote(
                     replica=replica, worker=worker, sink_factory=sink_factory,
                     part=parts[worker] if parts is not None else None,
+                    local_rank=known[worker] if known is not None else None,
                 ),
                 name=f"worker{worker}",
             )
             for worker, node in enumerate(nodes)
         ]
-        _assign_local_ranks([worker.handle for worker in workers], local_ranks)
+        if known is None:
+            _assign_local_ranks([worker.handle for worker in workers])
         return cls(workers)
 
     @property
