@@ -654,6 +654,7 @@ def test_layouts_keep_what_was_found_for_the_same_regions_across_epochs(monkeypa
     wrapping ``byte_runs`` — and folds the same sums as a fresh layout; other regions are found anew, and the least
     recently used layout goes when there are too many."""
     from weightsync.core.wire import parts as wire_parts
+    from weightsync.core.worker.engine import PartLayouts
 
     calls: list[str] = []
     found = wire_parts.byte_runs
@@ -673,7 +674,7 @@ def test_layouts_keep_what_was_found_for_the_same_regions_across_epochs(monkeypa
         sums.fold(meta, as_byte_view(tensor).data_ptr())
         return sums.sums()
 
-    layouts = wire_parts.Layouts(most=2)
+    layouts = PartLayouts(most=2)
     first = fold(layouts.of(PartPlan.of(columns, 0)))
     again = layouts.of(PartPlan.of(columns, 3))
     assert again.plan.index == 3 and fold(again) == first == fold(wire_parts.PartLayout(PartPlan.of(columns, 0)))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +37,10 @@ class Serving:
             raise RuntimeError("the session's TP-1 engines were stopped by the tensor-parallel module, which runs last")
         return self.loop.run_until_complete(awaitable)
 
-    def start_engines(self, count: int, *, weightsync: int, **overrides: Any) -> list[Any]:
+    def start_engines(self, count: int, *, weightsync: int, env: Mapping[str, str] | None = None,
+                      **overrides: Any) -> list[Any]:
         """``count`` engines from ``start`` (the first ``weightsync`` with weightsync), ``overrides`` in their
-        ``AsyncEngineArgs``."""
+        ``AsyncEngineArgs``, ``env`` in their processes' environment."""
         from weightsync.cli.vllm.serving import bind_env  # on this 2-core machine engines share the cores
         from weightsync.vllm import VllmRolloutReplica, engine_args
 
@@ -48,7 +49,8 @@ class Serving:
             return list(await asyncio.gather(*[
                 VllmRolloutReplica.create(replica=i, args=engine_args(str(self.start), **overrides),
                                           weightsync=i < weightsync,
-                                          env=bind_env(i, overrides.get("tensor_parallel_size", 1)))
+                                          env={**bind_env(i, overrides.get("tensor_parallel_size", 1)),
+                                               **(env or {})})
                 for i in range(count)
             ]))
 

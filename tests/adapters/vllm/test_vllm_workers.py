@@ -2,12 +2,14 @@
 replica, declares the part of the checkpoint its own loaders keep (recorded once, ``weightsync.vllm.parts``), and
 reads and verifies only that part of each update, while vLLM loads through its own loaders as at TP 1. Each update
 is checked against a TP-2 reference engine that loads the same version from its checkpoint (greedy tokens, top-5
-logprobs, vLLM's checksums of every parameter of every worker).
+logprobs, vLLM's checksums of every parameter of every worker). The host has two rails for these engines: worker i
+takes rail i, from vLLM's local rank.
 
 Runs last (its name): it stops the session's TP-1 engines before starting its own (``Serving.stop``)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +28,8 @@ from weightsync.api.types import UpdateReport  # noqa: E402
 from weightsync.core import CheckpointEngineManager  # noqa: E402
 from weightsync.core.control import parts as control_parts  # noqa: E402
 from weightsync.core.control import setup as control_setup  # noqa: E402
+from weightsync.core.transports.place import RAIL_ADDRS_ENV  # noqa: E402
+from weightsync.core.worker.host import engine_spec  # noqa: E402
 from weightsync.vllm import VllmRolloutReplica  # noqa: E402
 
 TP = 2
@@ -63,10 +67,14 @@ class Fleet:
             assert self.run(replica.vllm_checksums()) == sums, replica.name
 
 
+RAILS = ("127.0.0.1", "127.0.0.2")
+"""Two rails on this host for the module's engines (loopback addresses: every test's transfers cross them)."""
+
+
 @pytest.fixture(scope="module")
 def fleet(serving: Serving) -> Iterator[Fleet]:
     serving.stop()  # the session's TP-1 engines: never alive together with these
-    made = serving.start_engines(2, weightsync=1, tensor_parallel_size=TP)
+    made = serving.start_engines(2, weightsync=1, tensor_parallel_size=TP, env={RAIL_ADDRS_ENV: ",".join(RAILS)})
     try:
         yield Fleet(serving, made[:1], made[1])
     finally:
@@ -99,6 +107,20 @@ def test_a_tp2_replica_takes_updates_and_matches_a_tp2_reference(fleet: Fleet, m
     fleet.assert_same_as_reference(path)
     sums = fleet.run(fleet.replicas[0].weight_checksums())
     assert {key.split("/")[0] for key in sums} == {"worker0", "worker1"}  # the proof of load, by worker
+
+
+def test_each_vllm_worker_takes_the_rail_of_its_local_rank(fleet: Fleet) -> None:
+    """Worker i of a TP-2 replica is on rail i, as a GPU node maps a GPU to its NIC: what the replica's actor answers
+    for it when pinged, and what its own vLLM process advertises when prepared. vLLM's multiprocessing executor sets
+    no ``LOCAL_RANK``: without weightsync setting it from vLLM's local rank both would say rail 0."""
+    workers = fleet.replicas[0].workers
+    pings = fleet.run(asyncio.gather(*(worker.execute_checkpoint_engine("ping") for worker in workers)))
+    spec = engine_spec(backend="shm", config=SyncConfig(bucket_bytes=256 << 10), role="rollout", rank=1)
+    prepared = fleet.run(asyncio.gather(*(worker.execute_checkpoint_engine("prepare", engine=spec)
+                                          for worker in workers)))
+    for answers in (pings, prepared):
+        assert [(answer["rail"], answer["rail_address"], answer["rails"]) for answer in answers] == \
+            [(0, RAILS[0], 2), (1, RAILS[1], 2)], answers
 
 
 def test_a_worker_planned_for_another_part_is_refused_before_any_pause(fleet: Fleet,

@@ -10,6 +10,7 @@ own result.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 import uuid
@@ -22,7 +23,7 @@ from weightsync.api.errors import ConfigError, LifecycleError, ReplicaTornError
 from weightsync.api.parts import PART_KEY, Part
 from weightsync.api.types import StagedUpdate, TransferReport
 from weightsync.api.topology import epoch_of
-from weightsync.core.transports.place import ping_answer
+from weightsync.core.transports.place import LOCAL_RANK_ENV, ping_answer
 from weightsync.core.transports.plan import Idle, encode_plan
 from weightsync.core.worker.host import EngineHost, check_planned_part, is_untouched
 from weightsync.vllm import internals
@@ -84,6 +85,8 @@ class VllmEngineActor:
         self._llm: Any = None
         self.workers = int(args.get("tensor_parallel_size", 1))
         self._meet = Rendezvous(self.workers)
+        self._local_ranks: list[int] = []
+        """vLLM's local rank of each of its workers (which picks each one's rail), asked at start."""
         self._specs: list[dict[str, Any]] | None = None
         self._parts: list[Part | None] = [None] * self.workers
         """What each vLLM worker declared it holds, at the last prepare."""
@@ -111,6 +114,11 @@ class VllmEngineActor:
         if self._weightsync:
             args.update(weight_transfer_config={"backend": BACKEND})
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        if self._weightsync:
+            # Each vLLM worker's rail follows vLLM's local rank (it sets its own at prepare); this actor answers
+            # pings for them, and its stager (staged updates) takes worker 0's place.
+            self._local_ranks = [int(rank) for rank in await self._rpc("weightsync_local_rank")]
+            os.environ[LOCAL_RANK_ENV] = str(self._local_ranks[0])
 
     def _engine(self) -> Any:
         if self._llm is None:
@@ -135,7 +143,11 @@ class VllmEngineActor:
 
     async def execute_checkpoint_engine(self, method: str, /, worker: int = 0, **kwargs: Any) -> Any:
         if method == "ping":
-            return ping_answer(node_id=self._node_id, host_ip=self._host_ip)
+            answer = functools.partial(ping_answer, node_id=self._node_id, host_ip=self._host_ip,
+                                       probe=list(kwargs.get("probe", ())),
+                                       local_rank=self._local_ranks[worker] if worker < len(self._local_ranks) else None)
+            # Probes of addresses may wait a second each: off the actor's loop, which serves requests.
+            return await asyncio.to_thread(answer) if kwargs.get("probe") else answer()
         if method == "prepare":
             return await self._meet.join("prepare", worker, dict(kwargs["engine"]), self._prepare)
         if method == "init_process_group":

@@ -56,8 +56,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import itertools
+import logging
+import os
 import time
 import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
@@ -78,6 +79,7 @@ from weightsync.api.parts import Part
 from weightsync.api.protocols import next_batch
 from weightsync.api.topology import epoch_of
 from weightsync.api.types import StagedUpdate, WorkerMetadata
+from weightsync.core.transports.place import LOCAL_RANK_ENV
 from weightsync.core.worker.host import EngineHost, is_untouched, mark_untouched
 from weightsync.vllm import internals
 from weightsync.vllm.parts import Unrecordable, checkpoint_shapes, record_part
@@ -204,11 +206,14 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         parallel = self.parallel_config
         return int(parallel.data_parallel_index) * int(parallel.world_size) + int(parallel.rank)
 
-    def prepare(self, *, engine: Sequence[Mapping[str, Any]], node_id: str, host_ip: str, parts: bool = True
-                ) -> WorkerMetadata:
+    def prepare(self, *, engine: Sequence[Mapping[str, Any]], node_id: str, host_ip: str, parts: bool = True,
+                local_rank: int | None = None) -> WorkerMetadata:
         """Build (or keep) this worker's ``EngineHost`` and prepare its engine from its entry of ``engine``; a worker
         of an engine of several declares its part (recorded once, ``weightsync.vllm.parts``) unless ``parts`` is
-        False (then it receives the whole model, as at one worker)."""
+        False (then it receives the whole model, as at one worker). ``local_rank``: vLLM's for this worker, which
+        picks its rail (``LOCAL_RANK``, as vLLM's own XPU worker sets it; vLLM's CPU and CUDA workers do not)."""
+        if local_rank is not None:
+            os.environ[LOCAL_RANK_ENV] = str(local_rank)
         if self._host is None or (self._host.node_id, self._host.host_ip) != (node_id, host_ip):
             if self._host is not None:
                 self._host.execute_sync("close")

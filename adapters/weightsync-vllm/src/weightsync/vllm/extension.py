@@ -38,8 +38,13 @@ class WeightsyncWorkerExtension:
         """Prepare this worker's weightsync engine from its entry of ``engine`` (one per worker of vLLM's engine);
         ``parts``: whether a worker of several declares its part (``WeightsyncTransferEngine.prepare``)."""
         metadata: WorkerMetadata = self._weightsync().prepare(engine=engine, node_id=node_id, host_ip=host_ip,
-                                                              parts=parts)
+                                                              parts=parts, local_rank=self.weightsync_local_rank())
         return metadata
+
+    def weightsync_local_rank(self) -> int:
+        """vLLM's local rank of this worker (its device's index on its node), which picks its rail."""
+        worker: Any = self
+        return int(worker.local_rank)
 
     def weightsync_finalize(self) -> None:
         self._weightsync().finalize()

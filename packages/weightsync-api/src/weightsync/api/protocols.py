@@ -147,16 +147,13 @@ class BatchedWeights(Protocol):
     async def next_batch(self) -> list[tuple[str, torch.Tensor]] | None: ...
 
 
-_BATCHED: dict[type, bool] = {}
-"""Whether a type of stream is ``BatchedWeights``, by type: a runtime protocol check costs tens of microseconds,
-and a loader asks once per batch."""
+_BATCHED: dict[type, bool] = {}  # by type: a runtime protocol check costs tens of microseconds, asked per batch
 
 
 def _is_batched(weights: object) -> TypeGuard[BatchedWeights]:
-    kind = type(weights)
-    known = _BATCHED.get(kind)
+    known = _BATCHED.get(type(weights))
     if known is None:
-        known = _BATCHED[kind] = isinstance(weights, BatchedWeights)
+        known = _BATCHED[type(weights)] = isinstance(weights, BatchedWeights)
     return known
 
 

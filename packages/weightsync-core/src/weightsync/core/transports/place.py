@@ -95,13 +95,14 @@ def has_rdma(root: str = RDMA_CLASS) -> bool:
         return False
 
 
-def local_rail(host_ip: str) -> Rail:
+def local_rail(host_ip: str, local_rank: int | None = None) -> Rail:
     """This worker's rail, as a GPU node maps a GPU to its NIC: local rank ``LOCAL_RANK`` takes rail ``LOCAL_RANK
-    mod K`` of the K addresses in ``WEIGHTSYNC_RAIL_ADDRS``; without rail addresses, rail 0 at ``host_ip`` of one."""
+    mod K`` of the K addresses in ``WEIGHTSYNC_RAIL_ADDRS``; without rail addresses, rail 0 at ``host_ip`` of one.
+    ``local_rank``: another worker's, for a process that answers for several (a vLLM replica's actor)."""
     addresses = [address.strip() for address in os.environ.get(RAIL_ADDRS_ENV, "").split(",") if address.strip()]
     if not addresses:
         return Rail(rail=0, rail_address=host_ip, rails=1)
-    text = os.environ.get(LOCAL_RANK_ENV, "0")
+    text = os.environ.get(LOCAL_RANK_ENV, "0") if local_rank is None else str(local_rank)
     try:
         local_rank = int(text)
     except ValueError:
@@ -149,19 +150,20 @@ def _ipv4_of(interface: str) -> str | None:
 _SIOCGIFADDR = 0x8915
 
 
-def here(*, node_id: str, host_ip: str) -> Place:
-    """This worker's :class:`Place`."""
+def here(*, node_id: str, host_ip: str, local_rank: int | None = None) -> Place:
+    """This worker's :class:`Place` (``local_rank`` as for :func:`local_rail`)."""
     return Place(node_id=node_id, host_ip=host_ip, hostname=socket.gethostname(), pid=os.getpid(),
-                 **msgspec.structs.asdict(local_rail(host_ip)))
+                 **msgspec.structs.asdict(local_rail(host_ip, local_rank)))
 
 
-def ping_answer(*, node_id: str, host_ip: str, probe: Sequence[str] = ()) -> dict[str, Any]:
+def ping_answer(*, node_id: str, host_ip: str, probe: Sequence[str] = (), local_rank: int | None = None
+                ) -> dict[str, Any]:
     """What a worker answers ``execute_checkpoint_engine("ping")`` with: where it runs (its host, RDMA devices and
     rail, and the room in its ``/dev/shm``). The manager's ``auto`` picks a backend from it; after a timeout, hosts
     none of whose workers answer are reported unreachable. ``probe``: addresses to try to reach (``reachable``:
     :func:`reaches` of each) — a lost rail is probed so before stripes use it again."""
     answer = PingAnswer(rdma=has_rdma(), shm_free=room(), reachable={address: reaches(address) for address in probe},
-                        **msgspec.structs.asdict(here(node_id=node_id, host_ip=host_ip)))
+                        **msgspec.structs.asdict(here(node_id=node_id, host_ip=host_ip, local_rank=local_rank)))
     encoded: dict[str, Any] = msgspec.to_builtins(answer)
     return encoded
 

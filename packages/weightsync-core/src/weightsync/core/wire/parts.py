@@ -132,13 +132,17 @@ class PartLayout:
     """What a part's sums need of a model's tensors, kept across updates (a model's next update repeats its
     layout): each tensor's byte runs, each piece's steps, and the buffer short runs are gathered into."""
 
-    def __init__(self, plan: PartPlan) -> None:
+    def __init__(self, plan: PartPlan, known: PartLayout | None = None) -> None:
+        """``known``: a layout of the same regions (an earlier epoch's), whose runs and steps this one takes over."""
         self.plan = plan
         self._runs: dict[str, tuple[str, tuple[int, ...], Runs | None]] = {}
         """Per tensor: the dtype and shape its runs were computed for, and the runs (None: the whole tensor)."""
         self._steps: dict[tuple[str, str, tuple[int, ...], int, int], tuple[list[Step], int]] = {}
         self._copies: dict[tuple[str, str, tuple[int, ...], int, int, bool], list[Copy]] = {}
         self._scratch: torch.Tensor | None = None
+        if known is not None:
+            self._runs, self._steps, self._copies, self._scratch = known._runs, known._steps, known._copies, \
+                known._scratch
 
     def runs_of(self, meta: TensorMeta) -> Runs | None:
         known = self._runs.get(meta.name)
@@ -178,28 +182,6 @@ class PartLayout:
         if self._scratch is None:
             self._scratch = torch.zeros(GATHER_BYTES, dtype=torch.uint8)  # faulted in once
         return int(self._scratch.data_ptr())
-
-
-class Layouts:
-    """Part layouts by their regions, kept across epochs (a worker's engine has one): a membership change rarely
-    changes the parts, and a model's runs and steps cost a pass over every row of every column block to find."""
-
-    def __init__(self, most: int = 32) -> None:
-        self._known: dict[bytes, PartLayout] = {}
-        self._most = most
-
-    def of(self, plan: PartPlan) -> PartLayout:
-        """A layout for ``plan`` (a new epoch's), with what was computed for the same regions before."""
-        key = plan.key()
-        known = self._known.pop(key, None)
-        layout = PartLayout(plan)
-        if known is not None:
-            layout._runs, layout._steps, layout._copies = known._runs, known._steps, known._copies
-            layout._scratch = known._scratch
-        self._known[key] = layout
-        while len(self._known) > self._most:  # the least recently used first
-            del self._known[next(iter(self._known))]
-        return layout
 
 
 def _copies(runs: Runs, first: int, end: int, compact: bool) -> list[Copy]:

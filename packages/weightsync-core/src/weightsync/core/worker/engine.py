@@ -37,7 +37,7 @@ from weightsync.core.transports.chain.stripes import StripedReceiver
 from weightsync.core.transports.seam import ReceiverTransport, SenderTransport
 from weightsync.core.transports.transport import Transport
 from weightsync.core.wire.digest import StripedDigest, UpdateDigest
-from weightsync.core.wire.parts import Layouts, PartLayout, PartSums
+from weightsync.core.wire.parts import PartLayout, PartPlan, PartSums
 
 __all__ = ["BucketCheckpointEngine", "engine_class", "RankRole", "guard_build_topology"]
 
@@ -96,7 +96,7 @@ class BucketCheckpointEngine(EngineBase):
         self._skip: frozenset[str] = frozenset()
         self._part: PartLayout | None = None
         """A rollout worker's that declared its part (``RankPlan.part``), for the epoch (as ``_parts``)."""
-        self._layouts = Layouts()
+        self._layouts = PartLayouts()
         pack_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-pack")
         transfer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-xfer")
         # Delta updates only (its thread starts at the first use): the sender hashes its kept buckets there, off the
@@ -347,3 +347,20 @@ def guard_build_topology(function: Any) -> Any:
 # Every engine class gets the guard through the base's build_topology (the class is passed in, so errors name it).
 setattr(BucketCheckpointEngine, "build_topology",
         classmethod(guard_build_topology(vars(BucketCheckpointEngine)["build_topology"].__func__)))
+
+
+class PartLayouts:
+    """Part layouts by their regions, kept across epochs (each engine has one): a membership change rarely changes
+    the parts, and a model's runs and steps cost a pass over every row of every column block to find."""
+
+    def __init__(self, most: int = 32) -> None:
+        self._known: dict[bytes, PartLayout] = {}
+        self._most = most
+
+    def of(self, plan: PartPlan) -> PartLayout:
+        """A layout for ``plan`` (a new epoch's), with what was found for the same regions before."""
+        key = plan.key()
+        layout = self._known[key] = PartLayout(plan, self._known.pop(key, None))
+        while len(self._known) > self._most:  # the least recently used first
+            del self._known[next(iter(self._known))]
+        return layout
