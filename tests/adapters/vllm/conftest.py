@@ -83,7 +83,8 @@ def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
                              SMALL)
     ray.init(num_cpus=8, logging_level="ERROR", include_dashboard=False)
     loop = asyncio.new_event_loop()
-    actor_wg = RayActorWorkerGroup.create(world_size=2, source_factory=FaultyTrainer)
+    actor_wg = RayActorWorkerGroup.create(world_size=2, source_factory=FaultyTrainer,
+                                          node_id=ray.get_runtime_context().get_node_id())
     serving = Serving(actor_wg=actor_wg, replicas=[], reference=None, checkpoints=root, loop=loop, start=start)
     try:
         made = serving.start_engines(3, weightsync=2)

@@ -114,10 +114,12 @@ def test_each_vllm_worker_takes_the_rail_of_its_local_rank(fleet: Fleet) -> None
     for it when pinged, and what its own vLLM process advertises when prepared. vLLM's multiprocessing executor sets
     no ``LOCAL_RANK``: without weightsync setting it from vLLM's local rank both would say rail 0."""
     workers = fleet.replicas[0].workers
-    pings = fleet.run(asyncio.gather(*(worker.execute_checkpoint_engine("ping") for worker in workers)))
     spec = engine_spec(backend="shm", config=SyncConfig(bucket_bytes=256 << 10), role="rollout", rank=1)
-    prepared = fleet.run(asyncio.gather(*(worker.execute_checkpoint_engine("prepare", engine=spec)
-                                          for worker in workers)))
+
+    async def each(method: str, **kwargs: Any) -> list[Any]:  # every worker at once: the actor meets their calls
+        return list(await asyncio.gather(*(worker.execute_checkpoint_engine(method, **kwargs) for worker in workers)))
+
+    pings, prepared = fleet.run(each("ping")), fleet.run(each("prepare", engine=spec))
     for answers in (pings, prepared):
         assert [(answer["rail"], answer["rail_address"], answer["rails"]) for answer in answers] == \
             [(0, RAILS[0], 2), (1, RAILS[1], 2)], answers

@@ -225,18 +225,20 @@ def step_line(report: UpdateReport, step: str, *, exact: bool, delta: bool) -> s
             f"replicas paused {paused * 1e3:.0f} ms")
 
 
-def make_replicas(options: DemoOptions, config: LlamaConfig, served: torch.dtype) -> list[Any]:
+def make_replicas(options: DemoOptions, config: LlamaConfig, served: torch.dtype, node_id: str | None
+                  ) -> list[Any]:
     """The demo's replicas: one worker each holding the whole model, or ``options.tp`` workers each holding its
-    tensor-parallel part."""
+    tensor-parallel part; on ``node_id`` (None: where Ray places them)."""
     from weightsync.ray import RayRolloutReplica
 
     if options.tp == 1:
         return [RayRolloutReplica.create(replica=index, sink_factory=functools.partial(
-            DemoRolloutModel, config=config, dtype=served)) for index in range(options.replicas)]
+            DemoRolloutModel, config=config, dtype=served), node_id=node_id) for index in range(options.replicas)]
     parts = [tensor_parallel_part(config, rank, options.tp) for rank in range(options.tp)]  # ConfigError if uneven
     return [RayRolloutReplica.create(replica=index, sink_factory=functools.partial(DemoShard, config=config,
                                                                                       tp=options.tp),
-                                     num_workers=options.tp, parts=parts) for index in range(options.replicas)]
+                                     num_workers=options.tp, parts=parts, node_id=node_id)
+            for index in range(options.replicas)]
 
 
 async def replica_logits(replicas: list[Any], config: LlamaConfig, tp: int) -> list[bytes]:
@@ -260,6 +262,9 @@ async def run_demo(options: DemoOptions) -> int:
     # "local" starts a cluster of our own even when another one runs on this machine.
     ray.init(address=options.address or "local", include_dashboard=False, logging_level="ERROR", log_to_driver=True,
              ignore_reinit_error=True)
+    # A cluster of our own is this machine: every actor on it, so that each knows its local rank when made and
+    # they all start side by side (weightsync.ray.group); on a cluster given by --address, Ray places them.
+    node_id = None if options.address else ray.get_runtime_context().get_node_id()
     config = config_for_megabytes(options.model_mb)
     served = torch.bfloat16 if options.delta else torch.float32
     lr = RL_LR if options.delta else TRAIN_LR
@@ -275,9 +280,10 @@ async def run_demo(options: DemoOptions) -> int:
     exact_steps = 0
     try:
         actor_wg = RayActorWorkerGroup.create(
-            world_size=2, source_factory=functools.partial(DemoTrainer, config=config, lr=lr, served=served)
+            world_size=2, source_factory=functools.partial(DemoTrainer, config=config, lr=lr, served=served),
+            node_id=node_id,
         )
-        replicas = make_replicas(options, config, served)
+        replicas = make_replicas(options, config, served, node_id)
         address = await actor_wg.call("address")[0]
         await asyncio.gather(*actor_wg.call("join", f"tcp://{address}:{free_port()}"))
         manager = CheckpointEngineManager(

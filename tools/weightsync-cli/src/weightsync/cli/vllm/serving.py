@@ -56,8 +56,9 @@ async def serving(*, config: dict[str, Any], root: pathlib.Path, replicas: int, 
     actor_wg: Any = None
     made: list[Any] = []
     try:
-        actor_wg = RayActorWorkerGroup.create(world_size=2, source_factory=functools.partial(LlamaTrainer,
-                                                                                            config=config))
+        actor_wg = RayActorWorkerGroup.create(  # on this machine unless a cluster is given: the ranks start together
+            world_size=2, source_factory=functools.partial(LlamaTrainer, config=config),
+            node_id=None if address else ray.get_runtime_context().get_node_id())
         host = await actor_wg.call("address")[0]
         await asyncio.gather(*actor_wg.call("join", f"tcp://{host}:{free_port()}"))
         start = pathlib.Path(await actor_wg.handles[0].call.remote("save", str(root / "v0")))
