@@ -180,8 +180,8 @@ class RayActorWorkerGroup:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
         remote = ray.remote(ActorRankHost)
-        local_ranks = _local_ranks(None, [node_id] * world_size)  # rank r's rail: its index among the ranks on its
-        # node, mod the rails
+        # Rank r's rail: its index among the ranks on its node, mod the rails.
+        local_ranks = _local_ranks(None, [node_id] * world_size)
         handles = [
             remote.options(**actor_options(ray_options, node_id)).remote(
                 rank=rank, world_size=world_size, source_factory=source_factory,
