@@ -66,7 +66,7 @@ async def serving(*, config: dict[str, Any], root: pathlib.Path, replicas: int, 
         results = await asyncio.gather(*[
             VllmRolloutReplica.create(replica=index, args=args, weightsync=index < replicas,
                                       env=bind_env(index, tensor_parallel_size),
-                                      parts=not replicas - whole <= index < replicas)
+                                      parts=index < replicas - whole)  # moot for a plain engine
             for index in range(replicas + plain)
         ], return_exceptions=True)
         made = [result for result in results if not isinstance(result, BaseException)]
