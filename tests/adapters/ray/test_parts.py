@@ -5,6 +5,7 @@ wrapping the hash library in its process; a corrupted byte only one rank holds."
 from __future__ import annotations
 
 import asyncio
+import glob
 from collections.abc import Iterator
 from typing import Any
 
@@ -109,8 +110,43 @@ def test_copy_into_shards_copies_and_hashes_only_the_part(fleet: Fleet, mode: st
             ray.get(replica.call("set_loading", "views"))
 
 
+def ring_holds(tensor: torch.Tensor) -> bool:
+    """Whether some shared-memory segment of weightsync holds ``tensor``'s bytes, contiguous (read from
+    ``/dev/shm``, outside the engines)."""
+    pattern = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    for path in glob.glob("/dev/shm/weightsync-*"):
+        try:
+            with open(path, "rb") as segment:
+                if pattern in segment.read():
+                    return True
+        except OSError:  # another test's segment, gone meanwhile
+            continue
+    return False
+
+
+def windows(version: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Two rows at a time of ``layers.2.down.weight`` of ``version`` (split along its columns: each worker holds one
+    block of columns; in the ring's last buckets, which later ones have not overwritten): of the tensor, and of each
+    block (the block's rows lie together only when the tensor travels block after block)."""
+    tensor = dict(tp_tensors(version))["layers.2.down.weight"]
+    rows = (10, 90, 170, 250)
+    return ([tensor.narrow(0, row, 2) for row in rows],
+            [block.narrow(0, row, 2) for block in tensor.chunk(2, 1) for row in rows])
+
+
+def test_a_column_split_tensor_lies_block_after_block_in_the_ring(fleet: Fleet) -> None:
+    """Every worker holds one block of columns of ``down.weight``: the ring holds each block's rows together (so
+    each worker reads its block as one run), not the tensor's own rows (the negative control is the next test's)."""
+    report = fleet.update(fleet.manager(), 30)
+    assert report.ok, report.replicas
+    fleet.check_holds(30)
+    own, blocks = windows(30)
+    assert all(map(ring_holds, blocks)) and not any(map(ring_holds, own))
+
+
 def test_the_hash_counter_sees_a_whole_model_verification(fleet: Fleet, ray_nodes: RayNodes) -> None:
-    """Negative control of the counter: workers that declare no part hash every byte of the update."""
+    """Negative control of the counter: workers that declare no part hash every byte of the update. And of the
+    ring's layout: with workers of the whole model, ``o.weight`` lies in its own order."""
     whole = RayRolloutReplica.create(replica=9, sink_factory=TpSink, num_workers=2, node_id=ray_nodes.head)
     try:
         manager = CheckpointEngineManager(backend="shm", actor_wg=fleet.actor_wg, replicas=[whole],
@@ -122,6 +158,8 @@ def test_the_hash_counter_sees_a_whole_model_verification(fleet: Fleet, ray_node
         hashed = [ray.get(ref) for ref in whole.call("hashed")]
         assert all(nbytes >= MODEL_BYTES for nbytes in hashed), (hashed, MODEL_BYTES)
         assert all(transfer.part == -1 for transfer in receivers(report))
+        own, blocks = windows(5)
+        assert all(map(ring_holds, own)) and not any(map(ring_holds, blocks))
     finally:
         whole.shutdown()
 

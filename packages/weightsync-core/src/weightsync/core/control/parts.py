@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from weightsync.api.types import RankArgs
 from weightsync.core.transports.plan import with_parts
+from weightsync.core.wire.blocks import candidates
 from weightsync.core.wire.parts import PartPlan, declared_parts
 
 __all__ = ["declared_parts", "with_declared_parts"]
@@ -26,7 +27,10 @@ def with_declared_parts(actor_args: list[RankArgs], rollout_args: list[RankArgs]
     if not distinct:
         return
     parts_only = not staged and all(part is not None for part in parts)
-    actor_args[:] = [with_parts(args, parts=distinct, parts_only=parts_only) for args in actor_args]
+    # Where every receiver holds one block of a tensor along a dimension past the first, a full update verified by
+    # parts may pack it block after block (weightsync.core.wire.blocks): each worker's block then lies contiguous.
+    blocked = candidates([part.tensors for part in distinct]) if parts_only else {}
+    actor_args[:] = [with_parts(args, parts=distinct, parts_only=parts_only, blocked=blocked) for args in actor_args]
     for rank, part in enumerate(parts):
         if part is not None:
             rollout_args[rank] = with_parts(rollout_args[rank], part=part)

@@ -12,7 +12,7 @@ The planner also validates the stream, before a byte of it is packed: pairs, nam
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator, Mapping
 
 import torch
 
@@ -24,6 +24,7 @@ from weightsync.api.errors import (
     WeightStreamError,
     WeightsyncError,
 )
+from weightsync.core.wire.blocks import BlockPlan, Blocks, block_copies, blocks_of
 from weightsync.core.wire.codec import MAX_NAME_BYTES, TensorMeta
 from weightsync.core.wire.layout import PIECE_BYTES, PlannedBucket
 from weightsync.core.wire.tensors import DTYPE_NAMES, COMPLEX_NAMES, contiguous_source, dtype_name
@@ -71,15 +72,13 @@ def validate_pair(item: object, *, devices: frozenset[str], seen: set[str]) -> t
     return name, tensor
 
 
-def plan_buckets(
-    weights: Iterable[object], *, bucket_bytes: int, devices: frozenset[str]
-) -> Iterator[PlannedBucket]:
-    """Yield the buckets for ``weights`` lazily; the stream's own exceptions become ``WeightStreamError``.
-
-    Runs once per tensor, so the common item (a tuple of a new ASCII name and a dense tensor on a device this backend
-    serves, whole in the open bucket) takes one chain of cheap checks and one append, with the bucket's fields in
-    locals; anything else goes through ``validate_pair`` (the precise error) and :func:`_place`.
-    """
+def plan_buckets(weights: Iterable[object], *, bucket_bytes: int, devices: frozenset[str],
+                 blocked: Mapping[str, BlockPlan] | None = None) -> Iterator[PlannedBucket]:
+    """Yield the buckets for ``weights`` lazily; the stream's own exceptions become ``WeightStreamError``; ``blocked``:
+    tensors packed block after block where they fit their plan, on the host (``wire.blocks``). Runs once per tensor,
+    so the common item (a tuple of a new ASCII name and a dense tensor on a device this backend serves, whole in the
+    open bucket) takes one chain of cheap checks and one append, with the bucket's fields in locals; anything else
+    goes through ``validate_pair`` (the precise error) and :func:`_place`."""
     seen: set[str] = set()
     bucket = PlannedBucket()
     items, copies, large = bucket.items, bucket.copies, bucket.large
@@ -96,12 +95,14 @@ def plan_buckets(
         except Exception as exc:
             raise WeightStreamError(f"the weights stream raised {type(exc).__name__}: {exc}") from exc
         if (type(item) is tuple and len(item) == 2 and type(name := item[0]) is str and name.isascii()
-                and 0 < len(name) <= MAX_NAME_BYTES and name not in seen
+                and 0 < len(name) <= MAX_NAME_BYTES and name not in seen and (blocked is None or name not in blocked)
                 and isinstance(tensor := item[1], torch.Tensor) and tensor.layout is strided
                 and (host_ok and tensor.is_cpu or tensor.device.type in devices)):
             seen.add(name)
+            blocks = None
         else:
             name, tensor = validate_pair(item, devices=devices, seen=seen)
+            blocks = blocks_of(blocked.get(name), tensor.shape) if blocked is not None and tensor.is_cpu else None
         dtype = DTYPE_NAMES.get(tensor.dtype) or dtype_name(tensor.dtype)
         # (Only a complex tensor can carry the conjugate bit; any can carry the negative one.)
         if tensor.is_contiguous() and not tensor.is_neg() and (dtype not in COMPLEX_NAMES or not tensor.is_conj()):
@@ -110,7 +111,7 @@ def plan_buckets(
             source = contiguous_source(tensor)
         total = source.nbytes
         start = (used + align) & mask
-        if total <= bucket_bytes - start and count < PIPELINE_TENSORS:  # the common case: whole, here
+        if total <= bucket_bytes - start and count < PIPELINE_TENSORS and blocks is None:  # the common case
             item = (TensorMeta(name, dtype, tensor.shape, 0, total, total, start), source, 0)
             items.append(item)
             if total <= PIECE_BYTES and source.is_cpu:
@@ -125,7 +126,7 @@ def plan_buckets(
             count += 1
             continue
         bucket.nbytes, bucket.payload_bytes, bucket.completed = used, payload, completed
-        bucket = yield from _place(bucket, name, dtype, tensor.shape, source, bucket_bytes)
+        bucket = yield from _place(bucket, name, dtype, tensor.shape, source, bucket_bytes, blocks)
         items, copies, large = bucket.items, bucket.copies, bucket.large
         used, payload, completed, count = bucket.nbytes, bucket.payload_bytes, bucket.completed, len(items)
     if count:
@@ -134,10 +135,10 @@ def plan_buckets(
 
 
 def _place(bucket: PlannedBucket, name: str, dtype: str, shape: torch.Size, source: torch.Tensor,
-           bucket_bytes: int) -> Generator[PlannedBucket, None, PlannedBucket]:
+           bucket_bytes: int, blocks: Blocks | None = None) -> Generator[PlannedBucket, None, PlannedBucket]:
     """Place a tensor that does not fit the open bucket whole: close the bucket rather than split a tensor that fits
-    a fresh one (or when it is full), else split it across buckets. Yields the buckets it fills; returns the open
-    one, its fields up to date."""
+    a fresh one (or when it is full), else split it across buckets (a tensor packed as ``blocks``: wherever it goes).
+    Yields the buckets it fills; returns the open one, its fields up to date."""
     align, total, offset = BUCKET_ALIGNMENT - 1, source.nbytes, 0
     while True:
         start = (bucket.nbytes + align) & ~align
@@ -148,9 +149,13 @@ def _place(bucket: PlannedBucket, name: str, dtype: str, shape: torch.Size, sour
             bucket = PlannedBucket()
             continue
         take = remaining if remaining <= room else room
-        item = (TensorMeta(name, dtype, shape, offset, take, total, start), source, offset)
+        item = (TensorMeta(name, dtype, shape, offset, take, total, start, blocks or ()), source, offset)
         bucket.items.append(item)
-        if take <= PIECE_BYTES and source.is_cpu:
+        if blocks is not None:  # row by row, block after block
+            bucket.rows[start] = block_copies(tuple(shape), source.element_size(), blocks, offset, offset + take,
+                                              packing=True)
+            bucket.large.append(item)
+        elif take <= PIECE_BYTES and source.is_cpu:
             bucket.copies += (start, source.data_ptr() + offset, take)
         else:
             bucket.large.append(item)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +31,9 @@ from weightsync.core.transports.chain.stripes import stripe_of
 from weightsync.core.transports.device import DevicePolicy
 from weightsync.core.transports.seam import NO_SLOT, SenderTransport
 from weightsync.core.wire import codec
+from weightsync.core.wire.blocks import BlockPlan
 from weightsync.core.wire.digest import UpdateDigest
-from weightsync.core.wire.layout import PlannedBucket, pack_hashing, piece_bytes
+from weightsync.core.wire.layout import PlannedBucket, pack_hashing, pack_piece
 from weightsync.core.wire.parts import PartLayout, PartsDigest, PartSums
 
 __all__ = ["SendPipeline", "drain"]
@@ -129,11 +130,13 @@ class SendPipeline:
 
     async def send(self, transport: SenderTransport, weights: Iterable[object], *, epoch: str, version: int,
                    started: float, stripe: tuple[int, int] = (0, 1), parts: list[PartLayout] | None = None,
-                   parts_only: bool = False, skip: frozenset[str] = frozenset()) -> TransferReport:
+                   parts_only: bool = False, skip: frozenset[str] = frozenset(),
+                   blocked: Mapping[str, BlockPlan] | None = None) -> TransferReport:
         """Send one update; ``stripe``: (s, K), this sender's stripe of K (one sender of everything: (0, 1));
         ``parts``: the distinct parts the receivers declared; ``parts_only``: every receiver verifies its part
         (``RankPlan.parts_only``); ``skip``: the tensors left out (``RankPlan.skip``: the stream is still drained
-        whole)."""
+        whole); ``blocked``: the tensors to pack block after block when the update is verified by parts
+        (``RankPlan.blocked``)."""
         if skip:
             weights = _leaving_out(weights, skip)
         digest = self.policy.new_digest()
@@ -145,9 +148,12 @@ class SendPipeline:
             sending.parts = [PartSums(part) for part in parts]
             # Folded as each bucket is packed; the whole digest too, unless no receiver verifies it.
             sending.digest = PartsDigest(sending.parts, whole=not parts_only)
+        # Block after block only where every receiver reads its part of this update from the host, and no delta
+        # compares the next update's buckets with this one's (weightsync.core.wire.blocks).
+        blocks = blocked if blocked and sending.parts and sending.delta is None else None
         in_flight: dict[int, asyncio.Future[float]] = {}
         try:
-            await self._buckets(sending, weights, in_flight)
+            await self._buckets(sending, weights, in_flight, blocks)
             model = await self._final(sending, in_flight)
         except BaseException as exc:
             await self.abort(sending, in_flight, reason=exc)
@@ -159,12 +165,13 @@ class SendPipeline:
         return sending.report(started)
 
     async def _buckets(self, sending: Sending, weights: Iterable[object],
-                       in_flight: dict[int, asyncio.Future[float]]) -> None:
+                       in_flight: dict[int, asyncio.Future[float]], blocked: Mapping[str, BlockPlan] | None) -> None:
         """Plan, pack and publish every bucket of the update (at most one in flight per slot)."""
         loop, transport = asyncio.get_running_loop(), sending.transport
         planned = time.perf_counter()
         bounce_begun = False
-        for bucket in plan_buckets(weights, bucket_bytes=self.settings.bucket_bytes, devices=self.devices):
+        for bucket in plan_buckets(weights, bucket_bytes=self.settings.bucket_bytes, devices=self.devices,
+                                   blocked=blocked):
             index = sending.buckets
             sending.planned += bucket.completed
             if stripe_of(index, sending.stripes) != sending.stripe:  # another sender's
@@ -243,9 +250,7 @@ class SendPipeline:
                 self.upload(device, buffer, bucket, table, sending)
             else:
                 for item in bucket.items:
-                    meta = item[0]
-                    if meta.nbytes:
-                        buffer[meta.bucket_offset:meta.bucket_offset + meta.nbytes].copy_(piece_bytes(item))
+                    pack_piece(buffer, bucket, item)
                 payload = buffer[: bucket.nbytes]
                 if after_pack is not None:
                     after_pack(index, payload)  # a test hook: the bytes are hashed after it, as they stand

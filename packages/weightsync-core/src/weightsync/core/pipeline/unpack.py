@@ -18,9 +18,10 @@ from collections.abc import Mapping
 
 import torch
 
-from weightsync.api.errors import DestinationError
+from weightsync.api.errors import DestinationError, WireError
 from weightsync.core.native import copy_batch, copy_columns, copy_stream
 from weightsync.core.transports.seam import Arrived
+from weightsync.core.wire.blocks import block_copies, block_view
 from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.destinations import Fallback, check_destination, destination_fits, typed_view
 from weightsync.core.wire.digest import UpdateDigest
@@ -54,7 +55,8 @@ class BulkPlan:
 
     @classmethod
     def of(cls, tensors: list[TensorMeta]) -> BulkPlan | None:
-        if not tensors or any(meta.nbytes > PIECE_BYTES or meta.dtype in COMPLEX_NAMES for meta in tensors):
+        if not tensors or any(meta.nbytes > PIECE_BYTES or meta.dtype in COMPLEX_NAMES or meta.blocks
+                              for meta in tensors):
             return None
         return cls(tensors)
 
@@ -235,7 +237,7 @@ class BucketReader:
             meta = tensors[position]
             position += 1
             destination = get(meta.name)
-            if not destination_fits(destination, DTYPES[meta.dtype], meta.shape):
+            if meta.blocks or not destination_fits(destination, DTYPES[meta.dtype], meta.shape):
                 if batch:
                     self._flush(batch, base)
                 self.position, self.hashed = position, hashed
@@ -329,6 +331,13 @@ class BucketReader:
         contiguous); a box's in a full-shape destination after its copies, from the bucket."""
         target = destination.data_ptr()
         compact = tuple(destination.shape) != meta.shape
+        if runs is not None and not compact and meta.blocks:  # its block's rows, each where it belongs
+            low, high = max(runs[0][0], meta.offset), min(runs[1][0], meta.offset + meta.nbytes)
+            for triples, _, _ in block_copies(tuple(meta.shape), DTYPES[meta.dtype].itemsize,
+                                              (meta.blocks[0], meta.blocks[1]), low, high, packing=False):
+                copy_batch(triples, target, address + low - meta.offset)
+            part.fold(meta, address)
+            return
         if runs is not None and not compact:
             for group in part.layout.copies(meta, runs, compact=False):
                 copy_batch(group.triples, target, address)
@@ -391,7 +400,7 @@ class BucketReader:
         self.gathered = not meta.is_whole
         if meta.is_whole:
             self.tensors += 1
-            return meta.name, typed_view(piece, dtype, meta.shape)
+            return meta.name, self._shaped(meta, piece, dtype)
         # A range of a tensor split across buckets: gather it in a scratch buffer reused across tensors.
         if self._scratch is None or self._scratch.numel() < meta.total_nbytes:
             self._scratch = torch.empty(meta.total_nbytes, dtype=torch.uint8, device=payload.device)
@@ -399,4 +408,16 @@ class BucketReader:
         if meta.offset + meta.nbytes < meta.total_nbytes:
             return None
         self.tensors += 1
-        return meta.name, typed_view(self._scratch[: meta.total_nbytes], dtype, meta.shape)
+        return meta.name, self._shaped(meta, self._scratch[: meta.total_nbytes], dtype)
+
+    def _shaped(self, meta: TensorMeta, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A whole tensor's bytes as the tensor; one packed block after block as a full-shape view whose elements
+        inside this worker's block are that block (``weightsync.core.wire.blocks.block_view``)."""
+        if not meta.blocks or not data.numel():
+            return typed_view(data, dtype, meta.shape)
+        index = self.part.layout.block_of(meta) if self.part is not None else None
+        if index is None:
+            raise WireError(f"{meta.name!r} was sent block by block, and this worker holds none of its blocks: the "
+                            f"update was not planned for it")
+        flat = typed_view(data, dtype, (meta.total_nbytes // DTYPES[meta.dtype].itemsize,))
+        return block_view(flat, meta.shape, (meta.blocks[0], meta.blocks[1]), index)

@@ -25,6 +25,7 @@ import msgspec
 
 from weightsync.api.errors import TopologyError
 from weightsync.api.types import RankArgs
+from weightsync.core.wire.blocks import BlockPlan
 from weightsync.core.wire.parts import PartPlan
 
 __all__ = ["Idle", "RankPlan", "RankRole", "decode", "decode_metadata", "decode_plan", "encode_plan", "with_delta_base",
@@ -51,6 +52,9 @@ class RankPlan(msgspec.Struct, kw_only=True, frozen=True, tag_field="kind", forb
     parts_only: bool = False
     """A sender's: every receiver verifies its part (none checks the whole digest): a full update's whole digest is
     not computed, the parts' sums are (``weightsync.core.wire.parts.PartsDigest``)."""
+    blocked: dict[str, BlockPlan] = {}
+    """A sender's: the tensors every receiver's part holds one block of (along a dimension past the first), which a
+    full update verified by parts packs block after block (:mod:`weightsync.core.wire.blocks`)."""
     skip: tuple[str, ...] = ()
     """A sender's: the tensors it leaves out of its stream, which none of its receivers holds anything of (a part
     group's sender: :mod:`weightsync.core.transports.chain.groups`)."""
@@ -88,14 +92,16 @@ def with_delta_base(rank_args: RankArgs, base: int) -> RankArgs:
 
 
 def with_parts(rank_args: RankArgs, *, parts: list[PartPlan] | None = None, part: PartPlan | None = None,
-               parts_only: bool = False) -> RankArgs:
-    """``rank_args`` with the manager's parts: a sender's ``parts`` (and ``parts_only``), a rollout worker's
-    ``part``."""
+               parts_only: bool = False, blocked: dict[str, BlockPlan] | None = None) -> RankArgs:
+    """``rank_args`` with the manager's parts: a sender's ``parts`` (and ``parts_only``, ``blocked``), a rollout
+    worker's ``part``."""
     added: RankArgs = {}
     if parts:
         added["parts"] = msgspec.to_builtins(parts)
     if parts_only:
         added["parts_only"] = True
+    if blocked:
+        added["blocked"] = msgspec.to_builtins(blocked)
     if part is not None:
         added["part"] = msgspec.to_builtins(part)
     return {**rank_args, **added}

@@ -15,6 +15,7 @@ from typing import Protocol, TypeVar
 import msgspec
 
 from weightsync.api.errors import EpochMismatchError, WireError
+from weightsync.core.wire.blocks import check_blocks
 from weightsync.core.wire.tensors import DTYPES
 
 __all__ = [
@@ -35,7 +36,7 @@ __all__ = [
     "encode_tensors",
 ]
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 NO_SLOT = -1
 """Slot of a message without payload (the final and abort markers)."""
 MAX_NAME_BYTES = 1024
@@ -44,7 +45,7 @@ MAX_DIMS = 32
 _ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 
-class TensorMeta(msgspec.Struct, frozen=True, array_like=True, gc=False):
+class TensorMeta(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_defaults=True):
     """One tensor, or one contiguous byte range of one tensor, as carried in a bucket's table.
 
     A tensor larger than a bucket travels as several entries with the same ``name`` and increasing ``offset``; the
@@ -65,6 +66,10 @@ class TensorMeta(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Bytes of the whole tensor (``numel * element_size``)."""
     bucket_offset: int = 0
     """Where this range starts inside its bucket."""
+    blocks: tuple[int, ...] = ()
+    """``(dim, count)`` when the tensor's bytes are not row-major but ``count`` equal blocks along ``dim`` one after
+    the other (each block's bytes row-major: :mod:`weightsync.core.wire.blocks`); ranges are of those bytes. Empty
+    (and not on the wire) for the tensor's own order."""
 
     @property
     def is_whole(self) -> bool:
@@ -265,6 +270,8 @@ def check_tensor_meta(meta: TensorMeta, *, bucket_nbytes: int) -> None:
         raise WireError(f"tensor {name!r}: range {offset}+{nbytes} outside {expected}")
     if meta.bucket_offset < 0 or meta.bucket_offset + nbytes > bucket_nbytes:
         raise WireError(f"tensor {name!r}: bucket range outside the bucket's {bucket_nbytes} bytes")
+    if meta.blocks:
+        check_blocks(meta.blocks, shape, name=name)
 
 
 class _Stamped(Protocol):

@@ -6,6 +6,7 @@ The planner (:mod:`weightsync.core.pipeline.planner`) fills these; the pipeline 
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field
 
 import torch
@@ -15,7 +16,7 @@ from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.tensors import as_byte_view
 
-__all__ = ["PackItem", "PlannedBucket", "pack_hashing", "piece_bytes", "PIECE_BYTES"]
+__all__ = ["PackItem", "PlannedBucket", "pack_hashing", "pack_piece", "piece_bytes", "PIECE_BYTES"]
 
 PIECE_BYTES = 256 * 1024
 """Bytes copied between two digest updates: small enough that the hash reads them back from the core's own cache.
@@ -29,9 +30,21 @@ PackItem = tuple[TensorMeta, torch.Tensor, int]
 
 
 def piece_bytes(item: PackItem) -> torch.Tensor:
-    """The piece as a flat uint8 tensor (for ``Tensor.copy_`` where raw addresses do not apply)."""
+    """The piece as a flat uint8 tensor (for ``Tensor.copy_`` where raw addresses do not apply; not for a piece
+    packed block after block: :func:`pack_piece`)."""
     meta, source, start = item
     return as_byte_view(source)[start:start + meta.nbytes]
+
+
+def pack_piece(buffer: torch.Tensor, bucket: PlannedBucket, item: PackItem) -> None:
+    """Copy one piece into its place in ``buffer`` (a bucket), without hashing."""
+    meta, source, _ = item
+    rows = bucket.rows.get(meta.bucket_offset) if meta.blocks else None
+    if rows is not None:
+        for triples, _, _ in rows:
+            copy_batch(triples, buffer.data_ptr() + meta.bucket_offset, source.data_ptr())
+    elif meta.nbytes:
+        buffer[meta.bucket_offset:meta.bucket_offset + meta.nbytes].copy_(piece_bytes(item))
 
 
 @dataclass(slots=True)
@@ -48,6 +61,10 @@ class PlannedBucket:
     ``copy_batch`` (host addresses only: an accelerator tensor's address is never used as a host pointer)."""
     large: list[PackItem] = field(default_factory=list)
     """The other pieces (larger ones, and every piece of an accelerator tensor), in bucket order."""
+    rows: dict[int, tuple[tuple[array.array[int], int, int], ...]] = field(default_factory=dict)
+    """Pieces of a tensor packed block after block (``TensorMeta.blocks``), by bucket offset: their rows as
+    ``copy_batch`` groups (:func:`weightsync.core.wire.blocks.block_copies`); such a piece is in ``large`` and its
+    source on the host."""
     on_device: bool = False
     """Whether any piece's source lives on the accelerator (the bucket is staged before a host transport packs it,
     :mod:`weightsync.core.pipeline.bounce`)."""
@@ -63,6 +80,13 @@ def pack_hashing(base: int, bucket: PlannedBucket, digest: UpdateDigest) -> None
     for meta, source, start in bucket.large:
         nbytes, at = meta.nbytes, meta.bucket_offset
         digest.update_at(base + hashed, at - hashed)  # the small pieces and padding before this one
+        rows = bucket.rows.get(at) if meta.blocks else None
+        if rows is not None:  # a group of rows at a time, hashed in the bucket behind its copy, while in cache
+            for triples, first, size in rows:
+                copy_batch(triples, base + at, source.data_ptr())
+                digest.update_at(base + at + first, size)
+            hashed = at + nbytes
+            continue
         address = source.data_ptr() + start
         for done in range(0, nbytes, PIECE_BYTES):
             size = min(PIECE_BYTES, nbytes - done)

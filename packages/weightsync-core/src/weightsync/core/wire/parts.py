@@ -2,7 +2,8 @@
 
 A part (``weightsync.api.parts.Part``) keeps, of each checkpoint tensor, nothing, the whole, or boxes. Of a tensor's
 contiguous row-major bytes, the boxes select sorted, disjoint **byte runs** (:func:`byte_runs`: a block of rows is
-one run, a block of columns one run per row). A part's **sums** (:class:`PartSums`) are, for every tensor the part
+one run, a block of columns one run per row, or one where the tensor travels block after block:
+:mod:`weightsync.core.wire.blocks`). A part's **sums** (:class:`PartSums`) are, for every tensor the part
 keeps anything of, in stream order, an XXH3-64 of its name, dtype and shape and then of its selected bytes in
 row-major order: eight bytes per tensor. They do not depend on how tensors were cut into buckets or pieces (a piece is
 a consecutive range of a tensor's bytes; the runs inside it come in order), so the sender folds them as it packs and
@@ -29,6 +30,7 @@ from weightsync.api.errors import ConfigError, PartMismatchError, TopologyError
 from weightsync.api.parts import PART_KEY, Part, Region
 from weightsync.api.types import WorkerMetadata
 from weightsync.core.native import copy_batch
+from weightsync.core.wire.blocks import block_index, block_runs
 from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.tensors import DTYPES, memoryview_at
@@ -108,14 +110,12 @@ def byte_runs(boxes: Sequence[Box], shape: Sequence[int], itemsize: int, *, name
 DIRECT_BYTES = 16 << 10
 """A run at least this long is hashed where it lies; shorter ones (the rows of a block of columns) are gathered."""
 GATHER_BYTES = 256 << 10
-"""Short runs are gathered, one native copy per this many bytes, into a buffer that stays in the core's cache, and
-hashed there in one call: a hash call per short run costs more than copying it."""
+"""Short runs are gathered into a buffer in cache, one native copy per this many bytes, and hashed in one call."""
 FOLD_BYTES = 1 << 20
 """The sender folds its parts' sums from this many consecutive bytes at a time (:class:`PartsDigest`)."""
 
 Step = tuple[int, int] | tuple["array.array[int]", int]
-"""How to read one piece's selected bytes: ``(offset, nbytes)`` where they lie, or ``(triples, nbytes)`` gathered
-(``copy_batch``'s ``(scratch offset, piece offset, nbytes)`` triples)."""
+"""How to read a piece's selected bytes: ``(offset, nbytes)`` where they lie, or ``(copy_batch triples, nbytes)``."""
 
 
 class Copy(NamedTuple):
@@ -135,10 +135,10 @@ class PartLayout:
     def __init__(self, plan: PartPlan, known: PartLayout | None = None) -> None:
         """``known``: a layout of the same regions (an earlier epoch's), whose runs and steps this one takes over."""
         self.plan = plan
-        self._runs: dict[str, tuple[str, tuple[int, ...], Runs | None]] = {}
-        """Per tensor: the dtype and shape its runs were computed for, and the runs (None: the whole tensor)."""
-        self._steps: dict[tuple[str, str, tuple[int, ...], int, int], tuple[list[Step], int]] = {}
-        self._copies: dict[tuple[str, str, tuple[int, ...], int, int, bool], list[Copy]] = {}
+        self._runs: dict[str, tuple[str, tuple[int, ...], tuple[int, ...], Runs | None]] = {}
+        """Per tensor: the dtype, shape and blocks its runs are for, and the runs (None: the whole tensor)."""
+        self._steps: dict[tuple[str, str, tuple[int, ...], int, int, tuple[int, ...]], tuple[list[Step], int]] = {}
+        self._copies: dict[tuple[str, str, tuple[int, ...], int, int, tuple[int, ...], bool], list[Copy]] = {}
         self._scratch: torch.Tensor | None = None
         if known is not None:
             self._runs, self._steps, self._copies, self._scratch = known._runs, known._steps, known._copies, \
@@ -146,24 +146,32 @@ class PartLayout:
 
     def runs_of(self, meta: TensorMeta) -> Runs | None:
         known = self._runs.get(meta.name)
-        if known is not None and known[0] == meta.dtype and known[1] == meta.shape:
-            return known[2]
+        if known is not None and known[0] == meta.dtype and known[1] == meta.shape and known[2] == meta.blocks:
+            return known[3]
         boxes = self.plan.tensors.get(meta.name)
-        runs = None if boxes is None else byte_runs(boxes, meta.shape, DTYPES[meta.dtype].itemsize, name=meta.name)
-        self._runs[meta.name] = (meta.dtype, meta.shape, runs)
+        if boxes and meta.blocks:  # packed block after block: the part's block is one run
+            runs: Runs | None = block_runs(self.block_of(meta), meta.name, meta.total_nbytes, meta.blocks)
+        else:
+            runs = None if boxes is None else byte_runs(boxes, meta.shape, DTYPES[meta.dtype].itemsize, name=meta.name)
+        self._runs[meta.name] = (meta.dtype, meta.shape, meta.blocks, runs)
         return runs
+
+    def block_of(self, meta: TensorMeta) -> int | None:
+        """Which block of a tensor sent block by block (``meta.blocks``) this part holds; None when it holds none of
+        it, or the tensor came in its own order."""
+        boxes = self.plan.tensors.get(meta.name)
+        return block_index(boxes[0], meta.shape, meta.blocks) if meta.blocks and boxes and len(boxes) == 1 else None
 
     def steps(self, meta: TensorMeta, runs: Runs) -> tuple[list[Step], int]:
         """How to read ``meta``'s piece of a tensor whose runs are ``runs``, and how many bytes that is."""
-        key = (meta.name, meta.dtype, meta.shape, meta.offset, meta.nbytes)
+        key = (meta.name, meta.dtype, meta.shape, meta.offset, meta.nbytes, meta.blocks)
         known = self._steps.get(key)
         if known is None:
             known = self._steps[key] = _steps(runs, meta.offset, meta.offset + meta.nbytes)
         return known
 
     def shard_shape(self, name: str) -> tuple[int, ...] | None:
-        """The shape of a tensor's shard (the size of its one box), or None where the part has no single box of it
-        (held whole, not at all, or several boxes)."""
+        """The shape of a tensor's shard (the size of its one box); None where the part has not one box of it."""
         boxes = self.plan.tensors.get(name)
         return tuple(boxes[0][1]) if boxes is not None and len(boxes) == 1 else None
 
@@ -172,7 +180,7 @@ class PartLayout:
         hashed while it is in cache). Destination offsets are the tensor's own (a full-shape destination), or with
         ``compact`` the places in a shard that holds the one box's elements in row-major order (the selected bytes
         before this piece come first), where each group's bytes are contiguous."""
-        key = (meta.name, meta.dtype, meta.shape, meta.offset, meta.nbytes, compact)
+        key = (meta.name, meta.dtype, meta.shape, meta.offset, meta.nbytes, meta.blocks, compact)
         known = self._copies.get(key)
         if known is None:
             known = self._copies[key] = _copies(runs, meta.offset, meta.offset + meta.nbytes, compact)

@@ -37,6 +37,7 @@ from weightsync.core.transports.chain.stripes import StripedReceiver
 from weightsync.core.transports.seam import ReceiverTransport, SenderTransport
 from weightsync.core.transports.transport import Transport
 from weightsync.core.wire.digest import StripedDigest, UpdateDigest
+from weightsync.core.wire.blocks import BlockPlan
 from weightsync.core.wire.parts import PartLayout, PartPlan, PartSums
 
 __all__ = ["BucketCheckpointEngine", "engine_class", "RankRole", "guard_build_topology"]
@@ -93,6 +94,7 @@ class BucketCheckpointEngine(EngineBase):
         """A sender's: the distinct parts its receivers declared (``RankPlan.parts``), for the epoch (their layouts'
         runs and steps kept across epochs in ``_layouts``)."""
         self._parts_only = False
+        self._blocked: dict[str, BlockPlan] = {}
         self._skip: frozenset[str] = frozenset()
         self._part: PartLayout | None = None
         """A rollout worker's that declared its part (``RankPlan.part``), for the epoch (as ``_parts``)."""
@@ -139,6 +141,7 @@ class BucketCheckpointEngine(EngineBase):
         self._send.delta.allowed_base = plan.delta_base  # the manager's: the version every receiver holds
         self._parts = [self._layouts.of(part) for part in plan.parts]
         self._parts_only = plan.parts_only
+        self._blocked = plan.blocked
         self._skip = frozenset(plan.skip)
         self._part = self._layouts.of(plan.part) if plan.part is not None else None
         if plan.role == "sender":
@@ -223,7 +226,8 @@ class BucketCheckpointEngine(EngineBase):
             try:
                 return await self._send.send(self._sender, weights, epoch=self._epoch or "", version=version,
                                              started=started, stripe=self._stripe, parts=self._parts,
-                                             parts_only=self._parts_only, skip=self._skip)
+                                             parts_only=self._parts_only, skip=self._skip,
+                                             blocked=self._blocked)
             finally:
                 self._policy.end_send()
         finally:
