@@ -333,8 +333,8 @@ class BucketReader:
         compact = tuple(destination.shape) != meta.shape
         if runs is not None and not compact and meta.blocks:  # its block's rows, each where it belongs
             low, high = max(runs[0][0], meta.offset), min(runs[1][0], meta.offset + meta.nbytes)
-            for triples, _, _ in block_copies(tuple(meta.shape), DTYPES[meta.dtype].itemsize,
-                                              (meta.blocks[0], meta.blocks[1]), low, high, packing=False):
+            for triples, _, _ in block_copies(tuple(meta.shape), DTYPES[meta.dtype].itemsize, meta.blocks, low, high,
+                                              packing=False):
                 copy_batch(triples, target, address + low - meta.offset)
             part.fold(meta, address)
             return
@@ -420,4 +420,4 @@ class BucketReader:
             raise WireError(f"{meta.name!r} was sent block by block, and this worker holds none of its blocks: the "
                             f"update was not planned for it")
         flat = typed_view(data, dtype, (meta.total_nbytes // DTYPES[meta.dtype].itemsize,))
-        return block_view(flat, meta.shape, (meta.blocks[0], meta.blocks[1]), index)
+        return block_view(flat, meta.shape, meta.blocks, index)

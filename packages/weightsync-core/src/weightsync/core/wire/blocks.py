@@ -1,4 +1,4 @@
-"""Blocks: a tensor that every receiver holds one block of, along a dimension past the first, travels block after block.
+"""Blocks: a tensor every receiver holds one block of, along a dimension past the first, travels block after block.
 
 Tensor parallelism splits a row-parallel matrix (``o_proj``, ``down_proj``) along its columns: each worker holds a
 block of columns, which in the tensor's row-major bytes is one short run per row. Reading every other few KiB of each
@@ -36,8 +36,8 @@ from weightsync.api.errors import PartMismatchError, WireError
 __all__ = ["BlockPlan", "Blocks", "block_copies", "block_index", "block_runs", "block_view", "blocks_of",
            "candidates", "check_blocks"]
 
-Blocks = tuple[int, int]
-"""``(dim, count)``: a tensor packed as ``count`` equal blocks along ``dim`` (``TensorMeta.blocks``)."""
+Blocks = tuple[int, ...]
+"""``(dim, count)``: a tensor packed as ``count`` equal blocks along ``dim`` (``TensorMeta.blocks``, as it comes)."""
 
 GROUP_BYTES = 256 << 10
 """Rows are copied in groups of about this many bytes, each hashed right behind its copy (``PIECE_BYTES``)."""
@@ -102,7 +102,7 @@ def _rows(shape: Sequence[int], dim: int, count: int, itemsize: int) -> tuple[in
     return math.prod(shape[:dim]), shape[dim] // count * math.prod(shape[dim + 1:]) * itemsize
 
 
-def block_index(box: tuple[Sequence[int], Sequence[int]], shape: Sequence[int], blocks: Sequence[int]) -> int | None:
+def block_index(box: tuple[Sequence[int], Sequence[int]], shape: Sequence[int], blocks: Blocks) -> int | None:
     """Which block ``box`` is of a tensor of ``shape`` packed as ``blocks``; None when it is not exactly one."""
     dim, count = blocks
     start, size = box
@@ -114,7 +114,7 @@ def block_index(box: tuple[Sequence[int], Sequence[int]], shape: Sequence[int], 
     return start[dim] // width
 
 
-def block_runs(index: int | None, name: str, total: int, blocks: Sequence[int]) -> tuple[list[int], list[int]]:
+def block_runs(index: int | None, name: str, total: int, blocks: Blocks) -> tuple[list[int], list[int]]:
     """The byte run block ``index`` is of tensor ``name`` (``total`` bytes) packed as ``blocks``; a
     ``PartMismatchError`` where the part holds something else of it (``index`` None)."""
     if index is None:
