@@ -640,13 +640,45 @@ def test_grouped_topology_gives_each_group_of_hosts_a_sender_and_a_chain_of_its_
     assert grouped_topology("tcp", halves, fanout=1, addresses=["x"] * 4) is None
     alone = WorldMetadata(actor=metadata.actor[:1], rollout=metadata.rollout)
     assert grouped_topology("tcp", alone, fanout=1, addresses=["x"] * 4) is None
-    for other in ({"layout": "chain"}, {"staged": True}):  # by host only; a host's stager stages for all its workers
-        changed = WorldMetadata(actor=[{**leader, **other}, *metadata.actor[1:]], rollout=metadata.rollout)
-        assert grouped_topology("tcp", changed, fanout=1, addresses=["x"] * 4) is None
+    chain = WorldMetadata(actor=[{**leader, "layout": "chain"}, *metadata.actor[1:]], rollout=metadata.rollout)
+    assert grouped_topology("tcp", chain, fanout=1, addresses=["x"] * 4) is None  # the groups are by host
     malformed = WorldMetadata(actor=metadata.actor, rollout=[*metadata.rollout[:3], {**metadata.rollout[3],
                                                                                      PART_KEY: {"tensors": 5}}])
     with pytest.raises(TopologyError, match="rollout rank 3: malformed part"):
         grouped_topology("tcp", malformed, fanout=1, addresses=["x"] * 4)
+
+
+def test_a_stager_declares_what_its_hosts_workers_hold_together() -> None:
+    """Staged: only each host's stager joins the transport's world, so the topology is built from the stagers'
+    metadata with each declaring its host's union, rounded up to whole tensors: on h1 one worker holds only ``a``,
+    the other only ``b`` (the host skips ``c``); on h2 both hold ``b`` and ``c`` (it skips ``a``); on h3 a worker
+    without a part (it skips nothing: no part). Each group's sender then skips what its hosts skip. Unstaged (every
+    worker a member) the metadata is the workers' own."""
+    from weightsync.api.types import WorldMetadata
+    from weightsync.core.control.parts import members_metadata
+    from weightsync.core.transports.chain.groups import grouped_topology
+    from weightsync.core.transports.chain.plan import ChainSend
+    from weightsync.core.transports.plan import decode_plan
+
+    def worker(node: str, part: Part | None = None) -> WorkerMetadata:
+        entry: WorkerMetadata = {"node_id": node, "address": f"{node}:1", "library": "tcp"}
+        return {**entry, PART_KEY: part.to_dict()} if part is not None else entry
+
+    rollout = [worker("h1", Part(tensors={"b": (), "c": ()})), worker("h1", Part(tensors={"a": (), "c": ()})),
+               worker("h2", Part(tensors={"a": ()})), worker("h2", Part(tensors={"a": ()})), worker("h3"),
+               worker("h3", Part(tensors={"a": ()}))]
+    labels = [f"worker{i}" for i in range(len(rollout))]
+    stagers = members_metadata(rollout, [0, 2, 4], labels)
+    assert [entry.get(PART_KEY) for entry in stagers] == [
+        Part(tensors={"c": ()}).to_dict(), Part(tensors={"a": ()}).to_dict(), None]
+    assert [{k: v for k, v in entry.items() if k != PART_KEY} for entry in stagers] == [
+        {k: v for k, v in rollout[i].items() if k != PART_KEY} for i in (0, 2, 4)]
+    assert members_metadata(rollout, range(len(rollout)), labels) == rollout
+    actor = [{**worker("h0"), "layout": "two_level", "staged": True}, worker("h0"), worker("h0")]
+    topology = grouped_topology("tcp", WorldMetadata(actor=actor, rollout=stagers), fanout=1,
+                                addresses=["h1:1", "h2:1", "h3:1"])
+    assert topology is not None
+    assert [decode_plan(args, ChainSend, who="actor").skip for args in topology.actor] == [("c",), ("a",), ()]
 
 
 def test_layouts_keep_what_was_found_for_the_same_regions_across_epochs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,18 +4,43 @@ them too) and handed out with the plan — every sender the list, every worker t
 
 Equal parts (the same regions of the same tensors: the workers of one tensor-parallel rank across replicas) are one
 entry of the list, so the sender hashes each distinct part once.
+
+A worker that receives for others of its host (a staged update's stager, :func:`members_metadata`) declares what
+they hold together to the topology, so a host stages only what its workers hold (the chain's part groups).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from weightsync.api.types import RankArgs
-from weightsync.core.transports.plan import with_parts
+from weightsync.api.parts import PART_KEY, Part
+from weightsync.api.types import RankArgs, WorkerMetadata
+from weightsync.core.transports.place import Place
+from weightsync.core.transports.plan import decode_metadata, with_parts
 from weightsync.core.wire.blocks import candidates
-from weightsync.core.wire.parts import PartPlan, declared_parts
+from weightsync.core.wire.parts import PartPlan, declared_parts, skipped_by_host
 
-__all__ = ["declared_parts", "with_declared_parts"]
+__all__ = ["declared_parts", "members_metadata", "with_declared_parts"]
+
+
+def members_metadata(rollout: Sequence[WorkerMetadata], members: Sequence[int], labels: Sequence[str]
+                     ) -> list[WorkerMetadata]:
+    """The metadata the topology is built from: the ``members``' (the rollout workers that join the transport's
+    world). Where some workers of a host do not join (a staged update: the host's stagers receive, its other workers
+    read the staging area), each member of that host declares as its part what all the host's workers hold together,
+    rounded up to whole tensors: the tensors none of them holds anything of are left out, every other is whole (no
+    part where that leaves nothing out). Each worker is still handed its own part (:func:`with_declared_parts`)."""
+    if len(members) == len(rollout):
+        return list(rollout)
+    hosts = [decode_metadata(entry, Place, who=label).node_id for entry, label in zip(rollout, labels)]
+    skipped = skipped_by_host(declared_parts(rollout, labels), hosts)
+    chosen: list[WorkerMetadata] = []
+    for member in members:
+        entry = {key: value for key, value in rollout[member].items() if key != PART_KEY}
+        if skipped[hosts[member]]:
+            entry[PART_KEY] = Part(tensors={name: () for name in sorted(skipped[hosts[member]])}).to_dict()
+        chosen.append(entry)
+    return chosen
 
 
 def with_declared_parts(actor_args: list[RankArgs], rollout_args: list[RankArgs], parts: Sequence[PartPlan | None],

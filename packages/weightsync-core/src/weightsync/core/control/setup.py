@@ -18,7 +18,7 @@ from weightsync.api.registry import load_engine_class
 from weightsync.api.topology import build_checked_topology, epoch_of, with_epoch
 from weightsync.api.types import RankArgs, ReplicaOutcome, WorkerMetadata, WorldMetadata
 from weightsync.core.control import auto, steps
-from weightsync.core.control.parts import declared_parts, with_declared_parts
+from weightsync.core.control.parts import declared_parts, members_metadata, with_declared_parts
 from weightsync.core.control.auto import AutoChoice
 from weightsync.core.control.rails import LostRails
 from weightsync.core.transports.place import PingAnswer, Place
@@ -109,9 +109,10 @@ class Setup:
         metadata: list[WorkerMetadata] = await steps.gather("prepare", timeout, labelled, fail_fast=True)
         world = WorldMetadata(actor=metadata[:actor_size], rollout=metadata[actor_size:])
         members = flow.members(world)
+        labels = [label for label, _ in labelled[actor_size:]]
         topology = with_epoch(build_checked_topology(  # our engines stamp the epoch; any other gets one here
             engine_class, backend=backend, actor_wg_world_size=actor_size, rollout_world_size=len(members),
-            metadata=WorldMetadata(actor=world.actor, rollout=[world.rollout[i] for i in members])))
+            metadata=WorldMetadata(actor=world.actor, rollout=members_metadata(world.rollout, members, labels))))
         token = epoch_of(topology.actor[0])
         actor_args = list(topology.actor)
         if delta_base is not None:  # the senders may send only what changed since it
@@ -120,8 +121,7 @@ class Setup:
         for member, args in zip(members, topology.rollout):
             rollout_args[member] = args
         if engine_class.verifies_parts:
-            with_declared_parts(actor_args, rollout_args, declared_parts(
-                world.rollout, [label for label, _ in labelled[actor_size:]]), staged=config.staged)
+            with_declared_parts(actor_args, rollout_args, declared_parts(world.rollout, labels), staged=config.staged)
         labelled = steps.actor_calls("init_process_group", actor_wg=self.actor_wg, rank_args=actor_args)
         labelled += steps.worker_calls(workers, "init_process_group", [{"rank_args": args} for args in rollout_args])
         await steps.gather("init_process_group", timeout, labelled, fail_fast=True)

@@ -4,7 +4,9 @@ Where rollout workers declared parts (``weightsync.api.parts``) and the hosts di
 hosts that skip the same tensors (:func:`~weightsync.core.wire.parts.part_groups`: none of their workers holds
 anything of them) gets a stream of its own: its own sender (actor rank g of the sender's host), which leaves those
 tensors out (``RankPlan.skip``), and a two-level chain over the group's hosts alone. So the sender's host sends each
-group its part once, and a host takes in only what its workers hold (rounded up to whole tensors).
+group its part once, and a host takes in only what its workers hold (rounded up to whole tensors). In a staged
+update the receivers are the hosts' stagers, each declaring what its host's workers hold together
+(:func:`weightsync.core.control.parts.members_metadata`): a host stages only that.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ def grouped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
         return None
     actor = [decode_metadata(entry, ChainMetadata, who=f"actor rank {rank}") for rank, entry in
              enumerate(metadata.actor)]
-    if actor[0].staged or actor[0].layout != "two_level":
-        return None  # a host's stager stages what all its workers hold; the rank-order chain is not by host
+    if actor[0].layout != "two_level":
+        return None  # the rank-order chain is not by host
     rollout = [decode_metadata(entry, ChainMetadata, who=f"rollout rank {rank}") for rank, entry in
                enumerate(metadata.rollout)]
     hosts = [worker.node_id for worker in rollout]
