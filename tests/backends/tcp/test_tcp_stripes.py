@@ -220,6 +220,16 @@ def test_stripes_over_rails_0_and_2_leave_rail_1_out() -> None:
             engine.close()
 
 
+def test_stripes_with_delta_are_a_config_error() -> None:
+    """A delta update travels as one stream, so a named chain backend asked for stripes and delta refuses when the
+    engine is made (on every worker, at ``prepare``: before any replica is paused), rather than striping updates
+    that then go full; one stripe (the default) takes delta."""
+    tcp = load_engine_class("tcp")
+    with pytest.raises(ConfigError, match="stripes and delta=True do not combine"):
+        tcp(bucket_bytes=BUCKET, layout="two_level", stripes="rails", delta=True)
+    tcp(bucket_bytes=BUCKET, layout="two_level", stripes=1, delta=True)
+
+
 @pytest.mark.parametrize("stripes", [[1, 2], [0, 0], [0, -1], "all", 0, True])
 def test_a_malformed_stripes_option_is_a_config_error(stripes: Any) -> None:
     with pytest.raises(ConfigError, match="stripes must be"):

@@ -127,6 +127,10 @@ class ChainTransport(Transport):
                               f"rails allow) or a list of distinct rails including 0 (over those), got {stripes!r}")
         if stripes != 1 and layout != "two_level":
             raise ConfigError(f"{self.name}: stripes need layout='two_level' (a stripe's leaders are per host)")
+        if stripes != 1 and settings.delta:
+            raise ConfigError(f"{self.name}: stripes and delta=True do not combine: a delta update (a few percent of "
+                              "the model) travels as one stream; leave stripes out (backend='auto' stripes only "
+                              "updates without delta)")
         piece = settings.options.get("relay_piece_bytes", RELAY_PIECE_BYTES)
         if isinstance(piece, bool) or not isinstance(piece, int) or piece < 4096:
             raise ConfigError(f"{self.name}: relay_piece_bytes must be an int >= 4096, got {piece!r}")
