@@ -68,6 +68,7 @@ def test_a_version_file_that_does_not_match_the_layout_is_refused(tmp_path: os.P
     (["--mix", "rl", "--plot", "x.png"], "--plot does not apply with --mix rl"),
     (["--verify-every", "5"], "--verify-every needs --delta"),
     (["--delta", "--verify-every", "0"], "must be positive"),
+    (["--parts", "tp2", "--mix", "small"], "--parts splits the matrices of the realistic or the rl mix"),
 ])
 def test_bad_rl_options_are_refused(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", *args]) == 2

@@ -127,7 +127,7 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument("--parts", choices=["tp2", "layers2"], default=None,
                        help="also measure every entry B with the receivers in replicas of two workers, each holding "
                             "its part (tp2: half of every matrix; layers2: half the layers) and reading only it, as "
-                            "B+tp2 (B+layers2); full updates. With --hosts and an even number of receiving hosts a "
+                            "B+tp2 (B+layers2; B+delta gets B+tp2+delta). With --hosts and an even number of receiving hosts a "
                             "replica's two workers sit on two hosts (--actor-ranks defaults to 2: one sender per "
                             "part group); else two neighbours on one host, --receivers even")
     bench.add_argument("--verify-every", type=int, default=1, metavar="K",
@@ -310,8 +310,8 @@ def _bench_error(args: argparse.Namespace) -> str:
         return "--lr needs --mix rl and must be in (0, 1]"
     if args.verify_every < 1 or (args.verify_every != 1 and not args.delta):
         return "--verify-every needs --delta and must be positive"
-    if args.parts and (args.delta or args.mix != "realistic"):
-        return "--parts measures full updates of the realistic mix: not with --delta or another --mix"
+    if args.parts and args.mix == "small":
+        return "--parts splits the matrices of the realistic or the rl mix: not --mix small (vectors only)"
     if args.parts and args.receivers % 2 and (not args.hosts or args.hosts % 2 == 0):
         return ("--parts pairs the receivers into replicas of two: an even --receivers (or, with --hosts, an even "
                 "number of receiving hosts)")
