@@ -4,6 +4,7 @@ and has each worker build that engine at prepare."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from weightsync.verl import CheckpointEngineManager  # noqa: E402
 from weightsync.verl.config import read_checkpoint_config  # noqa: E402
 
 from tests.adapters.verl.conftest import VerlWorld  # noqa: E402
-from tests.adapters.verl.workloads import mismatches, model_weights  # noqa: E402
+from tests.adapters.verl.workloads import STEPPED, mismatches, model_weights  # noqa: E402
 
 
 def nodes_of(world: VerlWorld) -> list[str]:
@@ -55,6 +56,26 @@ def test_weightsyncs_manager_picks_the_backend_and_moves_weights_bit_exact(verl_
         assert report is not None and report.ok
         assert report.chosen.startswith(f"{expected.name}: "), (report.chosen, nodes)
         for tensors, _ in verl_auto_world.received():
+            assert mismatches(tensors, model_weights(step)) == []
+
+
+def test_delta_updates_through_weightsyncs_manager_send_only_the_changes(verl_auto_world: VerlWorld) -> None:
+    """``engine_kwargs={"weightsync.auto": {"delta": True}}``: weightsync's drop-in manager keeps its epoch between
+    verl's calls, so after a first full update each one sends the changes (8 bytes of every tensor per step), which
+    the rollout's server adapter receives as whole tensors, bit-exact."""
+    world = verl_auto_world
+    kwargs = {**world.config.engine_kwargs["weightsync.auto"], "delta": True}
+    config = dataclasses.replace(world.config, engine_kwargs={"weightsync.auto": kwargs})
+    manager = CheckpointEngineManager(config=config, actor_wg=world.actor_wg, replicas=world.replicas)
+    for step in range(STEPPED, STEPPED + 3):
+        world.set_model(step)
+        metrics = manager.update_weights(step)
+        report = manager.last_report
+        assert report is not None and report.ok
+        assert [outcome.received for outcome in report.replicas] == ["full" if step == STEPPED else "changes"]
+        if step > STEPPED:
+            assert 0 < metrics["weightsync/wire_bytes"] < 0.01 * metrics["weightsync/bytes"], metrics
+        for tensors, _ in world.received():
             assert mismatches(tensors, model_weights(step)) == []
 
 

@@ -40,13 +40,21 @@ _LAYOUT: list[tuple[str, torch.dtype, int]] = [
 ]
 
 
+STEPPED = 1_000
+"""Versions from here on are one model stepped: version ``STEPPED + k`` is version ``STEPPED``'s bytes with a few
+of every tensor's changed per step, as between two RL steps (what a delta update sends)."""
+
+
 def model_weights(version: int) -> list[tuple[str, torch.Tensor]]:
-    """The actor's model at ``version``: random bytes (NaN patterns included), so only a byte comparison is exact."""
-    generator = torch.Generator().manual_seed(10_000 + version)
+    """The actor's model at ``version``: random bytes (NaN patterns included), so only a byte comparison is exact;
+    from ``STEPPED`` on, each version changes 8 bytes of every tensor of the one before."""
+    generator = torch.Generator().manual_seed(10_000 + min(version, STEPPED))
     weights = []
     for name, dtype, numel in _LAYOUT:
         size = numel * torch.empty(0, dtype=dtype).element_size()
         data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+        for step in range(1, version - STEPPED + 1):
+            data[(step * 7919) % (size - 8):][:8] += step
         weights.append((name, data.view(dtype)))
     return weights
 
