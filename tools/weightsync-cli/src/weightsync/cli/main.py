@@ -127,9 +127,9 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument("--parts", choices=["tp2", "layers2"], default=None,
                        help="also measure every entry B with the receivers in replicas of two workers, each holding "
                             "its part (tp2: half of every matrix; layers2: half the layers) and reading only it, as "
-                            "B+tp2 (B+layers2; B+delta gets B+tp2+delta). With --hosts and an even number of receiving hosts a "
-                            "replica's two workers sit on two hosts (--actor-ranks defaults to 2: one sender per "
-                            "part group); else two neighbours on one host, --receivers even")
+                            "B+tp2 (B+layers2; B+delta gets B+tp2+delta). With --hosts and an even number of "
+                            "receiving hosts a replica's two workers sit on two hosts (--actor-ranks defaults to 2: "
+                            "one sender per part group); else two neighbours on one host, --receivers even")
     bench.add_argument("--verify-every", type=int, default=1, metavar="K",
                        help="with --delta: receivers verify what they hold after every K-th delta update (default 1)")
     bench.add_argument("--repeat", type=int, default=5, help="timed runs per backend after a warm-up")
