@@ -360,18 +360,18 @@ class PartsDigest(UpdateDigest):
     def update_at(self, address: int, nbytes: int) -> None:
         if self.whole:
             super().update_at(address, nbytes)
-        # Consecutive bytes (a large piece's source, fed 256 KiB at a time) are folded FOLD_BYTES at a time: still in
-        # the core's own cache (1 MiB packed the bench's model 5 % slower, 4 MiB 13 %), at half the calls.
+        # Consecutive bytes (a large piece's source, fed 256 KiB at a time) are folded as soon as FOLD_BYTES of them
+        # are fed: still in the core's own cache (1 MiB packed the bench's model 5 % slower, 4 MiB 13 %).
         start, low, high = self._pending
-        if address == start + high - low and high - low + nbytes <= FOLD_BYTES:
-            self._pending = (start, low, high + nbytes)
-        else:
+        if address != start + high - low:  # not right after what is pending: that first
             self._fold(start, low, high)
-            self._pending = (address, high, high + nbytes)
+            start, low = address, high
+        high += nbytes
         self._at += nbytes
-        if self._at >= self._nbytes:  # the bucket's last bytes: fold what is pending
-            self._fold(*self._pending)
-            self._pending = (0, self._at, self._at)
+        if high - low >= FOLD_BYTES or self._at >= self._nbytes:  # enough, or the bucket's last bytes
+            self._fold(start, low, high)
+            start, low = start + high - low, high
+        self._pending = (start, low, high)
 
     def _fold(self, address: int, low: int, high: int) -> None:
         """Fold the current bucket's payload bytes ``[low, high)``, which lie at ``address``."""
