@@ -129,7 +129,8 @@ def test_box_of_tells_a_box_from_what_is_not_one() -> None:
 def test_the_calls_of_one_step_meet_and_each_worker_gets_its_own_result() -> None:
     """``Rendezvous``: the last of a replica's workers to call runs the step once, with every worker's value; each
     gets its own entry (an error entry raised to that worker alone); a worker calling again before the others
-    arrived starts the step anew, and the earlier callers are told."""
+    arrived starts the step anew, and the earlier callers are told; a call of another step ends an unfinished one
+    (its callers told, nothing of it kept)."""
     import asyncio
 
     from weightsync.api.errors import LifecycleError
@@ -164,3 +165,17 @@ def test_the_calls_of_one_step_meet_and_each_worker_gets_its_own_result() -> Non
     (early,), again, other = asyncio.run(retried())
     assert isinstance(early, LifecycleError) and again == "done new" and other == "done b"
     assert runs == [["new", "b"]]
+
+    async def given_up() -> tuple[list[Any], dict[str, Any]]:
+        """Worker 1 never called ``update 5`` (the manager gave up on it); the next step ends it for worker 0."""
+        meet = Rendezvous(2)
+        abandoned = asyncio.ensure_future(meet.join("update 5", 0, None, run))
+        await asyncio.sleep(0)
+        done = await asyncio.gather(meet.join("finalize", 0, "x", run), meet.join("finalize", 1, "y", run))
+        ended = await asyncio.wait_for(asyncio.gather(abandoned, return_exceptions=True), 10)  # not left waiting
+        return [ended, done], dict(meet._open)
+
+    runs.clear()
+    ([(abandoned,), done], left) = asyncio.run(given_up())
+    assert isinstance(abandoned, LifecycleError) and "given up" in str(abandoned)
+    assert done == ["done x", "done y"] and runs == [["x", "y"]] and left == {}

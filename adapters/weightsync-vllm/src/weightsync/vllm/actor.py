@@ -38,7 +38,9 @@ class Rendezvous:
     """Where the calls of one step from a replica's workers meet, in its actor: the last to arrive runs the step for
     all of them (``run``, given every worker's value in worker order) and each caller gets its own entry of the
     result (an exception entry is raised to its worker alone). A worker that calls again before the others arrived
-    (its step was retried) starts the step anew: the earlier callers get a ``LifecycleError``."""
+    (its step was retried) starts the step anew: the earlier callers get a ``LifecycleError``. A replica's steps
+    come one after another, so a call of another step means the manager gave up on an unfinished one (a worker of it
+    timed out or failed): its callers get a ``LifecycleError`` too, and nothing of it is kept."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -47,10 +49,12 @@ class Rendezvous:
     async def join(self, step: str, worker: int, value: Any, run: Callable[[list[Any]], Awaitable[list[Any]]]) -> Any:
         if not 0 <= worker < self.size:
             raise ConfigError(f"worker {worker} of a replica of {self.size} workers")
+        for other in [key for key in self._open if key != step]:
+            _end(self._open.pop(other)[1], LifecycleError(f"{other}: given up: {step} began before every worker "
+                                                          f"had called {other}"))
         values, future = self._open.get(step) or ({}, asyncio.get_running_loop().create_future())
         if worker in values:  # a retried step: the earlier round is over
-            future.set_exception(LifecycleError(f"{step}: worker {worker} called again before every worker had"))
-            future.exception()  # retrieved here: its callers raise it
+            _end(future, LifecycleError(f"{step}: worker {worker} called again before every worker had"))
             values, future = {}, asyncio.get_running_loop().create_future()
         values[worker] = value
         self._open[step] = (values, future)
@@ -64,6 +68,12 @@ class Rendezvous:
         if isinstance(result, BaseException):
             raise result
         return result
+
+
+def _end(future: asyncio.Future[list[Any]], error: LifecycleError) -> None:
+    """End an unfinished step's round: its callers raise ``error``."""
+    future.set_exception(error)
+    future.exception()  # retrieved here: its callers raise it
 
 
 class VllmEngineActor:
