@@ -107,6 +107,7 @@ def test_a_tp2_replica_takes_updates_and_matches_a_tp2_reference(fleet: Fleet, m
     fleet.assert_same_as_reference(path)
     sums = fleet.run(fleet.replicas[0].weight_checksums())
     assert {key.split("/")[0] for key in sums} == {"worker0", "worker1"}  # the proof of load, by worker
+    assert set(fleet.run(fleet.replicas[0].call("internals"))) == {"actor", "worker0", "worker1"}  # each process
 
 
 def test_each_vllm_worker_takes_the_rail_of_its_local_rank(fleet: Fleet) -> None:

@@ -309,12 +309,13 @@ class VllmEngineActor:
         return [*self._part_notes, *self._notes]
 
     async def internals(self, avoid: list[str] | None = None) -> dict[str, dict[str, str]]:
-        """``weightsync.vllm.internals.report()`` of this actor's process and of vLLM's (first) worker, after
-        ``internals.avoid(avoid)`` in all of them when given (``[]``: every internal the probe found is used
-        again)."""
+        """``weightsync.vllm.internals.report()`` of this actor's process (``"actor"``) and of each of vLLM's
+        workers (``"worker0"``, ``"worker1"``, ...), after ``internals.avoid(avoid)`` in all of them when given
+        (``[]``: every internal the probe found is used again)."""
         if avoid is not None:
             internals.avoid(avoid)
-        return {"actor": internals.report(), "worker": (await self._rpc("weightsync_internals", avoid=avoid))[0]}
+        workers = await self._rpc("weightsync_internals", avoid=avoid)
+        return {"actor": internals.report(), **{f"worker{index}": report for index, report in enumerate(workers)}}
 
     def timings(self) -> dict[str, float]:
         """Measured here and in vLLM's worker for the last update or reload: ``pause_seconds`` (from the pause to
