@@ -36,8 +36,8 @@ from weightsync.core.transports.stagearea import StageArea, StagedReceiver
 from weightsync.core.transports.chain.stripes import StripedReceiver
 from weightsync.core.transports.seam import ReceiverTransport, SenderTransport
 from weightsync.core.transports.transport import Transport
-from weightsync.core.wire.digest import StripedDigest, UpdateDigest
 from weightsync.core.wire.blocks import BlockPlan
+from weightsync.core.wire.digest import StripedDigest, UpdateDigest
 from weightsync.core.wire.parts import PartLayout, PartPlan, PartSums
 
 __all__ = ["BucketCheckpointEngine", "engine_class", "RankRole", "guard_build_topology"]
