@@ -565,7 +565,8 @@ TP_HIDDEN = 256
 
 def tp_shapes() -> dict[str, tuple[int, ...]]:
     """Checkpoint shapes of a small decoder: column-parallel ``qkv`` and ``up`` (split along rows), row-parallel
-    ``o`` and ``down`` (split along columns), a vocabulary-parallel embedding and replicated norms."""
+    ``o`` and ``down`` (split along columns), a vocabulary-parallel embedding, replicated norms and a two-row
+    ``gate``."""
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (512, TP_HIDDEN)}
     for layer in range(TP_LAYERS):
         shapes |= {f"layers.{layer}.qkv.weight": (3 * TP_HIDDEN, TP_HIDDEN),
@@ -573,7 +574,7 @@ def tp_shapes() -> dict[str, tuple[int, ...]]:
                    f"layers.{layer}.up.weight": (4 * TP_HIDDEN, TP_HIDDEN),
                    f"layers.{layer}.down.weight": (TP_HIDDEN, 4 * TP_HIDDEN),
                    f"layers.{layer}.norm.weight": (TP_HIDDEN,)}
-    return shapes
+    return shapes | {"gate.weight": (2, TP_HIDDEN)}  # two rows: over three ranks, one shard is empty
 
 
 def tp_dims() -> dict[str, int]:
@@ -619,6 +620,84 @@ class TpSource(ModelSource):
     def set_version(self, version: int) -> str:
         self.version = version
         return ""
+
+
+class _TpLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        hidden = TP_HIDDEN
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False)
+        self.o = torch.nn.Linear(hidden, hidden, bias=False)
+        self.up = torch.nn.Linear(hidden, 4 * hidden, bias=False)
+        self.down = torch.nn.Linear(4 * hidden, hidden, bias=False)
+        self.norm = torch.nn.RMSNorm(hidden)
+
+
+class _TpModel(torch.nn.Module):
+    """A module whose parameters are :func:`tp_shapes` by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(512, TP_HIDDEN)
+        self.layers = torch.nn.ModuleList(_TpLayer() for _ in range(TP_LAYERS))
+        self.gate = torch.nn.Linear(TP_HIDDEN, 2, bias=False)
+
+
+class FsdpTpSource(_Inspectable):
+    """An actor rank of a sharded ``actor_wg``: the model of :func:`tp_tensors` in bf16 under FSDP2 over gloo
+    (``fully_shard`` on each layer and on the model; each rank holds its ``Shard(0)`` block of every parameter),
+    streamed by ``weightsync.core.ModuleShards`` (``join`` first, on every rank at once)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        torch.set_num_threads(1)
+        self.rank, self.world_size, self.version = rank, world_size, 0
+        self.module: torch.nn.Module | None = None
+
+    def join(self, init_method: str) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=init_method, rank=self.rank, world_size=self.world_size)
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        module = _TpModel().to(torch.bfloat16)
+        for layer in module.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        self.module = module
+
+    def set_version(self, version: int) -> str:
+        full = dict(tp_tensors(version))
+        with torch.no_grad():
+            for name, parameter in self._module().named_parameters():
+                local = parameter.to_local()  # type: ignore[attr-defined]
+                offsets = parameter.__create_chunk_list__()[0].offsets  # type: ignore[attr-defined]
+                local.copy_(full[name][tuple(slice(at, at + size) for at, size in zip(offsets, local.shape))])
+        self.version = version
+        return ""
+
+    def named_weights(self) -> Iterator[Any]:
+        from weightsync.core import ModuleShards
+
+        return iter(ModuleShards(self._module()).named_weights())
+
+    def source_layout(self) -> Any:
+        from weightsync.core import ModuleShards
+
+        return ModuleShards(self._module()).source_layout()
+
+    def _module(self) -> torch.nn.Module:
+        if self.module is None:
+            raise RuntimeError("FsdpTpSource: join() first")
+        return self.module
+
+
+class WholeSink(RecordingSink):
+    """A rollout worker that holds the whole model (``held``: what it holds)."""
+
+    def held(self) -> dict[str, torch.Tensor]:
+        return dict(self.weights)
 
 
 class HashCounter:

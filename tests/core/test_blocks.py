@@ -21,7 +21,8 @@ from weightsync.core.wire.blocks import (BlockPlan, block_copies, block_index, b
 from weightsync.core.wire.codec import TensorMeta, check_tensor_meta, encode_tensors
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.layout import pack_hashing
-from weightsync.core.wire.parts import PartLayout, PartPlan, PartSums
+from weightsync.core.wire.partplans import PartPlan
+from weightsync.core.wire.parts import PartLayout, PartSums
 
 SHAPES = {"q": (64, 32), "o": (32, 64), "down": (32, 128), "norm": (32,), "experts": (4, 24, 16)}
 DIMS = {"q": 0, "o": 1, "down": 1, "experts": 1}

@@ -18,7 +18,8 @@ from weightsync.api.parts import PART_KEY, Part, Region
 from weightsync.api.types import RankArgs, WorkerMetadata
 from weightsync.core.control.parts import declared_parts, with_declared_parts
 from weightsync.core.wire.codec import TensorMeta
-from weightsync.core.wire.parts import PartPlan, PartSums, byte_runs, check_sums
+from weightsync.core.wire.partplans import PartPlan
+from weightsync.core.wire.parts import PartSums, byte_runs, check_sums
 from weightsync.core.wire.tensors import as_byte_view, dtype_name, memoryview_of
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -592,7 +593,7 @@ def test_part_groups_by_what_each_host_skips() -> None:
     """WIP (delivery by part across hosts): hosts whose workers hold half the layers each skip the other half's
     tensors and form two groups; hosts of tensor-parallel halves skip nothing (one group, today's delivery); a worker
     without a part makes its host skip nothing."""
-    from weightsync.core.wire.parts import part_groups, skipped_by_host
+    from weightsync.core.wire.partplans import part_groups, skipped_by_host
 
     first, second = (PartPlan.of(Part(tensors={name: () for name in names}), index)
                      for index, names in enumerate((("b", "c"), ("a",))))

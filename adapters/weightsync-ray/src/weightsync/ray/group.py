@@ -13,6 +13,7 @@ import ray
 from weightsync.api.errors import ConfigError
 from weightsync.api.parts import Part
 from weightsync.api.protocols import WeightSink, WeightSource
+from weightsync.api.sources import ShardedWeightSource
 from weightsync.api.types import StagedUpdate, TransferReport
 from weightsync.core.transports.place import LOCAL_RANK_ENV
 from weightsync.core.worker.host import EngineHost
@@ -53,6 +54,8 @@ class ActorRankHost:
         self.rank = rank
         self.host = _host(f"actor rank {rank}")
         self.source = source_factory(rank, world_size)
+        if isinstance(self.source, ShardedWeightSource):  # its layout goes into every prepare's metadata
+            self.host.source = self.source.source_layout
 
     async def execute_checkpoint_engine(self, method: str, /, **kwargs: Any) -> Any:
         return await self.host.execute(method, **kwargs)

@@ -9,6 +9,7 @@ from importlib.metadata import version as _version
 from weightsync.api import errors
 from weightsync.api.config import BUCKET_ALIGNMENT, MiB, StepTimeouts, SyncConfig
 from weightsync.api.parts import PART_KEY, Part, Region
+from weightsync.api.sources import SOURCE_KEY, Holding, Shard, ShardedWeightSource, SourceLayout
 from weightsync.api.protocols import (
     ActorWorkerGroup,
     BatchedWeights,
@@ -65,6 +66,11 @@ __all__ = [
     "PART_KEY",
     "Part",
     "Region",
+    "SOURCE_KEY",
+    "Holding",
+    "Shard",
+    "SourceLayout",
+    "ShardedWeightSource",
     "ActorWorkerGroup",
     "CheckpointEngine",
     "ReceivedWeights",

@@ -9,6 +9,8 @@ starts. Plain data only: no torch, no ray.
 
 from __future__ import annotations
 
+import dataclasses
+
 import secrets
 from collections.abc import Mapping
 
@@ -29,11 +31,9 @@ def with_epoch(topology: Topology) -> Topology:
     control plane — so it works whichever manager drives the lifecycle. Every connection of ours must present it.
     """
     token = secrets.token_hex(16)
-    return Topology(
-        actor=[{EPOCH: token, **args} for args in topology.actor],
-        rollout=[{EPOCH: token, **args} for args in topology.rollout],
-        senders=topology.senders, stripes=topology.stripes,
-    )
+    return dataclasses.replace(
+        topology, actor=[{EPOCH: token, **args} for args in topology.actor],
+        rollout=[{EPOCH: token, **args} for args in topology.rollout])
 
 
 def epoch_of(rank_args: Mapping[str, object]) -> str:

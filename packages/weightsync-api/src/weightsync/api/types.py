@@ -80,12 +80,16 @@ class Topology:
     sharded model is collective) and sends nothing. With several senders each sends a disjoint part of the model.
     ``stripes``: the update is dealt into this many stripes, stripe s sent by ``senders[s]`` (bucket i in stripe
     i mod K) and every receiver reading them all; 1 (the default): each sender's part goes whole to its receivers.
+    ``sharded``: the actor ranks hold shards of the model (``weightsync.api.sources``) and every sender sends what
+    it holds, each its own stream, to receivers that read them all; the update's digest combines the senders' in
+    the order of ``senders``.
     """
 
     actor: Sequence[RankArgs]
     rollout: Sequence[RankArgs]
     senders: tuple[int, ...] = (0,)
     stripes: int = 1
+    sharded: bool = False
 
     def check(self, *, actor_wg_world_size: int, rollout_world_size: int) -> None:
         """Raise :class:`TopologyError` unless the lists match the world sizes and the senders are actor ranks."""
@@ -106,6 +110,8 @@ class Topology:
                 self.stripes > 1 and self.stripes != len(self.senders)):
             raise TopologyError(f"topology deals {self.stripes!r} stripes over senders {list(self.senders)}: a striped "
                                 "update has one sender per stripe")
+        if self.sharded and self.stripes > 1:
+            raise TopologyError("a topology of a sharded actor_wg is not dealt into stripes")
 
     @property
     def stripe_of(self) -> dict[int, int]:

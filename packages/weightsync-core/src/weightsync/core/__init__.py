@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the names as mypy sees them (re-exported)
     from weightsync.core.worker.engine import BucketCheckpointEngine as BucketCheckpointEngine
     from weightsync.core.worker.host import EngineHost as EngineHost
     from weightsync.core.worker.host import engine_spec as engine_spec
+    from weightsync.core.worker.sources import ModuleShards as ModuleShards
     from weightsync.core.control.manager import CheckpointEngineManager as CheckpointEngineManager
     from weightsync.core.pipeline.planner import plan_buckets as plan_buckets
     from weightsync.core.transports.place import default_node_id as default_node_id
@@ -37,7 +38,8 @@ if TYPE_CHECKING:  # the names as mypy sees them (re-exported)
 _WHERE = {
     "WIRE_VERSION": "wire.codec", "BucketHeader": "wire.codec", "UpdateDigest": "wire.digest",
     "BucketCheckpointEngine": "worker.engine", "default_node_id": "transports.place",
-    "EngineHost": "worker.host", "engine_spec": "worker.host", "CheckpointEngineManager": "control.manager",
+    "EngineHost": "worker.host", "engine_spec": "worker.host", "ModuleShards": "worker.sources",
+    "CheckpointEngineManager": "control.manager",
     "PackItem": "wire.layout", "PlannedBucket": "wire.layout", "plan_buckets": "pipeline.planner",
     "NO_SLOT": "transports.seam", "ReceivedBucket": "transports.seam",
     "ReceiverTransport": "transports.seam", "SenderTransport": "transports.seam",

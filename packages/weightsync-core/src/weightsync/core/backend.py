@@ -36,6 +36,7 @@ from weightsync.core.transports.place import default_node_id
 from weightsync.core.transports.plan import Idle, RankPlan, RankRole, decode_metadata, decode_plan, encode_plan
 from weightsync.core.transports.settings import EngineBase, EngineMetadata, EngineSettings
 from weightsync.core.transports.sharedmem import SharedSegment, new_segment_prefix, sweep_orphan_segments, too_small
+from weightsync.core.transports.sources import SourcesPlan, SourcesReceiver, plan_sources
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.framing import accept_peers, recv_frame, send_frame
 from weightsync.core.wire.tensors import as_byte_view, dtype_name, memoryview_of
@@ -60,6 +61,8 @@ __all__ = [
     # control plane and waiting
     "WIRE_VERSION", "Hello", "Ack", "encode", "accept_peers", "send_frame", "recv_frame", "AckedPeers",
     "FreeSlots", "SlotSequence", "poll_until", "Handover", "Hold",
+    # a sharded actor_wg: who sends what, and the receiver of every sender's stream
+    "SourcesPlan", "SourcesReceiver", "plan_sources",
     # shared memory on one host
     "SharedSegment", "new_segment_prefix", "sweep_orphan_segments", "too_small",
     # tensors and digests

@@ -26,8 +26,8 @@ from weightsync.api.registry import KNOWN_BACKENDS, get_backend_spec, installed_
 from weightsync.api.types import Topology, WorkerMetadata, WorldMetadata
 from weightsync.core.backend import (
     NO_SLOT, WIRE_VERSION, Ack, AckedPeers, EngineMetadata, Hello, Idle, RankPlan, RankRole, ReceivedBucket,
-    SharedSegment, SlotSequence, Transport, accept_peers, decode_metadata, encode, encode_plan, engine_class,
-    new_segment_prefix, recv_frame, send_frame, sweep_orphan_segments, too_small,
+    SharedSegment, SlotSequence, SourcesReceiver, Transport, accept_peers, decode_metadata, encode, encode_plan,
+    engine_class, new_segment_prefix, plan_sources, recv_frame, send_frame, sweep_orphan_segments, too_small,
 )
 
 __all__ = ["ShmCheckpointEngine", "ShmTransport", "SharedSegment"]
@@ -75,14 +75,14 @@ class _Receiver:
     """ReceiverTransport: frames in, views of the sender's segments out, acknowledgements back."""
 
     def __init__(self, sock: socket.socket, segments: list[SharedSegment], capacity: int, epoch: str,
-                 rank: int, timeout: float) -> None:
+                 rank: int, timeout: float, peer: str) -> None:
         self.capacity = capacity
         self._sock, self._segments = sock, segments
-        self._epoch, self._rank, self._timeout = epoch, rank, timeout
+        self._epoch, self._rank, self._timeout, self._peer = epoch, rank, timeout, peer
         self._received = 0
 
     def receive(self, deadline: float) -> ReceivedBucket:
-        frame = recv_frame(self._sock, deadline=deadline, peer="actor rank 0 (shm sender)")
+        frame = recv_frame(self._sock, deadline=deadline, peer=self._peer)
         if len(frame) < _FRAME_PREFIX:
             raise WireError("short frame from the shm sender")
         slot = int.from_bytes(frame[:4], "little", signed=True)
@@ -99,8 +99,7 @@ class _Receiver:
         if token <= 0:
             return
         ack = Ack(wire=WIRE_VERSION, epoch=self._epoch, rank=self._rank, index=token)
-        send_frame(self._sock, encode(ack), deadline=time.monotonic() + self._timeout,
-                   peer="actor rank 0 (shm sender)")
+        send_frame(self._sock, encode(ack), deadline=time.monotonic() + self._timeout, peer=self._peer)
 
     def close(self) -> None:
         self._sock.close()
@@ -127,15 +126,19 @@ class ShmSend(RankPlan, tag="shm-send", frozen=True):
 
 
 class ShmReceive(RankPlan, tag="shm-receive", frozen=True):
-    """A receiver: its rank and where the sender listens."""
+    """A receiver: its rank and where the sender listens (a sharded ``actor_wg``'s: where each of its ``sources``
+    listens, in the order of its ``streams``)."""
 
     role: ClassVar[RankRole] = "receiver"
     rank: int
-    address: str
+    address: str = ""
+    addresses: tuple[str, ...] = ()
 
 
 class ShmTransport(Transport):
-    """Shared-memory ring. Sender: actor rank 0; receivers: every rollout worker, all on the sender's host."""
+    """Shared-memory ring. Sender: actor rank 0; receivers: every rollout worker, all on the sender's host. A sharded
+    ``actor_wg`` (``weightsync.api.sources``): every rank that holds bytes to send has a ring of its own, and every
+    receiver reads all of them."""
 
     name: ClassVar[str] = "shm"
     devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
@@ -164,21 +167,37 @@ class ShmTransport(Transport):
     def build_topology(
         cls, *, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata
     ) -> Topology:
-        sender = decode_metadata(metadata.actor[0], ShmMetadata, who="shm actor rank 0")
-        if not sender.address:
-            raise TopologyError("shm: actor rank 0 did not advertise a control address (was prepare() called?)")
+        sources = plan_sources(metadata)
+        ranks = sources.senders if sources is not None else (0,)
+        actors = [decode_metadata(metadata.actor[rank], ShmMetadata, who=f"shm actor rank {rank}") for rank in ranks]
+        sender = actors[0]
+        for rank, actor_rank in zip(ranks, actors):
+            if not actor_rank.address:
+                raise TopologyError(f"shm: actor rank {rank} did not advertise a control address (was prepare() "
+                                    "called?)")
+            if actor_rank.node_id != sender.node_id:
+                raise TopologyError(f"shm moves weights within one host, but actor ranks {ranks[0]} and {rank} of the "
+                                    f"sharded actor_wg are on nodes {sender.node_id} and {actor_rank.node_id}")
         for rank, entry in enumerate(metadata.rollout):
             worker = decode_metadata(entry, ShmMetadata, who=f"shm rollout rank {rank}")
             if worker.node_id != sender.node_id:
                 raise TopologyError(
-                    f"shm moves weights within one host, but actor rank 0 is on node {sender.node_id} and rollout "
-                    f"rank {rank} is on node {worker.node_id}; use a backend that crosses nodes: "
+                    f"shm moves weights within one host, but actor rank {ranks[0]} is on node {sender.node_id} and "
+                    f"rollout rank {rank} is on node {worker.node_id}; use a backend that crosses nodes: "
                     f"{_cross_node_backends()}"
                 )
-        actor = [ShmSend(receivers=rollout_world_size), *[Idle() for _ in range(actor_wg_world_size - 1)]]
-        rollout = [ShmReceive(rank=rank, address=sender.address) for rank in range(rollout_world_size)]
+        if sources is None:
+            actor: list[RankPlan] = [ShmSend(receivers=rollout_world_size),
+                                     *[Idle() for _ in range(actor_wg_world_size - 1)]]
+            rollout = [ShmReceive(rank=rank, address=sender.address) for rank in range(rollout_world_size)]
+        else:
+            actor = [ShmSend(sender=rank, receivers=rollout_world_size, skip=sources.skip[rank])
+                     if rank in sources.skip else Idle(sender=ranks[0]) for rank in range(actor_wg_world_size)]
+            rollout = [ShmReceive(sender=ranks[0], rank=rank, streams=ranks,
+                                  addresses=tuple(actor_rank.address for actor_rank in actors))
+                       for rank in range(rollout_world_size)]
         return Topology(actor=[encode_plan(plan) for plan in actor], rollout=[encode_plan(plan) for plan in rollout],
-                        senders=(0,))
+                        senders=ranks, sharded=sources is not None)
 
     def connect_sender(self, plan: ShmSend) -> _Sender:
         receivers, epoch = plan.receivers, plan.epoch
@@ -212,16 +231,32 @@ class ShmTransport(Transport):
                              reply=lambda hello: info, what="shm sender")
         return _Sender(self._segments, peers, self.settings.bucket_bytes, epoch)
 
-    def connect_receiver(self, plan: ShmReceive) -> _Receiver:
-        address, rank, epoch = plan.address, plan.rank, plan.epoch
+    def connect_receiver(self, plan: ShmReceive) -> _Receiver | SourcesReceiver:
+        if not plan.streams:
+            return self._connect(plan.address, plan.rank, plan.epoch, sender=0)
+        if len(plan.addresses) != len(plan.streams):
+            raise TopologyError(f"shm: a receiver of {len(plan.streams)} senders was given {len(plan.addresses)} "
+                                "addresses", field="$.addresses")
+        sources: list[_Receiver] = []
+        try:
+            for address, sender in zip(plan.addresses, plan.streams):
+                sources.append(self._connect(address, plan.rank, plan.epoch, sender=sender))
+        except BaseException:
+            for source in sources:
+                source.close()
+            raise
+        return SourcesReceiver(sources, plan.streams, epoch=plan.epoch)
+
+    def _connect(self, address: str, rank: int, epoch: str, *, sender: int) -> _Receiver:
         deadline = time.monotonic() + self.settings.timeout
+        peer = f"actor rank {sender} (shm sender)"
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             sock.connect("\0" + address)
             hello = Hello(wire=WIRE_VERSION, epoch=epoch, rank=rank)
-            send_frame(sock, encode(hello), deadline=deadline, peer="actor rank 0 (shm sender)")
-            data = recv_frame(sock, deadline=deadline, peer="actor rank 0 (shm sender)", max_len=1 << 16)
+            send_frame(sock, encode(hello), deadline=deadline, peer=peer)
+            data = recv_frame(sock, deadline=deadline, peer=peer, max_len=1 << 16)
             try:
                 info = _segment_decoder.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -231,11 +266,12 @@ class ShmTransport(Transport):
             segments = [SharedSegment(name, info.capacity, create=False) for name in info.names]
         except OSError as exc:
             sock.close()
-            raise TransferError(f"shm receiver could not reach actor rank 0: {exc}", peer="actor rank 0") from None
+            raise TransferError(f"shm receiver could not reach actor rank {sender}: {exc}",
+                                peer=f"actor rank {sender}") from None
         except BaseException:
             sock.close()
             raise
-        return _Receiver(sock, segments, info.capacity, epoch, rank, self.settings.timeout)
+        return _Receiver(sock, segments, info.capacity, epoch, rank, self.settings.timeout, peer)
 
     def release(self) -> None:
         if self._listener is not None:

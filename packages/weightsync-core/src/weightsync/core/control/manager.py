@@ -191,7 +191,7 @@ class CheckpointEngineManager:
         with telemetry.in_flight():
             try:
                 epoch = await self._ensure_epoch(round_)
-                round_.stripes = epoch.stripes
+                round_.stripes, round_.sources = epoch.stripes, epoch.sources
                 await self._flow.run(round_, epoch, self._states)
             except BaseException as exc:
                 failure = exc

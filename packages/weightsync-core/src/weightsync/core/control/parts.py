@@ -1,5 +1,5 @@
 """Parts at setup: the parts rollout workers declared in their ``prepare`` metadata (``weightsync.api.parts``), made
-distinct (:func:`~weightsync.core.wire.parts.declared_parts`, where they are decoded: the chain's part groups read
+distinct (:func:`~weightsync.core.wire.partplans.declared_parts`, where they are decoded: the chain's part groups read
 them too) and handed out with the plan — every sender the list, every worker that declared one its own.
 
 Equal parts (the same regions of the same tensors: the workers of one tensor-parallel rank across replicas) are one
@@ -18,7 +18,7 @@ from weightsync.api.types import RankArgs, WorkerMetadata
 from weightsync.core.transports.place import Place
 from weightsync.core.transports.plan import decode_metadata, with_parts
 from weightsync.core.wire.blocks import candidates
-from weightsync.core.wire.parts import PartPlan, declared_parts, skipped_by_host
+from weightsync.core.wire.partplans import PartPlan, declared_parts, skipped_by_host
 
 __all__ = ["declared_parts", "members_metadata", "with_declared_parts"]
 

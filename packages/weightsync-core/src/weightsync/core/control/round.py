@@ -13,6 +13,7 @@ from weightsync.api.protocols import RolloutReplica, RolloutWorker
 from weightsync.api.types import ReplicaOutcome, ReplicaState, TransferReport, UpdateReport
 from weightsync.core.control.steps import worker_label
 from weightsync.core.wire.digest import combine_stripes
+from weightsync.core.wire.sources import combine_sources
 from weightsync.core.worker.host import is_untouched
 
 __all__ = ["Round"]
@@ -32,6 +33,8 @@ class Round:
     rebuilt: bool = False
     stripes: dict[int, int] = field(default_factory=dict)
     """Actor rank → its stripe, when the epoch's topology dealt the update into stripes."""
+    sources: tuple[int, ...] = ()
+    """The senders of a sharded ``actor_wg``, in the order their digests combine."""
     reports: list[TransferReport | BaseException | None] = field(default_factory=list)
     """Each rollout worker's transfer result, in ``workers``' order (None: it never got one)."""
     expected: dict[int, str] = field(default_factory=dict)
@@ -63,8 +66,14 @@ class Round:
     def sent(self) -> dict[int, str]:
         """What each receiver must hold, by the sender its report names: that sender's digest; when the topology
         dealt the update into stripes (``stripes``), every receiver holds all of them, whose digests combine into
-        one (``combine_stripes``, in stripe order), whichever stripe's sender it names."""
+        one (``combine_stripes``, in stripe order), whichever stripe's sender it names; from a sharded ``actor_wg``
+        (``sources``), the senders' digests combined (``combine_sources``, in their order)."""
         digests = {report.rank: report.digest for report in self.senders if report.digest}
+        if self.sources:  # every receiver reads every sender's stream
+            if any(rank not in digests for rank in self.sources):
+                return {}
+            combined = combine_sources([digests[rank] for rank in self.sources])
+            return {rank: combined for rank in self.sources}
         if not self.stripes:
             return digests
         ranks = sorted(self.stripes, key=lambda rank: self.stripes[rank])

@@ -23,6 +23,7 @@ from weightsync.core.control.auto import AutoChoice
 from weightsync.core.control.rails import LostRails
 from weightsync.core.transports.place import PingAnswer, Place
 from weightsync.core.transports.plan import Idle, decode_metadata, encode_plan, with_delta_base
+from weightsync.core.transports.sources import declared_layouts
 from weightsync.core.worker.host import engine_spec
 
 __all__ = ["Epoch", "Members", "Setup"]
@@ -46,6 +47,8 @@ class Epoch:
     """Worker label → its host, for people (errors name unreachable hosts by it)."""
     stripes: dict[int, int]
     """Actor rank → the stripe it sends, when the topology dealt updates into stripes (empty: one sender)."""
+    sources: tuple[int, ...] = ()
+    """The senders of a sharded ``actor_wg``, in the order their digests combine (empty: not sharded)."""
 
 
 class Setup:
@@ -108,6 +111,10 @@ class Setup:
             for rank in range(len(workers))])
         metadata: list[WorkerMetadata] = await steps.gather("prepare", timeout, labelled, fail_fast=True)
         world = WorldMetadata(actor=metadata[:actor_size], rollout=metadata[actor_size:])
+        if declared_layouts(world.actor) is not None and (config.delta or config.staged):
+            raise ConfigError("a sharded actor_wg (its ranks declared source layouts) sends full, unstaged updates: "
+                              "delta and staged updates from shards are not built; use SyncConfig(delta=False, "
+                              "staged=False)")
         members = flow.members(world)
         labels = [label for label, _ in labelled[actor_size:]]
         topology = with_epoch(build_checked_topology(  # our engines stamp the epoch; any other gets one here
@@ -126,7 +133,8 @@ class Setup:
         labelled += steps.worker_calls(workers, "init_process_group", [{"rank_args": args} for args in rollout_args])
         await steps.gather("init_process_group", timeout, labelled, fail_fast=True)
         where = {label: decode_metadata(entry, Place, who=label).host for (label, _), entry in zip(labelled, metadata)}
-        return Epoch(token=token, world=world, where=where, stripes=topology.stripe_of)
+        return Epoch(token=token, world=world, where=where, stripes=topology.stripe_of,
+                     sources=topology.senders if topology.sharded else ())
 
     async def _resolve(self, workers: Sequence[tuple[int, RolloutWorker]], timeout: float
                        ) -> tuple[str, SyncConfig, type[CheckpointEngine]]:

@@ -12,6 +12,7 @@ The planner also validates the stream, before a byte of it is packed: pairs, nam
 
 from __future__ import annotations
 
+import math
 from collections.abc import Generator, Iterable, Iterator, Mapping
 
 import torch
@@ -27,9 +28,14 @@ from weightsync.api.errors import (
 from weightsync.core.wire.blocks import BlockPlan, Blocks, block_copies, blocks_of
 from weightsync.core.wire.codec import MAX_NAME_BYTES, TensorMeta
 from weightsync.core.wire.layout import PIECE_BYTES, PlannedBucket
+from weightsync.core.wire.sources import as_shard, shard_range
 from weightsync.core.wire.tensors import DTYPE_NAMES, COMPLEX_NAMES, contiguous_source, dtype_name
 
-__all__ = ["plan_buckets", "validate_pair", "PIPELINE_TENSORS"]
+__all__ = ["plan_buckets", "validate_item", "validate_pair", "PIPELINE_TENSORS"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+"""The tensor types the planner's common case takes as they are (a subclass, a ``DTensor`` among them, is checked
+by ``validate_item``)."""
 
 PIPELINE_TENSORS = 1024
 """A bucket is closed once it lists this many tensors, even with room left: a stream of many small tensors then
@@ -38,7 +44,23 @@ still moves as several buckets, so packing, transfer and unpacking overlap inste
 
 
 def validate_pair(item: object, *, devices: frozenset[str], seen: set[str]) -> tuple[str, torch.Tensor]:
-    """Check one stream item; return it as ``(name, tensor)`` or raise a ``WeightStreamError`` subclass.
+    """Check one stream item of an engine that moves whole tensors; return it as ``(name, tensor)`` or raise a
+    ``WeightStreamError`` subclass (a shard, too: :mod:`weightsync.api.sources`)."""
+    name, tensor, shard = validate_item(item, devices=devices, seen=seen)
+    if shard is not None:
+        raise WeightStreamError(f"the weights stream yielded a shard of {name!r}; this engine moves whole tensors "
+                                "(sharded sources go through the bucket engines: shm, and those built on core)")
+    return name, tensor
+
+
+Sharded = tuple[tuple[int, ...], int, int]
+"""A shard's place in its tensor: the full shape, the byte its bytes begin at, the full tensor's bytes."""
+
+
+def validate_item(item: object, *, devices: frozenset[str], seen: set[str]
+                  ) -> tuple[str, torch.Tensor, Sharded | None]:
+    """Check one stream item; return it as ``(name, tensor, None)``, or for a shard (``Shard``, ``DTensor``) its local
+    tensor and its place (:data:`Sharded`), or raise a ``WeightStreamError`` subclass.
 
     Runs once per tensor, so the common case (an ASCII name, a dense tensor) takes only cheap checks.
     """
@@ -56,6 +78,12 @@ def validate_pair(item: object, *, devices: frozenset[str], seen: set[str]) -> t
             raise WeightStreamError(
                 f"tensor name {name[:48]!r}... is {len(encoded)} bytes long (limit {MAX_NAME_BYTES})"
             )
+    shard = as_shard(name, tensor)
+    place: Sharded | None = None
+    if shard is not None:
+        first, _ = shard_range(name, shard)
+        tensor = shard.tensor
+        place = tuple(shard.shape), first, math.prod(shard.shape) * tensor.element_size()
     if not isinstance(tensor, torch.Tensor):
         raise WeightStreamError(f"the weights stream yielded a {type(tensor).__name__} for {name!r}, not a tensor")
     if tensor.layout != torch.strided:
@@ -69,7 +97,7 @@ def validate_pair(item: object, *, devices: frozenset[str], seen: set[str]) -> t
     if name in seen:
         raise DuplicateTensorError(f"tensor {name!r} appears twice in one update", name=name)
     seen.add(name)
-    return name, tensor
+    return name, tensor, place
 
 
 def plan_buckets(weights: Iterable[object], *, bucket_bytes: int, devices: frozenset[str],
@@ -78,7 +106,7 @@ def plan_buckets(weights: Iterable[object], *, bucket_bytes: int, devices: froze
     tensors packed block after block where they fit their plan, on the host (``wire.blocks``). Runs once per tensor,
     so the common item (a tuple of a new ASCII name and a dense tensor on a device this backend serves, whole in the
     open bucket) takes one chain of cheap checks and one append, with the bucket's fields in locals; anything else
-    goes through ``validate_pair`` (the precise error) and :func:`_place`."""
+    (a shard among them) goes through ``validate_item`` (the precise error) and :func:`_place`."""
     seen: set[str] = set()
     bucket = PlannedBucket()
     items, copies, large = bucket.items, bucket.copies, bucket.large
@@ -96,13 +124,13 @@ def plan_buckets(weights: Iterable[object], *, bucket_bytes: int, devices: froze
             raise WeightStreamError(f"the weights stream raised {type(exc).__name__}: {exc}") from exc
         if (type(item) is tuple and len(item) == 2 and type(name := item[0]) is str and name.isascii()
                 and 0 < len(name) <= MAX_NAME_BYTES and name not in seen and (blocked is None or name not in blocked)
-                and isinstance(tensor := item[1], torch.Tensor) and tensor.layout is strided
+                and type(tensor := item[1]) in _PLAIN and tensor.layout is strided
                 and (host_ok and tensor.is_cpu or tensor.device.type in devices)):
             seen.add(name)
-            blocks = None
+            blocks = sharded = None
         else:
-            name, tensor = validate_pair(item, devices=devices, seen=seen)
-            blocks = blocks_of(blocked.get(name), tensor.shape) if blocked is not None and tensor.is_cpu else None
+            name, tensor, sharded = validate_item(item, devices=devices, seen=seen)
+            blocks = blocks_of(blocked.get(name), tensor.shape) if blocked and tensor.is_cpu and not sharded else None
         dtype = DTYPE_NAMES.get(tensor.dtype) or dtype_name(tensor.dtype)
         # (Only a complex tensor can carry the conjugate bit; any can carry the negative one.)
         if tensor.is_contiguous() and not tensor.is_neg() and (dtype not in COMPLEX_NAMES or not tensor.is_conj()):
@@ -111,7 +139,7 @@ def plan_buckets(weights: Iterable[object], *, bucket_bytes: int, devices: froze
             source = contiguous_source(tensor)
         total = source.nbytes
         start = (used + align) & mask
-        if total <= bucket_bytes - start and count < PIPELINE_TENSORS and blocks is None:  # the common case
+        if total <= bucket_bytes - start and count < PIPELINE_TENSORS and not (blocks or sharded):  # the common case
             item = (TensorMeta(name, dtype, tensor.shape, 0, total, total, start), source, 0)
             items.append(item)
             if total <= PIECE_BYTES and source.is_cpu:
@@ -126,7 +154,7 @@ def plan_buckets(weights: Iterable[object], *, bucket_bytes: int, devices: froze
             count += 1
             continue
         bucket.nbytes, bucket.payload_bytes, bucket.completed = used, payload, completed
-        bucket = yield from _place(bucket, name, dtype, tensor.shape, source, bucket_bytes, blocks)
+        bucket = yield from _place(bucket, name, dtype, tensor.shape, source, bucket_bytes, blocks, sharded)
         items, copies, large = bucket.items, bucket.copies, bucket.large
         used, payload, completed, count = bucket.nbytes, bucket.payload_bytes, bucket.completed, len(items)
     if count:
@@ -135,11 +163,14 @@ def plan_buckets(weights: Iterable[object], *, bucket_bytes: int, devices: froze
 
 
 def _place(bucket: PlannedBucket, name: str, dtype: str, shape: torch.Size, source: torch.Tensor,
-           bucket_bytes: int, blocks: Blocks | None = None) -> Generator[PlannedBucket, None, PlannedBucket]:
+           bucket_bytes: int, blocks: Blocks | None = None, sharded: Sharded | None = None
+           ) -> Generator[PlannedBucket, None, PlannedBucket]:
     """Place a tensor that does not fit the open bucket whole: close the bucket rather than split a tensor that fits
     a fresh one (or when it is full), else split it across buckets (a tensor packed as ``blocks``: wherever it goes).
+    A shard (``sharded``) travels as the range of its tensor's bytes it holds (an empty one as an empty range).
     Yields the buckets it fills; returns the open one, its fields up to date."""
     align, total, offset = BUCKET_ALIGNMENT - 1, source.nbytes, 0
+    shape, first, whole = (torch.Size(sharded[0]), *sharded[1:]) if sharded is not None else (shape, 0, total)
     while True:
         start = (bucket.nbytes + align) & ~align
         room, remaining, count = bucket_bytes - start, total - offset, len(bucket.items)
@@ -149,7 +180,7 @@ def _place(bucket: PlannedBucket, name: str, dtype: str, shape: torch.Size, sour
             bucket = PlannedBucket()
             continue
         take = remaining if remaining <= room else room
-        item = (TensorMeta(name, dtype, shape, offset, take, total, start, blocks or ()), source, offset)
+        item = (TensorMeta(name, dtype, shape, first + offset, take, whole, start, blocks or ()), source, offset)
         bucket.items.append(item)
         if blocks is not None:  # row by row, block after block
             bucket.rows[start] = block_copies(tuple(shape), source.element_size(), blocks, offset, offset + take,

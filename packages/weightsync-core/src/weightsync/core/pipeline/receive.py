@@ -198,7 +198,7 @@ class ReceiveStream:
     def _receive_loop(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Arrived | BaseException]) -> None:
         context, digest = self._context, self._reader.digest
         deadline = time.monotonic() + context.settings.timeout
-        expected = 0
+        order = _Order(self._reader.sources)
         fused: bool | None = None
 
         def deliver(item: Arrived | BaseException) -> None:
@@ -223,13 +223,12 @@ class ReceiveStream:
                 header, table = codec.decode_bucket(received.header, epoch=self._epoch,
                                                     capacity=self._transport.capacity, cache=context.tables)
                 if header.final or header.abort:
+                    if header.final:
+                        order.check_complete()
                     deliver(Arrived(header, received.payload, received.token))
                     return
-                if header.index != expected:
-                    raise WireError(f"bucket {header.index} arrived where bucket {expected} was expected")
-                if expected == 0 and header.base >= 0 and context.delta is not None:
+                if order.take(header) == 0 and header.base >= 0 and context.delta is not None:
                     context.delta.check_base(header, self._peer)
-                expected += 1
                 payload = received.payload[: header.nbytes]
                 after_receive = context.settings.after_receive
                 if after_receive is not None:
@@ -323,3 +322,36 @@ class ReceiveStream:
                     self._transport.release(item.token)
             self._release_in_transit()
         self._hold.release()
+
+
+
+class _Order:
+    """What a receiver checks of the order of an update's buckets: in order from 0 (a striped update's across its
+    stripes); from several senders (``sources``: a sharded ``actor_wg``), each sender's in order from 0, and their
+    ranges of each tensor adding up to the whole tensor, which each sender's digest alone cannot show."""
+
+    def __init__(self, sources: bool) -> None:
+        self._sources = sources
+        self._next: dict[int, int] = {}
+        self._arrived: dict[str, list[int]] | None = {} if sources else None
+
+    def take(self, header: codec.BucketHeader) -> int:
+        """Check a bucket's place in its stream; returns it."""
+        stream = header.sender if self._sources else 0
+        index = self._next.get(stream, 0)
+        if header.index != index:
+            raise WireError(f"bucket {header.index} of actor rank {header.sender} arrived where bucket {index} was "
+                            "expected")
+        self._next[stream] = index + 1
+        if self._arrived is not None:
+            for meta in header.tensors:
+                self._arrived.setdefault(meta.name, [0, meta.total_nbytes])[0] += meta.nbytes
+        return index
+
+    def check_complete(self) -> None:
+        """A ``WireError`` naming the first tensor whose ranges, every sender's together, are not the whole tensor
+        (a sender sent less, or more, of it than the layout it declared)."""
+        for name, (nbytes, total) in (self._arrived or {}).items():
+            if nbytes != total:
+                raise WireError(f"the senders sent {nbytes} bytes of {name!r}, which has {total}: their shards do not "
+                                "add up to the tensor (a stream that differs from its rank's declared layout?)")

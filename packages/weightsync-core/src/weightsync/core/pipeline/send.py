@@ -22,7 +22,7 @@ from weightsync.api.types import PhaseTiming, TransferReport
 from weightsync.core import native
 from weightsync.core.delta.sender import DeltaUpdate, SenderDelta
 from weightsync.core.native import copy_stream
-from weightsync.core.pipeline.planner import plan_buckets, validate_pair
+from weightsync.core.pipeline.planner import plan_buckets, validate_item
 from weightsync.core.pipeline.bounce import HostBounce, Upload
 from weightsync.core.pipeline.trace import Tracer
 from weightsync.core.transports.device import AcceleratorOps
@@ -45,7 +45,7 @@ async def drain(weights: Iterable[object], *, devices: frozenset[str], rank: int
     seen: set[str] = set()
     count = 0
     for count, item in enumerate(weights, start=1):
-        validate_pair(item, devices=devices, seen=seen)
+        validate_item(item, devices=devices, seen=seen)
         if count % 64 == 0:
             await asyncio.sleep(0)
     return TransferReport(role="actor", rank=rank, version=version, nbytes=0, tensors=count, buckets=0,

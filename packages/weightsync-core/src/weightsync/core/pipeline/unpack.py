@@ -127,10 +127,15 @@ _SKIPPED = _Skipped()
 class BucketReader:
     """Reads the current bucket of one update: where the consumer is in it, and how far it was hashed."""
 
-    def __init__(self, digest: UpdateDigest, plans: BulkPlans, *, part: PartSums | None = None) -> None:
+    def __init__(self, digest: UpdateDigest, plans: BulkPlans, *, part: PartSums | None = None,
+                 sources: bool = False) -> None:
         self.digest = digest
         self.plans = plans
         self.part = part
+        self.sources = sources
+        """Whether the update comes from several senders (a sharded ``actor_wg``): the digest and sums are routed by
+        each bucket's sender, and a tensor's ranges may come from several of them in any order (``_gathered``)."""
+        self._gathers: dict[str, tuple[torch.Tensor, int]] = {}
         """This worker's part, when it declared one; folded instead of the whole digest once the update turns out
         full and on the host (:meth:`by_part`)."""
         self.by_part = False
@@ -151,6 +156,10 @@ class BucketReader:
 
     def begin(self, arrived: Arrived) -> None:
         self.current, self.position, self.hashed, self.folded = arrived, 0, 0, 0
+        if self.sources:
+            self.digest.select(arrived.header.sender)
+            if self.part is not None:
+                self.part.select(arrived.header.sender)
         if arrived.fused:
             self.digest.begin_bucket(arrived.table, arrived.header.nbytes)
 
@@ -401,6 +410,8 @@ class BucketReader:
         if meta.is_whole:
             self.tensors += 1
             return meta.name, self._shaped(meta, piece, dtype)
+        if self.sources:
+            return self._gathered(meta, piece, dtype)
         # A range of a tensor split across buckets: gather it in a scratch buffer reused across tensors.
         if self._scratch is None or self._scratch.numel() < meta.total_nbytes:
             self._scratch = torch.empty(meta.total_nbytes, dtype=torch.uint8, device=payload.device)
@@ -409,6 +420,21 @@ class BucketReader:
             return None
         self.tensors += 1
         return meta.name, self._shaped(meta, self._scratch[: meta.total_nbytes], dtype)
+
+    def _gathered(self, meta: TensorMeta, piece: torch.Tensor, dtype: torch.dtype) -> tuple[str, torch.Tensor] | None:
+        """A range of a tensor whose ranges come from several senders, in any order: gathered in a buffer of its
+        own (a view of it stays valid) until every byte of the tensor arrived."""
+        self.gathered = False
+        buffer, arrived = self._gathers.pop(meta.name, (None, 0))
+        if buffer is None:
+            buffer = torch.empty(meta.total_nbytes, dtype=torch.uint8, device=piece.device)
+        buffer[meta.offset: meta.offset + meta.nbytes].copy_(piece)
+        arrived += meta.nbytes
+        if arrived < meta.total_nbytes:
+            self._gathers[meta.name] = buffer, arrived
+            return None
+        self.tensors += 1
+        return meta.name, self._shaped(meta, buffer, dtype)
 
     def _shaped(self, meta: TensorMeta, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A whole tensor's bytes as the tensor; one packed block after block as a full-shape view whose elements

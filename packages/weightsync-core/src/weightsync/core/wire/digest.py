@@ -30,6 +30,10 @@ class UpdateDigest:
     def __init__(self) -> None:
         self._hash = xxhash.xxh3_128()
 
+    def select(self, sender: int) -> None:
+        """The next bucket is ``sender``'s (an update from several senders folds each into its sender's digest:
+        ``weightsync.core.wire.sources.SourcesDigest``); one digest folds every bucket."""
+
     def begin_bucket(self, table: bytes, nbytes: int) -> None:
         self._hash.update(len(table).to_bytes(8, "little"))
         self._hash.update(table)

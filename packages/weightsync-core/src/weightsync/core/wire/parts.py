@@ -25,39 +25,18 @@ import msgspec
 import torch
 import xxhash
 
-from weightsync.api.errors import ConfigError, PartMismatchError, TopologyError
-from weightsync.api.parts import PART_KEY, Part, Region
-from weightsync.api.types import WorkerMetadata
+from weightsync.api.errors import ConfigError, PartMismatchError
+from weightsync.api.parts import Region
 from weightsync.core.native import copy_batch
 from weightsync.core.wire.blocks import block_index, block_runs
 from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.digest import UpdateDigest
+from weightsync.core.wire.partplans import Box, PartPlan
 from weightsync.core.wire.tensors import DTYPES, memoryview_at
 
-__all__ = ["Copy", "PartLayout", "PartPlan", "PartSums", "PartsDigest", "byte_runs", "check_sums", "declared_parts",
-           "part_groups", "skipped_by_host"]
+__all__ = ["Copy", "PartLayout", "PartSums", "PartsDigest", "byte_runs", "check_sums"]
 
 SUM_BYTES = 8
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-class PartPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One distinct part in a plan: its place in the senders' list (``index``) and its regions, name → boxes
-    (``(start, size)``); a name not listed is held whole, one listed with no box not at all."""
-
-    index: int
-    tensors: dict[str, list[Box]] = {}
-
-    @classmethod
-    def of(cls, part: Part, index: int) -> PartPlan:
-        return cls(index=index, tensors={name: [(region.start, region.size) for region in regions]
-                                         for name, regions in part.tensors.items()})
-
-    def key(self) -> bytes:
-        """What equal parts share (their regions, whatever their index)."""
-        return msgspec.msgpack.encode(sorted(self.tensors.items()))
-
 
 Runs = tuple[list[int], list[int]]
 """Sorted, disjoint byte runs of one tensor: their starts and their ends."""
@@ -254,8 +233,13 @@ class PartSums:
         """The tensors folded so far, in order (the sums' order)."""
         self._sums = bytearray()
         self._hash: xxhash.xxh3_64 | None = None
+        self._open = ""
+        """The tensor ``_hash`` folds."""
         self.nbytes = 0
         """Bytes of the part read and hashed so far."""
+
+    def select(self, sender: int) -> None:
+        """The next bucket is ``sender``'s (``weightsync.core.wire.sources.SourcesSums``); these sums fold them all."""
 
     def fold(self, meta: TensorMeta, address: int) -> None:
         """Fold one piece: ``meta``'s range of its tensor's bytes, which lie in host memory at ``address``."""
@@ -282,16 +266,22 @@ class PartSums:
     def open(self, meta: TensorMeta) -> xxhash.xxh3_64:
         """Begin folding a piece of ``meta``'s tensor that the part holds some of, whose selected bytes the caller
         feeds to the hash it returns in order (and counts in ``nbytes``); then :meth:`close`."""
-        if meta.offset == 0 or self._hash is None:
-            self._hash = xxhash.xxh3_64()
+        if self._hash is not None and (meta.offset == 0 or meta.name != self._open):
+            self._end()  # a sender's range of a tensor that ends before the tensor does (a shard)
+        if self._hash is None:
+            self._hash, self._open = xxhash.xxh3_64(), meta.name
             self._hash.update(f"{meta.name}\0{meta.dtype}\0{tuple(meta.shape)}".encode())
         return self._hash
 
     def close(self, meta: TensorMeta, hashing: xxhash.xxh3_64) -> None:
-        """End folding a piece (the tensor's sum, at its last piece)."""
+        """End folding a piece (the tensor's sum, at its last piece; a shard's, when the next tensor begins)."""
         if meta.offset + meta.nbytes == meta.total_nbytes:
-            self.names.append(meta.name)
-            self._sums += hashing.intdigest().to_bytes(SUM_BYTES, "little")
+            self._end()
+
+    def _end(self) -> None:
+        if self._hash is not None:
+            self.names.append(self._open)
+            self._sums += self._hash.intdigest().to_bytes(SUM_BYTES, "little")
             self._hash = None
 
     def fold_all(self, metas: Sequence[TensorMeta], base: int) -> None:
@@ -300,7 +290,12 @@ class PartSums:
             self.fold(meta, base + meta.bucket_offset)
 
     def sums(self) -> bytes:
+        self._end()
         return bytes(self._sums)
+
+    def tensor_names(self) -> list[str]:
+        """The tensors whose sums :meth:`sums` holds, in its order."""
+        return self.names
 
 
 def check_sums(sums: PartSums, expected: Sequence[bytes], *, receiver: int, peer: str) -> None:
@@ -321,7 +316,7 @@ def check_sums(sums: PartSums, expected: Sequence[bytes], *, receiver: int, peer
             actual=mine.hex()[:32])
     at = next(at for at in range(len(mine) // SUM_BYTES)
               if mine[at * SUM_BYTES:(at + 1) * SUM_BYTES] != theirs[at * SUM_BYTES:(at + 1) * SUM_BYTES])
-    tensor = sums.names[at]
+    tensor = sums.tensor_names()[at]
     raise PartMismatchError(
         f"rollout rank {receiver} received other bytes than {peer} sent of its part of {tensor!r}: the update was "
         f"corrupted in transit, or this worker does not hold the part it was planned for",
@@ -404,47 +399,3 @@ class PartsDigest(UpdateDigest):
         for sums in self.parts:
             folded.update(sums.sums())
         return f"parts-{folded.hexdigest()}"
-
-
-def declared_parts(rollout: Sequence[WorkerMetadata], labels: Sequence[str]) -> list[PartPlan | None]:
-    """Each rollout worker's part as a plan entry (None: it declared none, the whole model), equal parts sharing an
-    index; a ``TopologyError`` naming the worker whose declaration is malformed."""
-    plans: list[PartPlan | None] = []
-    known: dict[bytes, PartPlan] = {}
-    for metadata, label in zip(rollout, labels):
-        declared = metadata.get(PART_KEY)
-        if declared is None:
-            plans.append(None)
-            continue
-        try:
-            part = Part.from_dict(declared)  # type: ignore[arg-type]
-        except ConfigError as exc:
-            raise TopologyError(f"{label}: malformed part in its metadata: {exc}", field=f"$.{PART_KEY}") from None
-        plan = PartPlan.of(part, len(known))
-        plans.append(known.setdefault(plan.key(), plan))
-    return plans
-
-
-def skipped_by_host(parts: Sequence[PartPlan | None], hosts: Sequence[str]) -> dict[str, frozenset[str]]:
-    """Per host (in the order hosts first appear), the checkpoint tensors none of its workers holds anything of: what
-    a host receiving only its workers' parts (rounded up to whole tensors) need not receive. A worker that declared
-    no part holds everything, so its host skips nothing."""
-    skipped: dict[str, frozenset[str]] = {}
-    for host in dict.fromkeys(hosts):
-        mine = [part for part, where in zip(parts, hosts) if where == host]
-        if any(part is None for part in mine):
-            skipped[host] = frozenset()
-            continue
-        nothing = [{name for name, boxes in part.tensors.items() if not boxes} for part in mine if part is not None]
-        skipped[host] = frozenset(set.intersection(*nothing))
-    return skipped
-
-
-def part_groups(parts: Sequence[PartPlan | None], hosts: Sequence[str]) -> list[tuple[frozenset[str], list[str]]]:
-    """The hosts grouped by what they skip (:func:`skipped_by_host`): each group's hosts can share one stream that
-    leaves those tensors out. In the order the groups' first hosts appear; one group where every host needs the
-    same (today's delivery)."""
-    groups: dict[frozenset[str], list[str]] = {}
-    for host, skipped in skipped_by_host(parts, hosts).items():
-        groups.setdefault(skipped, []).append(host)
-    return list(groups.items())

@@ -38,7 +38,9 @@ from weightsync.core.transports.seam import ReceiverTransport, SenderTransport
 from weightsync.core.transports.transport import Transport
 from weightsync.core.wire.blocks import BlockPlan
 from weightsync.core.wire.digest import StripedDigest, UpdateDigest
-from weightsync.core.wire.parts import PartLayout, PartPlan, PartSums
+from weightsync.core.wire.partplans import PartPlan
+from weightsync.core.wire.parts import PartLayout, PartSums
+from weightsync.core.wire.sources import SourcesDigest, SourcesSums
 
 __all__ = ["BucketCheckpointEngine", "engine_class", "RankRole", "guard_build_topology"]
 
@@ -98,6 +100,8 @@ class BucketCheckpointEngine(EngineBase):
         self._skip: frozenset[str] = frozenset()
         self._part: PartLayout | None = None
         """A rollout worker's that declared its part (``RankPlan.part``), for the epoch (as ``_parts``)."""
+        self._sources: tuple[int, ...] = ()
+        """A receiver's of a sharded ``actor_wg``: the senders whose streams it reads (``RankPlan.streams``)."""
         self._layouts = PartLayouts()
         pack_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-pack")
         transfer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-xfer")
@@ -144,6 +148,7 @@ class BucketCheckpointEngine(EngineBase):
         self._blocked = plan.blocked
         self._skip = frozenset(plan.skip)
         self._part = self._layouts.of(plan.part) if plan.part is not None else None
+        self._sources = plan.streams
         if plan.role == "sender":
             connected = self.transport.connect_sender(plan)
             self._sender = checked_sender(connected) if self._check_transport else connected
@@ -241,9 +246,14 @@ class BucketCheckpointEngine(EngineBase):
         if self._receiver is None or self._epoch is None:
             raise LifecycleError(f"{self.name}: receive_weights on a rank that is not connected as a receiver")
         hold = self._handover.hold_for_stream()
-        stripes = self._stripe[1]
-        reader = BucketReader(StripedDigest(stripes) if stripes > 1 else self._policy.new_digest(),
-                              self._receive.plans, part=self._part_sums() if stripes == 1 else None)
+        stripes, sources = self._stripe[1], self._sources
+        if sources:  # every sender's stream, each folded into its own digest and sums
+            reader = BucketReader(SourcesDigest(sources, make=self._policy.new_digest), self._receive.plans,
+                                  part=SourcesSums(self._part, sources) if self._part is not None else None,
+                                  sources=True)
+        else:
+            reader = BucketReader(StripedDigest(stripes) if stripes > 1 else self._policy.new_digest(),
+                                  self._receive.plans, part=self._part_sums() if stripes == 1 else None)
         return ReceiveStream(self._receive, self._receiver, hold, epoch=self._epoch,
                              peer=self.transport.peer_name(self._sender_rank), reader=reader)
 
@@ -254,6 +264,9 @@ class BucketCheckpointEngine(EngineBase):
         staged bytes (:mod:`weightsync.core.pipeline.staged`); nothing reaches a model. Holds the engine until the
         receiving thread is done, even if the caller stops waiting."""
         self._require("receiver", "stage_weights")
+        if self._sources:
+            raise ConfigError(f"{self.name}: staged updates from a sharded actor_wg are not built; use "
+                              "SyncConfig(staged=False)")
         if self._stripe[1] > 1 and not self._one_stripe:
             raise ConfigError(f"{self.name}: this rank reads all {self._stripe[1]} stripes of an update; a staged "
                               "update gives each of a host's stagers one stripe (build the topology from metadata "

@@ -22,11 +22,12 @@ from weightsync.api.errors import (
 )
 from weightsync.api.protocols import CheckpointEngine, ReceivedWeights, WeightSink, next_batch
 from weightsync.api.parts import PART_KEY, Part
+from weightsync.api.sources import SOURCE_KEY, SourceLayout
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import RankArgs, Role, StagedUpdate, TransferReport, WorkerContext, WorkerMetadata
 from weightsync.core.transports.place import ping_answer
 from weightsync.core.transports.plan import decode
-from weightsync.core.wire.parts import PartPlan
+from weightsync.core.wire.partplans import PartPlan
 from weightsync.core.transports.stagearea import StageArea
 
 __all__ = ["EngineHost", "EngineSlot", "StagingEngine", "accepted_options", "build_engine", "check_planned_part",
@@ -135,14 +136,17 @@ class EngineSlot:
 class EngineHost:
     """One worker's engine. ``node_id``/``host_ip`` describe where this process runs (supplied by the adapter)."""
 
-    def __init__(self, *, node_id: str, host_ip: str = "127.0.0.1", name: str = "", part: Part | None = None
-                 ) -> None:
+    def __init__(self, *, node_id: str, host_ip: str = "127.0.0.1", name: str = "", part: Part | None = None,
+                 source: Callable[[], SourceLayout] | None = None) -> None:
         self.node_id = node_id
         self.host_ip = host_ip
         self.name = name
         self.part = part
         """What this rollout worker holds (``weightsync.api.parts``), declared in its ``prepare`` metadata; None:
         the whole model."""
+        self.source = source
+        """Of an actor rank of a sharded ``actor_wg`` (``weightsync.api.sources``): what it holds, asked at every
+        ``prepare`` and declared in its metadata; None: the rank streams whole tensors."""
         self._slot = EngineSlot(self._build)
         self._area: StageArea | None = None
         """This host's staging area, when this worker is its host's stager (made at the first stage, kept)."""
@@ -180,6 +184,8 @@ class EngineHost:
         metadata = self._slot.ensure(engine).prepare()
         if self.part is not None:
             metadata = {**metadata, PART_KEY: self.part.to_dict()}
+        if self.source is not None:
+            metadata = {**metadata, SOURCE_KEY: self.source().to_dict()}
         return metadata
 
     def _build(self, spec: Mapping[str, Any]) -> CheckpointEngine:

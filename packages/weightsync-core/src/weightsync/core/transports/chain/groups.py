@@ -1,7 +1,7 @@
 """Delivery by part across hosts: the two-level chain split into part groups.
 
 Where rollout workers declared parts (``weightsync.api.parts``) and the hosts differ in what they hold, each group of
-hosts that skip the same tensors (:func:`~weightsync.core.wire.parts.part_groups`: none of their workers holds
+hosts that skip the same tensors (:func:`~weightsync.core.wire.partplans.part_groups`: none of their workers holds
 anything of them) gets a stream of its own: its own sender (actor rank g of the sender's host), which leaves those
 tensors out (``RankPlan.skip``), and a two-level chain over the group's hosts alone. So the sender's host sends each
 group its part once, and a host takes in only what its workers hold (rounded up to whole tensors). In a staged
@@ -17,7 +17,7 @@ from weightsync.api.types import Topology, WorldMetadata
 from weightsync.core.transports.chain.plan import ChainMetadata, ChainReceive, ChainSend, Source
 from weightsync.core.transports.chain.topology import plan_positions
 from weightsync.core.transports.plan import Idle, RankPlan, decode_metadata, encode_plan
-from weightsync.core.wire.parts import declared_parts, part_groups
+from weightsync.core.wire.partplans import declared_parts, part_groups
 
 __all__ = ["grouped_topology"]
 

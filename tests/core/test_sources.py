@@ -1,0 +1,151 @@
+"""Sharded sources in core: a shard's byte range, the plan of who sends what (checked before any pause), the planner's
+pieces of a shard, and the receiver that reads several senders' streams in turn."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from weightsync.api.errors import TopologyError, WeightStreamError, WireError
+from weightsync.api.parts import PART_KEY, Part, Region
+from weightsync.api.sources import SOURCE_KEY, Holding, Shard, SourceLayout, byte_range
+from weightsync.api.types import WorldMetadata
+from weightsync.core.pipeline.planner import plan_buckets, validate_pair
+from weightsync.core.transports.seam import ReceivedBucket
+from weightsync.core.transports.sources import SourcesReceiver, plan_sources
+from weightsync.core.wire import codec
+from weightsync.core.wire.sources import combine_sources
+
+CPU = frozenset({"cpu"})
+
+
+def rows(shape: tuple[int, ...], first: int, count: int) -> Holding:
+    return Holding(shape=shape, region=Region.narrow(shape, 0, first, count))
+
+
+def world(layouts: list[dict[str, Holding] | None], parts: list[Part | None] | None = None) -> WorldMetadata:
+    actor = [{} if layout is None else {SOURCE_KEY: SourceLayout(tensors=layout).to_dict()} for layout in layouts]
+    rollout = [{} if part is None else {PART_KEY: part.to_dict()} for part in (parts or [None])]
+    return WorldMetadata(actor=actor, rollout=rollout)  # type: ignore[arg-type]
+
+
+def test_byte_range_is_a_block_of_rows_or_nothing() -> None:
+    assert byte_range((50, 4), Region.narrow((50, 4), 0, 17, 17), 2) == (17 * 4 * 2, 34 * 4 * 2)
+    assert byte_range((2, 3, 4), Region(start=(1, 1, 0), size=(1, 2, 4))) == (16, 24)
+    assert byte_range((50, 4), Region.narrow((50, 4), 0, 50, 0)) == (0, 0)  # an empty shard
+    assert byte_range((), Region(start=(), size=()), 4) == (0, 4)  # a scalar
+    assert byte_range((4, 8), Region.narrow((4, 8), 1, 0, 4)) is None  # a block of columns
+
+
+def test_every_rank_sends_its_rows_and_one_holder_sends_a_replicated_tensor() -> None:
+    shape = (50, 4)
+    layouts: list[dict[str, Holding] | None] = [
+        {"w": rows(shape, 0, 17), "norm": Holding(shape=(4,), region=Region.whole((4,))), "b": rows((2,), 0, 1)},
+        {"w": rows(shape, 17, 17), "norm": Holding(shape=(4,), region=Region.whole((4,))), "b": rows((2,), 1, 1)},
+        {"w": rows(shape, 34, 16), "norm": Holding(shape=(4,), region=Region.whole((4,))), "b": rows((2,), 2, 0)}]
+    plan = plan_sources(world(layouts))
+    assert plan is not None and plan.senders == (0, 1, 2)
+    # The norm is sent once, by one of its three holders; the others leave it out. The empty shard skips nothing.
+    assert sorted(rank for rank in plan.senders if "norm" in plan.skip[rank]) in ([0, 1], [0, 2], [1, 2])
+    assert all("w" not in plan.skip[rank] and "b" not in plan.skip[rank] for rank in plan.senders)
+
+
+def test_no_layout_is_no_plan_and_a_missing_one_is_named() -> None:
+    assert plan_sources(world([None, None])) is None
+    with pytest.raises(TopologyError, match="actor rank 1 declared no source layout"):
+        plan_sources(world([{"w": rows((4, 2), 0, 4)}, None]))
+
+
+def test_rows_nobody_holds_are_named_with_the_worker_that_needs_them() -> None:
+    shape = (8, 2)
+    layouts: list[dict[str, Holding] | None] = [{"w": rows(shape, 0, 4)}, {"w": rows(shape, 6, 2)}]
+    with pytest.raises(TopologyError, match=r"rollout rank 0 needs elements \[8, 12\) of 'w'"):
+        plan_sources(world(layouts))
+    # A worker whose part holds only rows that are held is served (the negative control of the check above).
+    first_half = Part(tensors={"w": (Region.narrow(shape, 0, 0, 4),)})
+    assert plan_sources(world(layouts, [first_half])) is not None
+    second = Part(tensors={"w": (Region.narrow(shape, 0, 4, 4),)})
+    with pytest.raises(TopologyError, match="rollout rank 1 needs"):
+        plan_sources(world(layouts, [first_half, second]))
+
+
+def test_shapes_columns_and_overlaps_are_refused_by_name() -> None:
+    with pytest.raises(TopologyError, match="hold 'w' with shapes"):
+        plan_sources(world([{"w": rows((4, 2), 0, 2)}, {"w": rows((4, 3), 2, 2)}]))
+    with pytest.raises(TopologyError, match="not one contiguous range"):
+        plan_sources(world([{"w": Holding(shape=(4, 2), region=Region.narrow((4, 2), 1, 0, 1))}]))
+    with pytest.raises(TopologyError, match="overlapping"):
+        plan_sources(world([{"w": rows((4, 2), 0, 3)}, {"w": rows((4, 2), 2, 2)}]))
+    with pytest.raises(TopologyError, match="does not fit"):
+        plan_sources(world([{"w": rows((4, 2), 0, 4)}], [Part(tensors={"w": (Region(start=(3, 0), size=(2, 2)),)})]))
+
+
+def test_a_shard_travels_as_its_range_of_the_full_tensor() -> None:
+    full = torch.arange(50 * 4, dtype=torch.float32).view(50, 4)
+    items = [("a", Shard(tensor=full[17:34].clone(), shape=(50, 4), start=(17, 0))), ("b", torch.ones(3)),
+             ("c", Shard(tensor=full[50:], shape=(50, 4), start=(50, 0)))]  # c: an empty shard, an empty range
+    metas = [meta for bucket in plan_buckets(items, bucket_bytes=128, devices=CPU) for meta, _, _ in bucket.items]
+    assert [(meta.name, meta.offset, meta.nbytes, meta.total_nbytes) for meta in metas] == [
+        ("a", 272, 128, 800), ("a", 400, 128, 800), ("a", 528, 16, 800), ("b", 0, 12, 12), ("c", 0, 0, 800)]
+    with pytest.raises(WeightStreamError, match="not one contiguous range"):
+        list(plan_buckets([("a", Shard(tensor=full[:, :2].clone(), shape=(50, 4), start=(0, 0)))],
+                          bucket_bytes=128, devices=CPU))
+    with pytest.raises(WeightStreamError, match="moves whole tensors"):
+        validate_pair(items[0], devices=CPU, seen=set())
+
+
+class Stream:
+    """A source of buckets: ``count`` buckets of sender ``sender``, then its final header."""
+
+    def __init__(self, sender: int, count: int, *, digest: str = "d", parts: list[bytes] | None = None) -> None:
+        self.sender, self.count, self.sent = sender, count, 0
+        self.capacity = 64
+        self.digest, self.parts = digest, parts or []
+        self.released: list[int] = []
+        self.payload = torch.zeros(64, dtype=torch.uint8)
+
+    def receive(self, deadline: float) -> ReceivedBucket:
+        fields: dict[str, Any] = dict(wire=codec.WIRE_VERSION, epoch="e", version=1, sender=self.sender, slot=0,
+                                      nbytes=0, tensors=[])
+        if self.sent < self.count:
+            self.sent += 1
+            return ReceivedBucket(codec.encode(codec.BucketHeader(index=self.sent - 1, **fields)), self.payload,
+                                  self.sent)
+        final = codec.BucketHeader(index=self.count, final=True, digest=self.digest, parts=self.parts,
+                                   **{**fields, "slot": codec.NO_SLOT})
+        return ReceivedBucket(codec.encode(final), self.payload[:0], 0)
+
+    def release(self, token: int) -> None:
+        self.released.append(token)
+
+    def close(self) -> None:
+        pass
+
+
+def decoded(received: ReceivedBucket) -> codec.BucketHeader:
+    return codec.decode_bucket(received.header, epoch="e", capacity=64)[0]
+
+
+def test_the_receiver_takes_each_sender_in_turn_then_merges_their_finals() -> None:
+    streams = [Stream(3, 3, digest="aa", parts=[b"A1", b"A2"]), Stream(5, 1, digest="bb", parts=[b"B1", b"B2"])]
+    receiver = SourcesReceiver(streams, [3, 5], epoch="e")
+    order = []
+    while True:
+        received = receiver.receive(0.0)
+        header = decoded(received)
+        if header.final:
+            break
+        order.append((header.sender, header.index))
+        receiver.release(received.token)
+    assert order == [(3, 0), (5, 0), (3, 1), (3, 2)]
+    assert streams[0].released == [1, 2, 3] and streams[1].released == [1]  # each in its own order
+    assert header.digest == combine_sources(["aa", "bb"]) and header.index == 4
+    assert header.parts == [b"A1B1", b"A2B2"]
+
+
+def test_a_final_in_another_senders_stream_is_a_wire_error() -> None:
+    receiver = SourcesReceiver([Stream(3, 0), Stream(4, 0)], [3, 5], epoch="e")
+    with pytest.raises(WireError, match="ended the stream of actor rank 5"):
+        receiver.receive(0.0)
