@@ -127,3 +127,13 @@ def test_a_part_no_rank_holds_is_a_topology_error_before_any_pause(fleet: Fleet,
         assert ray.get(replica.call("hook_log")[0]) == []
     finally:
         replica.shutdown()
+
+
+def test_a_backend_that_does_not_send_from_shards_refuses_them_before_any_pause(fleet: Fleet) -> None:
+    # gloo broadcasts from one sender: each rank's shard taken for the model would tear every replica.
+    manager = CheckpointEngineManager(backend="gloo", actor_wg=fleet.actor_wg, replicas=[fleet.whole],
+                                      config=SyncConfig(bucket_bytes=BUCKET))
+    before = ray.get(fleet.whole.call("hook_log")[0])
+    with pytest.raises(TopologyError, match="gloo does not send from a sharded actor_wg"):
+        fleet.update(manager, 5)
+    assert ray.get(fleet.whole.call("hook_log")[0]) == before

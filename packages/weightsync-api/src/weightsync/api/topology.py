@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 from weightsync.api.errors import TopologyError, WeightsyncError
 from weightsync.api.protocols import CheckpointEngine
+from weightsync.api.sources import SOURCE_KEY
 from weightsync.api.types import Topology, WorldMetadata
 
 __all__ = ["build_checked_topology", "check_sizes", "epoch_of", "with_epoch"]
@@ -59,7 +60,8 @@ def build_checked_topology(
     engine_class: type[CheckpointEngine], *, backend: str, actor_wg_world_size: int, rollout_world_size: int,
     metadata: WorldMetadata,
 ) -> Topology:
-    """``engine_class.build_topology(...)`` by keyword, checked: a :class:`Topology` whose lists match the sizes.
+    """``engine_class.build_topology(...)`` by keyword, checked: a :class:`Topology` whose lists match the sizes, and
+    one built for a sharded ``actor_wg`` where its ranks declared source layouts (``weightsync.api.sources``).
 
     ``backend`` names the engine class in errors. Our typed errors pass through; anything else ``build_topology``
     raises, and any other return value, becomes a ``TopologyError``.
@@ -76,4 +78,8 @@ def build_checked_topology(
     if not isinstance(topology, Topology):
         raise TopologyError(f"{backend}.build_topology returned {type(topology).__name__}, not Topology")
     topology.check(actor_wg_world_size=actor_wg_world_size, rollout_world_size=rollout_world_size)
+    if not topology.sharded and any(SOURCE_KEY in entry for entry in metadata.actor):
+        # Its senders would each send a shard as if it were the model: refused, never sent.
+        raise TopologyError(f"{backend} does not send from a sharded actor_wg (its ranks declared source layouts): "
+                            "sharded sources go over shm, on one host, for now")
     return topology
