@@ -10,6 +10,7 @@ Runs last (its name): it stops the session's TP-1 engines before starting its ow
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ pytest.importorskip("vllm", reason="the vLLM tests run in the vllm env: python3 
 import ray  # noqa: E402
 
 from tests.adapters.vllm.conftest import Serving  # noqa: E402
-from tests.adapters.vllm.workloads import PROMPTS  # noqa: E402
+from tests.adapters.vllm.workloads import PROMPTS, ShardedTrainer  # noqa: E402
 from weightsync.api import SyncConfig  # noqa: E402
 from weightsync.api.errors import TopologyError  # noqa: E402
 from weightsync.api.types import UpdateReport  # noqa: E402
@@ -30,6 +31,7 @@ from weightsync.core.control import parts as control_parts  # noqa: E402
 from weightsync.core.control import setup as control_setup  # noqa: E402
 from weightsync.core.transports.place import RAIL_ADDRS_ENV  # noqa: E402
 from weightsync.core.worker.host import engine_spec  # noqa: E402
+from weightsync.ray import RayActorWorkerGroup  # noqa: E402
 from weightsync.vllm import VllmRolloutReplica  # noqa: E402
 
 TP = 2
@@ -165,3 +167,30 @@ def test_a_tp2_update_that_fails_part_way_tears_both_workers_and_the_next_repair
     report = fleet.run(manager.update_weights())
     assert report.ok and not any(fleet.run(replica.call("is_paused")) for replica in fleet.replicas)
     fleet.assert_same_as_reference(path)
+
+
+def test_a_tp2_replica_takes_updates_from_an_fsdp2_sharded_actor_wg(fleet: Fleet) -> None:
+    """Two actor ranks hold the Llama under FSDP2 (each a ``Shard(0)`` block of every parameter) and each sends only
+    its blocks, at once; each vLLM worker reads both ranks' streams, keeps and verifies its part, and vLLM loads it:
+    equal to the TP-2 reference loading the same version from a checkpoint. Nothing is gathered to send."""
+    sharded = RayActorWorkerGroup.create(world_size=2, source_factory=ShardedTrainer,
+                                         node_id=ray.get_runtime_context().get_node_id())
+    try:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        ray.get(sharded.call("shard", f"tcp://127.0.0.1:{port}"))
+        manager = CheckpointEngineManager(backend="shm", actor_wg=sharded, replicas=fleet.replicas,
+                                          config=SyncConfig(bucket_bytes=256 << 10))
+        model = model_bytes(fleet)
+        for seed in (11, 12):
+            ray.get(sharded.call("step", seed))
+            path = ray.get(sharded.call("save", str(fleet.serving.checkpoints / f"tp2_sharded_{seed}")))[0]
+            report = fleet.run(manager.update_weights())
+            assert report.ok, report.replicas
+            sent = sorted(transfer.nbytes for transfer in report.transfers if transfer.role == "actor")
+            assert len(sent) == 2 and sum(sent) == model and sent[0] > 0.45 * model, sent  # each its half
+            check_parts(report, model)
+            fleet.assert_same_as_reference(path)
+    finally:
+        sharded.shutdown()

@@ -3,14 +3,16 @@ hooks added."""
 
 from __future__ import annotations
 
+import pathlib
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from weightsync.cli.vllm.workload import PROMPTS, LlamaTrainer
 
-__all__ = ["FaultyTrainer", "PROMPTS"]
+__all__ = ["FaultyTrainer", "PROMPTS", "ShardedTrainer"]
 
 
 class FaultyTrainer(LlamaTrainer):
@@ -41,3 +43,60 @@ class FaultyTrainer(LlamaTrainer):
                 raise RuntimeError(f"the trainer failed after {index} tensors (a test's fault)")
             if name not in self.omit:
                 yield name, tensor
+
+
+class ShardedTrainer(LlamaTrainer):
+    """The same Llama (the same fp32 masters at start) under FSDP2 over gloo (``shard``, on every rank at once:
+    ``fully_shard`` on each decoder layer and on the model, each rank a ``Shard(0)`` block of every parameter). Its
+    stream is its own blocks, cast to bf16 (``weightsync.api.sources.Shard``); ``step`` makes the next version
+    without training; ``save`` gathers the model on every rank (call it on all of them) and rank 0 writes it."""
+
+    def shard(self, init_method: str) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=init_method, rank=self.rank, world_size=self.world_size)
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        for layer in self.model.model.layers:  # type: ignore[union-attr]
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def step(self, seed: int, scale: float = 0.05) -> None:
+        """Add the same full-shape noise (from ``seed``) to the model on every rank, each to its own block."""
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for _, parameter in self.model.named_parameters():
+                local, start = _local(parameter)
+                noise = torch.randn(tuple(parameter.shape), generator=generator) * scale
+                local.add_(noise[tuple(slice(at, at + size) for at, size in zip(start, local.shape))])
+
+    def named_weights(self) -> Iterator[tuple[str, Any]]:
+        from weightsync.api.sources import Shard
+
+        for name, parameter in self.model.named_parameters():
+            local, start = _local(parameter)
+            yield name, Shard(tensor=local.to(torch.bfloat16), shape=tuple(parameter.shape), start=start)
+
+    def source_layout(self) -> Any:
+        from weightsync.api.sources import Holding, SourceLayout
+        from weightsync.api.parts import Region
+
+        return SourceLayout(tensors={
+            name: Holding(shape=tuple(parameter.shape), region=Region(start=start, size=tuple(local.shape)))
+            for name, parameter in self.model.named_parameters() for local, start in [_local(parameter)]})
+
+    def save(self, directory: str) -> str:
+        from weightsync.cli.vllm.workload import write_checkpoint
+
+        full = {name: parameter.full_tensor().to(torch.bfloat16)  # type: ignore[attr-defined]
+                for name, parameter in self.model.named_parameters()}
+        path = pathlib.Path(directory)
+        return str(write_checkpoint(path, full, self.config)) if self.rank == 0 else str(path)
+
+
+def _local(parameter: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A ``DTensor`` parameter's local block and where it starts."""
+    chunk = parameter.__create_chunk_list__()[0]  # type: ignore[attr-defined]
+    return parameter.to_local(), tuple(chunk.offsets)  # type: ignore[attr-defined]
