@@ -101,13 +101,24 @@ def test_each_rank_sends_its_shards_and_every_worker_holds_the_model(fleet: Flee
         assert max(transfer.nbytes for transfer in sent) < MODEL_BYTES / ranks * 1.05
 
 
-def test_delta_and_staged_from_shards_are_refused_before_any_pause(fleet: Fleet) -> None:
-    for config in ({"delta": True}, {"staged": True}):
-        manager = fleet.manager(**config)
-        with pytest.raises(ConfigError, match="sharded actor_wg"):
-            fleet.update(manager, 3)
-        hooks = ray.get(fleet.whole.call("hook_log")[0])
-        assert "abort_all_requests" not in hooks[-1:], hooks
+def test_staged_updates_from_shards_stage_every_ranks_stream_and_swap_bit_exact(fleet: Fleet) -> None:
+    """The host's stager receives every rank's stream into the staging area while the replicas serve; each worker's
+    swap reads them back, each bucket verified against its own rank's digest (and a part-holder's sums)."""
+    manager = fleet.manager(staged=True)
+    for version in (6, 7):
+        report = fleet.update(manager, version)
+        assert report.ok, report.replicas
+        fleet.check_holds(version)
+        assert sorted(transfer.rank for transfer in senders(report) if transfer.nbytes) == list(
+            range(fleet.actor_wg.world_size))
+
+
+def test_delta_from_shards_is_refused_before_any_pause(fleet: Fleet) -> None:
+    manager = fleet.manager(delta=True)
+    before = ray.get(fleet.whole.call("hook_log")[0])
+    with pytest.raises(ConfigError, match="sharded actor_wg"):
+        fleet.update(manager, 8)
+    assert ray.get(fleet.whole.call("hook_log")[0]) == before
 
 
 def test_a_part_no_rank_holds_is_a_topology_error_before_any_pause(fleet: Fleet, ray_nodes: RayNodes) -> None:
@@ -123,7 +134,7 @@ def test_a_part_no_rank_holds_is_a_topology_error_before_any_pause(fleet: Fleet,
         manager = CheckpointEngineManager(backend="shm", actor_wg=fleet.actor_wg, replicas=[replica],
                                           config=SyncConfig(bucket_bytes=BUCKET))
         with pytest.raises((TopologyError, ConfigError), match="gate.weight"):
-            fleet.update(manager, 4)
+            fleet.update(manager, 9)
         assert ray.get(replica.call("hook_log")[0]) == []
     finally:
         replica.shutdown()
@@ -135,5 +146,5 @@ def test_a_backend_that_does_not_send_from_shards_refuses_them_before_any_pause(
                                       config=SyncConfig(bucket_bytes=BUCKET))
     before = ray.get(fleet.whole.call("hook_log")[0])
     with pytest.raises(TopologyError, match="gloo does not send from a sharded actor_wg"):
-        fleet.update(manager, 5)
+        fleet.update(manager, 10)
     assert ray.get(fleet.whole.call("hook_log")[0]) == before

@@ -48,7 +48,7 @@ class FaultyTrainer(LlamaTrainer):
 class ShardedTrainer(LlamaTrainer):
     """The same Llama (the same fp32 masters at start) under FSDP2 over gloo (``shard``, on every rank at once:
     ``fully_shard`` on each decoder layer and on the model, each rank a ``Shard(0)`` block of every parameter). Its
-    stream is its own blocks, cast to bf16 (``weightsync.api.sources.Shard``); ``step`` makes the next version
+    stream is its own blocks, cast to bf16 (``weightsync.core.ModuleShards``); ``step`` makes the next version
     without training; ``save`` gathers the model on every rank (call it on all of them) and rank 0 writes it."""
 
     def shard(self, init_method: str) -> None:
@@ -73,19 +73,14 @@ class ShardedTrainer(LlamaTrainer):
                 local.add_(noise[tuple(slice(at, at + size) for at, size in zip(start, local.shape))])
 
     def named_weights(self) -> Iterator[tuple[str, Any]]:
-        from weightsync.api.sources import Shard
+        from weightsync.core import ModuleShards
 
-        for name, parameter in self.model.named_parameters():
-            local, start = _local(parameter)
-            yield name, Shard(tensor=local.to(torch.bfloat16), shape=tuple(parameter.shape), start=start)
+        return iter(ModuleShards(self.model, dtype=torch.bfloat16).named_weights())
 
     def source_layout(self) -> Any:
-        from weightsync.api.sources import Holding, SourceLayout
-        from weightsync.api.parts import Region
+        from weightsync.core import ModuleShards
 
-        return SourceLayout(tensors={
-            name: Holding(shape=tuple(parameter.shape), region=Region(start=start, size=tuple(local.shape)))
-            for name, parameter in self.model.named_parameters() for local, start in [_local(parameter)]})
+        return ModuleShards(self.model).source_layout()
 
     def save(self, directory: str) -> str:
         from weightsync.cli.vllm.workload import write_checkpoint

@@ -236,6 +236,9 @@ class StagedUpdate:
     stripe's ``StagedUpdate``, in stripe order (a swap reads them all, bucket by bucket in bucket order). The fields
     above are then stripe 0's, except ``report``, the whole update's: its digest combines the stripes'. Empty for an
     update staged whole."""
+    sources: tuple[int, ...] = ()
+    """From a sharded ``actor_wg`` (``weightsync.api.sources``): the senders whose streams were staged, in the order
+    their digests combine (a swap folds each bucket into its sender's); empty: one sender."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (nested dicts, lists), for a channel that carries no weightsync types."""
@@ -250,6 +253,7 @@ class StagedUpdate:
         report = fields.get("report")
         fields["report"] = TransferReport.from_dict(report) if report is not None else None
         fields["stripes"] = tuple(cls.from_dict(part) for part in fields.get("stripes", ()))
+        fields["sources"] = tuple(fields.get("sources", ()))
         return cls(**fields)
 
 

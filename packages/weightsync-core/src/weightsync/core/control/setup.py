@@ -111,10 +111,9 @@ class Setup:
             for rank in range(len(workers))])
         metadata: list[WorkerMetadata] = await steps.gather("prepare", timeout, labelled, fail_fast=True)
         world = WorldMetadata(actor=metadata[:actor_size], rollout=metadata[actor_size:])
-        if declared_layouts(world.actor) is not None and (config.delta or config.staged):
-            raise ConfigError("a sharded actor_wg (its ranks declared source layouts) sends full, unstaged updates: "
-                              "delta and staged updates from shards are not built; use SyncConfig(delta=False, "
-                              "staged=False)")
+        if declared_layouts(world.actor) is not None and config.delta:
+            raise ConfigError("a sharded actor_wg (its ranks declared source layouts) sends full updates: delta "
+                              "updates from shards are not built; use SyncConfig(delta=False)")
         members = flow.members(world)
         labels = [label for label, _ in labelled[actor_size:]]
         topology = with_epoch(build_checked_topology(  # our engines stamp the epoch; any other gets one here

@@ -29,7 +29,7 @@ from weightsync.core.wire import codec
 from weightsync.core.wire.destinations import Fallback
 from weightsync.core.wire.parts import check_sums
 
-__all__ = ["ReceiveStream", "ReceiveContext"]
+__all__ = ["BucketOrder", "ReceiveStream", "ReceiveContext"]
 
 
 class ReceiveContext:
@@ -198,7 +198,7 @@ class ReceiveStream:
     def _receive_loop(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Arrived | BaseException]) -> None:
         context, digest = self._context, self._reader.digest
         deadline = time.monotonic() + context.settings.timeout
-        order = _Order(self._reader.sources)
+        order = BucketOrder(self._reader.sources)
         fused: bool | None = None
 
         def deliver(item: Arrived | BaseException) -> None:
@@ -325,7 +325,7 @@ class ReceiveStream:
 
 
 
-class _Order:
+class BucketOrder:
     """What a receiver checks of the order of an update's buckets: in order from 0 (a striped update's across its
     stripes); from several senders (``sources``: a sharded ``actor_wg``), each sender's in order from 0, and their
     ranges of each tensor adding up to the whole tensor, which each sender's digest alone cannot show."""

@@ -8,6 +8,7 @@ released as soon as it is staged, so the sender and the other receivers never wa
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from weightsync.api.errors import DigestMismatchError, TransferError, WireError
@@ -16,20 +17,26 @@ from weightsync.core.transports.settings import EngineSettings
 from weightsync.core.transports.stagearea import StageArea
 from weightsync.core.transports.seam import ReceiverTransport
 from weightsync.core.wire import codec
+from weightsync.core.pipeline.receive import BucketOrder
 from weightsync.core.wire.digest import UpdateDigest
+from weightsync.core.wire.sources import SourcesDigest
 
 __all__ = ["stage_update"]
 
 
 def stage_update(receiver: ReceiverTransport, area: StageArea, *, settings: EngineSettings, epoch: str, version: int,
-                 peer: str, tables: codec.TableCache, stripe: tuple[int, int] = (0, 1)) -> StagedUpdate:
+                 peer: str, tables: codec.TableCache, stripe: tuple[int, int] = (0, 1),
+                 sources: tuple[int, ...] = ()) -> StagedUpdate:
     """Blocking (a thread of the engine's): receive one update from ``receiver`` into ``area`` and seal it once its
     digest, taken over the staged bytes, equals the sender's. ``stripe``: (s, K), this stager's stripe of a striped
-    update (buckets s, s + K, ..., and the stripe's own digest); (0, 1): the whole update. Raises ``TransferError``
-    (an abort, a lost peer, a deadline) or ``DigestMismatchError``; the area is then left unsealed."""
+    update (buckets s, s + K, ..., and the stripe's own digest); (0, 1): the whole update. ``sources``: the senders
+    of a sharded ``actor_wg``, each bucket folded into its sender's digest (``weightsync.core.wire.sources``). Raises
+    ``TransferError`` (an abort, a lost peer, a deadline) or ``DigestMismatchError``; the area is then left
+    unsealed."""
     started = time.perf_counter()
     deadline = time.monotonic() + settings.timeout
-    digest = UpdateDigest()
+    digest = SourcesDigest(sources) if sources else UpdateDigest()
+    order = BucketOrder(bool(sources))
     area.begin(version=version, epoch=epoch, capacity=receiver.capacity)
     nbytes = wire = buckets = tensors = 0
     first, stripes = stripe
@@ -42,7 +49,10 @@ def stage_update(receiver: ReceiverTransport, area: StageArea, *, settings: Engi
                 raise TransferError(f"{peer} aborted the update: {header.abort}", peer=peer)
             if header.final:
                 break
-            if header.index != first + buckets * stripes:
+            if sources:
+                order.take(header)
+                digest.select(header.sender)
+            elif header.index != first + buckets * stripes:
                 raise WireError(f"bucket {header.index} arrived where bucket {first + buckets * stripes} was expected")
             payload = received.payload[: header.nbytes]
             staged = area.append(received.header, payload if payload.is_cpu else payload.cpu())
@@ -69,5 +79,6 @@ def stage_update(receiver: ReceiverTransport, area: StageArea, *, settings: Engi
         role="rollout", rank=settings.context.rank, version=header.version, nbytes=nbytes, tensors=tensors,
         buckets=buckets, seconds=seconds, digest=hexdigest, sender=header.sender,
         phases=(PhaseTiming(phase="stage", seconds=seconds),), wire_bytes=wire, base=header.base)
-    return area.seal(version=version, epoch=epoch, capacity=receiver.capacity, node_id=settings.context.node_id,
-                     report=report)
+    sealed = area.seal(version=version, epoch=epoch, capacity=receiver.capacity, node_id=settings.context.node_id,
+                       report=report)
+    return dataclasses.replace(sealed, sources=sources) if sources else sealed

@@ -13,7 +13,7 @@ import asyncio
 import concurrent.futures
 import functools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -246,14 +246,9 @@ class BucketCheckpointEngine(EngineBase):
         if self._receiver is None or self._epoch is None:
             raise LifecycleError(f"{self.name}: receive_weights on a rank that is not connected as a receiver")
         hold = self._handover.hold_for_stream()
-        stripes, sources = self._stripe[1], self._sources
-        if sources:  # every sender's stream, each folded into its own digest and sums
-            reader = BucketReader(SourcesDigest(sources, make=self._policy.new_digest), self._receive.plans,
-                                  part=SourcesSums(self._part, sources) if self._part is not None else None,
-                                  sources=True)
-        else:
-            reader = BucketReader(StripedDigest(stripes) if stripes > 1 else self._policy.new_digest(),
-                                  self._receive.plans, part=self._part_sums() if stripes == 1 else None)
+        stripes = self._stripe[1]
+        reader = self._reader(self._sources, self._policy.new_digest) if stripes == 1 else BucketReader(
+            StripedDigest(stripes), self._receive.plans)
         return ReceiveStream(self._receive, self._receiver, hold, epoch=self._epoch,
                              peer=self.transport.peer_name(self._sender_rank), reader=reader)
 
@@ -264,9 +259,6 @@ class BucketCheckpointEngine(EngineBase):
         staged bytes (:mod:`weightsync.core.pipeline.staged`); nothing reaches a model. Holds the engine until the
         receiving thread is done, even if the caller stops waiting."""
         self._require("receiver", "stage_weights")
-        if self._sources:
-            raise ConfigError(f"{self.name}: staged updates from a sharded actor_wg are not built; use "
-                              "SyncConfig(staged=False)")
         if self._stripe[1] > 1 and not self._one_stripe:
             raise ConfigError(f"{self.name}: this rank reads all {self._stripe[1]} stripes of an update; a staged "
                               "update gives each of a host's stagers one stripe (build the topology from metadata "
@@ -288,7 +280,7 @@ class BucketCheckpointEngine(EngineBase):
         try:
             return stage_update(receiver, area, settings=self.settings, epoch=epoch, version=version,
                                 peer=self.transport.peer_name(self._sender_rank), tables=self._receive.tables,
-                                stripe=self._stripe)
+                                stripe=self._stripe, sources=self._sources)
         except BaseException:
             receiver.close()  # tells the peers now, not at their deadline; the next update joins a new epoch
             raise
@@ -306,14 +298,21 @@ class BucketCheckpointEngine(EngineBase):
             if parts else StagedReceiver(staged)
         hold = self._handover.hold_for_stream()
         # The staged bytes are on the host; a striped update's, one area per stripe, read in bucket order.
-        reader = BucketReader(StripedDigest(len(parts)) if parts else UpdateDigest(), self._receive.plans,
-                              part=None if parts else self._part_sums())
+        reader = self._reader(staged.sources, UpdateDigest) if not parts else BucketReader(
+            StripedDigest(len(parts)), self._receive.plans)
         return ReceiveStream(self._receive, receiver, hold, epoch=staged.epoch, release_early=False,
                              peer=f"{self.transport.peer_name(self._sender_rank)} (staged)", reader=reader)
 
 
-    def _part_sums(self) -> PartSums | None:
-        return PartSums(self._part) if self._part is not None else None
+    def _reader(self, sources: tuple[int, ...], digest: Callable[[], UpdateDigest]) -> BucketReader:
+        """The reader of an update from one sender, or from every sender of a sharded ``actor_wg`` (``sources``):
+        each bucket then folded into its own sender's digest and sums. Verified by this worker's part where it
+        declared one."""
+        part = self._part
+        if not sources:
+            return BucketReader(digest(), self._receive.plans, part=PartSums(part) if part is not None else None)
+        return BucketReader(SourcesDigest(sources, make=digest), self._receive.plans,
+                            part=SourcesSums(part, sources) if part is not None else None, sources=True)
 
 
 def engine_class(transport: type[Transport], *, name: str | None = None) -> type[BucketCheckpointEngine]:

@@ -24,19 +24,24 @@ __all__ = ["ModuleShards"]
 class ModuleShards:
     """A ``ShardedWeightSource`` over ``module``'s parameters (and, with ``buffers``, its persistent buffers), named
     as ``named_parameters`` names them, or as ``rename`` maps those names (checkpoint names for an inference engine).
+    ``dtype``: each shard cast to it as it is streamed (a mixed-precision trainer's fp32 masters sent as bf16).
     """
 
     def __init__(self, module: torch.nn.Module, *, buffers: bool = False,
-                 rename: Callable[[str], str] | None = None) -> None:
+                 rename: Callable[[str], str] | None = None, dtype: torch.dtype | None = None) -> None:
         self.module = module
         self.buffers = buffers
         self.rename = rename
+        self.dtype = dtype
 
     def named_weights(self) -> Iterator[tuple[str, Shard | torch.Tensor]]:
         self._reshard()
         for name, tensor in self._tensors():
             shard = as_shard(name, tensor)
-            yield (name, shard) if shard is not None else (name, tensor.detach())
+            if shard is None:
+                yield name, self._cast(tensor.detach())
+            else:
+                yield name, Shard(tensor=self._cast(shard.tensor.detach()), shape=shard.shape, start=shard.start)
 
     def source_layout(self) -> SourceLayout:
         self._reshard()
@@ -47,6 +52,9 @@ class ModuleShards:
             shard_range(name, shard)  # a box that is not a block of rows is refused here, before any update
             shards.append((name, shard))
         return SourceLayout.of(shards)
+
+    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.dtype is None else tensor.to(self.dtype)
 
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         seen: set[str] = set()
