@@ -643,21 +643,31 @@ class _TpModel(torch.nn.Module):
         self.gate = torch.nn.Linear(TP_HIDDEN, 2, bias=False)
 
 
-class FsdpTpSource(_Inspectable):
-    """An actor rank of a sharded ``actor_wg``: the model of :func:`tp_tensors` in bf16 under FSDP2 over gloo
-    (``fully_shard`` on each layer and on the model; each rank holds its ``Shard(0)`` block of every parameter),
-    streamed by ``weightsync.core.ModuleShards`` (``join`` first, on every rank at once)."""
+class _FsdpTp(_Inspectable):
+    """An actor rank holding the model of :func:`tp_tensors` in bf16 under FSDP2 over gloo (``fully_shard`` on each
+    layer and on the model; each rank holds its ``Shard(0)`` block of every parameter): ``join`` first, on every rank
+    at once."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         torch.set_num_threads(1)
         self.rank, self.world_size, self.version = rank, world_size, 0
         self.module: torch.nn.Module | None = None
 
-    def join(self, init_method: str) -> None:
+    def rail_address(self, rail: int) -> str:
+        """This host's address on rail ``rail`` (the testbed's environment), where a gloo group may listen."""
+        from weightsync.core.transports.place import RAIL_ADDRS_ENV
+
+        return os.environ[RAIL_ADDRS_ENV].split(",")[rail]
+
+    def join(self, init_method: str, interface: str | None = None) -> None:
+        """Join the ranks' gloo group (over ``interface``, a network interface of this host's, where given: the
+        trainer's own fabric) and shard the model."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
         if not dist.is_initialized():
             dist.init_process_group("gloo", init_method=init_method, rank=self.rank, world_size=self.world_size)
         mesh = init_device_mesh("cpu", (self.world_size,))
@@ -675,7 +685,17 @@ class FsdpTpSource(_Inspectable):
                 offsets = parameter.__create_chunk_list__()[0].offsets  # type: ignore[attr-defined]
                 local.copy_(full[name][tuple(slice(at, at + size) for at, size in zip(offsets, local.shape))])
         self.version = version
-        return ""
+        return weights_digest(list(full.items()))
+
+    def _module(self) -> torch.nn.Module:
+        if self.module is None:
+            raise RuntimeError(f"{type(self).__name__}: join() first")
+        return self.module
+
+
+class FsdpTpSource(_FsdpTp):
+    """A rank of a sharded ``actor_wg``: streams its own blocks (``weightsync.core.ModuleShards``), its layout
+    declared."""
 
     def named_weights(self) -> Iterator[Any]:
         from weightsync.core import ModuleShards
@@ -687,10 +707,14 @@ class FsdpTpSource(_Inspectable):
 
         return ModuleShards(self._module()).source_layout()
 
-    def _module(self) -> torch.nn.Module:
-        if self.module is None:
-            raise RuntimeError("FsdpTpSource: join() first")
-        return self.module
+
+class FsdpTpGathered(_FsdpTp):
+    """The baseline a sharded source replaces: every rank streams whole tensors, each gathered over the ranks' gloo
+    group (``full_tensor()``, collective: every rank drains its stream), and no layout; rank 0 sends."""
+
+    def named_weights(self) -> Iterator[Any]:
+        return ((name, parameter.full_tensor()) for name, parameter  # type: ignore[attr-defined]
+                in self._module().named_parameters())
 
 
 class WholeSink(RecordingSink):

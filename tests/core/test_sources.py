@@ -149,3 +149,45 @@ def test_a_final_in_another_senders_stream_is_a_wire_error() -> None:
     receiver = SourcesReceiver([Stream(3, 0), Stream(4, 0)], [3, 5], epoch="e")
     with pytest.raises(WireError, match="ended the stream of actor rank 5"):
         receiver.receive(0.0)
+
+
+def chain_world(rollout: list[tuple[str, int]], *, staged: bool = False, ranks: int = 2) -> WorldMetadata:
+    """Two sharded actor ranks on host a (rails 0 and 1), and rollout workers on ``(host, rail)``."""
+    layouts = [{"w": rows((8, 2), 4 * rank, 4)} for rank in range(ranks)]
+    actor = [{SOURCE_KEY: SourceLayout(tensors=layout).to_dict(), "node_id": "a", "rail": rank,
+              "address": f"10.0.{rank}.1:{1000 + rank}", "library": "tcp", "layout": "two_level", "staged": staged}
+             for rank, layout in enumerate(layouts)]
+    workers = [{"node_id": host, "rail": rail, "address": f"10.{index}.0.2:2000", "library": "tcp"}
+               for index, (host, rail) in enumerate(rollout)]
+    return WorldMetadata(actor=actor, rollout=workers)  # type: ignore[arg-type]
+
+
+def test_across_hosts_each_ranks_stream_is_led_into_each_host_by_a_worker_of_its_own() -> None:
+    from weightsync.core.transports.chain.plan import StreamsReceive
+    from weightsync.core.transports.chain.sources import sharded_topology
+    from weightsync.core.transports.plan import decode_plan
+
+    metadata = chain_world([("b", 1), ("b", 0), ("c", 0), ("c", 1)])
+    plan = plan_sources(metadata)
+    assert plan is not None
+    topology = sharded_topology("tcp", metadata, plan, fanout=1, addresses=[
+        str(worker["address"]) for worker in metadata.rollout])
+    assert topology.sharded and topology.senders == (0, 1)
+    receives = [decode_plan(args, StreamsReceive, who="test") for args in topology.rollout]
+    # On each host the rail-0 worker leads rank 0's stream, the rail-1 worker rank 1's; the other reads in place.
+    led = [[not source.local for source in receive.sources] for receive in receives]
+    assert led == [[False, True], [True, False], [True, False], [False, True]]
+    assert all(receive.streams == (0, 1) for receive in receives)
+    # Host c's leaders read from host b's (the two-level chain of hosts), each stream over its own rail.
+    assert receives[2].sources[0].upstream_position == 2 and receives[3].sources[1].upstream_position == 1
+
+
+def test_across_hosts_a_host_with_fewer_workers_than_ranks_or_a_staged_update_is_refused() -> None:
+    from weightsync.core.transports.chain.sources import sharded_topology
+
+    for metadata, match in ((chain_world([("b", 0)]), "host b has 1 rollout workers"),
+                            (chain_world([("b", 0), ("b", 1)], staged=True), "staged updates from a sharded")):
+        plan = plan_sources(metadata)
+        assert plan is not None
+        with pytest.raises(TopologyError, match=match):
+            sharded_topology("tcp", metadata, plan, fanout=1, addresses=["x"] * len(metadata.rollout))

@@ -18,7 +18,7 @@ from typing import Any
 import ray
 
 from tests.tools.testbed.driving import DriverChannel
-from tests.workloads import ModelSource, RecordingSink
+from tests.workloads import FsdpTpSource, ModelSource, RecordingSink
 from weightsync.api.config import MiB, StepTimeouts, SyncConfig
 from weightsync.core.control.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
@@ -30,16 +30,22 @@ def main() -> None:
     nodes: dict[str, str] = json.loads(sys.argv[1])  # host index -> Ray node id
     backend = sys.argv[2] if len(sys.argv) > 2 else "auto"
     # Another placement (the rails test): {"actor_ranks": A, "replicas": [[host of each worker], ...], "bucket_mb": B,
-    # "staged": whether the updates are staged, "options": the backend's options}.
+    # "staged": whether the updates are staged, "options": the backend's options, "sharded": the actor ranks hold an
+    # FSDP2-sharded model and each sends its shards}.
     placement: dict[str, Any] = (json.loads(sys.argv[3]) if len(sys.argv) > 3
                                  else {"actor_ranks": 1, "replicas": [["2", "3"]] * 2})
     channel = DriverChannel()
     ray.init(logging_level="ERROR", log_to_driver=False)
+    sharded = placement.get("sharded", False)
     actor_wg = RayActorWorkerGroup.create(world_size=placement["actor_ranks"], node_id=nodes["1"],
-                                          source_factory=functools.partial(ModelSource, numel=NUMEL))
+                                          source_factory=FsdpTpSource if sharded else functools.partial(
+                                              ModelSource, numel=NUMEL))
     replicas = [RayRolloutReplica.create(replica=r, sink_factory=RecordingSink, num_workers=len(hosts),
                                          node_id=[nodes[host] for host in hosts])
                 for r, hosts in enumerate(placement["replicas"])]
+    if sharded:  # the ranks' own gloo group, on their host (port 29500 + a little: the testbed's hosts are fresh)
+        ray.get(actor_wg.call("join", "tcp://127.0.0.1:29611"))
+        ray.get(actor_wg.call("set_version", 1))
     config = SyncConfig(bucket_bytes=placement.get("bucket_mb", 4) * MiB, staged=placement.get("staged", False),
                         backend_options=placement.get("options", {}),
                         timeouts=StepTimeouts(transfer=60, setup=60))

@@ -57,6 +57,60 @@ def test_each_stripe_crosses_its_own_rail(cluster: TestbedRay, backend: str, sta
         assert 0.45 * size <= moved[2][rail].ingress_bytes <= 0.65 * size, moved
 
 
+def test_each_rank_of_a_sharded_actor_wg_sends_its_shards_over_its_own_rail(cluster: TestbedRay) -> None:
+    """Two actor ranks hold an FSDP2-sharded model (``tests.workloads.FsdpTpSource``) and each sends only its shards,
+    over a two-level chain of its own on its rail (``auto``): on the rails' own counters each rail of the sender's
+    host carries half the model out and each rail of the receiving host half in, and both workers end bit-exact."""
+    marks: dict[str, tuple[tuple[LinkCounters, ...], ...]] = {}
+
+    def on_request(message: dict[str, Any]) -> None:
+        marks[message["mark"]] = cluster.bed.rail_counters()
+
+    nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
+    placement = json.dumps({"actor_ranks": 2, "replicas": [["2", "2"]], "bucket_mb": 1, "sharded": True})
+    result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.across_hosts_driver", nodes, "auto",
+                             placement], on_request)
+    assert result["first"] and result["ok"], result
+    assert result["digests"] == [result["expected"]] * 2  # the whole model, in each worker's own process
+    assert result["senders"] == 2
+    moved = [[after - before for before, after in zip(host_before, host_after)]
+             for host_before, host_after in zip(marks["before"], marks["after"])]
+    size = result["nbytes"]
+    for rail in (0, 1):
+        assert 0.45 * size <= moved[1][rail].egress_bytes <= 0.65 * size, moved
+        assert 0.45 * size <= moved[2][rail].ingress_bytes <= 0.65 * size, moved
+
+
+def test_a_sharded_actor_wg_moves_nothing_over_its_own_fabric_where_the_gathered_one_moves_half_the_model(
+        cluster: TestbedRay) -> None:
+    """No gather on the trainer: two FSDP2 ranks on hosts 1 and 0 whose gloo group runs over rail 1 (the trainer's
+    own fabric), weights over rail 0 to a replica on host 2. By rail 1's counters of both trainer hosts, sharded
+    ranks (each sends its own blocks) move at most 2 % of the model during an update; the same ranks streaming
+    gathered tensors (``full_tensor()``, rank 0 sends: the negative control) move at least 0.4 of it. Both
+    bit-exact; sharded, each rank sent half the model over rail 0 of its own host."""
+    nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
+    fabric: dict[str, float] = {}
+    for mode in ("sharded", "gathered"):
+        marks: dict[str, tuple[tuple[LinkCounters, ...], ...]] = {}
+
+        def on_request(message: dict[str, Any]) -> None:
+            marks[message["mark"]] = cluster.bed.rail_counters()
+
+        result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.fabric_driver", nodes, mode], on_request)
+        assert result["first"] and result["ok"], result
+        assert result["digests"] == [result["expected"]] * 2, result
+        moved = [[after - before for before, after in zip(host_before, host_after)]
+                 for host_before, host_after in zip(marks["before"], marks["after"])]
+        size = result["nbytes"]
+        fabric[mode] = sum(moved[host][1].egress_bytes + moved[host][1].ingress_bytes for host in (0, 1)) / size
+        if mode == "sharded":
+            assert sorted(result["sent"]) == [size // 2, size - size // 2] or min(result["sent"]) > 0.45 * size
+            for host in (0, 1):  # each rank's half, out over rail 0 of its own host
+                assert 0.45 * size <= moved[host][0].egress_bytes <= 0.65 * size, moved
+    print(f"trainer fabric per update (of the model): {fabric}")  # noqa: T201 - the figures, in the test's log
+    assert fabric["sharded"] <= 0.02 and fabric["gathered"] >= 0.4, fabric
+
+
 @pytest.mark.parametrize(("mode", "staged"), [("drop", False), ("carrier", False), ("drop", True)])
 def test_a_rail_lost_mid_update_is_named_and_left_out_until_it_answers_again(cluster: TestbedRay, mode: str,
                                                                              staged: bool) -> None:

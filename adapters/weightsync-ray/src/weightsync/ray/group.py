@@ -177,16 +177,21 @@ class RayActorWorkerGroup:
         *,
         world_size: int,
         source_factory: SourceFactory,
-        node_id: str | None = None,
+        node_id: str | Sequence[str] | None = None,
         ray_options: Mapping[str, Any] | None = None,
     ) -> RayActorWorkerGroup:
+        """``world_size`` ranks, each building its source with ``source_factory(rank, world_size)``, pinned to Ray
+        node ``node_id`` — or rank r to ``node_id[r]`` (a trainer spanning hosts)."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
+        nodes = [node_id] * world_size if node_id is None or isinstance(node_id, str) else list(node_id)
+        if len(nodes) != world_size:
+            raise ConfigError(f"node_id lists {len(nodes)} nodes for {world_size} ranks")
         remote = ray.remote(ActorRankHost)
         # Rank r's rail: its index among the ranks on its node, mod the rails.
-        local_ranks = _local_ranks(None, [node_id] * world_size)
+        local_ranks = _local_ranks(None, nodes)
         handles = [
-            remote.options(**actor_options(ray_options, node_id)).remote(
+            remote.options(**actor_options(ray_options, nodes[rank])).remote(
                 rank=rank, world_size=world_size, source_factory=source_factory,
                 local_rank=local_ranks[rank] if local_ranks is not None else None,
             )

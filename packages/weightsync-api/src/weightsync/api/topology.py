@@ -81,5 +81,6 @@ def build_checked_topology(
     if not topology.sharded and any(SOURCE_KEY in entry for entry in metadata.actor):
         # Its senders would each send a shard as if it were the model: refused, never sent.
         raise TopologyError(f"{backend} does not send from a sharded actor_wg (its ranks declared source layouts): "
-                            "sharded sources go over shm, on one host, for now")
+                            "sharded sources go over shm on one host, or a chain backend with "
+                            "layout='two_level' (backend='auto' picks them)")
     return topology

@@ -27,6 +27,7 @@ from weightsync.api.errors import ConfigError, TopologyError, WireError
 from weightsync.api.parts import PART_KEY, Region
 from weightsync.api.sources import SOURCE_KEY, SourceLayout, byte_range
 from weightsync.api.types import WorkerMetadata, WorldMetadata
+from weightsync.core.transports.chain.stripes import ReadAhead
 from weightsync.core.transports.seam import ReceivedBucket, ReceiverTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.partplans import PartPlan, declared_parts
@@ -151,15 +152,31 @@ class SourcesReceiver:
 
     Tokens: a bucket of source i with token t is handed out as ``(t - 1) * M + i + 1`` and released to source i as
     t, so each source sees its releases in its own order (the transport rules). An abort from any source is handed
-    on as it is."""
+    on as it is.
 
-    def __init__(self, sources: Sequence[ReceiverTransport], senders: Sequence[int], *, epoch: str) -> None:
+    With ``routes`` (sources that pull their bytes inside ``receive``, over the network: a chain's), every source is
+    read by a thread of its own (``ReadAhead``) from an update's first ``receive`` to its marker, so the streams move
+    at once, each as far ahead as its ring allows; ``routes[i]``: source i's rail and hosts when read over the
+    network (None in place), which its errors then name."""
+
+    def __init__(self, sources: Sequence[ReceiverTransport], senders: Sequence[int], *, epoch: str,
+                 routes: Sequence[tuple[int, list[str]] | None] | None = None) -> None:
         if not sources or len(sources) != len(senders):
             raise ValueError("a receiver of several senders needs one source per sender")
         self._sources, self._senders, self._epoch = list(sources), list(senders), epoch
         self.capacity = max(source.capacity for source in self._sources)
         self._finals: dict[int, tuple[codec.BucketHeader, ReceivedBucket]] = {}
         self._turn = 0
+        self._ahead = [ReadAhead(source, f"the stream of actor rank {sender}", route) for source, sender, route
+                       in zip(self._sources, self._senders, routes)] if routes is not None else None
+
+    def _next(self, index: int, deadline: float) -> ReceivedBucket:
+        if self._ahead is None:
+            return self._sources[index].receive(deadline)
+        if self._turn == 1 and not self._finals:  # an update's first receive: every stream starts moving
+            for ahead in self._ahead:
+                ahead.start(deadline)
+        return self._ahead[index].get(deadline)
 
     def receive(self, deadline: float) -> ReceivedBucket:
         count = len(self._sources)
@@ -168,7 +185,7 @@ class SourcesReceiver:
             self._turn += 1
             if index in self._finals:
                 continue
-            received = self._sources[index].receive(deadline)
+            received = self._next(index, deadline)
             if received.token != 0:
                 return ReceivedBucket(received.header, received.payload, (received.token - 1) * count + index + 1)
             header, _ = codec.decode_bucket(received.header, epoch=self._epoch, capacity=self.capacity)
@@ -196,4 +213,6 @@ class SourcesReceiver:
 
     def close(self) -> None:
         for source in self._sources:
-            source.close()
+            source.close()  # a reading thread blocked in it fails now, and ends
+        for ahead in self._ahead or ():
+            ahead.join(5.0)

@@ -12,7 +12,8 @@ import msgspec
 from weightsync.core.transports.plan import Idle, RankPlan, RankRole
 from weightsync.core.transports.settings import EngineMetadata
 
-__all__ = ["ChainMetadata", "ChainPlans", "ChainReceive", "ChainSend", "Route", "Source", "Stripe", "StripesReceive"]
+__all__ = ["ChainMetadata", "ChainPlans", "ChainReceive", "ChainSend", "Route", "Source", "Stripe", "StreamsReceive",
+           "StripesReceive"]
 
 
 class ChainMetadata(EngineMetadata, kw_only=True, frozen=True):
@@ -112,5 +113,19 @@ class StripesReceive(RankPlan, tag="chain-stripes", frozen=True):
         return 0, len(self.sources)
 
 
-ChainPlans = Union[Idle, ChainSend, ChainReceive, StripesReceive]
+class StreamsReceive(RankPlan, tag="chain-streams", frozen=True):
+    """A receiver of a sharded ``actor_wg``'s update: one source per sending rank's stream (``streams``, in their
+    order), each read over the network where this rank leads it into its host, else in place from its leader
+    (:mod:`weightsync.core.transports.chain.sources`)."""
+
+    role: ClassVar[RankRole] = "receiver"
+    rank: int
+    sources: tuple[Source, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.sources) != len(self.streams) or not self.sources:
+            raise ValueError(f"a receiver of {len(self.streams)} streams has {len(self.sources)} sources")
+
+
+ChainPlans = Union[Idle, ChainSend, ChainReceive, StripesReceive, StreamsReceive]
 """Every plan a chain rank may be handed."""

@@ -36,7 +36,7 @@ from weightsync.core.transports.seam import ReceivedBucket, ReceiverTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.digest import combine_stripes
 
-__all__ = ["OneStripe", "StripedReceiver", "on_rail", "stripe_of", "stripes_for", "striped_topology"]
+__all__ = ["OneStripe", "ReadAhead", "StripedReceiver", "on_rail", "stripe_of", "stripes_for", "striped_topology"]
 
 
 def stripe_of(index: int, stripes: int) -> int:
@@ -48,7 +48,7 @@ class StripedReceiver:
     """One ``ReceiverTransport`` over K stripe sources (``sources[s]`` yields stripe s's buckets in order, then its
     final header or an abort): bucket i is taken from source i mod K.
 
-    Every source is read by a thread of its own (:class:`_Ahead`), from an update's first ``receive`` to its
+    Every source is read by a thread of its own (:class:`ReadAhead`), from an update's first ``receive`` to its
     marker: a chain source pulls its bytes inside ``receive``, so the stripes move at once, each over its rail, as
     far ahead as its ring's slots allow (a slot comes back when the consumer releases it).
 
@@ -67,7 +67,7 @@ class StripedReceiver:
             raise ValueError("a striped receiver needs at least one source")
         self._sources = list(sources)
         ways = list(routes) if routes is not None else [None] * len(self._sources)
-        self._ahead = [_Ahead(source, stripe, ways[stripe]) for stripe, source in enumerate(self._sources)]
+        self._ahead = [ReadAhead(source, f"stripe {stripe}", ways[stripe]) for stripe, source in enumerate(self._sources)]
         self._epoch = epoch
         self.capacity = max(source.capacity for source in self._sources)
         self._next = 0
@@ -123,11 +123,13 @@ class StripedReceiver:
             ahead.join(5.0)
 
 
-class _Ahead:
-    """One stripe's reading thread for one update: ``receive`` on its source until the marker, into a queue."""
+class ReadAhead:
+    """One stripe's (or one sender's stream's) reading thread for one update: ``receive`` on its source until the
+    marker, into a queue, as far ahead as the source's ring allows."""
 
-    def __init__(self, source: ReceiverTransport, stripe: int, route: tuple[int, list[str]] | None) -> None:
-        self._source, self._stripe, self._route = source, stripe, route
+    def __init__(self, source: ReceiverTransport, what: str, route: tuple[int, list[str]] | None) -> None:
+        """``what``: how errors name the source (``stripe 1``); ``route``: its rail and hosts when read over one."""
+        self._source, self._what, self._route = source, what, route
         self._queue: queue.SimpleQueue[ReceivedBucket | BaseException] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
@@ -135,10 +137,9 @@ class _Ahead:
         if self._thread is not None:  # the last update's reader ends at its marker, which the pipeline reads
             self._thread.join(max(deadline - time.monotonic(), 0.0))
             if self._thread.is_alive():
-                raise TransferError(f"stripe {self._stripe} is still reading the last update",
-                                    peer=f"stripe {self._stripe}")
+                raise TransferError(f"{self._what} is still reading the last update", peer=self._what)
         self._thread = threading.Thread(target=self._read, args=(deadline,), daemon=True,
-                                        name=f"ws-stripe{self._stripe}")
+                                        name=f"ws-{self._what.replace(' ', '-')}")
         self._thread.start()
 
     def _read(self, deadline: float) -> None:
@@ -149,14 +150,13 @@ class _Ahead:
                 if received.token == 0:
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer's receive, which raises it
-            self._queue.put(on_rail(exc, self._stripe, self._route))
+            self._queue.put(on_rail(exc, self._what, self._route))
 
     def get(self, deadline: float) -> ReceivedBucket:
         try:
             item = self._queue.get(timeout=max(deadline - time.monotonic(), 0.0) + 1.0)
         except queue.Empty:
-            raise TransferError(f"stripe {self._stripe} delivered nothing before the deadline",
-                                peer=f"stripe {self._stripe}") from None
+            raise TransferError(f"{self._what} delivered nothing before the deadline", peer=self._what) from None
         if isinstance(item, BaseException):
             raise item
         return item
@@ -166,14 +166,14 @@ class _Ahead:
             self._thread.join(timeout)
 
 
-def on_rail(error: BaseException, stripe: int, route: tuple[int, list[str]] | None) -> BaseException:
-    """A failure reading stripe ``stripe`` over the network (``route``: its rail and the two hosts it crosses), as a
-    ``TransferError`` naming them (``rail``, ``hosts``); read in place (no route), the error as it is."""
+def on_rail(error: BaseException, what: str, route: tuple[int, list[str]] | None) -> BaseException:
+    """A failure reading ``what`` (``stripe 1``) over the network (``route``: its rail and the two hosts it crosses),
+    as a ``TransferError`` naming them (``rail``, ``hosts``); read in place (no route), the error as it is."""
     if route is None or not isinstance(error, Exception):
         return error
     rail, hosts = route
-    named = TransferError(f"stripe {stripe} over rail {rail} from host {hosts[0]} to host {hosts[1]} failed: {error}",
-                          peer=str(getattr(error, "peer", f"stripe {stripe}")),
+    named = TransferError(f"{what} over rail {rail} from host {hosts[0]} to host {hosts[1]} failed: {error}",
+                          peer=str(getattr(error, "peer", what)),
                           closed=bool(getattr(error, "closed", False)), rail=rail, hosts=list(hosts))
     named.__cause__ = error
     return named
@@ -192,7 +192,7 @@ class OneStripe:
         try:
             return self._source.receive(deadline)
         except Exception as exc:
-            named = on_rail(exc, self.stripe, self._route)
+            named = on_rail(exc, f"stripe {self.stripe}", self._route)
             if named is exc:
                 raise
             raise named from exc

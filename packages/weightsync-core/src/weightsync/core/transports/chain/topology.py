@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-__all__ = ["LAYOUTS", "ChainPlan", "chain_positions", "plan_positions", "plan_stripe", "position_name", "stripe_rails"]
+__all__ = ["LAYOUTS", "ChainPlan", "chain_positions", "plan_positions", "plan_stripe", "position_name", "stripe_rails",
+           "two_level_plan"]
 
 LAYOUTS = ("chain", "two_level")
 
@@ -67,7 +68,7 @@ def plan_positions(*, nodes: list[str], fanout: int, layout: str) -> ChainPlan:
     leader_of: dict[str, int] = {}
     for position, node in enumerate(nodes):
         leader_of.setdefault(node, position)  # the sender leads its host; elsewhere the first rollout rank
-    return _two_level(nodes, fanout, leader_of)
+    return two_level_plan(nodes, fanout, leader_of)
 
 
 def plan_stripe(*, nodes: list[str], rails: list[int], rail: int, fanout: int) -> ChainPlan:
@@ -80,7 +81,7 @@ def plan_stripe(*, nodes: list[str], rails: list[int], rail: int, fanout: int) -
             leader_of.setdefault(nodes[position], position)
     for position in range(1, len(nodes)):
         leader_of.setdefault(nodes[position], position)  # a host without that rail: its first worker leads
-    return _two_level(nodes, fanout, leader_of)
+    return two_level_plan(nodes, fanout, leader_of)
 
 
 def stripe_rails(*, sender_node: str, sender_rails: Sequence[int], rollout: Sequence[tuple[str, int]],
@@ -103,7 +104,8 @@ def stripe_rails(*, sender_node: str, sender_rails: Sequence[int], rollout: Sequ
     return usable[:limit] if limit is not None else usable
 
 
-def _two_level(nodes: list[str], fanout: int, leader_of: dict[str, int]) -> ChainPlan:
+def two_level_plan(nodes: list[str], fanout: int, leader_of: dict[str, int]) -> ChainPlan:
+    """The two-level plan of positions on ``nodes`` whose host leaders are ``leader_of`` (node -> position)."""
     count = len(nodes)
     leaders = sorted(set(leader_of.values()))
     upstream = [-1] * count

@@ -66,12 +66,15 @@ from weightsync.core.transports.chain.plan import (
     ChainReceive,
     ChainSend,
     Source,
+    StreamsReceive,
     StripesReceive,
 )
 from weightsync.core.transports.chain.rings import HOST_SHARED, BucketReady, RegisteredRing, RemoteRing, RingEndpoint, decode_ring
 from weightsync.core.transports.settings import EngineSettings
 from weightsync.core.transports.chain.groups import grouped_topology
+from weightsync.core.transports.chain.sources import sharded_topology
 from weightsync.core.transports.chain.stripes import OneStripe, StripedReceiver, striped_topology
+from weightsync.core.transports.sources import SourcesReceiver, plan_sources
 from weightsync.core.transports.device import DevicePolicy, HOST_POLICY
 from weightsync.core.transports.transport import Transport
 from weightsync.core.wire.framing import accept_peers, recv_frame, send_frame
@@ -95,7 +98,9 @@ class ChainTransport(Transport):
     default, or ``"two_level"``: one reader per host over the network, the host's others in place; host rings only),
     ``relay_piece_bytes`` (a relay forwards a bucket in pieces of this size as they land; default 1 MiB).
 
-    A backend provides ``library`` and ``make_ring``. Sender: actor rank 0; every other actor rank drains its stream.
+    A backend provides ``library`` and ``make_ring``. Sender: actor rank 0; every other actor rank drains its stream
+    (a sharded ``actor_wg``, two-level: every rank that holds shards sends them, over a chain of its own:
+    :mod:`weightsync.core.transports.chain.sources`).
     """
 
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
@@ -210,6 +215,12 @@ class ChainTransport(Transport):
         if layout not in LAYOUTS:
             raise TopologyError(f"{cls.name}: actor rank 0 advertised layout {layout!r}", field="$.layout")
         addresses = [worker.address for worker in workers]
+        sources = plan_sources(metadata)
+        if sources is not None:  # every rank of a sharded actor_wg sends its shards, each over a chain of its own
+            if layout != "two_level":
+                raise TopologyError(f"{cls.name}: a sharded actor_wg sends over layout='two_level' (a chain per "
+                                    "sending rank, by host)", field="$.layout")
+            return sharded_topology(cls.library, metadata, sources, fanout=fanout, addresses=addresses[1:])
         striped = striped_topology(cls.library, metadata, fanout=fanout, addresses=addresses[1:])
         if striped is not None:
             return striped
@@ -243,10 +254,14 @@ class ChainTransport(Transport):
         downstream = self._accept_children(ring, plan.children, plan.in_place, plan.epoch)
         return ChainSender(ring, downstream)
 
-    def connect_receiver(self, plan: ChainReceive | StripesReceive
-                         ) -> ChainReceiver | HostRingReader | StripedReceiver | OneStripe:
+    def connect_receiver(self, plan: ChainReceive | StripesReceive | StreamsReceive
+                         ) -> ChainReceiver | HostRingReader | StripedReceiver | OneStripe | SourcesReceiver:
         if isinstance(plan, StripesReceive):
-            return self._connect_stripes(plan)
+            opened, routes = self._connect_many(plan.sources, rank=plan.rank, epoch=plan.epoch, what="stripe")
+            return StripedReceiver(opened, epoch=plan.epoch, routes=routes)
+        if isinstance(plan, StreamsReceive):  # a sharded actor_wg: every sending rank's stream
+            opened, routes = self._connect_many(plan.sources, rank=plan.rank, epoch=plan.epoch, what="stream")
+            return SourcesReceiver(opened, plan.streams, epoch=plan.epoch, routes=routes)
         alone = self._connect_one(plan.source, rank=plan.rank, epoch=plan.epoch)
         if plan.stripe is not None:
             # A stager of one stripe (a staged striped update): its stripe's chain, failures named by its rail.
@@ -287,22 +302,23 @@ class ChainTransport(Transport):
             raise
         return Upstream(sock, peer, remote, endpoint)
 
-    def _connect_stripes(self, plan: StripesReceive) -> StripedReceiver:
-        """A receiver of a striped update: every stripe's source (``plan.sources``, one per stripe) — over the
-        network for the stripe it leads (its rail's), in place from the host's leader for every other. Its children
-        are accepted while it connects: two workers of a host each lead a stripe the other reads in place, so each
-        must answer the other's hello before its own connections are done."""
-        epoch, rank, sources = plan.epoch, plan.rank, plan.sources
+    def _connect_many(self, sources: tuple[Source, ...], *, rank: int, epoch: str, what: str
+                      ) -> tuple[list[ChainReceiver | HostRingReader], list[tuple[int, list[str]] | None]]:
+        """A receiver of several chains (a striped update's stripes, a sharded actor_wg's streams), and the route
+        of each it reads over the network: every chain's source — over the network for the one it leads, in place
+        from the host's leader for every other. Its children are accepted while it connects: two workers of a host
+        each lead a chain the other reads in place, so each must answer the other's hello before its own
+        connections are done."""
         deadline = time.monotonic() + self.settings.timeout
         leading = [stripe for stripe, source in enumerate(sources) if not source.local]
         if len(leading) > 1:
-            raise TopologyError(f"{self.name}: rollout rank {rank} leads stripes {leading}; a worker leads one",
+            raise TopologyError(f"{self.name}: rollout rank {rank} leads {what}s {leading}; a worker leads one",
                                 field="$.sources")
         accepting = _Accepting(self, [sources[stripe] for stripe in leading], epoch)
         opened: list[ChainReceiver | HostRingReader] = []
         try:
             for stripe, source in enumerate(sources):
-                peer = source.peer or f"stripe {stripe}'s upstream"
+                peer = source.peer or f"{what} {stripe}'s upstream"
                 if stripe not in leading:
                     opened.append(self._connect_in_place(source.upstream, peer=peer, rank=rank, epoch=epoch,
                                                          deadline=deadline))
@@ -322,8 +338,7 @@ class ChainTransport(Transport):
                 receiver.close()
             accepting.close()
             raise
-        return StripedReceiver(opened, epoch=epoch, routes=[_route(source) if stripe in leading else None
-                                                            for stripe, source in enumerate(sources)])
+        return opened, [_route(source) if stripe in leading else None for stripe, source in enumerate(sources)]
 
     def _connect_in_place(self, address: str, *, peer: str, rank: int, epoch: str, deadline: float
                           ) -> HostRingReader:

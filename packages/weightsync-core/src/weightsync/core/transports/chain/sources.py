@@ -1,0 +1,93 @@
+"""A sharded ``actor_wg`` across hosts (:mod:`weightsync.core.transports.sources`): each sending rank's stream over a
+two-level chain of its own.
+
+Stream s (the shards of ``senders[s]``) goes from its sender's host to every rollout host once: on each host its
+leader reads it over the network, on the sender's rail where the host has workers on it (a rail is a network of its
+own; a rank per rail, as a striped update's senders), and the host's other workers read the leader's ring in place.
+The leaders of a host's streams are different workers (each worker's engine has one ring); a host with fewer
+workers (on a sender's rail) than there are streams to lead cannot be served yet (a ``TopologyError``, before any
+pause: a worker would need a ring per stream it leads; so would a staged update's one stager per host). The senders may be on different hosts. Every rollout worker's plan (:class:`StreamsReceive`) has
+one source per stream, in the senders' order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from weightsync.api.errors import TopologyError
+from weightsync.api.types import Topology, WorldMetadata
+from weightsync.core.transports.chain.plan import ChainMetadata, ChainSend, Route, Source, StreamsReceive
+from weightsync.core.transports.chain.topology import ChainPlan, two_level_plan
+from weightsync.core.transports.plan import Idle, RankPlan, decode_metadata, encode_plan
+from weightsync.core.transports.sources import SourcesPlan
+
+__all__ = ["sharded_topology"]
+
+
+def sharded_topology(library: str, metadata: WorldMetadata, sources: SourcesPlan, *, fanout: int,
+                     addresses: Sequence[str]) -> Topology:
+    """The topology of a sharded ``actor_wg`` over the two-level chain (module docstring). ``addresses``: each
+    rollout rank's endpoint."""
+    actor = [decode_metadata(entry, ChainMetadata, who=f"actor rank {rank}") for rank, entry in
+             enumerate(metadata.actor)]
+    rollout = [decode_metadata(entry, ChainMetadata, who=f"rollout rank {rank}") for rank, entry in
+               enumerate(metadata.rollout)]
+    if actor[0].staged:
+        raise TopologyError("staged updates from a sharded actor_wg across hosts are not built (a host's stager would "
+                            "lead every rank's stream into it); use SyncConfig(staged=False)")
+    for rank in sources.senders:
+        if not actor[rank].address or actor[rank].library != library:
+            raise TopologyError(f"actor rank {rank} holds shards to send but did not advertise a {library} endpoint")
+    senders = sources.senders
+    first = senders[0]
+    actor_plans: list[RankPlan] = [Idle(sender=first) for _ in actor]
+    mine: list[list[Source]] = [[] for _ in rollout]
+    leading: set[int] = set()
+    for stream, sender in enumerate(senders):
+        plan = _stream_plan(actor[sender], rollout, leading, fanout)
+        children, in_place = plan.downstream(0, range(len(rollout) + 1))
+        actor_plans[sender] = ChainSend(sender=sender, children=children, in_place=in_place,
+                                        skip=sources.skip[sender])
+        where = [actor[sender].address, *addresses]
+        workers = [actor[sender], *rollout]
+        for position in range(1, len(rollout) + 1):
+            upstream = plan.upstream[position]
+            children, in_place = plan.downstream(position, range(len(rollout) + 1))
+            name = f"actor rank {sender}" if upstream == 0 else f"rollout rank {upstream - 1}"
+            ends = (workers[upstream].host_name, workers[position].host_name)
+            how = "in place" if plan.local[position] else f"rail {workers[position].rail} from host {ends[0]} to " \
+                f"host {ends[1]}"
+            mine[position - 1].append(Source(
+                upstream=where[upstream], upstream_position=upstream, local=plan.local[position], children=children,
+                in_place=in_place, peer=f"{name} (the shards of actor rank {sender}, {how})",
+                route=None if plan.local[position] else Route(rail=workers[position].rail, hosts=ends)))
+    rollout_plans = [StreamsReceive(sender=first, rank=rank, sources=tuple(sourced), streams=senders)
+                     for rank, sourced in enumerate(mine)]
+    return Topology(actor=[encode_plan(plan) for plan in actor_plans],
+                    rollout=[encode_plan(plan) for plan in rollout_plans], senders=senders, sharded=True)
+
+
+def _stream_plan(sender: ChainMetadata, rollout: Sequence[ChainMetadata], leading: set[int], fanout: int
+                 ) -> ChainPlan:
+    """The two-level plan of one sender's stream: position 0 the sender, position p rollout rank p - 1; each other
+    host's leader its first worker that leads no stream yet (``leading``, updated), among those on the sender's rail
+    where the host has any."""
+    nodes = [sender.node_id, *(worker.node_id for worker in rollout)]
+    hosts: dict[str, list[int]] = {}
+    for position in range(1, len(nodes)):
+        hosts.setdefault(nodes[position], []).append(position)
+    leader_of = {nodes[0]: 0}
+    for node, positions in hosts.items():
+        if node == nodes[0]:
+            continue  # the sender's host: its workers read the sender's ring in place
+        on_rail = [p for p in positions if rollout[p - 1].rail == sender.rail]
+        # A rail is a network of its own: where the host has workers on the sender's rail, one of them leads.
+        free = [p for p in on_rail or positions if p not in leading]
+        if not free:
+            raise TopologyError(f"host {rollout[positions[0] - 1].host_name} has {len(on_rail or positions)} rollout "
+                                f"workers on rail {sender.rail} for more sending ranks on it: each leads one rank's "
+                                "stream into the host (not built: a ring per stream; a staged update's one stager per "
+                                "host is such a host)")
+        leader_of[node] = free[0]
+        leading.add(free[0])
+    return two_level_plan(nodes, fanout, leader_of)
