@@ -153,7 +153,12 @@ def _add_bench(commands: Any) -> None:
                        help="with --hosts: K links per host (rails, each its own network at --link-gbps; default 1)")
     bench.add_argument("--actor-ranks", type=int, default=0, metavar="A",
                        help="with --hosts: actor ranks on the sender's host, local ranks 0..A-1, each on rail "
-                            "(rank mod --rails), each draining the whole stream (default: --rails)")
+                            "(rank mod --rails), each draining the whole stream (default: --rails); with --sharded: "
+                            "the FSDP2 group's ranks (2 or more)")
+    bench.add_argument("--sharded", action="store_true",
+                       help="one host, --actor-ranks A >= 2, shm or auto (default shm): the actor ranks hold the model "
+                            "under FSDP2 over gloo; every backend B is measured as B+sharded (each rank sends its "
+                            "shards) against B+gathered (every parameter all-gathered, rank 0 sends)")
     bench.add_argument("--rtt-ms", type=float, default=0.0,
                        help="with --hosts: round-trip delay between hosts in ms (default 0; needs sch_netem)")
     bench.add_argument("--cleanup", action="store_true",
@@ -249,6 +254,10 @@ def _bench(args: argparse.Namespace) -> int:
         from weightsync.cli.bench.hosts import run_cleanup
 
         return run_cleanup()
+    if args.sharded:
+        error = _sharded_error(args)
+        if error:
+            return _usage_error("bench", error)
     if args.rollout == "vllm":
         return _vllm_bench(args)
     if args.disk_dir is not None or args.tp != 1:
@@ -260,13 +269,15 @@ def _bench(args: argparse.Namespace) -> int:
 
     default_bucket_mb = HOSTS_BUCKET_MB if args.hosts else 64
     return run_bench(BenchOptions(
-        backends=tuple(name for name in args.backends.split(",") if name), model_mb=args.model_mb,
+        backends=tuple(name for name in args.backends.split(",") if name) or (("shm",) if args.sharded else ()),
+        model_mb=args.model_mb,
         receivers=args.receivers, bucket_mb=args.bucket_mb or default_bucket_mb, mix=args.mix, repeat=args.repeat,
         json_path=args.json_path, plot_path=args.plot_path, trace_path=args.trace_path,
         ray=args.ray and not args.hosts, ray_backend=args.ray_backend, hosts=args.hosts,
         link_gbps=args.link_gbps if args.link_gbps is not None else HOSTS_LINK_GBPS, rtt_ms=args.rtt_ms,
         rails=args.rails, actor_ranks=args.actor_ranks or (2 if args.parts and args.hosts else 0),
         delta=args.delta, verify_every=args.verify_every, staged=args.staged, parts=args.parts or "",
+        sharded=args.sharded,
         **({"lr": args.lr} if args.lr is not None else {}),
     ))
 
@@ -318,8 +329,8 @@ def _bench_error(args: argparse.Namespace) -> str:
     if args.mix == "rl" and args.plot_path:
         return "--plot does not apply with --mix rl (its model is the decoder's, not a size to sweep)"
     if not args.hosts:
-        if args.link_gbps is not None or args.rtt_ms or args.rails != 1 or args.actor_ranks:
-            return "--link-gbps, --rails, --actor-ranks and --rtt-ms need --hosts"
+        if args.link_gbps is not None or args.rtt_ms or args.rails != 1 or (args.actor_ranks and not args.sharded):
+            return "--link-gbps, --rails, --actor-ranks and --rtt-ms need --hosts (--actor-ranks: or --sharded)"
         return ""
     missing = _testbed_missing("--hosts")
     if missing:
@@ -338,6 +349,26 @@ def _bench_error(args: argparse.Namespace) -> str:
         return f"--rails must be 1..{MAX_RAILS}"
     if not 0 <= args.actor_ranks <= 16:
         return "--actor-ranks must be 0 (one per rail) to 16"
+    return ""
+
+
+MAX_SHARDED_RANKS = 16
+
+
+def _sharded_error(args: argparse.Namespace) -> str:
+    """What ``--sharded`` cannot be combined with, or ''."""
+    if args.hosts:
+        return "--sharded runs on one host (its actor ranks share this machine's FSDP2 group): not with --hosts"
+    if args.rollout == "vllm":
+        return "--sharded measures the bench's own receivers: not with --rollout vllm"
+    if not 2 <= args.actor_ranks <= MAX_SHARDED_RANKS:
+        return f"--sharded needs --actor-ranks A, 2..{MAX_SHARDED_RANKS}: the ranks that hold the model's shards"
+    if args.delta or args.staged:
+        return "--sharded measures full updates (a sharded actor_wg sends no delta; staged ones are not measured)"
+    if args.parts or args.plot_path or args.mix == "rl":
+        return "--sharded takes neither --parts, --plot nor --mix rl (its model is the realistic or the small mix)"
+    if any(name not in ("shm", "auto") for name in args.backends.split(",") if name):
+        return "--sharded needs --backends shm or auto (on one host, shm is the backend that sends from shards)"
     return ""
 
 

@@ -29,6 +29,12 @@ receiving hosts a replica's two workers sit on two hosts (``Case.replicas``), an
 two-level layout gives each group of hosts that skip the same tensors a stream of its own
 (``weightsync.core.transports.chain.groups``), so with ``layers2`` each host takes in only its half.
 
+With ``--sharded`` (one host, ``--actor-ranks M``, shm or auto) the M actor ranks hold the model under FSDP2 over
+gloo (see ``sharded``), and every backend B is measured as two entries, side by side: ``B+sharded`` (every rank sends
+its shards at once) and ``B+gathered`` (every rank all-gathers each parameter, rank 0 sends: today's path). The report
+gives gathered / sharded (update time, p50) and each actor rank's bytes sent; every receiver's model is compared with
+the version sent after the timed updates.
+
 Also measured, unless ``--no-ray`` or ``--hosts`` (see ``ray_e2e``): ``CheckpointEngineManager.update_weights`` of a 1 MiB model
 through the Ray adapter, pause → resume included, against one no-op call gathered from every worker (target: at
 most 5 ×). The JSON's ``ray_end_to_end`` holds those figures, or ``{"skipped": reason}``.
@@ -49,8 +55,8 @@ from weightsync.cli.bench.measure import (COPY_TRIES, RAW_TRIES, BenchResult, Lo
 from weightsync.cli.bench.ray_e2e import measure_ray_end_to_end, ray_unavailable
 from weightsync.cli.bench.report import RayOutcome, Summary, chrome_trace, print_report, write_json
 from weightsync.cli.bench.rl import RLVersions, make_versions
-from weightsync.cli.bench.scenario import (BASELINES, DELTA, STAGED, BenchOptions, Case, make_case, model_bytes,
-                                          model_layout)
+from weightsync.cli.bench.scenario import (BASELINES, DELTA, GATHERED, SHARDED, STAGED, BenchOptions, Case, make_case,
+                                          model_bytes, model_layout)
 from weightsync.cli.bench.sweep import measure_sweep, plot, sweep_bytes, sweep_cases, sweep_steps
 from weightsync.cli.progress import Progress
 from weightsync.core.control.auto import AUTO
@@ -93,6 +99,8 @@ def run_bench(options: BenchOptions) -> int:
             (name, _with_parts(name, options.parts)) if not options.hosts or name.startswith(AUTO) else (name,))]
     if options.staged:  # each staged entry right after its unstaged twin
         names = [entry for name in names for entry in (name, name + STAGED)]
+    if options.sharded:  # an FSDP2 actor_wg: each rank sends its shards, against the same ranks gathering first
+        names = [entry for name in names for entry in (name + SHARDED, name + GATHERED)]
     names += BASELINES
     versions = _version_count(options)
     progress = Progress(_steps(options, names, ray=ray_skipped is None, plotting=plotting) + versions, clock=True)

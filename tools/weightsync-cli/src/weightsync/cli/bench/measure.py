@@ -22,6 +22,7 @@ from weightsync.api.config import MiB
 from weightsync.api.types import UpdateReport
 from weightsync.cli.bench.managed import ManagedUpdates, report_dict
 from weightsync.cli.bench.scenario import BASELINES, Case, bench_part
+from weightsync.cli.bench.sharded import check_receivers
 from weightsync.cli.bench.worker import Channel, c10d, serve
 from weightsync.cli.progress import Progress
 from weightsync.core.transports.place import default_node_id
@@ -61,6 +62,9 @@ class BenchResult:
     busy_seconds: list[float] = field(default_factory=list)
     """An engine entry's, per timed update: the receivers' busy seconds (each receiver's ``unpack`` phase, their
     median): what reading, copying and hashing an update cost a receiver."""
+    checked: int = 0
+    """``--sharded``: the receivers whose whole model was compared with the version sent last, after the timed
+    updates, and held it bit for bit (every receiver: a mismatch fails the run)."""
 
 
 @dataclass
@@ -160,6 +164,11 @@ class _Workers:
                 common.update(store_host="127.0.0.1", store_port=int(self.store.port))
         else:
             common.update(kind="engine")  # its engine is the manager's to build (weightsync.cli.bench.managed)
+        if case.source:
+            # ``--sharded``: the actor ranks' own gloo group (FSDP2's), over a store the driver hosts on the loopback.
+            self.store = c10d.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+            common.update(source=case.source, actor_ranks=case.actors, tag=secrets.token_hex(8),
+                          store_host="127.0.0.1", store_port=int(self.store.port))
         self.pipes: list[Channel] = []
         self.stops: list[Callable[[float], None]] = []
         self.actors = case.actors
@@ -260,8 +269,11 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
             if before is not None and after is not None:
                 links.add(before, after)
             progress.step(f"{case.name}: update {index + 1}/{case.repeat}")
-        # Taken before any yardstick allocates: the peak over the updates only.
+        # Taken before any yardstick (or check) allocates: the peak over the updates only.
         peak_extra = max(workers.each("rss")) / MiB
+        checked = 0
+        if case.source:  # ``--sharded``: every receiver holds the version sent last, bit for bit
+            checked = check_receivers(case.name, workers.each_receiver("check", version=case.repeat))
         if serving is not None:
             serving.failed_requests = sum(workers.each_receiver("failed"))
         report = report_dict(managed.report) if managed is not None else None
@@ -279,7 +291,7 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
                        peak_extra_rss_mb=peak_extra, seconds=seconds, sender_egress_bytes=links.egress,
                        host_ingress_bytes=links.ingress, rail_egress_bytes=links.rail_egress,
                        rail_ingress_bytes=links.rail_ingress, chosen=managed.chosen if managed else "",
-                       serving=serving, report=report, busy_seconds=busy)
+                       serving=serving, report=report, busy_seconds=busy, checked=checked)
 
 
 def receivers_busy(report: UpdateReport) -> float:

@@ -10,7 +10,7 @@ from typing import Any
 from weightsync.api.config import MiB
 from weightsync.cli.bench.measure import BenchResult, Yardsticks, cores
 from weightsync.cli.bench.ray_e2e import E2E_TARGET, RayEndToEnd
-from weightsync.cli.bench.scenario import BenchOptions, Case
+from weightsync.cli.bench.scenario import GATHERED, SHARDED, BenchOptions, Case
 from weightsync.cli.bench.serving import PERIOD
 from weightsync.core.native import STREAM_COPY
 
@@ -88,6 +88,7 @@ class Summary:
             if result.busy_seconds:
                 row["busy_seconds_p50"] = round(statistics.median(result.busy_seconds), 5)
             row.update(self._parts_row(result))
+            row.update(self._sharded_row(result))
             if self.options.hosts:
                 # Per update: the median over the timed updates (every update's counts are in the scenario).
                 row.update(ratio_link_limit=round(result.gbps_p50 / self.link_limit_gbps, 4),
@@ -116,6 +117,21 @@ class Summary:
                 "ratio_busy_whole": round(statistics.median(result.busy_seconds)
                                           / statistics.median(twin.busy_seconds), 4)}
 
+    def _sharded_row(self, result: BenchResult) -> dict[str, Any]:
+        """``--sharded``: the bytes each actor rank sent in the entry's last timed update, the receivers whose model
+        was checked, and on ``B+sharded`` its gathered twin's update time over its own (p50 over p50)."""
+        if not result.backend.endswith((SHARDED, GATHERED)) or result.report is None:
+            return {}
+        senders = sorted((transfer for transfer in result.report["transfers"] if transfer["role"] == "actor"),
+                         key=lambda transfer: int(transfer["rank"]))
+        row: dict[str, Any] = {"actor_bytes": [int(transfer["nbytes"]) for transfer in senders],
+                               "receivers_checked": result.checked}
+        twin = self.results.get(result.backend.removesuffix(SHARDED) + GATHERED)
+        if result.backend.endswith(SHARDED) and twin is not None:
+            row.update(gathered=twin.backend, ratio_gathered_sharded=round(
+                statistics.median(twin.seconds) / statistics.median(result.seconds), 4))
+        return row
+
     def scenario(self) -> dict[str, Any]:
         options, total, yardsticks = self.options, self.main.total_bytes, self.yardsticks
         hosts: dict[str, Any] = {}
@@ -139,6 +155,7 @@ class Summary:
                if self.changed_fraction is not None else {}),
             **({"verify_every": options.verify_every} if options.delta else {}),
             **({"staged": True, "serving_period_s": PERIOD} if options.staged else {}),
+            **({"sharded": True, "actor_ranks": options.actor_ranks} if options.sharded else {}),
             "seconds": {result.backend: [round(s, 4) for s in result.seconds] for result in self.results.values()},
             **hosts,
         }
@@ -172,6 +189,8 @@ def print_report(summary: Summary, ray: RayOutcome) -> None:
         _print_serving(summary)
     if options.parts:
         _print_parts(summary)
+    if options.sharded:
+        _print_sharded(summary)
     e2e = ray.measured
     if e2e is not None:
         stages = " + ".join(f"{step} {ms:.1f}" for step, ms in e2e.to_json()["stages_ms_p50"].items())
@@ -226,6 +245,32 @@ def _print_parts(summary: Summary) -> None:
         print(f"{row['backend']:<22} {row['ratio_seconds_whole']:>7.2f} {row['ratio_busy_whole']:>7.2f} "
               f"{row['busy_seconds_p50'] * 1e3:>8.1f}  ({'meets' if meets else 'MISSES'} time <= "
               f"{PARTS_SECONDS_BAR:g} x, busy <= {PARTS_BUSY_BAR:g} x)")
+
+
+SHARDED_BAR = 1.5
+"""``B+sharded`` should take at most 1 / this of ``B+gathered``'s time on one host, where the gather is the
+bottleneck."""
+
+
+def _print_sharded(summary: Summary) -> None:
+    """``--sharded``: each entry's update time (p50), each actor rank's bytes sent / S, and gathered / sharded."""
+    total = summary.main.total_bytes
+    print(f"sharded ({summary.options.actor_ranks} actor ranks hold the model under FSDP2 over gloo; +gathered "
+          "all-gathers every parameter and rank 0 sends it; every receiver's model checked against the version sent)")
+    print(f"{'entry':<18} {'p50 s':>7} {'x gathered':>11}  actor ranks' bytes sent / S")
+    rows = summary.rows()
+    for row in rows:
+        if "actor_bytes" not in row:
+            continue
+        seconds = statistics.median(summary.results[row["backend"]].seconds)
+        ratio = f"{row['ratio_gathered_sharded']:>11.2f}" if "ratio_gathered_sharded" in row else f"{'':>11}"
+        print(f"{row['backend']:<18} {seconds:>7.3f} {ratio}  "
+              + " ".join(f"{nbytes / total:.3f}" for nbytes in row["actor_bytes"]))
+    for row in rows:
+        if "ratio_gathered_sharded" in row:
+            ratio = row["ratio_gathered_sharded"]
+            print(f"{row['gathered']} / {row['backend']} = {ratio:.2f} x (update time, p50; "
+                  f"{'meets' if ratio >= SHARDED_BAR else 'BELOW'} the >= {SHARDED_BAR:g} x bar)")
 
 
 def _serving_row(result: BenchResult) -> dict[str, Any]:

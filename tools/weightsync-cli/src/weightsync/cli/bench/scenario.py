@@ -10,14 +10,19 @@ from weightsync.api.parts import Part
 from weightsync.cli.bench.rl import DEFAULT_LR, RLVersions
 from weightsync.cli.bench.worker import Layout
 
-__all__ = ["BASELINES", "DELTA", "HOSTS_MODEL_MB", "PARTS", "STAGED", "BenchOptions", "Case", "bench_part",
-           "make_case", "model_bytes", "model_layout"]
+__all__ = ["BASELINES", "DELTA", "GATHERED", "HOSTS_MODEL_MB", "PARTS", "SHARDED", "STAGED", "BenchOptions", "Case",
+           "bench_part", "make_case", "model_bytes", "model_layout"]
 
 BASELINES = ("naive", "bucketed")
 DELTA = "+delta"
 """The suffix of a backend's entry measured with delta updates (``--delta``)."""
 STAGED = "+staged"
 """The suffix of an entry measured with staged updates (``--staged``): ``B+staged``, ``B+delta+staged``."""
+SHARDED = "+sharded"
+"""``--sharded``: the entry whose actor ranks hold an FSDP2-sharded model and each send their shards
+(``weightsync.cli.bench.sharded``)."""
+GATHERED = "+gathered"
+"""``--sharded``'s baseline, ``B+gathered``: the same ranks all-gather every parameter, rank 0 sends it whole."""
 PARTS = ("tp2", "layers2")
 """``--parts``: replicas of two workers, each holding half of every split layer (``tp2``: tensor parallelism's
 column- and row-parallel halves, norms whole on both) or half the layers (``layers2``: the tensors in the first
@@ -74,6 +79,9 @@ class BenchOptions:
     parts: str = ""
     """One of ``PARTS``: also measure every entry B with the receivers in replicas of two workers that each hold a
     part, as ``B+tp2`` (``B+layers2``)."""
+    sharded: bool = False
+    """Measure every backend B (shm or auto) as ``B+sharded`` and ``B+gathered`` instead of B: ``actor_ranks`` (M >= 2)
+    ranks on this host hold the model under FSDP2 (``weightsync.cli.bench.sharded``)."""
 
 
 @dataclass
@@ -103,8 +111,14 @@ class Case:
 
     @property
     def backend(self) -> str:
-        """The backend or baseline measured (an entry ``B+tp2+delta+staged`` measures B)."""
-        return self.name.removesuffix(STAGED).removesuffix(DELTA).removesuffix(f"+{self.parts}")
+        """The backend or baseline measured (an entry ``B+tp2+delta+staged`` measures B, ``B+sharded`` too)."""
+        name = self.name.removesuffix(SHARDED).removesuffix(GATHERED)
+        return name.removesuffix(STAGED).removesuffix(DELTA).removesuffix(f"+{self.parts}")
+
+    @property
+    def source(self) -> str:
+        """``--sharded``: how the actor ranks' FSDP2 model is sent, ``sharded`` or ``gathered``; '' otherwise."""
+        return next((suffix[1:] for suffix in (SHARDED, GATHERED) if self.name.endswith(suffix)), "")
 
     @property
     def delta(self) -> bool:

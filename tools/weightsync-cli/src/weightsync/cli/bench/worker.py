@@ -4,7 +4,8 @@ A worker is one of three kinds:
 - ``engine``: an ``EngineHost`` (what an adapter keeps in every worker process: ``weightsync.core.worker.host``),
   driven by the driver's ``CheckpointEngineManager`` through the worker group and replicas of
   ``weightsync.cli.bench.group``: the engine is built from the manager's spec at ``prepare``, exactly as a
-  deployment builds it;
+  deployment builds it (with ``--sharded`` an actor rank holds FSDP2 shards of the model instead of the whole:
+  ``weightsync.cli.bench.sharded``);
 - ``naive``: a plain gloo process group, one broadcast per tensor straight into the receivers' own tensors;
 - ``bucketed``: the same group, verl's NCCL design on CPU — rank 0 packs bucket k+1 while the asynchronous broadcast
   of bucket k is in flight, receivers post the broadcast of bucket k+1 before unpacking bucket k (two buffers each).
@@ -33,6 +34,7 @@ from weightsync.api.parts import Part
 from weightsync.api.types import StagedUpdate
 from weightsync.cli.bench.rl import load_version
 from weightsync.cli.bench.serving import Server
+from weightsync.cli.bench.sharded import FsdpModel, mismatches
 from weightsync.core.native import copy_stream
 from weightsync.core.transports.place import LOCAL_RANK_ENV
 from weightsync.core.wire.layout import PIECE_BYTES
@@ -244,16 +246,19 @@ class _Worker:
         self.spec = spec
         layout: Layout = [(name, tuple(shape)) for name, shape in spec["layout"]]
         part = Part.from_dict(spec["part"]) if spec.get("part") is not None else None
+        # ``--sharded``: an actor rank holds its FSDP2 shards only (joining its group blocks until every rank has).
+        self.fsdp = FsdpModel(spec, layout) if spec["role"] == "actor" and spec.get("source") else None
         # torch.ones touches every page: the receivers' model copies are pre-faulted, as an inference engine's are.
         # A receiver that holds a part (``--parts``) holds only it: a shard of each box, whole tensors, nothing else.
         self.by_name = {name: torch.ones(_held_shape(part, name, shape), dtype=torch.bfloat16)
-                        for name, shape in layout if part is None or part.regions(name) != ()}
+                        for name, shape in layout if (part is None or part.regions(name) != ()) and self.fsdp is None}
         self.tensors = list(self.by_name.values())
         self.gloo: _Gloo | None = None
         self.store: Any = None
         self.node_id, self.host_ip = worker_identity(spec)
+        source = self.fsdp.layout if self.fsdp is not None and self.fsdp.sharded else None  # declared: +sharded
         self.host = EngineHost(node_id=self.node_id, host_ip=self.host_ip, name=f"{spec['role']} {spec['rank']}",
-                               part=part) if spec["kind"] == "engine" else None
+                               part=part, source=source) if spec["kind"] == "engine" else None
         self.sink = _Sink(self.by_name)
         self.server: Server | None = None
         """``--staged``: this receiver's serving loop."""
@@ -278,6 +283,10 @@ class _Worker:
             # ``--mix rl``: the sender takes on the next version before an update (untimed); receivers keep theirs.
             if self.spec.get("versions") and self.spec["role"] == "actor":
                 load_version(self.spec["versions"], command["version"], self.tensors)
+            elif self.fsdp is not None:  # ``--sharded``: each version differs, so a receiver's check means something
+                self.fsdp.fill(command["version"])
+        elif op == "check":  # ``--sharded``: what a receiver holds against the version sent
+            return mismatches(self.by_name, command["version"])
         elif op == "mark":
             # Before the first update: what the process holds once its model and connections exist.
             self.rss_before = _rss_bytes()
@@ -315,7 +324,8 @@ class _Worker:
         if op == "execute":
             return asyncio.run(host.execute(command["method"], **command.get("kwargs", {})))
         if op == "send":
-            return asyncio.run(host.send(zip(self.by_name.keys(), self.tensors), version=command["version"])).to_dict()
+            weights = self.fsdp.weights() if self.fsdp is not None else zip(self.by_name.keys(), self.tensors)
+            return asyncio.run(host.send(weights, version=command["version"])).to_dict()
         if op == "receive":
             return asyncio.run(host.receive(self.sink, version=command["version"])).to_dict()
         if op == "stage":
@@ -376,6 +386,8 @@ class _Worker:
             asyncio.run(self.host.execute("close"))
         if self.gloo is not None:
             self.gloo.close()
+        if self.fsdp is not None:
+            self.fsdp.close()
 
 
 def serve(conn: Channel, spec: dict[str, Any]) -> None:
