@@ -67,14 +67,22 @@ def verl_auto_world(ray_nodes: RayNodes) -> Iterator[VerlWorld]:
     yield from build_world("weightsync.auto", actor_ranks=1, replica_workers=(1,))
 
 
-def build_world(backend: str, *, actor_ranks: int = 2, replica_workers: tuple[int, ...] = (2, 1)
-                ) -> Iterator[VerlWorld]:
+@pytest.fixture(scope="module")
+def verl_sharded_world(ray_nodes: RayNodes) -> Iterator[VerlWorld]:
+    """Two actor ranks of an FSDP2-sharded model exporting their shards as verl's engines do
+    (``ShardedToyActor``), one replica of one worker, ``weightsync.shm``."""
+    yield from build_world("weightsync.shm", actor_ranks=2, replica_workers=(1,), actor="ShardedToyActor")
+
+
+def build_world(backend: str, *, actor_ranks: int = 2, replica_workers: tuple[int, ...] = (2, 1),
+                actor: str = "ToyActorWorker") -> Iterator[VerlWorld]:
     import ray
     from verl.checkpoint_engine.base import CheckpointEngineWorker
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.workers.config import CheckpointEngineConfig, RolloutConfig
 
-    from tests.adapters.verl.workloads import BUCKET_MEGABYTES, RecordingServerAdapter, ToyActorWorker, ToyReplica
+    from tests.adapters.verl import workloads
+    from tests.adapters.verl.workloads import BUCKET_MEGABYTES, RecordingServerAdapter, ToyReplica
 
     config = CheckpointEngineConfig(
         backend=backend,
@@ -89,7 +97,7 @@ def build_world(backend: str, *, actor_ranks: int = 2, replica_workers: tuple[in
         return RayResourcePool(process_on_nodes=[processes], use_gpu=False, max_colocate_count=1)
 
     actor_wg = RayWorkerGroup(
-        resource_pool=pool(actor_ranks), ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(ToyActorWorker),
+        resource_pool=pool(actor_ranks), ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(getattr(workloads, actor)),
                                                                       checkpoint_config=config),
         device_name="cpu",
     )

@@ -108,6 +108,49 @@ class ToyActorWorker(WeightsyncActorMixin, Worker):  # type: ignore[misc]  # ver
             yield name, tensor.to(self.device)
 
 
+class ShardedToyActor(ToyActorWorker):
+    """An actor rank of a sharded trainer: ``model_weights(version)``'s tensors as the parameters of a module under
+    FSDP2 over gloo (verl's process-group environment: ``fully_shard`` on the model, each rank a ``Shard(0)`` block
+    of every tensor, uneven where the sizes are odd), exported as verl's engines export shards
+    (``get_per_tensor_param_shard``: ``(name, local shard, ShardSpec.from_param(p))``)."""
+
+    def __init__(self, checkpoint_config: Any, **kwargs: Any) -> None:
+        super().__init__(checkpoint_config, **kwargs)
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")  # verl's worker group set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+        module = torch.nn.Module()
+        for name, dtype, numel in _LAYOUT:
+            owner = module
+            *path, leaf = name.split(".")
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, torch.nn.Module())
+                owner = getattr(owner, part)
+            owner.register_parameter(leaf, torch.nn.Parameter(torch.zeros(numel, dtype=dtype), requires_grad=False))
+        fully_shard(module, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+        self.module = module
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]  # verl is untyped
+    def set_model(self, version: int, delay: float = 0.0) -> None:
+        full = dict(model_weights(version))
+        with torch.no_grad():
+            for name, parameter in self.module.named_parameters():
+                local = parameter.to_local()  # type: ignore[attr-defined]
+                start = parameter.__create_chunk_list__()[0].offsets[0]  # type: ignore[attr-defined]
+                local.copy_(full[name][start:start + local.numel()])
+        self.version = version
+
+    def weight_shards(self) -> Iterator[tuple[str, torch.Tensor, Any]]:
+        from verl.workers.engine.spec import ShardSpec
+
+        for name, parameter in self.module.named_parameters():
+            yield name, parameter.to_local(), ShardSpec.from_param(parameter)  # type: ignore[attr-defined]
+
+
 class RecordingServerAdapter:
     """Stands in for verl's vLLM/SGLang server adapter inside ``CheckpointEngineWorker``: records what it receives.
 

@@ -28,7 +28,9 @@ from verl.checkpoint_engine.base import CheckpointEngineRegistry
 from verl.single_controller.base.decorator import Dispatch, register
 
 from weightsync.api.errors import ConfigError, LifecycleError
+from weightsync.api.sources import SOURCE_KEY
 from weightsync.verl.config import read_checkpoint_config
+from weightsync.verl.sources import Exported, layout_of, shards_of
 
 __all__ = ["WeightsyncActorMixin"]
 
@@ -68,6 +70,13 @@ class WeightsyncActorMixin:
         """This rank's current model as ``(name, tensor)`` pairs (every rank is drained; see send_weights)."""
         raise NotImplementedError(f"{type(self).__name__} must define named_weights() to use WeightsyncActorMixin")
 
+    def weight_shards(self) -> Exported | None:
+        """This rank's shards as verl's engines export them — ``(name, local_shard, ShardSpec)``, e.g.
+        ``self.engine.get_per_tensor_param_shard()[0]`` — to send them as they are, never gathered
+        (:mod:`weightsync.verl.sources`); None (the default): send ``named_weights()``. Its layout is declared at
+        every ``prepare``, so the driver checks before any pause that every byte a rollout worker needs is held."""
+        return None
+
     def _engine(self) -> Any:
         if self.checkpoint_engine is None:
             raise LifecycleError(f"{type(self).__name__}: call init_checkpoint_engine(config) before syncing weights")
@@ -79,7 +88,11 @@ class WeightsyncActorMixin:
         (verl's own workers run them on the loop, which stalls the actor while peers rendezvous)."""
         function = getattr(self._engine(), method)
         if method in _BLOCKING_STEPS:
-            return await asyncio.to_thread(function, *args, **kwargs)
+            result = await asyncio.to_thread(function, *args, **kwargs)
+            shards = self.weight_shards() if method == "prepare" else None
+            if shards is not None:  # a sharded actor_wg: what this rank holds, for the plan
+                result = {**result, SOURCE_KEY: layout_of(shards).to_dict()}
+            return result
         result = function(*args, **kwargs)
         return await result if asyncio.iscoroutine(result) else result
 
@@ -94,5 +107,7 @@ class WeightsyncActorMixin:
         if effective == "naive":
             raise ConfigError("WeightsyncActorMixin serves disaggregated rollouts; the naive (colocated) mode "
                               "needs verl's hybrid ActorRolloutRefWorker")
-        metrics = await self._engine().send_weights(self.named_weights(), global_steps=global_steps)
+        shards = self.weight_shards()
+        weights = shards_of(shards) if shards is not None else self.named_weights()
+        metrics = await self._engine().send_weights(weights, global_steps=global_steps)
         return dict(metrics or {})
