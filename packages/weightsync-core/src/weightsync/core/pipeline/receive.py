@@ -324,7 +324,6 @@ class ReceiveStream:
         self._hold.release()
 
 
-
 class BucketOrder:
     """What a receiver checks of the order of an update's buckets: in order from 0 (a striped update's across its
     stripes); from several senders (``sources``: a sharded ``actor_wg``), each sender's in order from 0, and their

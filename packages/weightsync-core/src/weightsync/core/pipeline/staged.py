@@ -13,11 +13,11 @@ import time
 
 from weightsync.api.errors import DigestMismatchError, TransferError, WireError
 from weightsync.api.types import StagedUpdate, PhaseTiming, TransferReport
+from weightsync.core.pipeline.receive import BucketOrder
 from weightsync.core.transports.settings import EngineSettings
 from weightsync.core.transports.stagearea import StageArea
 from weightsync.core.transports.seam import ReceiverTransport
 from weightsync.core.wire import codec
-from weightsync.core.pipeline.receive import BucketOrder
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.sources import SourcesDigest
 

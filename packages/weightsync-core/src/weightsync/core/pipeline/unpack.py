@@ -132,12 +132,12 @@ class BucketReader:
         self.digest = digest
         self.plans = plans
         self.part = part
+        """This worker's part, when it declared one; folded instead of the whole digest once the update turns out
+        full and on the host (:meth:`by_part`)."""
         self.sources = sources
         """Whether the update comes from several senders (a sharded ``actor_wg``): the digest and sums are routed by
         each bucket's sender, and a tensor's ranges may come from several of them in any order (``_gathered``)."""
         self._gathers: dict[str, tuple[torch.Tensor, int]] = {}
-        """This worker's part, when it declared one; folded instead of the whole digest once the update turns out
-        full and on the host (:meth:`by_part`)."""
         self.by_part = False
         self.folded = 0
         """Pieces of the current bucket already folded into the part's sums (by :meth:`copy_out`)."""
@@ -368,7 +368,7 @@ class BucketReader:
                     copy_batch(group.triples, target, address)
                     hashing.update(memoryview_at(target + group.start, group.nbytes))
                 part.nbytes += group.nbytes
-        part.close(meta, hashing)
+        part.close(meta)
 
     def _copy_viewed(self, current: Arrived, meta: TensorMeta, destination: torch.Tensor | None,
                      fallback: Fallback | None) -> int:

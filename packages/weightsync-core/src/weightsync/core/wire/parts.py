@@ -261,7 +261,7 @@ class PartSums:
                     copy_batch(where, scratch, address)
                     hashing.update(memoryview_at(scratch, nbytes))
             self.nbytes += total
-        self.close(meta, hashing)
+        self.close(meta)
 
     def open(self, meta: TensorMeta) -> xxhash.xxh3_64:
         """Begin folding a piece of ``meta``'s tensor that the part holds some of, whose selected bytes the caller
@@ -273,7 +273,7 @@ class PartSums:
             self._hash.update(f"{meta.name}\0{meta.dtype}\0{tuple(meta.shape)}".encode())
         return self._hash
 
-    def close(self, meta: TensorMeta, hashing: xxhash.xxh3_64) -> None:
+    def close(self, meta: TensorMeta) -> None:
         """End folding a piece (the tensor's sum, at its last piece; a shard's, when the next tensor begins)."""
         if meta.offset + meta.nbytes == meta.total_nbytes:
             self._end()

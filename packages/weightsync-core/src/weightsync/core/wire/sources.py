@@ -128,8 +128,8 @@ class SourcesSums(PartSums):
     def open(self, meta: TensorMeta) -> xxhash.xxh3_64:
         return self._current.open(meta)
 
-    def close(self, meta: TensorMeta, hashing: xxhash.xxh3_64) -> None:
-        self._current.close(meta, hashing)
+    def close(self, meta: TensorMeta) -> None:
+        self._current.close(meta)
 
     def sums(self) -> bytes:
         return b"".join(self._each[sender].sums() for sender in self._senders)
