@@ -191,3 +191,22 @@ def test_across_hosts_a_host_with_fewer_workers_than_ranks_or_a_staged_update_is
         assert plan is not None
         with pytest.raises(TopologyError, match=match):
             sharded_topology("tcp", metadata, plan, fanout=1, addresses=["x"] * len(metadata.rollout))
+
+
+def test_module_shards_of_an_unsharded_module_are_whole_tensors_renamed_and_cast() -> None:
+    """A module that is not under FSDP (or a part of one left unwrapped) is held whole by every rank: its tensors go
+    as they are, renamed and cast as asked, persistent buffers with ``buffers=True``, and the layout says whole."""
+    from weightsync.core import ModuleShards
+
+    module = torch.nn.Linear(4, 3)
+    module.register_buffer("steps", torch.arange(3))
+    module.register_buffer("scratch", torch.zeros(2), persistent=False)
+    source = ModuleShards(module, buffers=True, rename=lambda name: f"model.{name}", dtype=torch.bfloat16)
+    streamed = dict(source.named_weights())
+    assert list(streamed) == ["model.weight", "model.bias", "model.steps"]  # the non-persistent buffer is left out
+    assert [tensor.dtype for tensor in streamed.values()] == [torch.bfloat16, torch.bfloat16, torch.int64]
+    assert torch.equal(streamed["model.weight"], module.weight.detach().to(torch.bfloat16))
+    layout = source.source_layout()
+    assert layout.tensors["model.weight"] == Holding(shape=(3, 4), region=Region.whole((3, 4)))
+    with pytest.raises(WeightStreamError, match="two tensors of the module are named 'same'"):
+        list(ModuleShards(module, rename=lambda name: "same").named_weights())

@@ -24,7 +24,8 @@ __all__ = ["ModuleShards"]
 class ModuleShards:
     """A ``ShardedWeightSource`` over ``module``'s parameters (and, with ``buffers``, its persistent buffers), named
     as ``named_parameters`` names them, or as ``rename`` maps those names (checkpoint names for an inference engine).
-    ``dtype``: each shard cast to it as it is streamed (a mixed-precision trainer's fp32 masters sent as bf16).
+    ``dtype``: each floating-point shard cast to it as it is streamed (a mixed-precision trainer's fp32 masters sent
+    as bf16).
     """
 
     def __init__(self, module: torch.nn.Module, *, buffers: bool = False,
@@ -54,7 +55,8 @@ class ModuleShards:
         return SourceLayout.of(shards)
 
     def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.dtype is None else tensor.to(self.dtype)
+        """``tensor`` in ``dtype`` where it is a floating-point one (an integer buffer keeps its dtype)."""
+        return tensor.to(self.dtype) if self.dtype is not None and tensor.is_floating_point() else tensor
 
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         seen: set[str] = set()
