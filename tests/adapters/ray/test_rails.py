@@ -73,6 +73,8 @@ def test_each_rank_of_a_sharded_actor_wg_sends_its_shards_over_its_own_rail(clus
     assert result["first"] and result["ok"], result
     assert result["digests"] == [result["expected"]] * 2  # the whole model, in each worker's own process
     assert result["senders"] == 2
+    # The report says what ran: a stream per sending rank, not auto's stripes.
+    assert "stripes" not in result["chosen"].split(":")[0] and "2 sending ranks" in result["chosen"], result
     moved = [[after - before for before, after in zip(host_before, host_after)]
              for host_before, host_after in zip(marks["before"], marks["after"])]
     size = result["nbytes"]

@@ -120,6 +120,11 @@ class Setup:
             engine_class, backend=backend, actor_wg_world_size=actor_size, rollout_world_size=len(members),
             metadata=WorldMetadata(actor=world.actor, rollout=members_metadata(world.rollout, members, labels))))
         token = epoch_of(topology.actor[0])
+        if topology.sharded and self.choice is not None:  # the report says what runs: a stream per sending rank
+            options = {key: value for key, value in self.choice.options.items() if key != "stripes"}
+            self.choice = dataclasses.replace(self.choice, options=options, reason=(
+                f"{self.choice.reason}; a sharded actor_wg: each of its {len(topology.senders)} sending ranks sends "
+                "its own stream"))
         actor_args = list(topology.actor)
         if delta_base is not None:  # the senders may send only what changed since it
             actor_args = [with_delta_base(args, delta_base) for args in actor_args]
