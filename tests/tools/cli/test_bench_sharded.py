@@ -112,7 +112,8 @@ def test_the_receivers_check_finds_rows_out_of_place() -> None:
 
 
 @pytest.mark.parametrize(("argv", "says"), [
-    (["--hosts", "2", "--actor-ranks", "2"], "one host"),
+    (["--hosts", "2", "--actor-ranks", "2", "--backends", "tcp"], "with --hosts needs --backends auto"),
+    (["--hosts", "2", "--actor-ranks", "3", "--receivers", "2"], "--receivers >= --actor-ranks"),
     ([], "--actor-ranks A, 2..16"),
     (["--actor-ranks", "1"], "--actor-ranks A, 2..16"),
     (["--actor-ranks", "2", "--delta"], "full updates"),

@@ -156,9 +156,11 @@ def _add_bench(commands: Any) -> None:
                             "(rank mod --rails), each draining the whole stream (default: --rails); with --sharded: "
                             "the FSDP2 group's ranks (2 or more)")
     bench.add_argument("--sharded", action="store_true",
-                       help="one host, --actor-ranks A >= 2, shm or auto (default shm): the actor ranks hold the model "
+                       help="--actor-ranks A >= 2, shm or auto (default shm): the actor ranks hold the model "
                             "under FSDP2 over gloo; every backend B is measured as B+sharded (each rank sends its "
-                            "shards) against B+gathered (every parameter all-gathered, rank 0 sends)")
+                            "shards) against B+gathered (every parameter all-gathered, rank 0 sends); with --hosts "
+                            "(auto only, the default there; --receivers >= A) B+sharded against B, the whole model "
+                            "striped over the same ranks")
     bench.add_argument("--rtt-ms", type=float, default=0.0,
                        help="with --hosts: round-trip delay between hosts in ms (default 0; needs sch_netem)")
     bench.add_argument("--cleanup", action="store_true",
@@ -269,7 +271,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     default_bucket_mb = HOSTS_BUCKET_MB if args.hosts else 64
     return run_bench(BenchOptions(
-        backends=tuple(name for name in args.backends.split(",") if name) or (("shm",) if args.sharded else ()),
+        backends=tuple(name for name in args.backends.split(",") if name) or _sharded_backends(args),
         model_mb=args.model_mb,
         receivers=args.receivers, bucket_mb=args.bucket_mb or default_bucket_mb, mix=args.mix, repeat=args.repeat,
         json_path=args.json_path, plot_path=args.plot_path, trace_path=args.trace_path,
@@ -280,6 +282,13 @@ def _bench(args: argparse.Namespace) -> int:
         sharded=args.sharded,
         **({"lr": args.lr} if args.lr is not None else {}),
     ))
+
+
+def _sharded_backends(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--sharded``'s backend when none is named: shm on one host, auto across hosts; no default otherwise."""
+    if not args.sharded:
+        return ()
+    return ("auto",) if args.hosts else ("shm",)
 
 
 def _unknown_backend(names: Sequence[str], *, allowed: Sequence[str] = ()) -> str:
@@ -357,8 +366,6 @@ MAX_SHARDED_RANKS = 16
 
 def _sharded_error(args: argparse.Namespace) -> str:
     """What ``--sharded`` cannot be combined with, or ''."""
-    if args.hosts:
-        return "--sharded runs on one host (its actor ranks share this machine's FSDP2 group): not with --hosts"
     if args.rollout == "vllm":
         return "--sharded measures the bench's own receivers: not with --rollout vllm"
     if not 2 <= args.actor_ranks <= MAX_SHARDED_RANKS:
@@ -367,8 +374,21 @@ def _sharded_error(args: argparse.Namespace) -> str:
         return "--sharded measures full updates (a sharded actor_wg sends no delta; staged ones are not measured)"
     if args.parts or args.plot_path or args.mix == "rl":
         return "--sharded takes neither --parts, --plot nor --mix rl (its model is the realistic or the small mix)"
+    if args.hosts:
+        return _sharded_hosts_error(args)
     if any(name not in ("shm", "auto") for name in args.backends.split(",") if name):
         return "--sharded needs --backends shm or auto (on one host, shm is the backend that sends from shards)"
+    return ""
+
+
+def _sharded_hosts_error(args: argparse.Namespace) -> str:
+    """What ``--sharded --hosts`` cannot measure, or ''. Across hosts a sharded actor_wg sends over a chain backend's
+    two-level layout only, and the bench names a backend without a layout: auto is the one that picks it."""
+    if any(name != "auto" for name in args.backends.split(",") if name):
+        return "--sharded with --hosts needs --backends auto (a sharded actor_wg crosses hosts over two_level chains)"
+    if args.receivers < args.actor_ranks:
+        # Each rank's stream needs its own leader on every host, on the rank's rail: with R >= M there is one.
+        return "--sharded with --hosts needs --receivers >= --actor-ranks (a leader per sending rank on every host)"
     return ""
 
 

@@ -29,11 +29,14 @@ receiving hosts a replica's two workers sit on two hosts (``Case.replicas``), an
 two-level layout gives each group of hosts that skip the same tensors a stream of its own
 (``weightsync.core.transports.chain.groups``), so with ``layers2`` each host takes in only its half.
 
-With ``--sharded`` (one host, ``--actor-ranks M``, shm or auto) the M actor ranks hold the model under FSDP2 over
-gloo (see ``sharded``), and every backend B is measured as two entries, side by side: ``B+sharded`` (every rank sends
-its shards at once) and ``B+gathered`` (every rank all-gathers each parameter, rank 0 sends: today's path). The report
+With ``--sharded`` (``--actor-ranks M``, shm or auto) the M actor ranks hold the model under FSDP2 over gloo (see
+``sharded``), and every backend B is measured as two entries, side by side: ``B+sharded`` (every rank sends its
+shards at once) and ``B+gathered`` (every rank all-gathers each parameter, rank 0 sends: today's path). The report
 gives gathered / sharded (update time, p50) and each actor rank's bytes sent; every receiver's model is compared with
-the version sent after the timed updates.
+the version sent after the timed updates. With ``--hosts`` (auto only) the ranks sit on host 0, one per rail as
+``--actor-ranks`` places them, and the baseline is ``B`` itself: the same ranks holding the whole model, which auto
+stripes over the rails. The report gives sharded / striped (update time, p50) and each rank's rail egress / S.
+(``B+gathered`` is not measured across hosts: it sends from rank 0's rail alone, slower by design, not the bar.)
 
 Also measured, unless ``--no-ray`` or ``--hosts`` (see ``ray_e2e``): ``CheckpointEngineManager.update_weights`` of a 1 MiB model
 through the Ray adapter, pause → resume included, against one no-op call gathered from every worker (target: at
@@ -100,7 +103,9 @@ def run_bench(options: BenchOptions) -> int:
     if options.staged:  # each staged entry right after its unstaged twin
         names = [entry for name in names for entry in (name, name + STAGED)]
     if options.sharded:  # an FSDP2 actor_wg: each rank sends its shards, against the same ranks gathering first
-        names = [entry for name in names for entry in (name + SHARDED, name + GATHERED)]
+        # (across hosts against the whole model striped over the same ranks: the send a sharded one should match)
+        names = [entry for name in names
+                 for entry in ((name, name + SHARDED) if options.hosts else (name + SHARDED, name + GATHERED))]
     names += BASELINES
     versions = _version_count(options)
     progress = Progress(_steps(options, names, ray=ray_skipped is None, plotting=plotting) + versions, clock=True)

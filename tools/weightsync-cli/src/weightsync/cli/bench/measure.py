@@ -165,10 +165,12 @@ class _Workers:
         else:
             common.update(kind="engine")  # its engine is the manager's to build (weightsync.cli.bench.managed)
         if case.source:
-            # ``--sharded``: the actor ranks' own gloo group (FSDP2's), over a store the driver hosts on the loopback.
-            self.store = c10d.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-            common.update(source=case.source, actor_ranks=case.actors, tag=secrets.token_hex(8),
-                          store_host="127.0.0.1", store_port=int(self.store.port))
+            # ``--sharded``: the actor ranks' own gloo group (FSDP2's), over a store the driver hosts on the loopback
+            # (on a testbed actor rank 0's: ``join_actors``).
+            common.update(source=case.source, actor_ranks=case.actors, tag=secrets.token_hex(8))
+            if not placement.testbed:
+                self.store = c10d.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+                common.update(store_host="127.0.0.1", store_port=int(self.store.port))
         self.pipes: list[Channel] = []
         self.stops: list[Callable[[float], None]] = []
         self.actors = case.actors
@@ -182,6 +184,14 @@ class _Workers:
             spawned = placement.start(spec, host=case.host_of(group_rank))
             self.pipes.append(spawned.channel)
             self.stops.append(spawned.stop)
+        if case.source and placement.testbed:
+            self.join_actors()
+
+    def join_actors(self) -> None:
+        """``--sharded`` on a testbed: the driver is unreachable from the hosts, so actor rank 0 hosts the FSDP2
+        group's store on its host's address (every actor rank shares host 0), and then every actor rank joins."""
+        store = self.all_do([{"op": "store"}], self.pipes[:1])[0]
+        self.all_do([{"op": "join", **store}] * self.actors, self.pipes[:self.actors])
 
     def all_do(self, commands: list[dict[str, Any]], pipes: list[Channel] | None = None) -> list[Any]:
         targets = self.pipes if pipes is None else pipes

@@ -130,7 +130,22 @@ class Summary:
         if result.backend.endswith(SHARDED) and twin is not None:
             row.update(gathered=twin.backend, ratio_gathered_sharded=round(
                 statistics.median(twin.seconds) / statistics.median(result.seconds), 4))
+        striped = self.results.get(result.backend.removesuffix(SHARDED)) if self.options.hosts else None
+        if result.backend.endswith(SHARDED) and striped is not None:
+            row.update(striped=striped.backend, ratio_sharded_striped=round(
+                statistics.median(result.seconds) / statistics.median(striped.seconds), 4))
+            row.update(self._rank_egress(result))
         return row
+
+    def _rank_egress(self, result: BenchResult) -> dict[str, Any]:
+        """``--sharded --hosts``: each actor rank's egress per update / S (the median update) from its rail's counters,
+        where no two ranks share a rail (rank a is on rail a mod K); else nothing: the report's bytes say it."""
+        ranks, rails = self.options.actor_ranks, self.options.rails
+        if ranks > rails or not result.rail_egress_bytes:
+            return {}
+        total = self.main.total_bytes
+        return {"actor_egress_fraction": [round(statistics.median(update[rank] for update in result.rail_egress_bytes)
+                                                / total, 4) for rank in range(ranks)]}
 
     def scenario(self) -> dict[str, Any]:
         options, total, yardsticks = self.options, self.main.total_bytes, self.yardsticks
@@ -252,8 +267,19 @@ SHARDED_BAR = 1.5
 bottleneck."""
 
 
+SHARDED_HOSTS_BAR = 1.05
+"""Across hosts ``B+sharded`` should take at most this × ``B``'s time: each rank sends its half over its own rail, as
+the striped whole model does."""
+EGRESS_TOLERANCE = 0.1
+"""Across hosts each of M ranks on rails of their own should send (1 ± this) × S / M per update (0.45–0.55 × S for
+two): its shards, and only once."""
+
+
 def _print_sharded(summary: Summary) -> None:
     """``--sharded``: each entry's update time (p50), each actor rank's bytes sent / S, and gathered / sharded."""
+    if summary.options.hosts:
+        _print_sharded_hosts(summary)
+        return
     total = summary.main.total_bytes
     print(f"sharded ({summary.options.actor_ranks} actor ranks hold the model under FSDP2 over gloo; +gathered "
           "all-gathers every parameter and rank 0 sends it; every receiver's model checked against the version sent)")
@@ -271,6 +297,30 @@ def _print_sharded(summary: Summary) -> None:
             ratio = row["ratio_gathered_sharded"]
             print(f"{row['gathered']} / {row['backend']} = {ratio:.2f} x (update time, p50; "
                   f"{'meets' if ratio >= SHARDED_BAR else 'BELOW'} the >= {SHARDED_BAR:g} x bar)")
+
+
+def _print_sharded_hosts(summary: Summary) -> None:
+    """``--sharded --hosts``: ``B+sharded`` against ``B`` (the whole model striped over the same ranks): update time
+    (p50), each rank's bytes sent / S (its transfer report) and its rail's egress / S (the link counters)."""
+    total = summary.main.total_bytes
+    print(f"sharded ({summary.options.actor_ranks} actor ranks on host 0 hold the model under FSDP2 over gloo, each "
+          "sends its shards over its rail; against the whole model striped over the same ranks; every receiver's "
+          "model checked against the version sent)")
+    print(f"{'entry':<18} {'p50 s':>7} {'x striped':>10}  ranks' bytes sent / S  ranks' rail egress / S")
+    for row in summary.rows():
+        if "ratio_sharded_striped" not in row:
+            continue
+        seconds = statistics.median(summary.results[row["backend"]].seconds)
+        sent = " ".join(f"{nbytes / total:.3f}" for nbytes in row["actor_bytes"])
+        egress = row.get("actor_egress_fraction", [])
+        print(f"{row['backend']:<18} {seconds:>7.3f} {row['ratio_sharded_striped']:>10.2f}  {sent:<21}  "
+              + (" ".join(f"{fraction:.3f}" for fraction in egress) or "(ranks share rails)"))
+        ratio, share = row["ratio_sharded_striped"], 1 / summary.options.actor_ranks
+        low, high = share * (1 - EGRESS_TOLERANCE), share * (1 + EGRESS_TOLERANCE)
+        within = bool(egress) and all(low <= fraction <= high for fraction in egress)
+        print(f"{row['backend']} / {row['striped']} = {ratio:.2f} x (update time, p50; "
+              f"{'meets' if ratio <= SHARDED_HOSTS_BAR else 'ABOVE'} the <= {SHARDED_HOSTS_BAR:g} x bar); each rank's "
+              f"egress {'within' if within else 'OUTSIDE'} {low:.3g}-{high:.3g} x S")
 
 
 def _serving_row(result: BenchResult) -> dict[str, Any]:

@@ -81,7 +81,8 @@ class BenchOptions:
     part, as ``B+tp2`` (``B+layers2``)."""
     sharded: bool = False
     """Measure every backend B (shm or auto) as ``B+sharded`` and ``B+gathered`` instead of B: ``actor_ranks`` (M >= 2)
-    ranks on this host hold the model under FSDP2 (``weightsync.cli.bench.sharded``)."""
+    ranks on this host hold the model under FSDP2 (``weightsync.cli.bench.sharded``). With ``hosts`` (auto only) the
+    ranks are on host 0 and the entries are ``B`` (the whole model, striped over the ranks) and ``B+sharded``."""
 
 
 @dataclass

@@ -113,6 +113,9 @@ class FsdpModel:
         fully_shard(module, mesh=mesh)
         self.module = module.to_empty(device="cpu")
         self.shards = ModuleShards(self.module)
+        # Pre-faulted, as a trainer's parameters are: else the first ``load`` touches the shards' pages after the
+        # peak-RSS mark, and the entry's peak extra RSS counts this rank's shards as the update's memory.
+        self.fill(0)
 
     def fill(self, version: int) -> None:
         """This rank's shards of version ``version`` (untimed, before an update)."""

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from weightsync.api.parts import Part
+from weightsync.api.sources import SourceLayout
 from weightsync.api.types import StagedUpdate
 from weightsync.cli.bench.rl import load_version
 from weightsync.cli.bench.serving import Server
@@ -246,17 +247,20 @@ class _Worker:
         self.spec = spec
         layout: Layout = [(name, tuple(shape)) for name, shape in spec["layout"]]
         part = Part.from_dict(spec["part"]) if spec.get("part") is not None else None
-        # ``--sharded``: an actor rank holds its FSDP2 shards only (joining its group blocks until every rank has).
-        self.fsdp = FsdpModel(spec, layout) if spec["role"] == "actor" and spec.get("source") else None
+        # ``--sharded``: an actor rank holds its FSDP2 shards only. Joining its group blocks until every rank has: at
+        # once over the driver's store, at ``join`` on a testbed (where actor rank 0 hosts the store: ``store``).
+        self.layout = layout
+        self.sharded_actor = spec["role"] == "actor" and bool(spec.get("source"))
+        self.fsdp = FsdpModel(spec, layout) if self.sharded_actor and "store_port" in spec else None
         # torch.ones touches every page: the receivers' model copies are pre-faulted, as an inference engine's are.
         # A receiver that holds a part (``--parts``) holds only it: a shard of each box, whole tensors, nothing else.
-        self.by_name = {name: torch.ones(_held_shape(part, name, shape), dtype=torch.bfloat16)
-                        for name, shape in layout if (part is None or part.regions(name) != ()) and self.fsdp is None}
+        self.by_name = {name: torch.ones(_held_shape(part, name, shape), dtype=torch.bfloat16) for name, shape in layout
+                        if (part is None or part.regions(name) != ()) and not self.sharded_actor}
         self.tensors = list(self.by_name.values())
         self.gloo: _Gloo | None = None
         self.store: Any = None
         self.node_id, self.host_ip = worker_identity(spec)
-        source = self.fsdp.layout if self.fsdp is not None and self.fsdp.sharded else None  # declared: +sharded
+        source = self.held if self.sharded_actor and spec["source"] == "sharded" else None  # declared: +sharded
         self.host = EngineHost(node_id=self.node_id, host_ip=self.host_ip, name=f"{spec['role']} {spec['rank']}",
                                part=part, source=source) if spec["kind"] == "engine" else None
         self.sink = _Sink(self.by_name)
@@ -267,13 +271,21 @@ class _Worker:
         self.raw: torch.Tensor | None = None
         self.copy_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def held(self) -> SourceLayout:
+        """What a ``+sharded`` actor rank holds (``EngineHost(source=...)``, asked at every ``prepare``)."""
+        if self.fsdp is None:
+            raise RuntimeError("a sharded actor rank was asked what it holds before it joined its group")
+        return self.fsdp.layout()
+
     def handle(self, command: dict[str, Any]) -> Any:
         """Carry out one command other than ``close``; the reply (None when there is nothing to say)."""
         op = command["op"]
         if op == "store":
             self.store = c10d.TCPStore(self.host_ip, 0, None, True, wait_for_workers=False, timeout=STORE_TIMEOUT)
             return {"store_host": self.host_ip, "store_port": int(self.store.port)}
-        if op == "init":
+        if op == "join":  # ``--sharded`` on a testbed: the FSDP2 group, over actor rank 0's store (in the command)
+            self.fsdp = FsdpModel({**self.spec, **command}, self.layout)
+        elif op == "init":
             # The baselines' group. The store's address: in the command on a testbed (group rank 0's), in the
             # spec on this machine.
             where: dict[str, Any] = {key: command.get(key, self.spec.get(key)) for key in ("store_host", "store_port")}
