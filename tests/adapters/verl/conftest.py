@@ -92,9 +92,12 @@ def build_world(backend: str, *, actor_ranks: int = 2, replica_workers: tuple[in
         engine_kwargs={backend: {"timeouts": {"setup": 60, "transfer": 60}}},
     )
 
+    pools: list[Any] = []
+
     def pool(processes: int) -> Any:
         # One CPU per process (verl's default bundle reserves 10).
-        return RayResourcePool(process_on_nodes=[processes], use_gpu=False, max_colocate_count=1)
+        pools.append(RayResourcePool(process_on_nodes=[processes], use_gpu=False, max_colocate_count=1))
+        return pools[-1]
 
     actor_wg = RayWorkerGroup(
         resource_pool=pool(actor_ranks), ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(getattr(workloads, actor)),
@@ -121,3 +124,8 @@ def build_world(backend: str, *, actor_ranks: int = 2, replica_workers: tuple[in
         for group in world.groups:
             for handle in group.workers:
                 ray.kill(handle)
+        # A pool's placement groups outlive its actors and keep their CPUs reserved: a later world's pool would wait
+        # for them forever (verl waits for a placement group with no deadline).
+        for made in pools:
+            for group in made.pgs or []:
+                ray.util.remove_placement_group(group)
