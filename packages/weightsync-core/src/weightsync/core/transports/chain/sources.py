@@ -43,7 +43,7 @@ def sharded_topology(library: str, metadata: WorldMetadata, sources: SourcesPlan
     actor_plans: list[RankPlan] = [Idle(sender=first) for _ in actor]
     mine: list[list[Source]] = [[] for _ in rollout]
     leading: set[int] = set()
-    for stream, sender in enumerate(senders):
+    for sender in senders:
         plan = _stream_plan(actor[sender], rollout, leading, fanout)
         children, in_place = plan.downstream(0, range(len(rollout) + 1))
         actor_plans[sender] = ChainSend(sender=sender, children=children, in_place=in_place,
