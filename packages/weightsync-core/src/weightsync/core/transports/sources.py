@@ -27,7 +27,7 @@ from weightsync.api.errors import ConfigError, TopologyError, WireError
 from weightsync.api.parts import PART_KEY, Region
 from weightsync.api.sources import SOURCE_KEY, SourceLayout, byte_range
 from weightsync.api.types import WorkerMetadata, WorldMetadata
-from weightsync.core.transports.chain.stripes import ReadAhead
+from weightsync.core.transports.chain.stripes import Interleaved, ReadAhead
 from weightsync.core.transports.seam import ReceivedBucket, ReceiverTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.partplans import PartPlan, declared_parts
@@ -146,13 +146,11 @@ def _check_covered(name: str, shape: tuple[int, ...], ranges: list[tuple[int, in
                                     f"(of {numel}), which no actor rank holds")
 
 
-class SourcesReceiver:
+class SourcesReceiver(Interleaved):
     """One ``ReceiverTransport`` over several senders' streams (``sources[i]`` is ``senders[i]``'s), read in turn: a
     bucket from each sender that has not ended its stream, then the merged final header (module docstring).
 
-    Tokens: a bucket of source i with token t is handed out as ``(t - 1) * M + i + 1`` and released to source i as
-    t, so each source sees its releases in its own order (the transport rules). An abort from any source is handed
-    on as it is.
+    Tokens as ``Interleaved`` hands them out. An abort from any source is handed on as it is.
 
     With ``routes`` (sources that pull their bytes inside ``receive``, over the network: a chain's), every source is
     read by a thread of its own (``ReadAhead``) from an update's first ``receive`` to its marker, so the streams move
@@ -168,10 +166,10 @@ class SourcesReceiver:
         self._finals: dict[int, tuple[codec.BucketHeader, ReceivedBucket]] = {}
         self._turn = 0
         self._ahead = [ReadAhead(source, f"the stream of actor rank {sender}", route) for source, sender, route
-                       in zip(self._sources, self._senders, routes)] if routes is not None else None
+                       in zip(self._sources, self._senders, routes)] if routes is not None else []
 
     def _next(self, index: int, deadline: float) -> ReceivedBucket:
-        if self._ahead is None:
+        if not self._ahead:
             return self._sources[index].receive(deadline)
         if self._turn == 1 and not self._finals:  # an update's first receive: every stream starts moving
             for ahead in self._ahead:
@@ -187,7 +185,7 @@ class SourcesReceiver:
                 continue
             received = self._next(index, deadline)
             if received.token != 0:
-                return ReceivedBucket(received.header, received.payload, (received.token - 1) * count + index + 1)
+                return self._handed(received, index)
             header, _ = codec.decode_bucket(received.header, epoch=self._epoch, capacity=self.capacity)
             if header.abort or not header.final:
                 return received
@@ -204,15 +202,3 @@ class SourcesReceiver:
             digest=combine_sources([final.digest for final in finals]),
             parts=[b"".join(final.parts[at] for final in finals) for at in range(len(finals[0].parts))])
         return ReceivedBucket(codec.encode(merged), last.payload[:0], 0)
-
-    def release(self, token: int) -> None:
-        if token == 0:
-            return
-        count = len(self._sources)
-        self._sources[(token - 1) % count].release((token - 1) // count + 1)
-
-    def close(self) -> None:
-        for source in self._sources:
-            source.close()  # a reading thread blocked in it fails now, and ends
-        for ahead in self._ahead or ():
-            ahead.join(5.0)

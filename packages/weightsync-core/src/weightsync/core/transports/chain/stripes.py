@@ -36,7 +36,8 @@ from weightsync.core.transports.seam import ReceivedBucket, ReceiverTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.digest import combine_stripes
 
-__all__ = ["OneStripe", "ReadAhead", "StripedReceiver", "on_rail", "stripe_of", "stripes_for", "striped_topology"]
+__all__ = ["Interleaved", "OneStripe", "ReadAhead", "StripedReceiver", "on_rail", "stripe_of", "stripes_for",
+           "striped_topology"]
 
 
 def stripe_of(index: int, stripes: int) -> int:
@@ -44,7 +45,34 @@ def stripe_of(index: int, stripes: int) -> int:
     return index % stripes
 
 
-class StripedReceiver:
+class Interleaved:
+    """What a receiver over several sources shares (a striped update's stripes; a sharded ``actor_wg``'s streams,
+    ``weightsync.core.transports.sources.SourcesReceiver``): a bucket of source i with token t is handed out as
+    ``(t - 1) * K + i + 1`` (positive, and unique while held, as each source's are) and released to source i as t,
+    so each source sees its releases in its own order (the transport rules); ``close`` closes every source, then
+    waits for the reading threads (``_ahead``, one per source where the sources are read ahead)."""
+
+    _sources: list[ReceiverTransport]
+    _ahead: list[ReadAhead]
+
+    def _handed(self, received: ReceivedBucket, index: int) -> ReceivedBucket:
+        """``received``, a bucket of source ``index``, with the token it is handed out under."""
+        return ReceivedBucket(received.header, received.payload, (received.token - 1) * len(self._sources) + index + 1)
+
+    def release(self, token: int) -> None:
+        if token == 0:
+            return
+        count = len(self._sources)
+        self._sources[(token - 1) % count].release((token - 1) // count + 1)
+
+    def close(self) -> None:
+        for source in self._sources:
+            source.close()  # a reading thread blocked in it fails now, and ends
+        for ahead in self._ahead:
+            ahead.join(5.0)
+
+
+class StripedReceiver(Interleaved):
     """One ``ReceiverTransport`` over K stripe sources (``sources[s]`` yields stripe s's buckets in order, then its
     final header or an abort): bucket i is taken from source i mod K.
 
@@ -52,12 +80,9 @@ class StripedReceiver:
     marker: a chain source pulls its bytes inside ``receive``, so the stripes move at once, each over its rail, as
     far ahead as its ring's slots allow (a slot comes back when the consumer releases it).
 
-    Tokens: a bucket of source s with token t is handed out as ``(t - 1) * K + s + 1`` (positive, and unique while
-    held, as each source's are), and released to source s as t, so each source sees its releases in its own order
-    (the transport rules). An abort from any source is handed on as it is. A final header ends the update only when
-    every source has sent one: all must name the same bucket count N, equal to the buckets read, and the header
-    handed on carries the combined digest and N.
-    """
+    Tokens as :class:`Interleaved` hands them out. An abort from any source is handed on as it is. A final header ends
+    the update only when every source has sent one: all must name the same bucket count N, equal to the buckets read,
+    and the header handed on carries the combined digest and N."""
 
     def __init__(self, sources: Sequence[ReceiverTransport], *, epoch: str,
                  routes: Sequence[tuple[int, list[str]] | None] | None = None) -> None:
@@ -67,7 +92,8 @@ class StripedReceiver:
             raise ValueError("a striped receiver needs at least one source")
         self._sources = list(sources)
         ways = list(routes) if routes is not None else [None] * len(self._sources)
-        self._ahead = [ReadAhead(source, f"stripe {stripe}", ways[stripe]) for stripe, source in enumerate(self._sources)]
+        self._ahead = [ReadAhead(source, f"stripe {stripe}", ways[stripe])
+                       for stripe, source in enumerate(self._sources)]
         self._epoch = epoch
         self.capacity = max(source.capacity for source in self._sources)
         self._next = 0
@@ -82,7 +108,7 @@ class StripedReceiver:
         received = self._ahead[stripe].get(deadline)
         if received.token != 0:
             self._next += 1
-            return ReceivedBucket(received.header, received.payload, (received.token - 1) * stripes + stripe + 1)
+            return self._handed(received, stripe)
         header = self._decode(received.header)
         if header.abort or not header.final:
             return received
@@ -109,18 +135,6 @@ class StripedReceiver:
     def _decode(self, header: bytes) -> codec.BucketHeader:
         decoded, _ = codec.decode_bucket(header, epoch=self._epoch, capacity=self.capacity)
         return decoded
-
-    def release(self, token: int) -> None:
-        if token == 0:
-            return
-        stripes = len(self._sources)
-        self._sources[(token - 1) % stripes].release((token - 1) // stripes + 1)
-
-    def close(self) -> None:
-        for source in self._sources:
-            source.close()  # a reading thread blocked in it fails now, and ends
-        for ahead in self._ahead:
-            ahead.join(5.0)
 
 
 class ReadAhead:
