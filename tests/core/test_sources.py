@@ -8,10 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from weightsync.api.errors import TopologyError, WeightStreamError, WireError
+from weightsync.api.errors import TopologyError, TransferError, WeightStreamError, WireError
 from weightsync.api.parts import PART_KEY, Part, Region
 from weightsync.api.sources import SOURCE_KEY, Holding, Shard, SourceLayout, byte_range
 from weightsync.api.types import WorldMetadata
+from weightsync.core.delta.copies import PlacedCopies
+from weightsync.core.delta.sources import SourcesDelta
 from weightsync.core.pipeline.planner import plan_buckets, validate_pair
 from weightsync.core.transports.seam import ReceivedBucket
 from weightsync.core.transports.sources import SourcesReceiver, plan_sources
@@ -99,8 +101,9 @@ def test_a_shard_travels_as_its_range_of_the_full_tensor() -> None:
 class Stream:
     """A source of buckets: ``count`` buckets of sender ``sender``, then its final header."""
 
-    def __init__(self, sender: int, count: int, *, digest: str = "d", parts: list[bytes] | None = None) -> None:
-        self.sender, self.count, self.sent = sender, count, 0
+    def __init__(self, sender: int, count: int, *, digest: str = "d", parts: list[bytes] | None = None,
+                 base: int = -1, model: str = "") -> None:
+        self.sender, self.count, self.sent, self.base, self.model = sender, count, 0, base, model
         self.capacity = 64
         self.digest, self.parts = digest, parts or []
         self.released: list[int] = []
@@ -113,8 +116,8 @@ class Stream:
             self.sent += 1
             return ReceivedBucket(codec.encode(codec.BucketHeader(index=self.sent - 1, **fields)), self.payload,
                                   self.sent)
-        final = codec.BucketHeader(index=self.count, final=True, digest=self.digest, parts=self.parts,
-                                   **{**fields, "slot": codec.NO_SLOT})
+        final = codec.BucketHeader(index=self.count, final=True, digest=self.digest, parts=self.parts, base=self.base,
+                                   model=self.model, **{**fields, "slot": codec.NO_SLOT})
         return ReceivedBucket(codec.encode(final), self.payload[:0], 0)
 
     def release(self, token: int) -> None:
@@ -143,6 +146,43 @@ def test_the_receiver_takes_each_sender_in_turn_then_merges_their_finals() -> No
     assert streams[0].released == [1, 2, 3] and streams[1].released == [1]  # each in its own order
     assert header.digest == combine_sources(["aa", "bb"]) and header.index == 4
     assert header.parts == [b"A1B1", b"A2B2"]
+    assert header.ends == [codec.StreamEnd(3, 3, -1, ""), codec.StreamEnd(5, 1, -1, "")] and not header.model
+
+
+def test_the_merged_final_keeps_each_senders_end_for_its_delta_state() -> None:
+    streams = [Stream(3, 1, base=6, model="m3"), Stream(5, 2, base=6, model="m5")]
+    receiver = SourcesReceiver(streams, [3, 5], epoch="e")
+    while not (header := decoded(received := receiver.receive(0.0))).final:
+        receiver.release(received.token)
+    assert header.ends == [codec.StreamEnd(3, 1, 6, "m3"), codec.StreamEnd(5, 2, 6, "m5")]
+    assert header.base == 6 and header.model == combine_sources(["m3", "m5"])
+
+
+def test_delta_from_several_senders_is_refused_where_their_bases_differ_or_one_is_not_held() -> None:
+    """Refused at a stream's first bucket, before anything is written: one sender sending changes where another
+    sends its stream whole, and changes against a base this receiver does not hold from that sender."""
+    fields: dict[str, Any] = dict(wire=codec.WIRE_VERSION, epoch="e", version=2, slot=0, nbytes=0, tensors=[],
+                                  index=0)
+    delta = SourcesDelta(verify_every=1)
+    delta.begin()
+    delta.check_base(codec.BucketHeader(sender=0, base=-1, **fields), "p")
+    with pytest.raises(TransferError, match="actor rank 1 sent its stream against base 1 and actor rank 0 against -1"):
+        delta.check_base(codec.BucketHeader(sender=1, base=1, base_model="m", **fields), "p")
+    delta.begin()
+    with pytest.raises(TransferError, match="changes against version 1, but this receiver holds no version"):
+        delta.check_base(codec.BucketHeader(sender=1, base=1, base_model="m", **fields), "p")
+
+
+def test_a_tensor_the_fallback_takes_is_handed_over_once_every_senders_range_was_written() -> None:
+    copies = PlacedCopies()
+    copies.begin()
+    tail = codec.TensorMeta(name="w", dtype="uint8", shape=(8,), offset=4, nbytes=4, total_nbytes=8)
+    head = codec.TensorMeta(name="w", dtype="uint8", shape=(8,), offset=0, nbytes=4, total_nbytes=8)
+    assert copies.get(tail, fresh=True) is copies.get(head, fresh=True)  # one copy for every sender's range
+    assert not copies.written(tail)  # the tail first (another sender's stream), then the head completes it
+    assert copies.written(head)
+    copies.begin()  # the next update: changes apply to the copy kept
+    assert copies.get(head, fresh=False).numel() == 8
 
 
 def test_a_final_in_another_senders_stream_is_a_wire_error() -> None:

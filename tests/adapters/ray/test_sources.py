@@ -21,7 +21,7 @@ from weightsync.core.control.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 
 from tests.conftest import RayNodes
-from tests.workloads import FsdpTpSource, TpSink, WholeSink, tp_part, tp_slice, tp_tensors
+from tests.workloads import NUDGED, FsdpTpSource, TpSink, WholeSink, tp_part, tp_slice, tp_tensors
 
 BUCKET = 256 * 1024
 MODEL_BYTES = sum(tensor.nbytes for _, tensor in tp_tensors(0))
@@ -113,14 +113,6 @@ def test_staged_updates_from_shards_stage_every_ranks_stream_and_swap_bit_exact(
             range(fleet.actor_wg.world_size))
 
 
-def test_delta_from_shards_is_refused_before_any_pause(fleet: Fleet) -> None:
-    manager = fleet.manager(delta=True)
-    before = ray.get(fleet.whole.call("hook_log")[0])
-    with pytest.raises(ConfigError, match="sharded actor_wg"):
-        fleet.update(manager, 8)
-    assert ray.get(fleet.whole.call("hook_log")[0]) == before
-
-
 def test_a_part_no_rank_holds_is_a_topology_error_before_any_pause(fleet: Fleet, ray_nodes: RayNodes) -> None:
     from weightsync.api.parts import Part, Region
 
@@ -148,3 +140,28 @@ def test_a_backend_that_does_not_send_from_shards_refuses_them_before_any_pause(
     with pytest.raises(TopologyError, match="gloo does not send from a sharded actor_wg"):
         fleet.update(manager, 10)
     assert ray.get(fleet.whole.call("hook_log")[0]) == before
+
+
+@pytest.mark.parametrize(("loading", "staged"), [("views", False), ("shards", False), ("shards", True)],
+                         ids=["views", "shards", "shards-staged"])
+def test_delta_updates_from_shards_send_each_ranks_changes_against_its_own_base(fleet: Fleet, loading: str,
+                                                                                staged: bool) -> None:
+    """Each rank keeps the base of its own shards and sends only what changed in them; every worker applies each
+    rank's changes to what it holds from that rank, verified rank by rank: bit-exact, a few elements on the wire.
+    Last in this module: its versions are past every other test's."""
+    for ref in fleet.halves.call("set_loading", loading):
+        ray.get(ref)
+    manager = fleet.manager(delta=True, staged=staged)
+    first = NUDGED + 1 + 10 * ("shards" == loading) + 10 * staged
+    for version in (first, first + 1, first + 2):  # a few elements apart
+        report = fleet.update(manager, version)
+        assert report.ok, report.replicas
+        fleet.check_holds(version)
+        sent = [transfer for transfer in senders(report) if transfer.nbytes]
+        assert sorted(transfer.rank for transfer in sent) == list(range(fleet.actor_wg.world_size))
+        if version == first:  # the first update of a delta manager is full
+            assert sum(transfer.wire_bytes for transfer in sent) >= MODEL_BYTES
+            continue
+        assert [outcome.received for outcome in report.replicas] == ["changes"] * 2
+        assert all(transfer.base == version - 1 for transfer in sent), [transfer.base for transfer in sent]
+        assert sum(transfer.wire_bytes for transfer in sent) < MODEL_BYTES / 50

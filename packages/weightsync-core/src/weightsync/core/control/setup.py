@@ -23,7 +23,6 @@ from weightsync.core.control.auto import AutoChoice
 from weightsync.core.control.rails import LostRails
 from weightsync.core.transports.place import PingAnswer, Place
 from weightsync.core.transports.plan import Idle, decode_metadata, encode_plan, with_delta_base
-from weightsync.core.transports.sources import declared_layouts
 from weightsync.core.worker.host import engine_spec
 
 __all__ = ["Epoch", "Members", "Setup"]
@@ -111,9 +110,6 @@ class Setup:
             for rank in range(len(workers))])
         metadata: list[WorkerMetadata] = await steps.gather("prepare", timeout, labelled, fail_fast=True)
         world = WorldMetadata(actor=metadata[:actor_size], rollout=metadata[actor_size:])
-        if declared_layouts(world.actor) is not None and config.delta:
-            raise ConfigError("a sharded actor_wg (its ranks declared source layouts) sends full updates: delta "
-                              "updates from shards are not built; use SyncConfig(delta=False)")
         members = flow.members(world)
         labels = [label for label, _ in labelled[actor_size:]]
         topology = with_epoch(build_checked_topology(  # our engines stamp the epoch; any other gets one here

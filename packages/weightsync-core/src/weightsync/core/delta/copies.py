@@ -1,5 +1,6 @@
 """Versions kept on the host for delta updates, bucket by bucket in the bucket's own layout (padding zero): the
-sender's base, and a receiver's copy for a consumer that iterates views."""
+sender's base, and a receiver's copy for a consumer that iterates views; and, tensor by tensor, a receiver's copies of
+the tensors a ``copy_into`` consumer's fallback takes (:class:`PlacedCopies`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weightsync.api.errors import TransferError
 from weightsync.core.delta.encoding import held_sum
 from weightsync.core.wire.codec import TensorMeta
 
-__all__ = ["BaseCopies", "BucketCopy"]
+__all__ = ["BaseCopies", "BucketCopy", "PlacedCopies"]
 
 
 @dataclass(slots=True)
@@ -73,3 +75,44 @@ class BaseCopies:
     @property
     def nbytes(self) -> int:
         return sum(kept.nbytes for kept in self.buckets)
+
+
+class PlacedCopies:
+    """A receiver's host copies (bytes) of the tensors a ``copy_into`` consumer's fallback takes: as of this update
+    (during one) or the held version, what changes to them apply to. A tensor is handed to the fallback once every
+    byte of it was written this update: its ranges may come from several senders' streams, in any order (a sharded
+    ``actor_wg``, whose senders' delta receivers share one ``PlacedCopies``)."""
+
+    def __init__(self) -> None:
+        self.copies: dict[str, torch.Tensor] = {}
+        self._base: dict[str, torch.Tensor] = {}
+        self._written: dict[str, int] = {}
+
+    def begin(self) -> None:
+        """A new update: the copies become its base (each taken over as its first piece arrives)."""
+        self._base, self.copies, self._written = self.copies, {}, {}
+
+    def complete(self) -> None:
+        """The update completed: copies of tensors it did not write (the fallback no longer takes them) go."""
+        self._base = {}
+
+    def get(self, meta: TensorMeta, *, fresh: bool) -> torch.Tensor:
+        """The copy a piece of ``meta``'s tensor is written to: this update's, the base's (to apply changes to), or,
+        for a piece sent dense (``fresh``), a new one."""
+        copy = self.copies.get(meta.name)
+        if copy is None:
+            copy = self._base.pop(meta.name, None)
+            if copy is None or copy.numel() != meta.total_nbytes:
+                if not fresh:
+                    raise TransferError(f"changes to {meta.name!r} arrived, but this receiver kept no copy of it to "
+                                        "apply them to (its fallback took it): it needs a full update",
+                                        peer="this receiver")
+                copy = torch.empty(meta.total_nbytes, dtype=torch.uint8)
+            self.copies[meta.name] = copy
+        return copy
+
+    def written(self, meta: TensorMeta) -> bool:
+        """``meta``'s piece was written (count each once): whether every byte of its tensor now was."""
+        done = self._written.get(meta.name, 0) + meta.nbytes
+        self._written[meta.name] = done
+        return done >= meta.total_nbytes

@@ -10,7 +10,7 @@ import torch
 
 from weightsync.api.errors import DestinationError, DigestMismatchError, TransferError
 from weightsync.core import native
-from weightsync.core.delta.copies import BaseCopies
+from weightsync.core.delta.copies import BaseCopies, PlacedCopies
 from weightsync.core.delta.encoding import Held, ModelDigest, applied_sum, apply, held_sum, piece_key, unit_of
 from weightsync.core.transports.seam import Arrived, ReceiverTransport
 from weightsync.core.wire import codec, tensors
@@ -32,16 +32,16 @@ class ReceiverDelta:
     fallback the whole tensor. A receiver that does not hold the update's base refuses it before writing anything.
     """
 
-    def __init__(self, *, verify_every: int) -> None:
+    def __init__(self, *, verify_every: int, placed: PlacedCopies | None = None) -> None:
         self.verify_every = verify_every
         self.held: tuple[int, str] | None = None
         """(version, model digest) of what this receiver holds; None while an update is under way or after one
         failed."""
         self.kept = BaseCopies()
-        self.placed: dict[str, torch.Tensor] = {}
-        """Host copies (bytes) of the tensors a ``copy_into`` consumer's fallback took, as of this update (during
-        one) or the held version: what changes to them apply to."""
-        self._placed_base: dict[str, torch.Tensor] = {}
+        self._owns_placed = placed is None
+        self.placed = PlacedCopies() if placed is None else placed
+        """Host copies of the tensors a ``copy_into`` consumer's fallback takes (another's, shared: begun and
+        completed by its owner)."""
         self.delta_updates = 0
         self._base: tuple[int, str] | None = None
         self._kept_base: int | None = None
@@ -57,7 +57,8 @@ class ReceiverDelta:
         self.wrote = False
         self._base, self.held = self.held, None
         self._kept_base, self.kept.version = self.kept.version, None
-        self._placed_base, self.placed = self.placed, {}
+        if self._owns_placed:
+            self.placed.begin()
         self._model = None
         self._views = True
 
@@ -116,7 +117,7 @@ class ReceiverDelta:
                 raise DestinationError(f"no destination for received tensor {meta.name!r} (and no fallback)",
                                        name=meta.name)
             else:
-                places.kept(meta, self._placed(meta, fresh=header.dense < 0))
+                places.kept(meta, self.placed.get(meta, fresh=header.dense < 0))
         # Verified here, from the bytes just written (a piece changed in a host copy is summed there: the copy goes
         # back unchanged), unless a whole tensor was copied: then from what the destinations hold, below.
         verified = not places.whole and self._verifies(header)
@@ -127,23 +128,8 @@ class ReceiverDelta:
         elif places.whole:
             self._fold(header, arrived.table, places.held)
         if fallback is not None:
-            places.hand_over(fallback)
+            places.hand_over(fallback, self.placed)
         return False
-
-    def _placed(self, meta: TensorMeta, *, fresh: bool) -> torch.Tensor:
-        """The host copy a piece of a tensor without a destination is written to: this update's, the base's (to
-        apply changes to), or, for a piece sent dense (``fresh``), a new one."""
-        copy = self.placed.get(meta.name)
-        if copy is None:
-            copy = self._placed_base.pop(meta.name, None)
-            if copy is None or copy.numel() != meta.total_nbytes:
-                if not fresh:
-                    raise TransferError(f"changes to {meta.name!r} arrived, but this receiver kept no copy of it to "
-                                        "apply them to (its fallback took it): it needs a full update",
-                                        peer="this receiver")
-                copy = torch.empty(meta.total_nbytes, dtype=torch.uint8)
-            self.placed[meta.name] = copy
-        return copy
 
     def read(self, arrived: Arrived, destinations: Mapping[str, torch.Tensor] | None) -> None:
         """A bucket was read as a dense one: by views (its bytes are kept, for the next delta) or into
@@ -162,7 +148,7 @@ class ReceiverDelta:
         for meta in header.tensors:
             destination = destinations.get(meta.name)
             if destination is None:  # the consumer's fallback took it: kept, for the next delta update
-                destination = self._placed(meta, fresh=True)
+                destination = self.placed.get(meta, fresh=True)
                 with torch.no_grad():
                     destination[meta.offset:meta.offset + meta.nbytes].copy_(
                         arrived.payload[meta.bucket_offset:meta.bucket_offset + meta.nbytes])
@@ -184,7 +170,8 @@ class ReceiverDelta:
                         "destination changed outside the engine, or the base was not what it claimed",
                         receiver=receiver, expected=header.model, actual=actual)
         self.held = (header.version, header.model)
-        self._placed_base = {}  # tensors the fallback no longer takes
+        if self._owns_placed:
+            self.placed.complete()
         if self._views:
             self.kept.version, self.kept.model = header.version, header.model
             self.kept.truncate(header.index)
@@ -267,8 +254,8 @@ class _Places:
                 destination.copy_(host.view(destination.dtype).reshape(destination.shape))
         return total
 
-    def hand_over(self, fallback: Fallback) -> None:
-        """Each tensor the fallback takes whose last piece this bucket held, whole now."""
+    def hand_over(self, fallback: Fallback, copies: PlacedCopies) -> None:
+        """Each tensor the fallback takes that this bucket completed, whole now."""
         for meta, copy in self.placed:
-            if meta.offset + meta.nbytes == meta.total_nbytes:
+            if copies.written(meta):
                 fallback(meta.name, typed_view(copy, DTYPES[meta.dtype], meta.shape))

@@ -19,6 +19,7 @@ import torch
 from weightsync.api.errors import DigestMismatchError, TransferError, WireError
 from weightsync.api.types import PhaseTiming, TransferReport
 from weightsync.core.delta.receiver import ReceiverDelta
+from weightsync.core.delta.sources import SourcesDelta
 from weightsync.core.pipeline.handover import Hold
 from weightsync.core.pipeline.trace import Tracer
 from weightsync.core.pipeline.unpack import BucketReader, BulkPlans, whole_only
@@ -43,8 +44,20 @@ class ReceiveContext:
         self.tables = codec.TableCache()
         """Bucket tables received and validated before: a model's next update repeats them."""
         self.plans = BulkPlans()
-        self.delta = ReceiverDelta(verify_every=settings.verify_every) if settings.delta else None
-        """With ``settings.delta``: what this receiver holds across updates (``weightsync.core.delta.receiver``)."""
+        self.delta: ReceiverDelta | SourcesDelta | None = (
+            ReceiverDelta(verify_every=settings.verify_every) if settings.delta else None)
+        """With ``settings.delta``: what this receiver holds across updates (``weightsync.core.delta.receiver``; per
+        sender from a sharded ``actor_wg``: ``weightsync.core.delta.sources``)."""
+
+    def begin_delta(self, sources: bool) -> None:
+        """An update from one sender or from several (``sources``) begins. Between the two kinds nothing held
+        carries over: the first update after a switch must be full (a delta one is refused before any write)."""
+        if self.delta is None:
+            return
+        if isinstance(self.delta, SourcesDelta) != sources:
+            every = self.settings.verify_every
+            self.delta = SourcesDelta(verify_every=every) if sources else ReceiverDelta(verify_every=every)
+        self.delta.begin()
 
 
 class ReceiveStream:
@@ -87,8 +100,7 @@ class ReceiveStream:
     async def _start(self) -> asyncio.Queue[Arrived | BaseException]:
         if self._queue is None:
             await self._hold.start()
-            if self._context.delta is not None:
-                self._context.delta.begin()
+            self._context.begin_delta(self._reader.sources)
             loop = asyncio.get_running_loop()
             self._queue = asyncio.Queue()
             loop.run_in_executor(self._context.pool, self._receive_loop, loop, self._queue)
@@ -227,7 +239,7 @@ class ReceiveStream:
                         order.check_complete()
                     deliver(Arrived(header, received.payload, received.token))
                     return
-                if order.take(header) == 0 and header.base >= 0 and context.delta is not None:
+                if order.take(header) == 0 and context.delta is not None:
                     context.delta.check_base(header, self._peer)
                 payload = received.payload[: header.nbytes]
                 after_receive = context.settings.after_receive
@@ -236,8 +248,8 @@ class ReceiveStream:
                 if fused is None:  # one way for the whole update: the digest folds buckets in order
                     # (a delta update's buckets are hashed here: small, and read by the patch, not the consumer)
                     fused = self._reader.fuse(digest.fusable and payload.device.type == "cpu" and header.base < 0)
-                if not fused:
-                    digest.update_bucket(table, payload)
+                if not fused:  # each bucket into its sender's digest (the consumer selects for itself)
+                    digest.of(header.sender).update_bucket(table, payload)
                 context.tracer.span("receive", header.index, started, time.perf_counter())
                 self._receive_seconds += time.perf_counter() - started
                 self._nbytes += sum(meta.nbytes for meta in header.tensors)

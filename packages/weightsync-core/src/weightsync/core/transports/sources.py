@@ -12,7 +12,8 @@ regions of its declared part) that no rank holds.
 **The receiver** (:class:`SourcesReceiver`): one ``ReceiverTransport`` over every sender's stream, taking a bucket from
 each sender in turn (the senders stream the model in the same order, so a tensor's ranges arrive close together),
 then one final header once every sender has ended its stream: the senders' digests combined in their order
-(:func:`~weightsync.core.wire.sources.combine_sources`) and each part's sums one sender's after another.
+(:func:`~weightsync.core.wire.sources.combine_sources`), each part's sums one sender's after another, and each
+sender's end (``ends``: its buckets, base and model digest, what a delta receiver checks per sender).
 """
 
 from __future__ import annotations
@@ -197,8 +198,11 @@ class SourcesReceiver(Interleaved):
         self._finals, self._turn = {}, 0  # the next update starts again from the first sender
         if len({len(final.parts) for final in finals}) != 1:
             raise WireError(f"the senders' final headers carry the sums of {[len(f.parts) for f in finals]} parts")
+        bases, models = {final.base for final in finals}, [final.model for final in finals]
         merged = msgspec.structs.replace(
             finals[0], index=sum(final.index for final in finals),
             digest=combine_sources([final.digest for final in finals]),
-            parts=[b"".join(final.parts[at] for final in finals) for at in range(len(finals[0].parts))])
+            parts=[b"".join(final.parts[at] for final in finals) for at in range(len(finals[0].parts))],
+            base=bases.pop() if len(bases) == 1 else -1, model=combine_sources(models) if all(models) else "",
+            ends=[codec.StreamEnd(final.sender, final.index, final.base, final.model) for final in finals])
         return ReceivedBucket(codec.encode(merged), last.payload[:0], 0)

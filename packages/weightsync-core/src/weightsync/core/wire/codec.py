@@ -25,6 +25,7 @@ __all__ = [
     "MAX_TENSORS_PER_BUCKET",
     "TensorMeta",
     "BucketHeader",
+    "StreamEnd",
     "Hello",
     "Ack",
     "encode",
@@ -76,6 +77,17 @@ class TensorMeta(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_de
         return self.offset == 0 and self.nbytes == self.total_nbytes
 
 
+class StreamEnd(msgspec.Struct, frozen=True, array_like=True):
+    """One sender's end of its stream, as a receiver of several senders (a sharded ``actor_wg``) keeps it in the
+    final header it merges from theirs (:class:`BucketHeader`'s ``ends``)."""
+
+    sender: int
+    index: int
+    """How many buckets the sender's stream held."""
+    base: int
+    model: str
+
+
 class _BucketFields(msgspec.Struct, frozen=True, tag="bucket"):
     """What a bucket header says besides its table (the two forms below add the table)."""
 
@@ -101,6 +113,9 @@ class _BucketFields(msgspec.Struct, frozen=True, tag="bucket"):
     parts: list[bytes] = []
     """On the final header of a full update whose receivers declared parts: each distinct part's sums, in the
     order of the senders' plan (:mod:`weightsync.core.wire.parts`)."""
+    ends: list[StreamEnd] = []
+    """On the final header a receiver of several senders merges from theirs (no sender sends it): each sender's end,
+    in the senders' order (its delta state is per sender: :mod:`weightsync.core.delta.sources`)."""
 
 
 class BucketHeader(_BucketFields, frozen=True, tag="bucket", kw_only=True):
@@ -249,6 +264,7 @@ def decode_bucket(
         wire=raw.wire, epoch=raw.epoch, version=raw.version, sender=raw.sender, index=raw.index, slot=raw.slot,
         nbytes=raw.nbytes, tensors=tensors, final=raw.final, digest=raw.digest, abort=raw.abort, base=raw.base,
         base_model=raw.base_model, dense=raw.dense, model=raw.model, parts=raw.parts,
+        ends=raw.ends,
     )
     return header, table
 

@@ -34,6 +34,11 @@ class UpdateDigest:
         """The next bucket is ``sender``'s (an update from several senders folds each into its sender's digest:
         ``weightsync.core.wire.sources.SourcesDigest``); one digest folds every bucket."""
 
+    def of(self, sender: int) -> UpdateDigest:
+        """The digest ``sender``'s buckets fold into, for a thread other than the one that ``select``s (a receive
+        thread hashing whole buckets): this one, or that sender's own."""
+        return self
+
     def begin_bucket(self, table: bytes, nbytes: int) -> None:
         self._hash.update(len(table).to_bytes(8, "little"))
         self._hash.update(table)

@@ -84,14 +84,17 @@ class SourcesDigest(UpdateDigest):
     def __init__(self, senders: Sequence[int], make: Any = UpdateDigest) -> None:
         super().__init__()
         self._senders = list(senders)
-        self._digests = {sender: make() for sender in self._senders}
+        self._digests: dict[int, UpdateDigest] = {sender: make() for sender in self._senders}
         self._current: UpdateDigest = self._digests[self._senders[0]]
 
-    def select(self, sender: int) -> None:
+    def of(self, sender: int) -> UpdateDigest:
         current = self._digests.get(sender)
         if current is None:
             raise WireError(f"a bucket names actor rank {sender} as its sender, which is not one of {self._senders}")
-        self._current = current
+        return current
+
+    def select(self, sender: int) -> None:
+        self._current = self.of(sender)
 
     def begin_bucket(self, table: bytes, nbytes: int) -> None:
         self._current.begin_bucket(table, nbytes)
