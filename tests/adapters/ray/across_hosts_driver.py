@@ -18,7 +18,7 @@ from typing import Any
 import ray
 
 from tests.tools.testbed.driving import DriverChannel
-from tests.workloads import FsdpTpSource, ModelSource, RecordingSink
+from tests.workloads import NUDGED, FsdpTpSource, ModelSource, RecordingSink
 from weightsync.api.config import MiB, StepTimeouts, SyncConfig
 from weightsync.core.control.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
@@ -31,7 +31,8 @@ def main() -> None:
     backend = sys.argv[2] if len(sys.argv) > 2 else "auto"
     # Another placement (the rails test): {"actor_ranks": A, "replicas": [[host of each worker], ...], "bucket_mb": B,
     # "staged": whether the updates are staged, "options": the backend's options, "sharded": the actor ranks hold an
-    # FSDP2-sharded model and each sends its shards}.
+    # FSDP2-sharded model and each sends its shards, "delta": delta updates, and a third update a few elements from the
+    # second's version (its report under "delta")}.
     placement: dict[str, Any] = (json.loads(sys.argv[3]) if len(sys.argv) > 3
                                  else {"actor_ranks": 1, "replicas": [["2", "3"]] * 2})
     channel = DriverChannel()
@@ -43,15 +44,17 @@ def main() -> None:
     replicas = [RayRolloutReplica.create(replica=r, sink_factory=RecordingSink, num_workers=len(hosts),
                                          node_id=[nodes[host] for host in hosts])
                 for r, hosts in enumerate(placement["replicas"])]
+    delta = placement.get("delta", False)
     if sharded:  # the ranks' own gloo group, on their host (port 29500 + a little: the testbed's hosts are fresh)
         ray.get(actor_wg.call("join", "tcp://127.0.0.1:29611"))
         ray.get(actor_wg.call("set_version", 1))
     config = SyncConfig(bucket_bytes=placement.get("bucket_mb", 4) * MiB, staged=placement.get("staged", False),
-                        backend_options=placement.get("options", {}),
+                        backend_options=placement.get("options", {}), delta=delta,
                         timeouts=StepTimeouts(transfer=60, setup=60))
     manager = CheckpointEngineManager(backend=backend, actor_wg=actor_wg, replicas=replicas, config=config)
     result: dict[str, Any] = {"first": asyncio.run(manager.update_weights()).ok}
-    result["expected"] = ray.get(actor_wg.call("set_version", 3))[0]
+    second = NUDGED + 1 if delta else 3  # with delta: wholly unlike the first (every bucket dense), then nudged
+    result["expected"] = ray.get(actor_wg.call("set_version", second))[0]
     channel.ask({"mark": "before"})
     report = asyncio.run(manager.update_weights())
     channel.ask({"mark": "after"})
@@ -59,6 +62,13 @@ def main() -> None:
                   swapped=[outcome.swap_seconds > 0 for outcome in report.replicas],
                   senders=len([sent for sent in report.transfers if sent.role == "actor" and sent.nbytes]),
                   digests=[digest for replica in replicas for digest in ray.get(replica.call("digest"))])
+    if delta:
+        expected = ray.get(actor_wg.call("set_version", second + 1))[0]
+        nudged = asyncio.run(manager.update_weights())
+        result["delta"] = dict(
+            ok=nudged.ok, received=[outcome.received for outcome in nudged.replicas], expected=expected,
+            wire=sum(sent.wire_bytes for sent in nudged.transfers if sent.role == "actor"),
+            digests=[digest for replica in replicas for digest in ray.get(replica.call("digest"))])
     channel.tell({"result": result})
     for replica in replicas:
         replica.shutdown()

@@ -55,19 +55,25 @@ def test_each_stripe_crosses_its_own_rail(cluster: TestbedRay, backend: str, sta
     for rail in (0, 1):  # each rail of the sender's host out, and of the receiving host in: half the model each
         assert 0.45 * size <= moved[1][rail].egress_bytes <= 0.65 * size, moved
         assert 0.45 * size <= moved[2][rail].ingress_bytes <= 0.65 * size, moved
+    nudged = result["delta"]
+    assert nudged["ok"] and nudged["received"] == ["changes"], nudged
+    assert nudged["digests"] == [nudged["expected"]] * 2 and nudged["wire"] < size / 50, (nudged, size)
 
 
 def test_each_rank_of_a_sharded_actor_wg_sends_its_shards_over_its_own_rail(cluster: TestbedRay) -> None:
     """Two actor ranks hold an FSDP2-sharded model (``tests.workloads.FsdpTpSource``) and each sends only its shards,
     over a two-level chain of its own on its rail (``auto``): on the rails' own counters each rail of the sender's
-    host carries half the model out and each rail of the receiving host half in, and both workers end bit-exact."""
+    host carries half the model out and each rail of the receiving host half in, and both workers end bit-exact. With
+    delta updates: the measured update (every bucket changed) moves the model so; the next, a few elements apart,
+    only changes, each rank's against its own base, bit-exact."""
     marks: dict[str, tuple[tuple[LinkCounters, ...], ...]] = {}
 
     def on_request(message: dict[str, Any]) -> None:
         marks[message["mark"]] = cluster.bed.rail_counters()
 
     nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
-    placement = json.dumps({"actor_ranks": 2, "replicas": [["2", "2"]], "bucket_mb": 1, "sharded": True})
+    placement = json.dumps({"actor_ranks": 2, "replicas": [["2", "2"]], "bucket_mb": 1, "sharded": True,
+                            "delta": True})
     result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.across_hosts_driver", nodes, "auto",
                              placement], on_request)
     assert result["first"] and result["ok"], result
