@@ -10,7 +10,8 @@ two ranks holding overlapping but different ranges, and a range a rollout worker
 regions of its declared part) that no rank holds.
 
 **The receiver** (:class:`SourcesReceiver`): one ``ReceiverTransport`` over every sender's stream, taking a bucket from
-each sender in turn (the senders stream the model in the same order, so a tensor's ranges arrive close together),
+each sender in turn, or, over the network, from whichever stream delivered first (the senders stream the model in the
+same order, so a tensor's ranges arrive close together),
 then one final header once every sender has ended its stream: the senders' digests combined in their order
 (:func:`~weightsync.core.wire.sources.combine_sources`), each part's sums one sender's after another, and each
 sender's end (``ends``: its buckets, base and model digest, what a delta receiver checks per sender).
@@ -19,12 +20,14 @@ sender's end (``ends``: its buckets, base and model digest, what a delta receive
 from __future__ import annotations
 
 import math
+import queue
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
 
-from weightsync.api.errors import ConfigError, TopologyError, WireError
+from weightsync.api.errors import ConfigError, TopologyError, TransferError, WireError
 from weightsync.api.parts import PART_KEY, Region
 from weightsync.api.sources import SOURCE_KEY, SourceLayout, byte_range
 from weightsync.api.types import WorkerMetadata, WorldMetadata
@@ -155,8 +158,10 @@ class SourcesReceiver(Interleaved):
 
     With ``routes`` (sources that pull their bytes inside ``receive``, over the network: a chain's), every source is
     read by a thread of its own (``ReadAhead``) from an update's first ``receive`` to its marker, so the streams move
-    at once, each as far ahead as its ring allows; ``routes[i]``: source i's rail and hosts when read over the
-    network (None in place), which its errors then name."""
+    at once, each as far ahead as its ring allows, and a bucket is taken from whichever stream delivered first (each
+    stream's in its order): a stream that is a bucket ahead never waits for another's, so no sender's link idles
+    behind another's; ``routes[i]``: source i's rail and hosts when read over the network (None in place), which its
+    errors then name."""
 
     def __init__(self, sources: Sequence[ReceiverTransport], senders: Sequence[int], *, epoch: str,
                  routes: Sequence[tuple[int, list[str]] | None] | None = None) -> None:
@@ -166,25 +171,37 @@ class SourcesReceiver(Interleaved):
         self.capacity = max(source.capacity for source in self._sources)
         self._finals: dict[int, tuple[codec.BucketHeader, ReceivedBucket]] = {}
         self._turn = 0
-        self._ahead = [ReadAhead(source, f"the stream of actor rank {sender}", route) for source, sender, route
-                       in zip(self._sources, self._senders, routes)] if routes is not None else []
+        self._moving = False
+        self._arrivals: queue.SimpleQueue[tuple[int, ReceivedBucket | BaseException]] = queue.SimpleQueue()
+        self._ahead = [ReadAhead(source, f"the stream of actor rank {sender}", route, into=(self._arrivals, index))
+                       for index, (source, sender, route) in enumerate(zip(self._sources, self._senders, routes))
+                       ] if routes is not None else []
 
-    def _next(self, index: int, deadline: float) -> ReceivedBucket:
+    def _next(self, deadline: float) -> tuple[int, ReceivedBucket]:
+        """The next bucket and its source: in turn from sources read in place; read ahead, the first delivered."""
         if not self._ahead:
-            return self._sources[index].receive(deadline)
-        if self._turn == 1 and not self._finals:  # an update's first receive: every stream starts moving
+            while True:
+                index = self._turn % len(self._sources)
+                self._turn += 1
+                if index not in self._finals:
+                    return index, self._sources[index].receive(deadline)
+        if not self._moving:  # an update's first receive: every stream starts moving
+            self._moving = True
             for ahead in self._ahead:
                 ahead.start(deadline)
-        return self._ahead[index].get(deadline)
+        try:
+            index, item = self._arrivals.get(timeout=max(deadline - time.monotonic(), 0.0) + 1.0)
+        except queue.Empty:
+            raise TransferError("no sender's stream delivered anything before the deadline",
+                                peer=f"actor ranks {self._senders}") from None
+        if isinstance(item, BaseException):
+            raise item
+        return index, item
 
     def receive(self, deadline: float) -> ReceivedBucket:
         count = len(self._sources)
         while len(self._finals) < count:
-            index = self._turn % count
-            self._turn += 1
-            if index in self._finals:
-                continue
-            received = self._next(index, deadline)
+            index, received = self._next(deadline)
             if received.token != 0:
                 return self._handed(received, index)
             header, _ = codec.decode_bucket(received.header, epoch=self._epoch, capacity=self.capacity)
@@ -195,7 +212,7 @@ class SourcesReceiver(Interleaved):
             self._finals[index] = header, received
         finals = [self._finals[index][0] for index in range(count)]
         last = self._finals[0][1]
-        self._finals, self._turn = {}, 0  # the next update starts again from the first sender
+        self._finals, self._turn, self._moving = {}, 0, False  # the next update starts again from the first sender
         if len({len(final.parts) for final in finals}) != 1:
             raise WireError(f"the senders' final headers carry the sums of {[len(f.parts) for f in finals]} parts")
         bases, models = {final.base for final in finals}, [final.model for final in finals]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -141,10 +141,18 @@ class ReadAhead:
     """One stripe's (or one sender's stream's) reading thread for one update: ``receive`` on its source until the
     marker, into a queue, as far ahead as the source's ring allows."""
 
-    def __init__(self, source: ReceiverTransport, what: str, route: tuple[int, list[str]] | None) -> None:
-        """``what``: how errors name the source (``stripe 1``); ``route``: its rail and hosts when read over one."""
+    def __init__(self, source: ReceiverTransport, what: str, route: tuple[int, list[str]] | None, *,
+                 into: tuple[queue.SimpleQueue[tuple[int, ReceivedBucket | BaseException]], int] | None = None
+                 ) -> None:
+        """``what``: how errors name the source (``stripe 1``); ``route``: its rail and hosts when read over one;
+        ``into``: a queue several sources share, and this one's index there (what it reads goes there, tagged, for a
+        consumer that takes whichever source delivers first; ``get`` is then not used)."""
         self._source, self._what, self._route = source, what, route
         self._queue: queue.SimpleQueue[ReceivedBucket | BaseException] = queue.SimpleQueue()
+        self._put: Callable[[ReceivedBucket | BaseException], None] = self._queue.put
+        if into is not None:
+            shared, index = into
+            self._put = lambda item: shared.put((index, item))
         self._thread: threading.Thread | None = None
 
     def start(self, deadline: float) -> None:
@@ -160,11 +168,11 @@ class ReadAhead:
         try:
             while True:
                 received = self._source.receive(deadline)
-                self._queue.put(received)
+                self._put(received)
                 if received.token == 0:
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer's receive, which raises it
-            self._queue.put(on_rail(exc, self._what, self._route))
+            self._put(on_rail(exc, self._what, self._route))
 
     def get(self, deadline: float) -> ReceivedBucket:
         try:
