@@ -98,6 +98,20 @@ def test_a_shard_travels_as_its_range_of_the_full_tensor() -> None:
         validate_pair(items[0], devices=CPU, seen=set())
 
 
+def test_shards_fill_every_bucket_where_a_whole_tensor_would_close_it() -> None:
+    """A shard of a bucket's size after a small one is split where the open bucket ends (its receivers gather the
+    tensor's ranges anyway), so every bucket but the last is full; the same tensors whole close the bucket instead
+    (a tensor that fits a fresh bucket is kept whole)."""
+    full, norm = torch.zeros(8, 256, dtype=torch.uint8), torch.zeros(2, 8, dtype=torch.uint8)
+    shards = [item for layer in range(3) for item in (
+        (f"w{layer}", Shard(tensor=full[:4], shape=(8, 256), start=(0, 0))),
+        (f"n{layer}", Shard(tensor=norm[:1], shape=(2, 8), start=(0, 0))))]
+    # (pieces start at multiples of BUCKET_ALIGNMENT, 256)
+    assert [bucket.nbytes for bucket in plan_buckets(shards, bucket_bytes=1024, devices=CPU)] == [1024] * 3 + [520]
+    whole = [(name, torch.zeros(1024 if name[0] == "w" else 8, dtype=torch.uint8)) for name, _ in shards]
+    assert [bucket.nbytes for bucket in plan_buckets(whole, bucket_bytes=1024, devices=CPU)] == [1024, 8] * 3
+
+
 class Stream:
     """A source of buckets: ``count`` buckets of sender ``sender``, then its final header."""
 

@@ -167,14 +167,17 @@ def _place(bucket: PlannedBucket, name: str, dtype: str, shape: torch.Size, sour
            ) -> Generator[PlannedBucket, None, PlannedBucket]:
     """Place a tensor that does not fit the open bucket whole: close the bucket rather than split a tensor that fits
     a fresh one (or when it is full), else split it across buckets (a tensor packed as ``blocks``: wherever it goes).
-    A shard (``sharded``) travels as the range of its tensor's bytes it holds (an empty one as an empty range).
+    A shard (``sharded``) travels as the range of its tensor's bytes it holds (an empty one as an empty range), split
+    wherever the open bucket ends: its receivers gather a tensor's ranges from every sender anyway, and a bucket
+    closed early to keep a shard whole costs its sender a ring slot for a few bytes (between shards that fill a
+    bucket each, every other bucket would be a norm's few KiB: half the bytes in flight).
     Yields the buckets it fills; returns the open one, its fields up to date."""
     align, total, offset = BUCKET_ALIGNMENT - 1, source.nbytes, 0
     shape, first, whole = (torch.Size(sharded[0]), *sharded[1:]) if sharded is not None else (shape, 0, total)
     while True:
         start = (bucket.nbytes + align) & ~align
         room, remaining, count = bucket_bytes - start, total - offset, len(bucket.items)
-        if count and (remaining > room and (remaining <= bucket_bytes and offset == 0 or room <= 0)
+        if count and (remaining > room and (remaining <= bucket_bytes and offset == 0 and sharded is None or room <= 0)
                       or count >= PIPELINE_TENSORS):
             yield bucket
             bucket = PlannedBucket()
