@@ -236,15 +236,40 @@ def test_across_hosts_each_ranks_stream_is_led_into_each_host_by_a_worker_of_its
     assert receives[2].sources[0].upstream_position == 2 and receives[3].sources[1].upstream_position == 1
 
 
-def test_across_hosts_a_host_with_fewer_workers_than_ranks_or_a_staged_update_is_refused() -> None:
+def test_across_hosts_a_host_with_fewer_workers_than_ranks_is_refused() -> None:
+    from weightsync.core.control.staged import StagedPlan
     from weightsync.core.transports.chain.sources import sharded_topology
 
-    for metadata, match in ((chain_world([("b", 0)]), "host b has 1 rollout workers"),
-                            (chain_world([("b", 0), ("b", 1)], staged=True), "staged updates from a sharded")):
-        plan = plan_sources(metadata)
-        assert plan is not None
-        with pytest.raises(TopologyError, match=match):
-            sharded_topology("tcp", metadata, plan, fanout=1, addresses=["x"] * len(metadata.rollout))
+    metadata = chain_world([("b", 0)])
+    plan = plan_sources(metadata)
+    assert plan is not None
+    with pytest.raises(TopologyError, match="host b has 1 rollout workers"):
+        sharded_topology("tcp", metadata, plan, fanout=1, addresses=["x"])
+    with pytest.raises(TopologyError, match="stage each rank's stream on host c, which has 1"):
+        StagedPlan.of(chain_world([("b", 0), ("b", 1), ("c", 1)], staged=True))
+
+
+def test_across_hosts_staged_each_hosts_stagers_stage_a_ranks_stream_each() -> None:
+    """Staged: each host has a stager per sending rank (its first worker on the rank's rail), and only they join;
+    each stages one rank's stream, read over that rank's rail (host c's from host b's stager of the same stream)."""
+    from weightsync.core.control.staged import StagedPlan
+    from weightsync.core.transports.chain.plan import StreamsReceive
+    from weightsync.core.transports.chain.sources import sharded_topology
+    from weightsync.core.transports.plan import decode_plan
+
+    world = chain_world([("b", 1), ("b", 0), ("b", 0), ("c", 0), ("c", 1)], staged=True)
+    staged = StagedPlan.of(world)
+    assert staged.stagers == {"b": (1, 0), "c": (3, 4)} and staged.members == [0, 1, 3, 4]
+    members = WorldMetadata(actor=world.actor, rollout=[world.rollout[index] for index in staged.members])
+    plan = plan_sources(members)
+    assert plan is not None
+    topology = sharded_topology("tcp", members, plan, fanout=1, addresses=[
+        str(worker["address"]) for worker in members.rollout])
+    receives = [decode_plan(args, StreamsReceive, who="test") for args in topology.rollout]
+    assert [receive.streams for receive in receives] == [(1,), (0,), (0,), (1,)]
+    assert all(len(receive.sources) == 1 and not receive.sources[0].local for receive in receives)
+    assert [receive.sources[0].upstream_position for receive in receives] == [0, 0, 2, 1]
+    assert [source.route.rail for receive in receives for source in receive.sources if source.route] == [1, 0, 0, 1]
 
 
 def test_module_shards_of_an_unsharded_module_are_whole_tensors_renamed_and_cast() -> None:

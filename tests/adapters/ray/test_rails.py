@@ -55,30 +55,32 @@ def test_each_stripe_crosses_its_own_rail(cluster: TestbedRay, backend: str, sta
     for rail in (0, 1):  # each rail of the sender's host out, and of the receiving host in: half the model each
         assert 0.45 * size <= moved[1][rail].egress_bytes <= 0.65 * size, moved
         assert 0.45 * size <= moved[2][rail].ingress_bytes <= 0.65 * size, moved
-    nudged = result["delta"]
-    assert nudged["ok"] and nudged["received"] == ["changes"], nudged
-    assert nudged["digests"] == [nudged["expected"]] * 2 and nudged["wire"] < size / 50, (nudged, size)
 
 
-def test_each_rank_of_a_sharded_actor_wg_sends_its_shards_over_its_own_rail(cluster: TestbedRay) -> None:
+@pytest.mark.parametrize("staged", [False, True], ids=["unstaged", "staged"])
+def test_each_rank_of_a_sharded_actor_wg_sends_its_shards_over_its_own_rail(cluster: TestbedRay, staged: bool) -> None:
     """Two actor ranks hold an FSDP2-sharded model (``tests.workloads.FsdpTpSource``) and each sends only its shards,
     over a two-level chain of its own on its rail (``auto``): on the rails' own counters each rail of the sender's
     host carries half the model out and each rail of the receiving host half in, and both workers end bit-exact. With
     delta updates: the measured update (every bucket changed) moves the model so; the next, a few elements apart,
-    only changes, each rank's against its own base, bit-exact."""
+    only changes, each rank's against its own base, bit-exact. Staged, with a second replica on host 0: every host
+    has a stager per rank, each staging its rank's stream (host 0's from host 2's, over the same rail), and every
+    worker swaps from both areas of its host."""
     marks: dict[str, tuple[tuple[LinkCounters, ...], ...]] = {}
 
     def on_request(message: dict[str, Any]) -> None:
         marks[message["mark"]] = cluster.bed.rail_counters()
 
     nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
-    placement = json.dumps({"actor_ranks": 2, "replicas": [["2", "2"]], "bucket_mb": 1, "sharded": True,
-                            "delta": True})
+    replicas = [["2", "2"], ["0", "0"]] if staged else [["2", "2"]]
+    placement = json.dumps({"actor_ranks": 2, "replicas": replicas, "bucket_mb": 1, "sharded": True, "delta": True,
+                            "staged": staged})
     result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.across_hosts_driver", nodes, "auto",
                              placement], on_request)
     assert result["first"] and result["ok"], result
-    assert result["digests"] == [result["expected"]] * 2  # the whole model, in each worker's own process
-    assert result["senders"] == 2
+    workers = 2 * len(replicas)
+    assert result["digests"] == [result["expected"]] * workers  # the whole model, in each worker's own process
+    assert result["senders"] == 2 and result["swapped"] == [staged] * len(replicas), result
     # The report says what ran: a stream per sending rank, not auto's stripes.
     assert "stripes" not in result["chosen"].split(":")[0] and "2 sending ranks" in result["chosen"], result
     moved = [[after - before for before, after in zip(host_before, host_after)]
@@ -87,6 +89,9 @@ def test_each_rank_of_a_sharded_actor_wg_sends_its_shards_over_its_own_rail(clus
     for rail in (0, 1):
         assert 0.45 * size <= moved[1][rail].egress_bytes <= 0.65 * size, moved
         assert 0.45 * size <= moved[2][rail].ingress_bytes <= 0.65 * size, moved
+    nudged = result["delta"]
+    assert nudged["ok"] and nudged["received"] == ["changes"] * len(replicas), nudged
+    assert nudged["digests"] == [nudged["expected"]] * workers and nudged["wire"] < size / 50, (nudged, size)
 
 
 def test_a_sharded_actor_wg_moves_nothing_over_its_own_fabric_where_the_gathered_one_moves_half_the_model(

@@ -4,7 +4,8 @@ At setup the manager picks one rollout worker per host, its *stager* (:class:`St
 the transport's world, so the update crosses to each host once, into the host's staging area; every other worker
 joins the epoch idle. An update dealt into K stripes (``stripes_for``: over K rails) has K stagers per host, the
 host's first worker on each of those rails, each staging its stripe into an area of its own: the stripes' areas together are
-the host's staging. Then, per update (:meth:`Staged.run`):
+the host's staging. So has an update from the N sending ranks of a sharded ``actor_wg`` across hosts (``stream_rails``):
+N stagers per host, each staging one rank's stream. Then, per update (:meth:`Staged.run`):
 
 1. the actor ranks send and every stager stages (``StagingWorker.stage_weights``), the replicas serving;
 2. each replica, as soon as every host it spans holds a verified staged copy, is paused, every worker of it applies
@@ -38,10 +39,12 @@ from weightsync.core.control import replicas, steps
 from weightsync.core.control.rails import rail_grace
 from weightsync.core.control.round import Round
 from weightsync.core.control.setup import Epoch
+from weightsync.core.transports.chain.sources import stream_rails
 from weightsync.core.transports.chain.stripes import stripes_for
 from weightsync.core.transports.place import Place
 from weightsync.core.transports.plan import decode_metadata
 from weightsync.core.wire.digest import combine_stripes
+from weightsync.core.wire.sources import combine_sources
 
 __all__ = ["Staged", "StagedPlan", "joined"]
 
@@ -60,17 +63,26 @@ class StagedPlan:
         """From the workers' ``prepare`` metadata: where each rollout worker said it runs (``node_id``) and on which
         rail (``rail``), and how many stripes the topology will deal the update into (:func:`stripes_for`)."""
         places = [decode_metadata(entry, Place, who=f"rollout rank {i}") for i, entry in enumerate(world.rollout)]
-        used = stripes_for(world)
+        streams = stream_rails(world)
+        used = streams if streams is not None else stripes_for(world)
         hosts = tuple(place.node_id or f"unknown-{i}" for i, place in enumerate(places))
         stagers: dict[str, tuple[int, ...]] = {}
         for host in dict.fromkeys(hosts):
             on_host = [i for i, where in enumerate(hosts) if where == host]
             rails = {i: places[i].rail for i in on_host}
-            chosen = [next((i for i in on_host if len(used) == 1 or rails[i] == rail), None) for rail in used]
-            if None in chosen:
-                raise TopologyError(f"a staged update dealt over rails {used} needs a worker on each of them on host "
-                                    f"{host}; its workers are on rails {sorted(set(map(str, rails.values())))}")
-            stagers[host] = tuple(i for i in chosen if i is not None)
+            chosen: list[int] = []
+            for rail in used:
+                left = [i for i in on_host if i not in chosen]
+                pick = next((i for i in left if len(used) == 1 or rails[i] == rail),
+                            left[0] if streams is not None and left else None)
+                if pick is None:
+                    raise TopologyError(
+                        f"a staged update dealt over rails {used} needs a worker on each of them on host {host}; its "
+                        f"workers are on rails {sorted(set(map(str, rails.values())))}" if streams is None else
+                        f"a staged update from {len(used)} sending ranks of a sharded actor_wg needs a worker to "
+                        f"stage each rank's stream on host {host}, which has {len(on_host)}")
+                chosen.append(pick)
+            stagers[host] = tuple(chosen)
         return cls(hosts, stagers)
 
     @property
@@ -234,16 +246,23 @@ async def _one(step: str, timeout: float, label: str, call: Awaitable[Any]) -> A
 
 
 def joined(parts: Sequence[StagedUpdate]) -> StagedUpdate:
-    """A host's stripes, each staged by a stager of its own (stripe order), as one ``StagedUpdate``: stripe 0's
-    fields, ``stripes`` every part, and a report of the whole update (its digest ``combine_stripes``'s)."""
+    """A host's stripes (each staged by a stager of its own, stripe order), or a sharded ``actor_wg``'s streams (a
+    stager each, ``sources`` one sender each: put in the senders' order), as one ``StagedUpdate``: the first part's
+    fields, ``stripes`` every part (and ``sources`` every sender), and a report of the whole update (its digest
+    ``combine_stripes``'s, or ``combine_sources``')."""
+    streams = all(len(part.sources) == 1 for part in parts)
+    if streams:
+        parts = sorted(parts, key=lambda part: part.sources[0])
     done = [part.report for part in parts if part.report is not None]
     if len(done) != len(parts):
         raise ConfigError("a stripe's stager staged without a report: its stripe's digest cannot be combined")
+    digests = [report.digest for report in done]
     whole = dataclasses.replace(
-        done[0], digest=combine_stripes([report.digest for report in done]), nbytes=sum(r.nbytes for r in done),
-        tensors=sum(r.tensors for r in done), buckets=sum(r.buckets for r in done),
+        done[0], digest=combine_sources(digests) if streams else combine_stripes(digests),
+        nbytes=sum(r.nbytes for r in done), tensors=sum(r.tensors for r in done), buckets=sum(r.buckets for r in done),
         wire_bytes=sum(r.wire_bytes for r in done), seconds=max(r.seconds for r in done))
-    return dataclasses.replace(parts[0], report=whole, stripes=tuple(parts))
+    senders = tuple(part.sources[0] for part in parts) if streams else ()
+    return dataclasses.replace(parts[0], report=whole, stripes=tuple(parts), sources=senders)
 
 
 def _staging(worker: RolloutWorker) -> StagingWorker:

@@ -34,6 +34,7 @@ from weightsync.core.transports.rules import CheckedReceiver, checked_sender
 from weightsync.core.transports.settings import EngineBase
 from weightsync.core.transports.stagearea import StageArea, StagedReceiver
 from weightsync.core.transports.chain.stripes import StripedReceiver
+from weightsync.core.transports.sources import SourcesReceiver
 from weightsync.core.transports.seam import ReceiverTransport, SenderTransport
 from weightsync.core.transports.transport import Transport
 from weightsync.core.wire.blocks import BlockPlan
@@ -293,12 +294,15 @@ class BucketCheckpointEngine(EngineBase):
         self._check_open()
         if self._epoch is None:
             raise LifecycleError(f"receive_staged before init_process_group on this {self.name} engine")
-        parts = staged.stripes
-        receiver: ReceiverTransport = StripedReceiver([StagedReceiver(part) for part in parts], epoch=staged.epoch) \
-            if parts else StagedReceiver(staged)
+        parts, sources = staged.stripes, staged.sources
+        receiver: ReceiverTransport = StagedReceiver(staged)
+        if parts and sources:  # a sharded actor_wg's streams, each staged into an area of its own
+            receiver = SourcesReceiver([StagedReceiver(part) for part in parts], sources, epoch=staged.epoch)
+        elif parts:
+            receiver = StripedReceiver([StagedReceiver(part) for part in parts], epoch=staged.epoch)
         hold = self._handover.hold_for_stream()
         # The staged bytes are on the host; a striped update's, one area per stripe, read in bucket order.
-        reader = self._reader(staged.sources, UpdateDigest) if not parts else BucketReader(
+        reader = self._reader(sources, UpdateDigest) if not parts or sources else BucketReader(
             StripedDigest(len(parts)), self._receive.plans)
         return ReceiveStream(self._receive, receiver, hold, epoch=staged.epoch, release_early=False,
                              peer=f"{self.transport.peer_name(self._sender_rank)} (staged)", reader=reader)

@@ -6,8 +6,13 @@ leader reads it over the network, on the sender's rail where the host has worker
 own; a rank per rail, as a striped update's senders), and the host's other workers read the leader's ring in place.
 The leaders of a host's streams are different workers (each worker's engine has one ring); a host with fewer
 workers (on a sender's rail) than there are streams to lead cannot be served yet (a ``TopologyError``, before any
-pause: a worker would need a ring per stream it leads; so would a staged update's one stager per host). The senders may be on different hosts. Every rollout worker's plan (:class:`StreamsReceive`) has
-one source per stream, in the senders' order.
+pause: a worker would need a ring per stream it leads). The senders may be on different hosts. Every rollout
+worker's plan (:class:`StreamsReceive`) has one source per stream, in the senders' order.
+
+Staged (``weightsync.core.control.staged``), the rollout world is each host's stagers, one per stream
+(:func:`stream_rails`): each stages one sender's stream into an area of its own, so each stream's plan holds its
+sender and the stager of each host that stages it (on the sender's rail where the host has one), and that stager's
+plan has that one source. Every worker's swap reads the host's areas together.
 """
 
 from __future__ import annotations
@@ -19,9 +24,9 @@ from weightsync.api.types import Topology, WorldMetadata
 from weightsync.core.transports.chain.plan import ChainMetadata, ChainSend, Route, Source, StreamsReceive
 from weightsync.core.transports.chain.topology import ChainPlan, two_level_plan
 from weightsync.core.transports.plan import Idle, RankPlan, decode_metadata, encode_plan
-from weightsync.core.transports.sources import SourcesPlan
+from weightsync.core.transports.sources import SourcesPlan, plan_sources
 
-__all__ = ["sharded_topology"]
+__all__ = ["sharded_topology", "stream_rails"]
 
 
 def sharded_topology(library: str, metadata: WorldMetadata, sources: SourcesPlan, *, fanout: int,
@@ -32,9 +37,6 @@ def sharded_topology(library: str, metadata: WorldMetadata, sources: SourcesPlan
              enumerate(metadata.actor)]
     rollout = [decode_metadata(entry, ChainMetadata, who=f"rollout rank {rank}") for rank, entry in
                enumerate(metadata.rollout)]
-    if actor[0].staged:
-        raise TopologyError("staged updates from a sharded actor_wg across hosts are not built (a host's stager would "
-                            "lead every rank's stream into it); use SyncConfig(staged=False)")
     for rank in sources.senders:
         if not actor[rank].address or actor[rank].library != library:
             raise TopologyError(f"actor rank {rank} holds shards to send but did not advertise a {library} endpoint")
@@ -42,29 +44,74 @@ def sharded_topology(library: str, metadata: WorldMetadata, sources: SourcesPlan
     first = senders[0]
     actor_plans: list[RankPlan] = [Idle(sender=first) for _ in actor]
     mine: list[list[Source]] = [[] for _ in rollout]
+    streams: list[list[int]] = [[] for _ in rollout]
+    staged = _staged_streams(actor, rollout, senders) if actor[0].staged else None
     leading: set[int] = set()
     for sender in senders:
-        plan = _stream_plan(actor[sender], rollout, leading, fanout)
-        children, in_place = plan.downstream(0, range(len(rollout) + 1))
+        # The positions of the stream's plan (0: its sender; p: rollout rank p - 1): every rollout rank, or staged the
+        # stagers that stage this stream (one per host).
+        positions = [0, *(staged[sender] if staged is not None else range(1, len(rollout) + 1))]
+        plan = _stream_plan(actor[sender], [rollout[p - 1] for p in positions[1:]],
+                            leading if staged is None else set(), fanout)
+        children, in_place = plan.downstream(0, positions)
         actor_plans[sender] = ChainSend(sender=sender, children=children, in_place=in_place,
                                         skip=sources.skip[sender])
-        where = [actor[sender].address, *addresses]
         workers = [actor[sender], *rollout]
-        for position in range(1, len(rollout) + 1):
-            upstream = plan.upstream[position]
-            children, in_place = plan.downstream(position, range(len(rollout) + 1))
+        for at, position in enumerate(positions[1:], start=1):
+            upstream = positions[plan.upstream[at]]
+            children, in_place = plan.downstream(at, positions)
             name = f"actor rank {sender}" if upstream == 0 else f"rollout rank {upstream - 1}"
             ends = (workers[upstream].host_name, workers[position].host_name)
-            how = "in place" if plan.local[position] else f"rail {workers[position].rail} from host {ends[0]} to " \
+            how = "in place" if plan.local[at] else f"rail {workers[position].rail} from host {ends[0]} to " \
                 f"host {ends[1]}"
             mine[position - 1].append(Source(
-                upstream=where[upstream], upstream_position=upstream, local=plan.local[position], children=children,
-                in_place=in_place, peer=f"{name} (the shards of actor rank {sender}, {how})",
-                route=None if plan.local[position] else Route(rail=workers[position].rail, hosts=ends)))
-    rollout_plans = [StreamsReceive(sender=first, rank=rank, sources=tuple(sourced), streams=senders)
+                upstream=([actor[sender].address, *addresses])[upstream], upstream_position=upstream,
+                local=plan.local[at], children=children, in_place=in_place,
+                peer=f"{name} (the shards of actor rank {sender}, {how})",
+                route=None if plan.local[at] else Route(rail=workers[position].rail, hosts=ends)))
+            streams[position - 1].append(sender)
+    rollout_plans = [StreamsReceive(sender=first, rank=rank, sources=tuple(sourced), streams=tuple(streams[rank]))
                      for rank, sourced in enumerate(mine)]
     return Topology(actor=[encode_plan(plan) for plan in actor_plans],
                     rollout=[encode_plan(plan) for plan in rollout_plans], senders=senders, sharded=True)
+
+
+def stream_rails(metadata: WorldMetadata) -> list[int] | None:
+    """A staged update's streams across hosts (``weightsync.core.control.staged``: a stager per stream on every
+    host): the rail of each sending rank of a sharded ``actor_wg`` sending over the two-level chain, in the senders'
+    order; None for any other world."""
+    if not metadata.actor or metadata.actor[0].get("layout") != "two_level":
+        return None
+    sources = plan_sources(metadata)
+    if sources is None:
+        return None
+    return [decode_metadata(metadata.actor[rank], ChainMetadata, who=f"actor rank {rank}").rail
+            for rank in sources.senders]
+
+
+def _staged_streams(actor: Sequence[ChainMetadata], rollout: Sequence[ChainMetadata], senders: Sequence[int]
+                    ) -> dict[int, list[int]]:
+    """Staged, the rollout world is every host's stagers, one per stream (``StagedPlan``): which of them stages which
+    sender's stream (positions, rollout rank + 1): on each host the first one left on the sender's rail, else the
+    first one left."""
+    hosts: dict[str, list[int]] = {}
+    for position, worker in enumerate(rollout, start=1):
+        hosts.setdefault(worker.node_id, []).append(position)
+    staging: dict[int, list[int]] = {sender: [] for sender in senders}
+    for node, positions in hosts.items():
+        left = list(positions)
+        for sender in senders:
+            pick = next((p for p in left if rollout[p - 1].rail == actor[sender].rail), left[0] if left else None)
+            if pick is None:
+                raise TopologyError(f"host {rollout[positions[0] - 1].host_name} has {len(positions)} stagers for "
+                                    f"{len(senders)} sending ranks: a staged update from a sharded actor_wg stages "
+                                    "each rank's stream on a stager of its own")
+            left.remove(pick)
+            staging[sender].append(pick)
+        if left:
+            raise TopologyError(f"host {rollout[positions[0] - 1].host_name} has stagers {left} with no sending rank's "
+                                "stream to stage")
+    return {sender: sorted(positions) for sender, positions in staging.items()}
 
 
 def _stream_plan(sender: ChainMetadata, rollout: Sequence[ChainMetadata], leading: set[int], fanout: int
@@ -86,8 +133,7 @@ def _stream_plan(sender: ChainMetadata, rollout: Sequence[ChainMetadata], leadin
         if not free:
             raise TopologyError(f"host {rollout[positions[0] - 1].host_name} has {len(on_rail or positions)} rollout "
                                 f"workers on rail {sender.rail} for more sending ranks on it: each leads one rank's "
-                                "stream into the host (not built: a ring per stream; a staged update's one stager per "
-                                "host is such a host)")
+                                "stream into the host (not built: a ring per stream)")
         leader_of[node] = free[0]
         leading.add(free[0])
     return two_level_plan(nodes, fanout, leader_of)
