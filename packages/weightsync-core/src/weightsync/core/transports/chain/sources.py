@@ -56,7 +56,7 @@ def sharded_topology(library: str, metadata: WorldMetadata, sources: SourcesPlan
         children, in_place = plan.downstream(0, positions)
         actor_plans[sender] = ChainSend(sender=sender, children=children, in_place=in_place,
                                         skip=sources.skip[sender])
-        workers = [actor[sender], *rollout]
+        workers, where = [actor[sender], *rollout], [actor[sender].address, *addresses]
         for at, position in enumerate(positions[1:], start=1):
             upstream = positions[plan.upstream[at]]
             children, in_place = plan.downstream(at, positions)
@@ -65,7 +65,7 @@ def sharded_topology(library: str, metadata: WorldMetadata, sources: SourcesPlan
             how = "in place" if plan.local[at] else f"rail {workers[position].rail} from host {ends[0]} to " \
                 f"host {ends[1]}"
             mine[position - 1].append(Source(
-                upstream=([actor[sender].address, *addresses])[upstream], upstream_position=upstream,
+                upstream=where[upstream], upstream_position=upstream,
                 local=plan.local[at], children=children, in_place=in_place,
                 peer=f"{name} (the shards of actor rank {sender}, {how})",
                 route=None if plan.local[at] else Route(rail=workers[position].rail, hosts=ends)))
@@ -80,13 +80,10 @@ def stream_rails(metadata: WorldMetadata) -> list[int] | None:
     """A staged update's streams across hosts (``weightsync.core.control.staged``: a stager per stream on every
     host): the rail of each sending rank of a sharded ``actor_wg`` sending over the two-level chain, in the senders'
     order; None for any other world."""
-    if not metadata.actor or metadata.actor[0].get("layout") != "two_level":
-        return None
-    sources = plan_sources(metadata)
-    if sources is None:
-        return None
-    return [decode_metadata(metadata.actor[rank], ChainMetadata, who=f"actor rank {rank}").rail
-            for rank in sources.senders]
+    actor = [decode_metadata(entry, ChainMetadata, who=f"actor rank {rank}") for rank, entry in
+             enumerate(metadata.actor)]
+    sources = plan_sources(metadata) if actor and actor[0].layout == "two_level" else None
+    return [actor[rank].rail for rank in sources.senders] if sources is not None else None
 
 
 def _staged_streams(actor: Sequence[ChainMetadata], rollout: Sequence[ChainMetadata], senders: Sequence[int]
@@ -98,7 +95,7 @@ def _staged_streams(actor: Sequence[ChainMetadata], rollout: Sequence[ChainMetad
     for position, worker in enumerate(rollout, start=1):
         hosts.setdefault(worker.node_id, []).append(position)
     staging: dict[int, list[int]] = {sender: [] for sender in senders}
-    for node, positions in hosts.items():
+    for positions in hosts.values():
         left = list(positions)
         for sender in senders:
             pick = next((p for p in left if rollout[p - 1].rail == actor[sender].rail), left[0] if left else None)
