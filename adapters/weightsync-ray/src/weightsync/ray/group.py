@@ -10,7 +10,7 @@ from typing import Any
 
 import ray
 
-from weightsync.api.errors import ConfigError
+from weightsync.api.errors import ConfigError, WorkerDiedError
 from weightsync.api.parts import Part
 from weightsync.api.protocols import WeightSink, WeightSource
 from weightsync.api.sources import ShardedWeightSource
@@ -239,13 +239,23 @@ class RayRolloutWorker:
         return self._name
 
     def execute_checkpoint_engine(self, method: str, /, **kwargs: Any) -> Any:
-        return self.handle.execute_checkpoint_engine.remote(method, **kwargs)
+        return _answer(self.handle.execute_checkpoint_engine.remote(method, **kwargs), self._name)
 
     def update_weights(self, *, version: int) -> Any:
-        return self.handle.update_weights.remote(version=version)
+        return _answer(self.handle.update_weights.remote(version=version), self._name)
 
     def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         return self.handle.call.remote(method, *args, **kwargs)
+
+
+async def _answer(ref: Any, name: str) -> Any:
+    """A worker's answer to a call; an actor Ray declared dead (its process is gone) is a ``WorkerDiedError``, not a
+    failure of the call."""
+    try:
+        return await ref
+    except ray.exceptions.ActorDiedError as exc:
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise WorkerDiedError(f"Ray declared the actor dead ({said})", worker=name, step="") from exc
 
 
 class RayStagingWorker(RayRolloutWorker):
@@ -255,10 +265,10 @@ class RayStagingWorker(RayRolloutWorker):
     refuses with a ``ConfigError`` before anything moves."""
 
     def stage_weights(self, *, version: int) -> Any:
-        return self.handle.stage_weights.remote(version=version)
+        return _answer(self.handle.stage_weights.remote(version=version), self.name)
 
     def apply_staged(self, *, version: int, staged: StagedUpdate) -> Any:
-        return self.handle.apply_staged.remote(version=version, staged=staged)
+        return _answer(self.handle.apply_staged.remote(version=version, staged=staged), self.name)
 
 
 class RayRolloutReplica:

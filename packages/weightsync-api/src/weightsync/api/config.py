@@ -59,6 +59,12 @@ class SyncConfig:
     applies from its host's staging area into the live parameters — and resumed. Costs one staging area of the
     model's size per host (``weightsync.core.transports.stagearea``). A replica whose staging failed is never paused
     and keeps serving its old version; rollout workers that cannot stage (``StagingWorker``) are a ``ConfigError``.
+
+    ``max_evicted``: before each update the manager pings every rollout worker; a replica with a worker that is dead
+    (``WorkerDiedError``: Ray declared its actor dead) or does not answer within ``timeouts.setup`` is evicted —
+    left out of the update and of the membership, named in ``UpdateReport.evicted`` — and the update goes on over
+    the others, a delta still where it was one. More dead replicas than ``max_evicted`` fail the update before any
+    replica is paused, evicting none; 0 turns eviction off.
     """
 
     bucket_bytes: int = 64 * MiB
@@ -69,6 +75,7 @@ class SyncConfig:
     delta: bool = False
     verify_every: int = 1
     staged: bool = False
+    max_evicted: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int):
@@ -88,6 +95,8 @@ class SyncConfig:
                 raise ConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if isinstance(self.verify_every, bool) or not isinstance(self.verify_every, int) or self.verify_every < 1:
             raise ConfigError(f"verify_every must be a positive int, got {self.verify_every!r}")
+        if isinstance(self.max_evicted, bool) or not isinstance(self.max_evicted, int) or self.max_evicted < 0:
+            raise ConfigError(f"max_evicted must be an int of at least 0, got {self.max_evicted!r}")
         if not isinstance(self.timeouts, StepTimeouts):
             raise ConfigError("timeouts must be a StepTimeouts")
         try:

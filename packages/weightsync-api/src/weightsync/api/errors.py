@@ -41,6 +41,7 @@ __all__ = [
     "StepTimeoutError",
     "HostUnreachableError",
     "WorkerError",
+    "WorkerDiedError",
     "RenamedKeywordError",
 ]
 
@@ -214,6 +215,11 @@ class WorkerError(WeightsyncError, RuntimeError):
 
     worker: str
     step: str
+
+
+class WorkerDiedError(WorkerError):
+    """A worker's process is gone (Ray declared its actor dead), not merely failing: ``worker`` names it. Found
+    before an update, its replica is evicted (``SyncConfig.max_evicted``)."""
 
 
 class RenamedKeywordError(WeightsyncError, TypeError):

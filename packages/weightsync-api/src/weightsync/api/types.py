@@ -182,7 +182,7 @@ class TransferReport:
 Received: TypeAlias = Literal["full", "changes"]
 """What an update sent a replica (``ReplicaOutcome.received``)."""
 
-ReplicaState: TypeAlias = Literal["committed", "torn", "untouched"]
+ReplicaState: TypeAlias = Literal["committed", "torn", "untouched", "evicted"]
 """``committed``: every worker holds the new version, digests verified. ``torn``: the update reached some of its
 bytes but not verifiably all; the replica stays paused until an update repairs it. ``untouched``: the update failed
 before any byte reached it; it holds its previous version intact."""
@@ -269,11 +269,14 @@ class UpdateReport:
     seconds: float
     """Wall time of the whole update, any setup included."""
     stages: Mapping[str, float] = field(default_factory=dict)
-    """Wall seconds per manager step: setup (when this update built its epoch), pause, transfer, verify_load,
-    finalize, resume."""
+    """Wall seconds per manager step: health (the ping before it), setup (when this update built its epoch), pause,
+    transfer, verify_load, finalize, resume."""
     digest: str = ""
     receivers: int = 0
     replicas: tuple[ReplicaOutcome, ...] = ()
+    evicted: tuple[ReplicaOutcome, ...] = ()
+    """The replicas this update evicted (``state == "evicted"``; ``replica``: its index before the update, ``error``:
+    why): dead before it began, so left out of it and of the manager's membership (``SyncConfig.max_evicted``)."""
     transfers: tuple[TransferReport, ...] = ()
     rebuilt: bool = False
     """Whether this update (re)built the topology (first update, membership change, or after a failure)."""
@@ -310,7 +313,7 @@ class UpdateReport:
         its version, sizes (``bytes``: the model each receiver holds; ``wire_bytes``: what was sent per receiver),
         seconds (the whole update and each step, ``<step>_seconds``), the longest pause (``pause_s_max``), the
         replicas by state, and whether it rebuilt the topology."""
-        states = [outcome.state for outcome in self.replicas]
+        states = [outcome.state for outcome in (*self.replicas, *self.evicted)]
         flat = {
             "version": float(self.version), "update_seconds": self.seconds, "bytes": float(self.nbytes),
             "wire_bytes": float(self.wire_bytes), "changed_fraction": self.changed_fraction,

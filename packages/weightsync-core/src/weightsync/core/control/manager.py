@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from weightsync.api.errors import ConcurrentUpdateError, ConfigError, LifecycleE
 from weightsync.api.protocols import ActorWorkerGroup, CheckpointEngine, RolloutReplica
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import ReplicaOutcome, UpdateReport
+from weightsync.core.control import health, steps
 from weightsync.core.control import replicas as replica_steps
 from weightsync.core.control import telemetry
 from weightsync.core.control.auto import AUTO, AutoChoice, candidates
@@ -190,6 +192,7 @@ class CheckpointEngineManager:
         failure: BaseException | None = None
         with telemetry.in_flight():
             try:
+                round_ = await self._evict_dead(round_)
                 epoch = await self._ensure_epoch(round_)
                 round_.stripes, round_.sources = epoch.stripes, epoch.sources
                 await self._flow.run(round_, epoch, self._states)
@@ -205,6 +208,33 @@ class CheckpointEngineManager:
                 telemetry.record(report, failure=failure)
         self._version = version
         return report
+
+    async def _evict_dead(self, round_: Round) -> Round:
+        """Before anything else: the replicas with a dead worker (``weightsync.core.control.health``) leave the
+        membership, and the update goes on over the others (their round); more than ``SyncConfig.max_evicted`` of
+        them, or every replica, fail the update instead, evicting none, nothing paused."""
+        limit = self.config.max_evicted
+        if not limit:
+            return round_
+        started = time.perf_counter()
+        dead = await health.dead_replicas(round_.workers, self.config.timeouts.setup)
+        round_.stages["health"] = time.perf_counter() - started
+        if not dead:
+            return round_
+        if len(dead) > limit or len(dead) == len(self._replicas):
+            failure = steps.root_cause(list(dead.values()))
+            failure.add_note(f"{len(dead)} of {len(self._replicas)} replicas are dead (SyncConfig.max_evicted is "
+                             f"{limit}): none was evicted or paused")
+            raise failure
+        for replica in sorted(dead, reverse=True):
+            del self._replicas[replica]
+            del self._states[replica]
+        self._renumber()
+        self._epoch = None
+        survivors = Round.of(round_.version, self._replicas)
+        survivors.evicted, survivors.stages, survivors.started = (health.evicted_outcomes(dead), round_.stages,
+                                                                  round_.started)
+        return survivors
 
     def _report(self, round_: Round) -> UpdateReport:
         """The round's report: the backend that ran (``auto``'s pick), and why it was picked."""

@@ -53,6 +53,8 @@ class Round:
     """Replica → whether this update resumed it (absent: this update never paused it)."""
     timing: dict[int, dict[str, float]] = field(default_factory=dict)
     """Per replica: seconds ``pause``d, and what a flow measured besides (``ReplicaOutcome``'s ``*_seconds``)."""
+    evicted: list[ReplicaOutcome] = field(default_factory=list)
+    """Replicas found dead before the update and left out of it (``weightsync.core.control.health``)."""
 
     @classmethod
     def of(cls, version: int, replicas: Sequence[RolloutReplica]) -> Round:
@@ -141,7 +143,7 @@ class Round:
         return UpdateReport(
             version=self.version, backend=backend, nbytes=total, seconds=time.perf_counter() - self.started,
             stages=self.stages, digest=next(iter(self.sent().values()), ""), receivers=len(self.workers),
-            replicas=tuple(outcomes), transfers=tuple(
+            replicas=tuple(outcomes), evicted=tuple(self.evicted), transfers=tuple(
                 [*senders, *(r for r in self.reports if isinstance(r, TransferReport))]
             ), rebuilt=self.rebuilt, chosen=chosen, wire_bytes=sum(report.wire_bytes for report in senders),
             changed_fraction=changed / total if compared and total else 1.0,

@@ -14,7 +14,9 @@ import time
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
-from weightsync.api.errors import HostUnreachableError, StepTimeoutError, TransferError, WeightsyncError, WorkerError
+from weightsync.api.errors import (
+    HostUnreachableError, StepTimeoutError, TransferError, WeightsyncError, WorkerDiedError, WorkerError,
+)
 from weightsync.api.protocols import ActorWorkerGroup, RolloutWorker
 from weightsync.core.worker.host import unwrap
 
@@ -66,6 +68,8 @@ def worker_calls(workers: Sequence[tuple[int, RolloutWorker]], method: str, /,
 def typed_error(error: BaseException, *, step: str, worker: str) -> BaseException:
     """Our typed errors pass through (with a note naming the worker); anything else becomes a ``WorkerError``."""
     cause = unwrap(error)
+    if isinstance(cause, WorkerDiedError):  # named as the manager names the worker
+        return WorkerDiedError(f"{worker} died during {step}: {cause}", worker=worker, step=step)
     if isinstance(cause, WeightsyncError):
         cause.add_note(f"raised by {worker} during {step}")
         return cause

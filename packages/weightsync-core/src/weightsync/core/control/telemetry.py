@@ -39,7 +39,7 @@ _STATES: tuple[ReplicaState, ...] = get_args(ReplicaState)
 
 def summary(report: UpdateReport) -> str:
     """One line: the update's version, backend, sizes, seconds, longest pause and replicas by state."""
-    states = [outcome.state for outcome in report.replicas]
+    states = [outcome.state for outcome in (*report.replicas, *report.evicted)]
     counted = ", ".join(f"{states.count(state)} {state}" for state in _STATES if state in states)
     chosen = f" ({report.chosen})" if report.chosen else ""
     return (f"update {report.version}: backend {report.backend}{chosen}, {report.nbytes} bytes "
@@ -65,7 +65,7 @@ def record(report: UpdateReport, *, failure: BaseException | None = None) -> Non
     metrics.updates.labels(outcome="failed" if failed else "committed").inc()
     metrics.sent.labels(kind="model").inc(report.nbytes)
     metrics.sent.labels(kind="wire").inc(report.wire_bytes)
-    states = [outcome.state for outcome in report.replicas]
+    states = [outcome.state for outcome in (*report.replicas, *report.evicted)]
     for state in _STATES:
         metrics.replicas.labels(state=state).set(states.count(state))
 

@@ -172,6 +172,16 @@ class BucketCheckpointEngine(EngineBase):
         """Nothing of the pipeline outlives an update except buffers and connections, which are kept."""
         self._check_open()
 
+    def held(self) -> object:
+        """What this engine holds across updates as a receiver (its delta state; ``worker.host.HoldsAcrossUpdates``)."""
+        return self._receive.delta
+
+    def adopt_held(self, held: object) -> None:
+        """Take over ``held``, a previous engine's of this worker (its rank changed, nothing else), where this engine
+        keeps the same kind of state."""
+        if self._receive.delta is not None and type(held) is type(self._receive.delta):
+            self._receive.delta = held
+
     def close(self) -> None:
         if self._closed:
             return

@@ -109,6 +109,16 @@ class StagingEngine(Protocol):
     def receive_staged(self, staged: StagedUpdate) -> ReceivedWeights: ...
 
 
+@runtime_checkable
+class HoldsAcrossUpdates(Protocol):
+    """An engine that holds something across updates (a delta receiver's version) which the worker's next engine
+    may take over when only the worker's rank changed (``EngineSlot.ensure``)."""
+
+    def held(self) -> object: ...
+
+    def adopt_held(self, held: object) -> None: ...
+
+
 class EngineSlot:
     """Holds one engine and the spec it was built from; asking again for the same spec reuses it."""
 
@@ -118,12 +128,19 @@ class EngineSlot:
         self.spec: dict[str, Any] | None = None
 
     def ensure(self, spec: Mapping[str, Any]) -> CheckpointEngine:
-        """The engine for ``spec``: the current one when its spec is equal, else a new one (the old one closed)."""
+        """The engine for ``spec``: the current one when its spec is equal, else a new one (the old one closed).
+        When only the rank changed (a replica before this worker's left the membership), the new engine takes over
+        what the old one held across updates (:class:`HoldsAcrossUpdates`): the next delta update stays one."""
         wanted = dict(spec)
         if self.engine is None or wanted != self.spec:
+            old: object = self.engine
+            renumbered = self.spec is not None and {**self.spec, "rank": wanted.get("rank")} == wanted
             self.drop()
-            self.engine = self._build(wanted)
+            self.engine = new = self._build(wanted)
             self.spec = wanted
+            taker: object = new
+            if renumbered and isinstance(old, HoldsAcrossUpdates) and isinstance(taker, HoldsAcrossUpdates):
+                taker.adopt_held(old.held())
         return self.engine
 
     def drop(self) -> None:
