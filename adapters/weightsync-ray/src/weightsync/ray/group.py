@@ -19,7 +19,7 @@ from weightsync.core.transports.place import LOCAL_RANK_ENV
 from weightsync.core.worker.host import EngineHost
 
 __all__ = ["ActorRankHost", "RolloutWorkerHost", "RayActorWorkerGroup", "RayRolloutWorker", "RayRolloutReplica",
-           "RayStagingWorker", "actor_options"]
+           "RayStagingWorker", "actor_options", "worker_answer"]
 
 SourceFactory = Callable[[int, int], WeightSource]
 """Builds rank ``rank``'s weight source inside its actor: ``factory(rank, world_size)``."""
@@ -239,16 +239,16 @@ class RayRolloutWorker:
         return self._name
 
     def execute_checkpoint_engine(self, method: str, /, **kwargs: Any) -> Any:
-        return _answer(self.handle.execute_checkpoint_engine.remote(method, **kwargs), self._name)
+        return worker_answer(self.handle.execute_checkpoint_engine.remote(method, **kwargs), self._name)
 
     def update_weights(self, *, version: int) -> Any:
-        return _answer(self.handle.update_weights.remote(version=version), self._name)
+        return worker_answer(self.handle.update_weights.remote(version=version), self._name)
 
     def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         return self.handle.call.remote(method, *args, **kwargs)
 
 
-async def _answer(ref: Any, name: str) -> Any:
+async def worker_answer(ref: Any, name: str) -> Any:
     """A worker's answer to a call; an actor Ray declared dead (its process is gone) is a ``WorkerDiedError``, not a
     failure of the call."""
     try:
@@ -265,10 +265,10 @@ class RayStagingWorker(RayRolloutWorker):
     refuses with a ``ConfigError`` before anything moves."""
 
     def stage_weights(self, *, version: int) -> Any:
-        return _answer(self.handle.stage_weights.remote(version=version), self.name)
+        return worker_answer(self.handle.stage_weights.remote(version=version), self.name)
 
     def apply_staged(self, *, version: int, staged: StagedUpdate) -> Any:
-        return _answer(self.handle.apply_staged.remote(version=version, staged=staged), self.name)
+        return worker_answer(self.handle.apply_staged.remote(version=version, staged=staged), self.name)
 
 
 class RayRolloutReplica:

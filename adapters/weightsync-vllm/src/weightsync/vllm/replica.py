@@ -55,7 +55,7 @@ import ray
 from weightsync.api.errors import ConfigError
 from weightsync.api.hooks import WholePauseHooks
 from weightsync.api.types import StagedUpdate
-from weightsync.ray.group import RayStagingWorker, actor_options
+from weightsync.ray.group import RayStagingWorker, actor_options, worker_answer
 from weightsync.vllm.actor import EXTENSION, VllmEngineActor
 
 __all__ = ["VllmEngineActor", "VllmRolloutReplica", "VllmWorker", "engine_args"]
@@ -83,16 +83,18 @@ class VllmWorker(RayStagingWorker):
         self.index = index
 
     def execute_checkpoint_engine(self, method: str, /, **kwargs: Any) -> Any:
-        return self.handle.execute_checkpoint_engine.remote(method, worker=self.index, **kwargs)
+        return worker_answer(self.handle.execute_checkpoint_engine.remote(method, worker=self.index, **kwargs),
+                             self.name)
 
     def update_weights(self, *, version: int) -> Any:
-        return self.handle.update_weights.remote(version=version, worker=self.index)
+        return worker_answer(self.handle.update_weights.remote(version=version, worker=self.index), self.name)
 
     def stage_weights(self, *, version: int) -> Any:
-        return self.handle.stage_weights.remote(version=version, worker=self.index)
+        return worker_answer(self.handle.stage_weights.remote(version=version, worker=self.index), self.name)
 
     def apply_staged(self, *, version: int, staged: StagedUpdate) -> Any:
-        return self.handle.apply_staged.remote(version=version, staged=staged, worker=self.index)
+        return worker_answer(self.handle.apply_staged.remote(version=version, staged=staged, worker=self.index),
+                             self.name)
 
 
 class VllmRolloutReplica(WholePauseHooks):
