@@ -72,7 +72,7 @@ def test_a_killed_host_leader_tears_its_host_only_and_another_leads_next(cluster
                    lambda message: None)
     assert result["first"]
     faulted = result["faulted"]
-    assert faulted["error"] == "WorkerError" and "replica1/worker0" in faulted["message"], faulted
+    assert faulted["error"] == "WorkerDiedError" and "replica1/worker0" in faulted["message"], faulted
     assert faulted["seconds"] < 6.0 + 1.0, faulted
     # Host 3's workers (replica 1, killed; replica 2, reading its ring) are torn; host 2's replica committed.
     assert result["states"] == ["committed", "torn", "torn"], result["states"]

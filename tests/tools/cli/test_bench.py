@@ -154,10 +154,10 @@ def test_ray_end_to_end_update_against_a_gathered_noop(shm_run: tuple[dict[str, 
     assert e2e["update_ms_p50"] > 0 and e2e["noop_ms_p50"] > 0
     assert e2e["ratio"] == pytest.approx(e2e["update_ms_p50"] / e2e["noop_ms_p50"], rel=1e-2)
     assert e2e["meets"] == (e2e["ratio"] <= e2e["target_ratio"]) and e2e["target_ratio"] == 5
-    # pause → transfer (our hosts finalize within it) → resume, every one timed; together they are most of the
-    # update (the rest is the manager's own bookkeeping), never more than it.
+    # health (the ping before it) → pause → transfer (our hosts finalize within it) → resume, every one timed;
+    # together they are most of the update (the rest is the manager's own bookkeeping), never more than it.
     stages = e2e["stages_ms_p50"]
-    assert list(stages) == ["pause", "transfer", "resume"]
+    assert list(stages) == ["health", "pause", "transfer", "resume"]
     assert all(ms > 0 for ms in stages.values())
     assert 0.5 * e2e["update_ms_p50"] <= sum(stages.values()) <= 1.5 * e2e["update_ms_p50"]
     line = next(line for line in stdout.splitlines() if line.startswith("ray end-to-end"))
