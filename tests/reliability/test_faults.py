@@ -1,12 +1,15 @@
 """The fault matrix, with real Ray worker processes killed, stopped and corrupted mid-transfer.
 
-Every case ends within the configured transfer timeout + 1 s (plus the fixed pause/resume round trips), never
-resumes a torn replica, and recovers on the next update.
+Every case without eviction ends within the configured transfer timeout + 1 s (plus the fixed pause/resume round
+trips), never resumes a torn replica, and recovers on the next update. A rollout worker killed or stopped mid-update
+is evicted (``SyncConfig.max_evicted``, on by default) and the same call commits the other replica, within the
+transfer timeout + the fleet's setup time + 2 × one update's time (+ the eviction's ping for a silent one).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -26,6 +29,8 @@ from weightsync.api.errors import (
     WeightsyncError,
     WorkerError,
 )
+from weightsync.api.types import UpdateReport
+from weightsync.core.control.eviction import PING_S
 from weightsync.core.control.manager import CheckpointEngineManager
 
 # The one-sided chain backends fail differently (a dead middle hop starves everything downstream of it), so the
@@ -46,17 +51,27 @@ def cluster(ray_nodes: RayNodes) -> Iterator[Cluster]:
         yield made
 
 
-async def _update_with_fault(manager: CheckpointEngineManager, fault: object, *, after: float) -> tuple[float, BaseException]:
-    """Start an update, inject ``fault()`` ``after`` seconds in, return (seconds, the error it ended with)."""
+async def _update_with_fault(manager: CheckpointEngineManager, fault: object, *, after: float
+                             ) -> tuple[float, BaseException | UpdateReport]:
+    """Start an update, inject ``fault()`` ``after`` seconds in, return (seconds, the error it ended with, or its
+    report)."""
     started = time.perf_counter()
     task = asyncio.create_task(manager.update_weights())
     await asyncio.sleep(after)
     fault()  # type: ignore[operator]
     try:
-        await task
+        report = await task
     except WeightsyncError as exc:
         return time.perf_counter() - started, exc
-    raise AssertionError("the update succeeded despite the fault")
+    return time.perf_counter() - started, report
+
+
+def _bound(manager: CheckpointEngineManager, cluster: Cluster) -> float:
+    """The first update (its setup time) and one slow update's time: the bound of an update that evicts."""
+    first = asyncio.run(manager.update_weights())
+    _slow(cluster)
+    plain = asyncio.run(manager.update_weights())
+    return TRANSFER_TIMEOUT + first.stages["setup"] + 2 * plain.seconds
 
 
 def _slow(cluster: Cluster) -> None:
@@ -64,9 +79,28 @@ def _slow(cluster: Cluster) -> None:
 
 
 @pytest.mark.parametrize("backend", ALL_CPU_BACKENDS)
-def test_rollout_worker_killed_mid_transfer(cluster: Cluster, backend: str) -> None:
+def test_rollout_worker_killed_mid_transfer_is_evicted_and_the_other_commits(cluster: Cluster, backend: str) -> None:
     manager = CheckpointEngineManager(backend=backend, actor_wg=cluster.actor_wg, replicas=cluster.replicas,
                                       config=config())
+    bound = _bound(manager, cluster)
+    expected = ray.get(cluster.actor_wg.call("set_version", 7))[0]
+    victim, dead = cluster.pid(1), cluster.replicas[1]
+    seconds, report = asyncio.run(_update_with_fault(manager, lambda: os.kill(victim, signal.SIGKILL), after=0.6))
+    assert isinstance(report, UpdateReport), repr(report)
+    assert seconds < bound and report.pause_seconds < bound, (seconds, report.pause_seconds, bound)
+    assert [(outcome.replica, outcome.state) for outcome in report.evicted] == [(1, "evicted")]
+    assert "WorkerDiedError: replica1" in str(report.evicted[0].error)
+    assert [outcome.state for outcome in report.replicas] == ["committed"] and report.ok
+    assert cluster.digests([0]) == [expected] and cluster.hooks(0)[-1] == "resume_generation"
+    assert manager.replicas == (cluster.replicas[0],)
+    cluster.replicas.remove(dead)
+
+
+def test_with_eviction_off_a_killed_rollout_worker_fails_the_update(cluster: Cluster) -> None:
+    """``max_evicted=0``, the negative control of the test above: the update fails naming the replica, the dead
+    one stays torn, the other committed or torn (paused, never resumed torn), until the caller removes it."""
+    manager = CheckpointEngineManager(backend="shm", actor_wg=cluster.actor_wg, replicas=cluster.replicas,
+                                      config=dataclasses.replace(config(), max_evicted=0))
     asyncio.run(manager.update_weights())
     _slow(cluster)
     victim = cluster.pid(1)
@@ -108,8 +142,9 @@ def test_actor_rank_0_killed_mid_transfer(cluster: Cluster, backend: str) -> Non
 
 @pytest.mark.parametrize("backend", ALL_CPU_BACKENDS)
 def test_stalled_receiver_times_out_naming_it_and_recovers(cluster: Cluster, backend: str) -> None:
+    """Eviction off: a stopped receiver is a timeout naming it (with eviction it is evicted: the next test)."""
     manager = CheckpointEngineManager(backend=backend, actor_wg=cluster.actor_wg, replicas=cluster.replicas,
-                                      config=config())
+                                      config=dataclasses.replace(config(), max_evicted=0))
     asyncio.run(manager.update_weights())
     _slow(cluster)
     victim = cluster.pid(1)
@@ -127,6 +162,25 @@ def test_stalled_receiver_times_out_naming_it_and_recovers(cluster: Cluster, bac
     expected = ray.get(cluster.actor_wg.call("set_version", 9))[0]
     report = asyncio.run(manager.update_weights())
     assert report.ok and cluster.digests([0, 1]) == [expected, expected]
+
+
+def test_a_stopped_receiver_is_evicted_as_silent_and_the_other_commits(cluster: Cluster) -> None:
+    """SIGSTOP: the worker misses the transfer's deadline and does not answer the ping after it (``PING_S``)."""
+    manager = CheckpointEngineManager(backend="shm", actor_wg=cluster.actor_wg, replicas=cluster.replicas,
+                                      config=config())
+    bound = _bound(manager, cluster) + PING_S
+    expected = ray.get(cluster.actor_wg.call("set_version", 9))[0]
+    victim, silent = cluster.pid(1), cluster.replicas[1]
+    try:
+        seconds, report = asyncio.run(_update_with_fault(manager, lambda: os.kill(victim, signal.SIGSTOP),
+                                                         after=0.6))
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    assert isinstance(report, UpdateReport), repr(report)
+    assert seconds < bound, (seconds, bound)
+    [evicted] = report.evicted
+    assert evicted.replica == 1 and "replica1/worker0 did not answer a ping" in str(evicted.error), evicted
+    assert report.ok and cluster.digests([0]) == [expected] and manager.replicas == (cluster.replicas[0],)
 
 
 @pytest.mark.parametrize("backend", ALL_CPU_BACKENDS)

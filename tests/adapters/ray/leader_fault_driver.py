@@ -2,9 +2,12 @@
 
 Placement (hosts by index): the actor worker group on host 1; replica 0 with two workers on host 2; replicas 1 and
 2 with one worker each on host 3. ``auto`` picks the two-level chain: host 2's leader is replica0/worker0, host 3's
-replica1/worker0 (downstream of host 2's), and replica2/worker0 reads host 3's leader's ring in place. Mid-update
-the driver kills host 3's leader (through Ray: the driver cannot see host 3's processes), then removes its replica
-and commits the next update, in which replica 2's worker leads host 3.
+replica1/worker0 (downstream of host 2's), and replica2/worker0 reads host 3's leader's ring in place. Updates are
+deltas (``SyncConfig.delta``). Mid-update the driver kills worker 0 of the replica its second argument names (through
+Ray: the driver cannot see the hosts' processes) — 0: the chain's middle host's leader, its host's only replica;
+1: host 3's leader, the chain's last; 2: a worker reading host 3's ring in place. The update evicts that replica and
+still commits the others in the same call (a second transfer for those the first tore); the next update, with no
+user call, is a delta for every survivor.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from tests.tools.testbed.driving import DriverChannel
 from tests.workloads import ModelSource, RecordingSink
 from weightsync.api.config import StepTimeouts, SyncConfig
 from weightsync.api.errors import WeightsyncError
+from weightsync.api.types import UpdateReport
 from weightsync.core.control.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 
@@ -36,10 +40,19 @@ async def update_with_fault(manager: CheckpointEngineManager, fault: Callable[[]
     await asyncio.sleep(FAULT_AFTER_S)
     await asyncio.to_thread(fault)
     try:
-        await task
+        report = await task
     except WeightsyncError as error:
         return {"seconds": time.perf_counter() - started, "error": type(error).__name__, "message": str(error)}
-    return {"seconds": time.perf_counter() - started, "error": None, "message": ""}
+    return {"seconds": time.perf_counter() - started, "error": None, "message": "", **summary(report)}
+
+
+def summary(report: UpdateReport) -> dict[str, Any]:
+    """What the test checks of an update's report."""
+    return {"ok": report.ok, "chosen": report.chosen, "rebuilt": report.rebuilt, "stages": dict(report.stages),
+            "states": [outcome.state for outcome in report.replicas],
+            "received": [outcome.received for outcome in report.replicas],
+            "pauses": [outcome.pause_seconds for outcome in report.replicas],
+            "evicted": [(outcome.replica, outcome.error) for outcome in report.evicted]}
 
 
 def placement(nodes: dict[str, str]) -> tuple[RayActorWorkerGroup, list[RayRolloutReplica]]:
@@ -54,24 +67,29 @@ def placement(nodes: dict[str, str]) -> tuple[RayActorWorkerGroup, list[RayRollo
 
 def main() -> None:
     nodes: dict[str, str] = json.loads(sys.argv[1])  # host index -> Ray node id
+    killed = int(sys.argv[2])
     channel = DriverChannel()
     ray.init(logging_level="ERROR", log_to_driver=False)
     actor_wg, replicas = placement(nodes)
-    config = SyncConfig(bucket_bytes=256 * 1024, timeouts=StepTimeouts(transfer=TRANSFER_TIMEOUT, setup=60))
+    config = SyncConfig(bucket_bytes=256 * 1024, delta=True,
+                        timeouts=StepTimeouts(transfer=TRANSFER_TIMEOUT, setup=60))
     manager = CheckpointEngineManager(actor_wg=actor_wg, replicas=replicas, config=config)
-    result: dict[str, Any] = {"first": asyncio.run(manager.update_weights()).ok}
+    first = asyncio.run(manager.update_weights())
     ray.get(actor_wg.call("set_mode", "normal", 0.15))  # 12 tensors, ~1.8 s of streaming
-    victim = replicas[1].workers[0].handle
+    ray.get(actor_wg.call("set_version", 4))
+    plain = asyncio.run(manager.update_weights())  # one update's time, for the bound
+    result: dict[str, Any] = {"first": first.ok and plain.ok, "setup": first.stages["setup"], "update": plain.seconds}
+    result["expected"] = ray.get(actor_wg.call("set_version", 5))[0]
+    victim = replicas[killed].workers[0].handle
     result["faulted"] = asyncio.run(update_with_fault(manager, lambda: ray.kill(victim)))
-    result["states"] = [status.state for status in manager.status()]
-    survivors = [replicas[0], replicas[2]]
+    survivors = [replica for r, replica in enumerate(replicas) if r != killed]
+    result["members"] = [next(i for i, known in enumerate(replicas) if known is replica) for replica in manager.replicas]
     result["hooks"] = [ray.get(replica.call("hook_log")) for replica in survivors]
-    manager.remove_replicas([replicas[1]])
-    ray.get(actor_wg.call("set_mode", "normal", 0.0))
-    result["expected"] = ray.get(actor_wg.call("set_version", 9))[0]
-    report = asyncio.run(manager.update_weights())
-    result["next"] = {"ok": report.ok, "chosen": report.chosen, "rebuilt": report.rebuilt}
     result["digests"] = [digest for replica in survivors for digest in ray.get(replica.call("digest"))]
+    ray.get(actor_wg.call("set_mode", "normal", 0.0))
+    result["expected_next"] = ray.get(actor_wg.call("set_version", 9))[0]
+    result["next"] = summary(asyncio.run(manager.update_weights()))
+    result["digests_next"] = [digest for replica in survivors for digest in ray.get(replica.call("digest"))]
     channel.tell({"result": result})
     for replica in survivors:
         replica.shutdown()

@@ -5,7 +5,9 @@ workers on host 2; replicas 1 and 2 with one worker each on host 3. Host 2's sta
 strikes while the update is being staged, the replicas serving:
 1. host 3's link is cut (every packet dropped): the test cuts it when asked, and restores it after the update
    failed (the replicas' logs are read then: host 3 cannot be reached while it is cut);
-2. the actor rank is killed (through Ray).
+2. host 3's stager (replica 1's worker) is killed (through Ray): the update evicts replica 1 and restages host 3
+   for replica 2 in the same call (a second transfer), replica 2 serving until its swap;
+3. the actor rank is killed (through Ray).
 After each, the driver records every replica's own pause/resume log, the manager's states and what each worker
 holds; after the first it commits the next update over the restored link.
 """
@@ -53,12 +55,17 @@ def main() -> None:
     result["v3"] = ray.get(actor_wg.call("set_version", 3))[0]
     report = asyncio.run(manager.update_weights(version=3))
     result["repaired"] = {"ok": report.ok, "rebuilt": report.rebuilt, **observe(manager, replicas)}
-    ray.get(actor_wg.call("set_version", 4))
     ray.get(actor_wg.call("set_mode", "normal", 0.15))
+    result["v4"] = ray.get(actor_wg.call("set_version", 4))[0]
+    stager = replicas[1].workers[0].handle
+    result["evicting"] = asyncio.run(update_with_fault(manager, lambda: ray.kill(stager)))
+    survivors = [replicas[0], replicas[2]]
+    result["after_evict"] = observe(manager, survivors)
+    ray.get(actor_wg.call("set_version", 5))
     result["killed"] = asyncio.run(update_with_fault(manager, lambda: ray.kill(actor_wg.handles[0])))
-    result["after_kill"] = observe(manager, replicas)
+    result["after_kill"] = observe(manager, survivors)
     channel.tell({"result": result})
-    for replica in replicas:
+    for replica in survivors:
         replica.shutdown()
 
 

@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 from weightsync.core.control.auto import choose
+from weightsync.core.control.eviction import PING_S
 from weightsync.testbed import LinkCounters, Testbed, TestbedRay
 
+from tests.adapters.ray.leader_fault_driver import TRANSFER_TIMEOUT
 from tests.tools.testbed.driving import steer
 from tests.tools.testbed.support import start_or_skip
 
@@ -66,27 +68,41 @@ def test_the_rank_order_chain_takes_the_model_into_each_host_twice(cluster: Test
         assert moved[host].ingress_bytes >= 1.9 * size, moved
 
 
-def test_a_killed_host_leader_tears_its_host_only_and_another_leads_next(cluster: TestbedRay) -> None:
+@pytest.mark.parametrize("killed", [0, 1, 2], ids=["middle-host-leader", "last-host-leader", "in-place-reader"])
+def test_a_worker_killed_mid_update_is_evicted_and_the_same_call_commits_the_rest(cluster: TestbedRay,
+                                                                                  killed: int) -> None:
+    """Delta updates; a worker killed mid-update (``leader_fault_driver``: the chain's middle host's leader, its
+    host's only replica; the last host's leader; a worker reading its host's ring in place). The same call evicts its
+    replica and commits every other (a second, full transfer for those the first tore) within the bound, each paused
+    once for it, and the next update is a delta for every survivor with no user call."""
     nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
-    result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.leader_fault_driver", nodes],
+    result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.leader_fault_driver", nodes, str(killed)],
                    lambda message: None)
     assert result["first"]
     faulted = result["faulted"]
-    assert faulted["error"] == "WorkerDiedError" and "replica1/worker0" in faulted["message"], faulted
-    assert faulted["seconds"] < 6.0 + 1.0, faulted
-    # Host 3's workers (replica 1, killed; replica 2, reading its ring) are torn; host 2's replica committed.
-    assert result["states"] == ["committed", "torn", "torn"], result["states"]
-    replica0_hooks, replica2_hooks = result["hooks"]
-    assert all(hooks[-1] == "resume_generation" for hooks in replica0_hooks)  # resumed, both workers
-    assert replica2_hooks[0][-1] == "release_kv_cache"  # torn: paused, never resumed
-    # Replica 1 removed: replica 2's worker leads host 3, and every worker that is left ends bit-exact.
-    assert result["next"]["ok"] and result["next"]["rebuilt"] and "two-level" in result["next"]["chosen"]
-    assert result["digests"] == [result["expected"]] * 3
+    assert faulted["error"] is None and faulted["ok"], faulted
+    survivors = [r for r in range(3) if r != killed]
+    assert faulted["states"] == ["committed", "committed"] and result["members"] == survivors, result
+    [(evicted, why)] = faulted["evicted"]
+    assert evicted == killed and why.startswith(f"WorkerDiedError: replica{killed}/worker0"), faulted
+    # A dead leader tears the replicas reading its ring or downstream of it: they get a second transfer.
+    assert ("retry_transfer" in faulted["stages"]) == (killed != 2), faulted
+    bound = TRANSFER_TIMEOUT + result["setup"] + 2 * result["update"]
+    assert faulted["seconds"] < bound and max(faulted["pauses"]) < bound, (faulted, bound)
+    workers = 2 if killed == 0 else 3
+    assert result["digests"] == [result["expected"]] * workers  # that same call
+    for hooks in (worker for replica in result["hooks"] for worker in replica):
+        assert hooks[-1] == "resume_generation" and hooks.count("resume_generation") == 3, result["hooks"]
+    following = result["next"]
+    assert following["ok"] and following["rebuilt"] and following["received"] == ["changes"] * 2, following
+    assert result["digests_next"] == [result["expected_next"]] * workers
 
 
 def test_faults_while_staging_leave_every_replica_serving_its_old_version(cluster: TestbedRay) -> None:
     """``SyncConfig(staged=True)``: a receiving host's link cut mid-stage, then the sender killed mid-stage. Every
-    replica's own hook log shows it was never paused for either, and every worker still holds the old version."""
+    replica's own hook log shows it was never paused for either, and every worker still holds the old version.
+    Between them a host's stager is killed mid-stage: its replica is evicted and the same call restages the host
+    for the other replica there, which is paused only for its swap."""
     nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
 
     def on_request(message: dict[str, Any]) -> None:
@@ -101,16 +117,22 @@ def test_faults_while_staging_leave_every_replica_serving_its_old_version(cluste
         if not cluster.bed.link_is_up(3):
             cluster.bed.link_up(3)
     once = ["abort_all_requests", "release_kv_cache", "resume_kv_cache", "resume_generation"]
-    workers = [2, 1, 1]
     assert result["first"]
-    for fault, after, version in (("cut", "after_cut", "v1"), ("killed", "after_kill", "v3")):
+    for fault, after, version, workers in (("cut", "after_cut", "v1", [2, 1, 1]), ("killed", "after_kill", "v4", [2, 1])):
         assert result[fault]["error"] is not None, result[fault]
-        assert result[fault]["seconds"] < 0.6 + 6.0 + 1.0, result[fault]  # within the transfer timeout + 1 s
-        rounds = 1 if fault == "cut" else 2
+        # Within the transfer timeout + 1 s; a cut one adds the eviction's ping, which finds host 3's two replicas
+        # silent: more than SyncConfig.max_evicted, so the update fails as a whole, evicting none.
+        assert result[fault]["seconds"] < 0.6 + 6.0 + 1.0 + (PING_S if fault == "cut" else 0), result[fault]
+        rounds = 1 if fault == "cut" else 3
         assert result[after]["hooks"] == [[once * rounds] * count for count in workers], (fault, result[after])
-        held = 1 if fault == "cut" else 3
-        assert result[after]["states"] == [["committed", held, True, 0.0]] * 3, (fault, result[after])
-        assert result[after]["digests"] == [result[version]] * 4, fault
+        held = 1 if fault == "cut" else 4
+        assert result[after]["states"] == [["committed", held, True, 0.0]] * len(workers), (fault, result[after])
+        assert result[after]["digests"] == [result[version]] * sum(workers), fault
+    evicting = result["evicting"]
+    assert evicting["error"] is None and evicting["ok"] and [r for r, _ in evicting["evicted"]] == [1], evicting
+    assert "retry_transfer" in evicting["stages"], evicting
+    assert result["after_evict"]["hooks"] == [[once * 3] * 2, [once * 3]]  # paused once, for its swap
+    assert result["after_evict"]["digests"] == [result["v4"]] * 3
     repaired = result["repaired"]
     assert repaired["ok"] and repaired["rebuilt"] and repaired["digests"] == [result["v3"]] * 4
     assert [state[:3] for state in repaired["states"]] == [["committed", 3, True]] * 3

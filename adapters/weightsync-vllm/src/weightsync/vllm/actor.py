@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from weightsync.api.errors import ConfigError, LifecycleError, ReplicaTornError
+from weightsync.api.errors import ConfigError, LifecycleError, ReplicaTornError, WorkerDiedError
 from weightsync.api.parts import PART_KEY, Part
 from weightsync.api.types import StagedUpdate, TransferReport
 from weightsync.api.topology import epoch_of
@@ -131,13 +131,24 @@ class VllmEngineActor:
             os.environ[LOCAL_RANK_ENV] = str(self._local_ranks[0])
 
     def _engine(self) -> Any:
+        """The running engine; a ``WorkerDiedError`` once vLLM says it is dead (``AsyncLLM.errored``: its engine
+        core process is gone), though this actor lives: the replica is as dead as if it were not."""
         if self._llm is None:
             raise LifecycleError(f"{self.name}: the vLLM engine is not started")
+        if self._llm.errored:
+            raise WorkerDiedError(f"{self.name}: the vLLM engine is dead (EngineDeadError)", worker=self.name,
+                                  step="")
         return self._llm
 
     async def _rpc(self, method: str, **kwargs: Any) -> list[Any]:
         """``method`` on every vLLM worker of the engine, in one ``collective_rpc``: each worker's result."""
-        results = list(await self._engine().collective_rpc(method, kwargs=kwargs))
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            results = list(await self._engine().collective_rpc(method, kwargs=kwargs))
+        except EngineDeadError as exc:
+            raise WorkerDiedError(f"{self.name}: the vLLM engine died during {method}", worker=self.name,
+                                  step="") from exc
         if len(results) != self.workers:
             raise LifecycleError(f"{self.name}: {len(results)} vLLM workers answered, {self.workers} expected")
         return results
@@ -153,6 +164,8 @@ class VllmEngineActor:
 
     async def execute_checkpoint_engine(self, method: str, /, worker: int = 0, **kwargs: Any) -> Any:
         if method == "ping":
+            if self._llm is not None:
+                self._engine()  # a dead engine answers as a dead worker
             answer = functools.partial(ping_answer, node_id=self._node_id, host_ip=self._host_ip,
                                        probe=list(kwargs.get("probe", ())),
                                        local_rank=self._local_ranks[worker] if worker < len(self._local_ranks) else None)

@@ -63,8 +63,10 @@ class SyncConfig:
     ``max_evicted``: before each update the manager pings every rollout worker; a replica with a worker that is dead
     (``WorkerDiedError``: Ray declared its actor dead) or does not answer within ``timeouts.setup`` is evicted —
     left out of the update and of the membership, named in ``UpdateReport.evicted`` — and the update goes on over
-    the others, a delta still where it was one. More dead replicas than ``max_evicted`` fail the update before any
-    replica is paused, evicting none; 0 turns eviction off.
+    the others, a delta still where it was one. A replica that dies during an update is evicted by the same call,
+    and the survivors that lack the version get it in a second transfer (``weightsync.core.control.eviction``).
+    More dead replicas than ``max_evicted`` in one update (before and during it together), or all of them, fail the
+    update, evicting none; 0 turns eviction off.
     """
 
     bucket_bytes: int = 64 * MiB

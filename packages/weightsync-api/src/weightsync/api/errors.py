@@ -218,8 +218,9 @@ class WorkerError(WeightsyncError, RuntimeError):
 
 
 class WorkerDiedError(WorkerError):
-    """A worker's process is gone (Ray declared its actor dead), not merely failing: ``worker`` names it. Found
-    before an update, its replica is evicted (``SyncConfig.max_evicted``)."""
+    """A worker's process is gone (Ray declared its actor dead; a vLLM replica's engine is dead), not merely
+    failing: ``worker`` names it. Found before or during an update, its replica is evicted
+    (``SyncConfig.max_evicted``)."""
 
 
 class RenamedKeywordError(WeightsyncError, TypeError):

@@ -270,13 +270,15 @@ class UpdateReport:
     """Wall time of the whole update, any setup included."""
     stages: Mapping[str, float] = field(default_factory=dict)
     """Wall seconds per manager step: health (the ping before it), setup (when this update built its epoch), pause,
-    transfer, verify_load, finalize, resume."""
+    transfer, verify_load, finalize, resume; after replicas died during it, evict (the ping that found them) and
+    the second transfer's steps as retry_<step>."""
     digest: str = ""
     receivers: int = 0
     replicas: tuple[ReplicaOutcome, ...] = ()
     evicted: tuple[ReplicaOutcome, ...] = ()
     """The replicas this update evicted (``state == "evicted"``; ``replica``: its index before the update, ``error``:
-    why): dead before it began, so left out of it and of the manager's membership (``SyncConfig.max_evicted``)."""
+    why): dead before it began or during it, so left out of it and of the manager's membership
+    (``SyncConfig.max_evicted``)."""
     transfers: tuple[TransferReport, ...] = ()
     rebuilt: bool = False
     """Whether this update (re)built the topology (first update, membership change, or after a failure)."""

@@ -18,7 +18,7 @@ from weightsync.api.protocols import RolloutWorker
 from weightsync.api.types import ReplicaOutcome
 from weightsync.core.control import steps
 
-__all__ = ["dead_replicas", "evicted_outcomes"]
+__all__ = ["dead_replicas", "dead_workers", "evicted_outcomes", "replicas_of"]
 
 
 async def dead_replicas(workers: Sequence[tuple[int, RolloutWorker]], timeout: float) -> dict[int, BaseException]:
@@ -28,19 +28,36 @@ async def dead_replicas(workers: Sequence[tuple[int, RolloutWorker]], timeout: f
         pings = steps.worker_calls(workers, "ping")
     except Exception:  # noqa: BLE001 - an adapter without ping: no health check, the update's own errors stand
         return {}
+    return replicas_of(workers, pings, await dead_workers(pings, timeout))
+
+
+async def dead_workers(pings: steps.Labelled, timeout: float, *, during: str = "health") -> dict[str, BaseException]:
+    """Label → why, for each worker of ``pings`` (labelled ``ping`` calls) found dead (module docstring; ``during``:
+    the step its error names)."""
     answers = await steps.gather("health", timeout, pings, raise_first=False)
-    dead: dict[int, BaseException] = {}
-    for (replica, _), (label, _), answer in zip(workers, pings, answers):
-        if replica in dead or not isinstance(answer, BaseException):
+    dead: dict[str, BaseException] = {}
+    for (label, _), answer in zip(pings, answers):
+        if not isinstance(answer, BaseException):
             continue
         if isinstance(answer, StepTimeoutError) and answer.step == "health":
-            dead[replica] = StepTimeoutError(f"{label} did not answer a ping within {timeout:g}s", step="health",
-                                             workers=[label])
+            dead[label] = StepTimeoutError(f"{label} did not answer a ping within {timeout:g}s", step="health",
+                                           workers=[label])
             continue
-        error = steps.typed_error(answer, step="health", worker=label)
+        error = steps.typed_error(answer, step=during, worker=label)
         if isinstance(error, WorkerDiedError):
-            dead[replica] = error
+            dead[label] = error
     return dead
+
+
+def replicas_of(workers: Sequence[tuple[int, RolloutWorker]], pings: steps.Labelled,
+                dead: dict[str, BaseException]) -> dict[int, BaseException]:
+    """Replica index → why it is dead (its first dead worker's reason), from ``dead_workers``' answer to ``pings``
+    (one per worker of ``workers``, in their order)."""
+    replicas: dict[int, BaseException] = {}
+    for (replica, _), (label, _) in zip(workers, pings):
+        if label in dead:
+            replicas.setdefault(replica, dead[label])
+    return replicas
 
 
 def evicted_outcomes(dead: dict[int, BaseException]) -> list[ReplicaOutcome]:

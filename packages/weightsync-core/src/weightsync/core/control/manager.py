@@ -25,7 +25,7 @@ from weightsync.api.errors import ConcurrentUpdateError, ConfigError, LifecycleE
 from weightsync.api.protocols import ActorWorkerGroup, CheckpointEngine, RolloutReplica
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import ReplicaOutcome, UpdateReport
-from weightsync.core.control import health, steps
+from weightsync.core.control import eviction, health, steps
 from weightsync.core.control import replicas as replica_steps
 from weightsync.core.control import telemetry
 from weightsync.core.control.auto import AUTO, AutoChoice, candidates
@@ -193,14 +193,12 @@ class CheckpointEngineManager:
         with telemetry.in_flight():
             try:
                 round_ = await self._evict_dead(round_)
-                epoch = await self._ensure_epoch(round_)
-                round_.stripes, round_.sources = epoch.stripes, epoch.sources
-                await self._flow.run(round_, epoch, self._states)
+                try:
+                    await self._run(round_, await self._ensure_epoch(round_), self._states)
+                except Exception as exc:
+                    await self._evict_lost(round_, exc)
             except BaseException as exc:
                 failure = exc
-                round_.failure = round_.failure or exc
-                self._epoch = None  # connections may be mid-message: rebuild them next time
-                self._setup.lost_rails.record(exc)  # a stripe's rail, left out of the rebuild until a probe reaches it
                 raise
             finally:
                 self._states = round_.outcomes(self._states)
@@ -208,6 +206,48 @@ class CheckpointEngineManager:
                 telemetry.record(report, failure=failure)
         self._version = version
         return report
+
+    async def _run(self, round_: Round, epoch: Epoch, previous: Sequence[ReplicaOutcome]) -> None:
+        round_.stripes, round_.sources = epoch.stripes, epoch.sources
+        try:
+            await self._flow.run(round_, epoch, previous)
+        except BaseException as exc:
+            round_.failure = round_.failure or exc
+            self._epoch = None  # connections may be mid-message: rebuild them next time
+            self._setup.lost_rails.record(exc)  # a stripe's rail, left out of the rebuild until a probe reaches it
+            raise
+
+    async def _evict_lost(self, round_: Round, failure: Exception) -> None:
+        """After ``round_`` failed with ``failure``: the replicas that died during it are evicted and the survivors
+        that lack the version get it in a second transfer (``weightsync.core.control.eviction``); else ``failure``
+        is raised as it is."""
+        limit, timeout = self.config.max_evicted, self.config.timeouts.setup
+        if not limit:
+            raise failure
+        lost = await eviction.lost_replicas(round_, self._setup.pings(round_.workers), self.actor_wg.world_size,
+                                            timeout)
+        if not lost:
+            raise failure
+        if len(lost) + len(round_.evicted) > limit or len(lost) == len(round_.replicas):
+            failure.add_note(f"{len(lost)} replica(s) died during the update, {len(round_.evicted)} before it "
+                             f"(SyncConfig.max_evicted is {limit}): none was evicted")
+            raise failure
+        for r in sorted(lost, reverse=True):
+            del self._replicas[r]
+        self._epoch = None
+        retry = eviction.retry_of(round_, lost, self._states)
+        if retry is None:
+            return
+        again, previous = retry
+        epoch = await self._setup.build(again.stages, again.workers, self._flow, states=(), version=self._version)
+        try:
+            await self._run(again, epoch, previous)
+        except BaseException as exc:
+            exc.add_note(f"in the second transfer, after replica(s) {sorted(lost)} died: its replicas 0.. are the "
+                         f"update's {round_.retried}")
+            raise
+        finally:
+            self._epoch = None  # built over the retried replicas only: the next update builds one over all
 
     async def _evict_dead(self, round_: Round) -> Round:
         """Before anything else: the replicas with a dead worker (``weightsync.core.control.health``) leave the

@@ -35,14 +35,16 @@ async def _resume(replica: RolloutReplica) -> None:
 
 async def pause(round_: Round, indices: Sequence[int], timeout: float, *, raise_first: bool = True) -> list[object]:
     """Pause replicas ``indices`` (each from now on counts as paused in its outcome's ``pause_seconds``); with
-    ``raise_first`` the first failure raises (``steps.gather``), else each replica's result or error is returned."""
+    ``raise_first`` the first failure raises (``steps.gather``), else each replica's result or error is returned.
+    A replica an earlier round of this update left paused (``Round.held``) is not paused again (its result: None)."""
     started = time.perf_counter()
     for r in indices:
         round_.paused_at.setdefault(r, started)
         round_.resumed[r] = False
+    calls: steps.Labelled = [(f"replica{r}", _pause(round_.replicas[r])) for r in indices if r not in round_.held]
     try:
-        return await steps.gather("pause", timeout, [(f"replica{r}", _pause(round_.replicas[r])) for r in indices],
-                                  raise_first=raise_first)
+        results = iter(await steps.gather("pause", timeout, calls, raise_first=raise_first))
+        return [None if r in round_.held else next(results) for r in indices]
     finally:
         round_.stages["pause"] = max(round_.stages.get("pause", 0.0), time.perf_counter() - started)
 

@@ -4,6 +4,7 @@ and from that — by one rule for every flow — the state of every replica and 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,7 +55,15 @@ class Round:
     timing: dict[int, dict[str, float]] = field(default_factory=dict)
     """Per replica: seconds ``pause``d, and what a flow measured besides (``ReplicaOutcome``'s ``*_seconds``)."""
     evicted: list[ReplicaOutcome] = field(default_factory=list)
-    """Replicas found dead before the update and left out of it (``weightsync.core.control.health``)."""
+    """Replicas this update evicted (``weightsync.core.control.health``, ``weightsync.core.control.eviction``)."""
+    lost: set[int] = field(default_factory=set)
+    """Replicas that died during this round, evicted: left out of its outcomes."""
+    retry: Round | None = None
+    """The second transfer of this update, over the survivors that lack the version (``retried``)."""
+    retried: list[int] = field(default_factory=list)
+    """This round's index of each of ``retry``'s replicas."""
+    held: set[int] = field(default_factory=set)
+    """Replicas an earlier round of this update paused and left paused: pausing them again is skipped."""
 
     @classmethod
     def of(cls, version: int, replicas: Sequence[RolloutReplica]) -> Round:
@@ -116,7 +125,17 @@ class Round:
         return "torn", None
 
     def outcomes(self, previous: Sequence[ReplicaOutcome]) -> list[ReplicaOutcome]:
-        """Every replica's outcome (``previous``: each replica's before this round)."""
+        """Every replica's outcome (``previous``: each replica's before this round), the retried ones' from their
+        retry, the lost ones left out (the others renumbered in order)."""
+        outcomes = self.own_outcomes(previous)
+        if self.retry is not None:
+            for r, outcome in zip(self.retried, self.retry.outcomes([outcomes[r] for r in self.retried])):
+                outcomes[r] = outcome
+        kept = [outcome for r, outcome in enumerate(outcomes) if r not in self.lost]
+        return [dataclasses.replace(outcome, replica=i) for i, outcome in enumerate(kept)]
+
+    def own_outcomes(self, previous: Sequence[ReplicaOutcome]) -> list[ReplicaOutcome]:
+        """Every replica's outcome from this round alone (no retry; the lost ones included)."""
         now = time.perf_counter()
         outcomes = []
         for r in range(len(self.replicas)):
@@ -135,16 +154,25 @@ class Round:
         return outcomes
 
     def report(self, outcomes: Sequence[ReplicaOutcome], *, backend: str, chosen: str, delta: bool) -> UpdateReport:
-        """The update's report, once it completed (``delta``: ``SyncConfig.delta``)."""
-        senders = self.senders
+        """The update's report, once it completed (``delta``: ``SyncConfig.delta``). After a retry: the model's size
+        and digest from whichever transfer's senders reported, the retry's stages as ``retry_<stage>``, the bytes on
+        the wire and the transfers of both."""
+        rounds = [self] if self.retry is None else [self, self.retry]
+        senders = self.senders or (self.retry.senders if self.retry is not None else [])
         total = sum(report.nbytes for report in senders)
         changed = sum(report.changed_bytes for report in senders)
         compared = delta and all(report.changed_bytes or report.base >= 0 for report in senders if report.nbytes)
+        stages = dict(self.stages)
+        if self.retry is not None:
+            stages.update({f"retry_{stage}": seconds for stage, seconds in self.retry.stages.items()})
+        lost = sum(1 for owner, _ in self.workers if owner in self.lost)
+        digests = [digest for r in rounds for digest in r.sent().values()]
         return UpdateReport(
             version=self.version, backend=backend, nbytes=total, seconds=time.perf_counter() - self.started,
-            stages=self.stages, digest=next(iter(self.sent().values()), ""), receivers=len(self.workers),
-            replicas=tuple(outcomes), evicted=tuple(self.evicted), transfers=tuple(
-                [*senders, *(r for r in self.reports if isinstance(r, TransferReport))]
-            ), rebuilt=self.rebuilt, chosen=chosen, wire_bytes=sum(report.wire_bytes for report in senders),
-            changed_fraction=changed / total if compared and total else 1.0,
+            stages=stages, digest=digests[0] if digests else "",
+            receivers=len(self.workers) - lost, replicas=tuple(outcomes), evicted=tuple(self.evicted),
+            transfers=tuple(report for r in rounds for report in [
+                *r.senders, *(report for report in r.reports if isinstance(report, TransferReport))]),
+            rebuilt=self.rebuilt, chosen=chosen, changed_fraction=changed / total if compared and total else 1.0,
+            wire_bytes=sum(report.wire_bytes for r in rounds for report in r.senders),
         )
