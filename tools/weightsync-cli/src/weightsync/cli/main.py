@@ -165,6 +165,10 @@ def _add_bench(commands: Any) -> None:
                        help="with --hosts: round-trip delay between hosts in ms (default 0; needs sch_netem)")
     bench.add_argument("--cleanup", action="store_true",
                        help="only remove what killed --hosts runs left behind (namespaces, folders), then exit")
+    bench.add_argument("--soak", type=int, default=0, metavar="N",
+                       help="only a soak on a 4-host testbed (needs root): N delta updates, a replica killed (between "
+                            "or mid-update) or added every 2-4 of them, every update checked; exit 1 if any failed")
+    bench.add_argument("--seed", type=int, default=0, help="with --soak: the seed of its events (default 0)")
     bench.add_argument("--rollout", choices=["model", "vllm"], default="model",
                        help="vllm: weightsync (shm) against the disk route (safetensors + vLLM's reload_weights) "
                             "into --receivers real vLLM engines on this host (needs vLLM: python3 -m hatch run "
@@ -256,6 +260,13 @@ def _bench(args: argparse.Namespace) -> int:
         from weightsync.cli.bench.hosts import run_cleanup
 
         return run_cleanup()
+    if args.soak:
+        missing = _testbed_missing("--soak") or ("" if args.soak >= 3 else "--soak runs at least 3 updates")
+        if missing:
+            return _usage_error("bench", missing)
+        from weightsync.cli.bench.soak import run_soak
+
+        return run_soak(args.soak, args.seed, args.json_path)
     if args.sharded:
         error = _sharded_error(args)
         if error:
