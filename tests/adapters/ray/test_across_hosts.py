@@ -7,6 +7,7 @@ plain chain would have taken the model into each receiving host twice.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -136,3 +137,34 @@ def test_faults_while_staging_leave_every_replica_serving_its_old_version(cluste
     repaired = result["repaired"]
     assert repaired["ok"] and repaired["rebuilt"] and repaired["digests"] == [result["v3"]] * 4
     assert [state[:3] for state in repaired["states"]] == [["committed", 3, True]] * 3
+
+
+def test_a_replica_that_joins_catches_up_from_a_peer_while_the_others_serve(cluster: TestbedRay) -> None:
+    """Delta updates of a 64 MiB model; after 3 of them a replica joins on host 3 and catches up from replica 0 on
+    host 2 (``join_driver``): the actor rank's host sends at most 5 % of the model meanwhile (its link counters, an
+    idle window as long subtracted), the serving replicas' longest gap between probe requests stays within twice
+    their median gap before it, the newcomer held the version when it was resumed, and the next update is a delta
+    for all three replicas."""
+    marks: dict[str, tuple[LinkCounters, ...]] = {}
+
+    def on_request(message: dict[str, Any]) -> None:
+        marks[message["mark"]] = cluster.bed.counters()
+
+    nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
+    result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.join_driver", nodes], on_request)
+    model = result["model_bytes"]
+    during = [after - before for before, after in zip(marks["catch_up0"], marks["catch_up1"])]
+    idle = [after - before for before, after in zip(marks["idle0"], marks["idle1"])]
+    sender_egress = during[1].egress_bytes - idle[1].egress_bytes
+    assert sender_egress <= 0.05 * model, (sender_egress, model)
+    assert during[2].egress_bytes >= 0.95 * model, during  # the peer's host sent it
+    assert result["status"] == [["committed", 3]] * 3, result["status"]
+    assert result["newcomer_at_resume"] == result["expected"]
+    for replica, gaps in enumerate(result["gaps"]):
+        assert len(gaps["before"]) >= 10 and gaps["during"], gaps
+        assert max(gaps["during"]) <= 2 * statistics.median(gaps["before"]), (
+            replica, max(gaps["during"]), statistics.median(gaps["before"]), result["catch_up_seconds"])
+    following = result["next"]
+    assert following["ok"] and following["received"] == ["changes"] * 3, following
+    assert following["wire_bytes"] <= 3 * following["changed"] + 0.01 * model, following
+    assert result["digests"] == [result["expected_next"]] * 3

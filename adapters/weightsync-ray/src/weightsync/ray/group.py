@@ -113,6 +113,12 @@ class RolloutWorkerHost:
     async def update_weights(self, *, version: int) -> TransferReport:
         return await self.host.receive(self.sink, version=version)
 
+    async def execute_as_peer(self, method: str, /, **kwargs: Any) -> Any:
+        return await self.host.execute_as_peer(method, **kwargs)
+
+    async def serve_weights(self, *, version: int) -> TransferReport:
+        return await self.host.serve(version=version)
+
     async def stage_weights(self, *, version: int) -> StagedUpdate:
         return await self.host.stage(version=version)
 
@@ -243,6 +249,13 @@ class RayRolloutWorker:
 
     def update_weights(self, *, version: int) -> Any:
         return worker_answer(self.handle.update_weights.remote(version=version), self._name)
+
+    def execute_as_peer(self, method: str, /, **kwargs: Any) -> Any:
+        """``PeerWorker``: this worker serves a joining replica (``RolloutWorkerHost`` keeps the engine for it)."""
+        return worker_answer(self.handle.execute_as_peer.remote(method, **kwargs), self._name)
+
+    def serve_weights(self, *, version: int) -> Any:
+        return worker_answer(self.handle.serve_weights.remote(version=version), self._name)
 
     def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         return self.handle.call.remote(method, *args, **kwargs)

@@ -167,6 +167,10 @@ class TransferReport:
     """A receiver's: the part it verified (its index in the senders' plan), or -1 when it verified every byte."""
     part_bytes: int = -1
     """A receiver's that verified its part: the bytes of its part it read and hashed (-1 otherwise)."""
+    model: str = ""
+    """A sender's that keeps the version it sent (``SyncConfig.delta``): that version's model digest (keyed sums of
+    every tensor in its buckets, whether this update carried changes or every byte); "" otherwise. Two senders of
+    the same version in the same buckets report the same one (a peer that serves a catch-up is checked by it)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -279,6 +283,10 @@ class UpdateReport:
     """The replicas this update evicted (``state == "evicted"``; ``replica``: its index before the update, ``error``:
     why): dead before it began or during it, so left out of it and of the manager's membership
     (``SyncConfig.max_evicted``)."""
+    joined: tuple[ReplicaOutcome, ...] = ()
+    """The replicas added since the last update that caught up from a peer before it (``replica``: its index now):
+    ``committed`` (they then took this update as everyone did, a delta where it was one) or ``torn`` (the catch-up
+    failed, ``error`` says why: never resumed by it, this update sent them, and so everyone, in full)."""
     transfers: tuple[TransferReport, ...] = ()
     rebuilt: bool = False
     """Whether this update (re)built the topology (first update, membership change, or after a failure)."""

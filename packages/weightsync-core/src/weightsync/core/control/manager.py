@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -25,7 +26,7 @@ from weightsync.api.errors import ConcurrentUpdateError, ConfigError, LifecycleE
 from weightsync.api.protocols import ActorWorkerGroup, CheckpointEngine, RolloutReplica
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import ReplicaOutcome, UpdateReport
-from weightsync.core.control import eviction, health, steps
+from weightsync.core.control import eviction, health, join, steps
 from weightsync.core.control import replicas as replica_steps
 from weightsync.core.control import telemetry
 from weightsync.core.control.auto import AUTO, AutoChoice, candidates
@@ -36,6 +37,8 @@ from weightsync.core.control.staged import Staged
 from weightsync.core.worker.host import accepted_options
 
 __all__ = ["CheckpointEngineManager"]
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointEngineManager:
@@ -77,6 +80,10 @@ class CheckpointEngineManager:
         self._states: list[ReplicaOutcome] = []
         self._epoch: Epoch | None = None
         self._version = 0
+        self._model = ""
+        """The model digest of ``_version`` (the actor worker group's ``TransferReport.model``), for catch-up."""
+        self._joining: list[RolloutReplica] = []
+        """Replicas added since the last update, to catch up from a peer before the next one."""
         self._updating = False
         self.add_replicas(replicas)
 
@@ -112,6 +119,12 @@ class CheckpointEngineManager:
             self._states.append(ReplicaOutcome(replica=0, state="untouched", version=None, resumed=False))
         self._renumber()
         self._epoch = None
+        if self._version and replicas:
+            self._joining += replicas
+            why = join.why_not(self.config, version=self._version, model=self._model)
+            if why:
+                logger.warning("%d replica(s) joined: they get the next update in full, as every replica does (%s)",
+                               len(replicas), why)
 
     def remove_replicas(self, replicas: Sequence[RolloutReplica]) -> None:
         """Remove replicas (e.g. dead ones); the next update rebuilds the topology without them."""
@@ -122,8 +135,17 @@ class CheckpointEngineManager:
                 raise ConfigError("remove_replicas got a replica this manager does not have")
             del self._replicas[index]
             del self._states[index]
+            self._joining = [joining for joining in self._joining if joining is not replica]
         self._renumber()
         self._epoch = None
+
+    def replace_replica(self, old: RolloutReplica, new: RolloutReplica) -> None:
+        """A restarted replica: ``old`` leaves the membership and ``new`` joins it (last), catching up from a peer
+        before the next update as any replica added does (``weightsync.core.control.join``)."""
+        if any(new is known for known in self._replicas):
+            raise ConfigError("replace_replica got a new replica this manager already has")
+        self.remove_replicas([old])
+        self.add_replicas([new])
 
     def _renumber(self) -> None:
         self._states = [dataclasses.replace(state, replica=i) for i, state in enumerate(self._states)]
@@ -162,6 +184,7 @@ class CheckpointEngineManager:
         with self._exclusive("connect"):
             round_ = Round.of(self._version, self._replicas)
             self._flow.check(round_.workers)
+            await self._catch_up(round_)
             await self._ensure_epoch(round_)
 
     @contextlib.contextmanager
@@ -193,6 +216,7 @@ class CheckpointEngineManager:
         with telemetry.in_flight():
             try:
                 round_ = await self._evict_dead(round_)
+                await self._catch_up(round_)
                 try:
                     await self._run(round_, await self._ensure_epoch(round_), self._states)
                 except Exception as exc:
@@ -205,7 +229,29 @@ class CheckpointEngineManager:
                 report = self._report(round_)
                 telemetry.record(report, failure=failure)
         self._version = version
+        models = {transfer.model for transfer in report.transfers if transfer.role == "actor" and transfer.model}
+        self._model = next(iter(models)) if len(models) == 1 else ""
         return report
+
+    async def _catch_up(self, round_: Round) -> None:
+        """The replicas added since the last update catch up from a peer, before the epoch is built
+        (``weightsync.core.control.join``); where they cannot, the update sends them, and everyone, the full model."""
+        joining, self._joining = self._joining, []
+        newcomers = [r for r, replica in enumerate(self._replicas) if any(replica is new for new in joining)]
+        peer = join.peer_of(self._replicas, self._states, self._version)
+        if not newcomers or join.why_not(self.config, version=self._version, model=self._model):
+            return
+        if peer is None:
+            logger.warning("%d replica(s) joined and no committed replica can serve them version %d (a peer is a "
+                           "one-worker replica whose worker is a PeerWorker): they get this update in full, as every "
+                           "replica does", len(newcomers), self._version)
+            return
+        outcomes, round_.stages["catch_up"] = await join.catch_up(
+            [self._replicas[r] for r in newcomers], peer, setup=self._setup, version=self._version, model=self._model,
+            previous=[self._states[r] for r in newcomers])
+        for r, outcome in zip(newcomers, outcomes):
+            self._states[r] = dataclasses.replace(outcome, replica=r)
+            round_.joined.append(self._states[r])
 
     async def _run(self, round_: Round, epoch: Epoch, previous: Sequence[ReplicaOutcome]) -> None:
         round_.stripes, round_.sources = epoch.stripes, epoch.sources

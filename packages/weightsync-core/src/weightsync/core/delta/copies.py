@@ -4,14 +4,16 @@ the tensors a ``copy_into`` consumer's fallback takes (:class:`PlacedCopies`).""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from weightsync.api.errors import TransferError
 from weightsync.core.delta.encoding import held_sum
+from weightsync.core.wire import codec
 from weightsync.core.wire.codec import TensorMeta
+from weightsync.core.wire.tensors import DTYPES
 
 __all__ = ["BaseCopies", "BucketCopy", "PlacedCopies"]
 
@@ -75,6 +77,25 @@ class BaseCopies:
     @property
     def nbytes(self) -> int:
         return sum(kept.nbytes for kept in self.buckets)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The kept version as ``(name, tensor)`` pairs in the order its buckets carried them (what a peer serves a
+        joining replica: sent again in the same buckets, it has the same model digest): a tensor in one piece is a
+        view of its bucket, one split across buckets is put together."""
+        pieces: dict[str, torch.Tensor] = {}
+        for kept in self.buckets:
+            for meta in codec.decode_table(kept.table):
+                if meta.blocks:
+                    raise TransferError(f"{meta.name!r} is kept in block order, which cannot be served again",
+                                        peer="this worker")
+                piece = kept.data[meta.bucket_offset:meta.bucket_offset + meta.nbytes]
+                if meta.offset == 0 and meta.nbytes == meta.total_nbytes:
+                    yield meta.name, piece.view(DTYPES[meta.dtype]).reshape(meta.shape)
+                    continue
+                whole = pieces.setdefault(meta.name, torch.empty(meta.total_nbytes, dtype=torch.uint8))
+                whole[meta.offset:meta.offset + meta.nbytes].copy_(piece)
+                if meta.offset + meta.nbytes == meta.total_nbytes:
+                    yield meta.name, pieces.pop(meta.name).view(DTYPES[meta.dtype]).reshape(meta.shape)
 
 
 class PlacedCopies:

@@ -4,7 +4,7 @@ delta bucket in place, and verifying what it holds afterwards (the format: :mod:
 from __future__ import annotations
 
 import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -51,6 +51,13 @@ class ReceiverDelta:
         self.wrote = False
         """Whether this update began writing changes into the consumer's destinations."""
         self._views = True
+
+    def held_weights(self) -> tuple[int, Iterator[tuple[str, torch.Tensor]]] | None:
+        """The version this receiver holds and keeps a whole copy of (its consumer iterated views), with that copy's
+        tensors (``BaseCopies.weights``); None when it keeps none."""
+        if self.held is None or self.kept.version != self.held[0] or not self.kept.buckets:
+            return None
+        return self.kept.version, self.kept.weights()
 
     def begin(self) -> None:
         """A new update starts: until it completes, this receiver holds no version it can vouch for."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -160,9 +161,10 @@ class SendPipeline:
             if sending.delta is not None:
                 await asyncio.get_running_loop().run_in_executor(None, sending.delta.settle_quietly)
             raise
-        if sending.delta is not None:  # every receiver acknowledged every bucket
-            self.delta.completed(sending.delta, version, model)
-        return sending.report(started)
+        if sending.delta is None:
+            return sending.report(started)
+        self.delta.completed(sending.delta, version, model)  # every receiver acknowledged every bucket
+        return dataclasses.replace(sending.report(started), model=model)
 
     async def _buckets(self, sending: Sending, weights: Iterable[object],
                        in_flight: dict[int, asyncio.Future[float]], blocked: Mapping[str, BlockPlan] | None) -> None:

@@ -188,6 +188,11 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
+def decode_table(table: bytes) -> list[TensorMeta]:
+    """A bucket's table as this side encoded it (a kept copy's: validated when it arrived)."""
+    return _table_decoder.decode(table)
+
+
 def encode_tensors(tensors: Sequence[TensorMeta]) -> bytes:
     """Deterministic bytes of a bucket's tensor table (what the digest covers besides the payload)."""
     return _tensors_encoder.encode(list(tensors))

@@ -13,7 +13,7 @@ import asyncio
 import concurrent.futures
 import functools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -23,6 +23,7 @@ from weightsync.api.protocols import ReceivedWeights
 from weightsync.api.topology import check_sizes, with_epoch
 from weightsync.api.types import RankArgs, StagedUpdate, Topology, TransferReport, WorkerMetadata, WorldMetadata
 from weightsync.core.pipeline.handover import Handover
+from weightsync.core.delta.receiver import ReceiverDelta
 from weightsync.core.pipeline.receive import ReceiveContext, ReceiveStream
 from weightsync.core.pipeline.send import SendPipeline, drain
 from weightsync.core.pipeline.staged import stage_update
@@ -175,6 +176,13 @@ class BucketCheckpointEngine(EngineBase):
     def held(self) -> object:
         """What this engine holds across updates as a receiver (its delta state; ``worker.host.HoldsAcrossUpdates``)."""
         return self._receive.delta
+
+    def held_weights(self) -> tuple[int, Iterator[tuple[str, torch.Tensor]]] | None:
+        """The version this engine's receiver keeps a whole copy of, and its tensors (``worker.host.ServesHeld``);
+        None when it keeps none (a full-update receiver, one whose sink copies into its own tensors, or one of
+        several senders' streams)."""
+        delta = self._receive.delta
+        return delta.held_weights() if isinstance(delta, ReceiverDelta) else None
 
     def adopt_held(self, held: object) -> None:
         """Take over ``held``, a previous engine's of this worker (its rank changed, nothing else), where this engine

@@ -119,6 +119,21 @@ class HoldsAcrossUpdates(Protocol):
     def adopt_held(self, held: object) -> None: ...
 
 
+@runtime_checkable
+class ServesHeld(Protocol):
+    """An engine whose receiver may keep a whole copy of the version it holds (a delta receiver feeding a sink that
+    iterates views), which its worker can serve to a joining replica (``PeerWorker``)."""
+
+    def held_weights(self) -> tuple[int, Iterator[tuple[str, torch.Tensor]]] | None: ...
+
+
+def _held_part(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """What an engine's state across updates depends on: its spec less its rank and transport (the backend and its
+    options): the role, and how updates are made (bucket size, delta, ...)."""
+    config = {**spec.get("config", {}), "backend_options": None}
+    return {**spec, "rank": None, "backend": None, "config": config}
+
+
 class EngineSlot:
     """Holds one engine and the spec it was built from; asking again for the same spec reuses it."""
 
@@ -129,17 +144,18 @@ class EngineSlot:
 
     def ensure(self, spec: Mapping[str, Any]) -> CheckpointEngine:
         """The engine for ``spec``: the current one when its spec is equal, else a new one (the old one closed).
-        When only the rank changed (a replica before this worker's left the membership), the new engine takes over
-        what the old one held across updates (:class:`HoldsAcrossUpdates`): the next delta update stays one."""
+        When only the rank or the transport changed (a replica before this worker's left the membership; a
+        catch-up epoch, then the update's, whose backend ``auto`` picks anew), the new engine takes over what the
+        old one held across updates (:class:`HoldsAcrossUpdates`): the next delta update stays one."""
         wanted = dict(spec)
         if self.engine is None or wanted != self.spec:
             old: object = self.engine
-            renumbered = self.spec is not None and {**self.spec, "rank": wanted.get("rank")} == wanted
+            carried = self.spec is not None and _held_part(self.spec) == _held_part(wanted)
             self.drop()
             self.engine = new = self._build(wanted)
             self.spec = wanted
             taker: object = new
-            if renumbered and isinstance(old, HoldsAcrossUpdates) and isinstance(taker, HoldsAcrossUpdates):
+            if carried and isinstance(old, HoldsAcrossUpdates) and isinstance(taker, HoldsAcrossUpdates):
                 taker.adopt_held(old.held())
         return self.engine
 
@@ -165,6 +181,8 @@ class EngineHost:
         """Of an actor rank of a sharded ``actor_wg`` (``weightsync.api.sources``): what it holds, asked at every
         ``prepare`` and declared in its metadata; None: the rank streams whole tensors."""
         self._slot = EngineSlot(self._build)
+        self._peer: EngineHost | None = None
+        """The engine this worker serves a joining replica with (``PeerWorker``), made at its first catch-up."""
         self._area: StageArea | None = None
         """This host's staging area, when this worker is its host's stager (made at the first stage, kept)."""
 
@@ -218,6 +236,9 @@ class EngineHost:
 
     def _close(self) -> None:
         self._slot.drop()
+        peer, self._peer = self._peer, None
+        if peer is not None:
+            peer._close()
         area, self._area = self._area, None
         if area is not None:
             area.close()
@@ -230,6 +251,23 @@ class EngineHost:
     async def send(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int) -> TransferReport:
         report = await self._engine().send_weights(weights, version=version)
         return self._finalized(report)
+
+    async def execute_as_peer(self, method: str, /, **kwargs: Any) -> Any:
+        """``execute`` on the engine this worker serves a catch-up with (``PeerWorker.execute_as_peer``)."""
+        if self._peer is None:
+            self._peer = EngineHost(node_id=self.node_id, host_ip=self.host_ip, name=f"{self.name} (as a peer)")
+        return await self._peer.execute(method, **kwargs)
+
+    async def serve(self, *, version: int) -> TransferReport:
+        """Send the copy of ``version`` this worker's receiver keeps through the peer engine
+        (``PeerWorker.serve_weights``); a ``LifecycleError`` before anything is sent if it keeps none."""
+        engine: object = self.engine
+        held = engine.held_weights() if isinstance(engine, ServesHeld) else None
+        if held is None or held[0] != version or self._peer is None:
+            what = f"version {held[0]}" if held is not None else "no copy"
+            raise LifecycleError(f"{self.name or 'worker'} cannot serve version {version} to a joining replica: it "
+                                 f"keeps {what} (a whole copy is kept by a delta receiver whose sink iterates views)")
+        return await self._peer.send(held[1], version=version)
 
     def _finalized(self, report: TransferReport) -> TransferReport:
         """Finalize right after a successful transfer, in the same call: one round trip fewer for the manager."""

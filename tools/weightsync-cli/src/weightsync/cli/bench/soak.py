@@ -101,6 +101,7 @@ def _describe(line: dict[str, Any]) -> str:
     event = f" [{line['event']}]" if line["event"] else ""
     evicted = f", evicted {len(line.get('evicted', []))}" if line.get("evicted") else ""
     retried = ", second transfer" if line.get("retried") else ""
+    retried += ", caught up from a peer" if line.get("joined") else ""
     return (f"update {line['version']:3d}{event}: {line['seconds']:.2f} s, {line.get('replicas', '?')} replicas, "
             f"received {'/'.join(line.get('received', ['?']))}{evicted}{retried}")
 

@@ -3,13 +3,13 @@
 Placement: the actor rank on host 1; one-worker replicas on hosts 2 and 3, three to start with. One
 ``CheckpointEngineManager`` (``backend="auto"``, delta updates) runs ``updates`` updates. Every few updates (2 to 4,
 drawn from ``seed``) one event strikes, drawn too: a replica's worker killed between updates, a replica's worker
-killed mid-update (the stream slowed so the kill lands inside it), or a new replica added (``add_replicas``). At
-most ``MAX_REPLICAS`` replicas, at least two.
+killed mid-update (the stream slowed so the kill lands inside it), or a new replica added (``add_replicas``: it
+catches up from a peer before the update). At most ``MAX_REPLICAS`` replicas, at least two.
 
 After every update the driver checks, from outside the manager: the update did not raise; every replica the manager
 keeps is committed at that version and every worker of it holds the version's bytes (hashed in its own process);
 no replica left torn is serving (its own pause/resume hooks); each kill's replica was evicted by the update it
-struck (before it, or during it). At the end every actor is shut down and the cluster asked which actors are still
+struck (before it, or during it); an added replica caught up from a peer. At the end every actor is shut down and the cluster asked which actors are still
 alive. One JSON line per update on stdout, then ``{"result": ...}``.
 """
 
@@ -160,11 +160,11 @@ class Soak:
         if victim is not None:
             self.replicas.remove(victim)
         if report is not None:
-            line.update(self.check(version, expected, report, victim))
+            line.update(self.check(version, expected, report, victim, event == "add"))
         return line
 
-    def check(self, version: int, expected: str, report: UpdateReport, victim: RayRolloutReplica | None
-              ) -> dict[str, Any]:
+    def check(self, version: int, expected: str, report: UpdateReport, victim: RayRolloutReplica | None,
+              added: bool) -> dict[str, Any]:
         """The checks of one update that returned (module docstring); what the line reports of it."""
         kept = self.replicas
         if list(self.manager.replicas) != kept:
@@ -172,6 +172,9 @@ class Soak:
                                  f"{len(kept)} are alive")
         if victim is not None and len(report.evicted) != 1:
             self.problems.append(f"update {version}: {len(report.evicted)} replicas evicted, 1 killed")
+        if added and [outcome.state for outcome in report.joined] != ["committed"]:
+            self.problems.append(f"update {version}: the added replica did not catch up from a peer: "
+                                 f"{[(outcome.state, outcome.error) for outcome in report.joined]}")
         for index, (replica, state) in enumerate(zip(kept, self.manager.status())):
             held = ray.get(replica.call("digest"))
             if state.state != "committed" or state.version != version or held != [expected] * len(held):
@@ -181,7 +184,7 @@ class Soak:
                 self.problems.append(f"update {version}: replica {index} is torn and serving")
         return {"replicas": len(report.replicas), "evicted": [outcome.error for outcome in report.evicted],
                 "received": sorted({outcome.received for outcome in report.replicas}),
-                "retried": "retry_transfer" in report.stages, "ok": report.ok}
+                "retried": "retry_transfer" in report.stages, "joined": len(report.joined), "ok": report.ok}
 
     def shutdown(self) -> int:
         """End every actor; how many the cluster still says are alive."""
