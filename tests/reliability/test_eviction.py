@@ -20,6 +20,7 @@ from tests.ray_cluster import Cluster, running_cluster
 from tests.workloads import NUDGED, TpSource, tp_tensors, weights_digest
 from weightsync.api.config import StepTimeouts, SyncConfig
 from weightsync.api.errors import WorkerDiedError
+from weightsync.api.types import UpdateReport
 from weightsync.core.control.manager import CheckpointEngineManager
 
 
@@ -44,7 +45,7 @@ def kill(cluster: Cluster, replica: int) -> None:
     raise AssertionError(f"Ray did not declare replica {replica}'s actor dead within 30 s")
 
 
-def update(manager: CheckpointEngineManager, version: int) -> tuple[str, object]:
+def update(manager: CheckpointEngineManager, version: int) -> tuple[str, UpdateReport]:
     return weights_digest(tp_tensors(version)), asyncio.run(manager.update_weights(version=version))
 
 
@@ -58,10 +59,10 @@ def test_a_replica_killed_between_updates_is_evicted_and_the_others_commit_a_del
     kill(cluster, 1)
     ray.get(cluster.actor_wg.call("set_version", NUDGED + 3))
     expected, report = update(manager, NUDGED + 3)
-    assert [(outcome.replica, outcome.state) for outcome in report.evicted] == [(1, "evicted")]  # type: ignore[attr-defined]
-    assert "WorkerDiedError: replica1" in str(report.evicted[0].error)  # type: ignore[attr-defined]
-    assert [outcome.state for outcome in report.replicas] == ["committed"] * 2  # type: ignore[attr-defined]
-    assert [outcome.received for outcome in report.replicas] == ["changes"] * 2  # type: ignore[attr-defined]
+    assert [(outcome.replica, outcome.state) for outcome in report.evicted] == [(1, "evicted")]
+    assert "WorkerDiedError: replica1" in str(report.evicted[0].error)
+    assert [outcome.state for outcome in report.replicas] == ["committed"] * 2
+    assert [outcome.received for outcome in report.replicas] == ["changes"] * 2
     assert cluster.digests([0, 2]) == [expected] * 2
     assert manager.replicas == (cluster.replicas[0], cluster.replicas[2])
     # Every replica left dead: the update fails before any pause, evicting none (the negative control).

@@ -83,7 +83,8 @@ def main() -> None:
     victim = replicas[killed].workers[0].handle
     result["faulted"] = asyncio.run(update_with_fault(manager, lambda: ray.kill(victim)))
     survivors = [replica for r, replica in enumerate(replicas) if r != killed]
-    result["members"] = [next(i for i, known in enumerate(replicas) if known is replica) for replica in manager.replicas]
+    result["members"] = [next(i for i, known in enumerate(replicas) if known is replica)
+                         for replica in manager.replicas]
     result["hooks"] = [ray.get(replica.call("hook_log")) for replica in survivors]
     result["digests"] = [digest for replica in survivors for digest in ray.get(replica.call("digest"))]
     ray.get(actor_wg.call("set_mode", "normal", 0.0))

@@ -119,7 +119,8 @@ def test_faults_while_staging_leave_every_replica_serving_its_old_version(cluste
             cluster.bed.link_up(3)
     once = ["abort_all_requests", "release_kv_cache", "resume_kv_cache", "resume_generation"]
     assert result["first"]
-    for fault, after, version, workers in (("cut", "after_cut", "v1", [2, 1, 1]), ("killed", "after_kill", "v4", [2, 1])):
+    for fault, after, version, workers in (("cut", "after_cut", "v1", [2, 1, 1]),
+                                           ("killed", "after_kill", "v4", [2, 1])):
         assert result[fault]["error"] is not None, result[fault]
         # Within the transfer timeout + 1 s; a cut one adds the eviction's ping, which finds host 3's two replicas
         # silent: more than SyncConfig.max_evicted, so the update fails as a whole, evicting none.

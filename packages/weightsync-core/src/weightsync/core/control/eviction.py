@@ -3,10 +3,11 @@ other replica in the same ``update_weights`` call.
 
 When an update's flow fails, every worker is pinged (``health.dead_workers``: dead is ``WorkerDiedError`` or no
 answer within ``PING_S``: a worker that missed its step's deadline and stays silent — a stopped process, a host or
-link gone — is dead too; a live worker busy in a step still answers, Ray actors being concurrent). The update fails as a whole, as it would without eviction, when no rollout worker
-is dead (a failure that is not a death: a digest mismatch, a link cut), when an actor rank is dead or silent (the
-sender dying fails the update), or when evicting the dead would exceed ``SyncConfig.max_evicted`` (those evicted
-before the update count too) or leave no replica. Otherwise:
+link gone — is dead too; a live worker busy in a step still answers, Ray actors being concurrent). The update fails
+as a whole, as it would without eviction, when no rollout worker is dead (a failure that is not a death: a digest
+mismatch, a link cut), when an actor rank is dead or silent (the sender dying fails the update), or when evicting
+the dead would exceed ``SyncConfig.max_evicted`` (those evicted before the update count too) or leave no replica.
+Otherwise:
 
 1. each replica with a dead worker is evicted (``Round.lost``; ``UpdateReport.evicted`` names it and why) and leaves
    the membership; one the failed round tore is never resumed;

@@ -218,7 +218,7 @@ class CheckpointEngineManager:
                 round_ = await self._evict_dead(round_)
                 await self._catch_up(round_)
                 try:
-                    await self._run(round_, await self._ensure_epoch(round_), self._states)
+                    await self._run(round_, self._states)
                 except Exception as exc:
                     await self._evict_lost(round_, exc)
             except BaseException as exc:
@@ -253,9 +253,16 @@ class CheckpointEngineManager:
             self._states[r] = dataclasses.replace(outcome, replica=r)
             round_.joined.append(self._states[r])
 
-    async def _run(self, round_: Round, epoch: Epoch, previous: Sequence[ReplicaOutcome]) -> None:
-        round_.stripes, round_.sources = epoch.stripes, epoch.sources
+    async def _run(self, round_: Round, previous: Sequence[ReplicaOutcome], *, alone: bool = False) -> None:
+        """Setup where needed, then the flow over ``round_`` (``previous``: its replicas' outcomes before it).
+        ``alone``: over an epoch of ``round_``'s workers only, full, not kept (a second transfer)."""
         try:
+            if alone:
+                epoch = await self._setup.build(round_.stages, round_.workers, self._flow, states=(),
+                                                version=self._version)
+            else:
+                epoch = await self._ensure_epoch(round_)
+            round_.stripes, round_.sources = epoch.stripes, epoch.sources
             await self._flow.run(round_, epoch, previous)
         except BaseException as exc:
             round_.failure = round_.failure or exc
@@ -285,15 +292,12 @@ class CheckpointEngineManager:
         if retry is None:
             return
         again, previous = retry
-        epoch = await self._setup.build(again.stages, again.workers, self._flow, states=(), version=self._version)
-        try:
-            await self._run(again, epoch, previous)
+        try:  # the next update builds an epoch over every replica (this one's is the retried ones' only)
+            await self._run(again, previous, alone=True)
         except BaseException as exc:
             exc.add_note(f"in the second transfer, after replica(s) {sorted(lost)} died: its replicas 0.. are the "
                          f"update's {round_.retried}")
             raise
-        finally:
-            self._epoch = None  # built over the retried replicas only: the next update builds one over all
 
     async def _evict_dead(self, round_: Round) -> Round:
         """Before anything else: the replicas with a dead worker (``weightsync.core.control.health``) leave the

@@ -57,7 +57,8 @@ class Round:
     evicted: list[ReplicaOutcome] = field(default_factory=list)
     """Replicas this update evicted (``weightsync.core.control.health``, ``weightsync.core.control.eviction``)."""
     joined: list[ReplicaOutcome] = field(default_factory=list)
-    """Replicas added since the last update, as their catch-up from a peer left them (``weightsync.core.control.join``)."""
+    """Replicas added since the last update, as their catch-up from a peer left them
+    (``weightsync.core.control.join``)."""
     lost: set[int] = field(default_factory=set)
     """Replicas that died during this round, evicted: left out of its outcomes."""
     retry: Round | None = None
@@ -172,7 +173,8 @@ class Round:
         return UpdateReport(
             version=self.version, backend=backend, nbytes=total, seconds=time.perf_counter() - self.started,
             stages=stages, digest=digests[0] if digests else "",
-            receivers=len(self.workers) - lost, replicas=tuple(outcomes), evicted=tuple(self.evicted), joined=tuple(self.joined),
+            receivers=len(self.workers) - lost, replicas=tuple(outcomes), evicted=tuple(self.evicted),
+            joined=tuple(self.joined),
             transfers=tuple(report for r in rounds for report in [
                 *r.senders, *(report for report in r.reports if isinstance(report, TransferReport))]),
             rebuilt=self.rebuilt, chosen=chosen, changed_fraction=changed / total if compared and total else 1.0,

@@ -112,7 +112,7 @@ class StagingEngine(Protocol):
 @runtime_checkable
 class HoldsAcrossUpdates(Protocol):
     """An engine that holds something across updates (a delta receiver's version) which the worker's next engine
-    may take over when only the worker's rank changed (``EngineSlot.ensure``)."""
+    may take over when only the worker's rank or transport changed (``EngineSlot.ensure``)."""
 
     def held(self) -> object: ...
 

@@ -7,10 +7,10 @@ killed mid-update (the stream slowed so the kill lands inside it), or a new repl
 catches up from a peer before the update). At most ``MAX_REPLICAS`` replicas, at least two.
 
 After every update the driver checks, from outside the manager: the update did not raise; every replica the manager
-keeps is committed at that version and every worker of it holds the version's bytes (hashed in its own process);
-no replica left torn is serving (its own pause/resume hooks); each kill's replica was evicted by the update it
-struck (before it, or during it); an added replica caught up from a peer. At the end every actor is shut down and the cluster asked which actors are still
-alive. One JSON line per update on stdout, then ``{"result": ...}``.
+keeps is committed at that version and every worker of it holds the version's bytes (hashed in its own process); no
+replica left torn is serving (its own pause/resume hooks); each kill's replica was evicted by the update it struck
+(before it, or during it); an added replica caught up from a peer. At the end every actor is shut down and the
+cluster asked which actors are still alive. One JSON line per update on stdout, then ``{"result": ...}``.
 """
 
 from __future__ import annotations
