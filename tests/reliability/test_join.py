@@ -96,3 +96,14 @@ def test_a_restarted_replica_replaces_the_old_one_and_catches_up(cluster: Cluste
     assert [(outcome.replica, outcome.state) for outcome in report.joined] == [(1, "committed")]
     assert [outcome.received for outcome in report.replicas] == ["changes"] * 2
     assert cluster.digests([0, 2]) == [expected] * 2
+
+
+def test_the_ray_adapters_workers_are_peers_and_a_worker_without_a_kept_copy_to_serve_is_not() -> None:
+    """``RayRolloutReplica.create``'s workers serve a joining replica (``PeerWorker``); the staging worker class a
+    vLLM replica's workers extend does not claim to (its actor has no engine for it), so the manager never picks
+    one as a peer and a vLLM newcomer gets the update in full."""
+    from weightsync.api.peers import PeerWorker
+    from weightsync.ray import RayHostWorker, RayStagingWorker
+
+    assert isinstance(RayHostWorker(None, name="worker0"), PeerWorker)
+    assert not isinstance(RayStagingWorker(None, name="worker0"), PeerWorker)

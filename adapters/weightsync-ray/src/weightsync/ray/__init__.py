@@ -15,6 +15,7 @@ from importlib.metadata import version as _version
 from weightsync.ray.group import (
     ActorRankHost,
     RayActorWorkerGroup,
+    RayHostWorker,
     RayRolloutReplica,
     RayRolloutWorker,
     RayStagingWorker,
@@ -24,5 +25,5 @@ from weightsync.ray.group import (
 __version__ = _version("weightsync-ray")
 """This distribution's version (from its installed metadata)."""
 
-__all__ = ["ActorRankHost", "RayActorWorkerGroup", "RayRolloutReplica", "RayRolloutWorker", "RayStagingWorker",
-           "RolloutWorkerHost"]
+__all__ = ["ActorRankHost", "RayActorWorkerGroup", "RayHostWorker", "RayRolloutReplica", "RayRolloutWorker",
+           "RayStagingWorker", "RolloutWorkerHost"]

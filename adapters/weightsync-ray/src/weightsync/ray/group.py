@@ -19,7 +19,7 @@ from weightsync.core.transports.place import LOCAL_RANK_ENV
 from weightsync.core.worker.host import EngineHost
 
 __all__ = ["ActorRankHost", "RolloutWorkerHost", "RayActorWorkerGroup", "RayRolloutWorker", "RayRolloutReplica",
-           "RayStagingWorker", "actor_options", "worker_answer"]
+           "RayHostWorker", "RayStagingWorker", "actor_options", "worker_answer"]
 
 SourceFactory = Callable[[int, int], WeightSource]
 """Builds rank ``rank``'s weight source inside its actor: ``factory(rank, world_size)``."""
@@ -250,13 +250,6 @@ class RayRolloutWorker:
     def update_weights(self, *, version: int) -> Any:
         return worker_answer(self.handle.update_weights.remote(version=version), self._name)
 
-    def execute_as_peer(self, method: str, /, **kwargs: Any) -> Any:
-        """``PeerWorker``: this worker serves a joining replica (``RolloutWorkerHost`` keeps the engine for it)."""
-        return worker_answer(self.handle.execute_as_peer.remote(method, **kwargs), self._name)
-
-    def serve_weights(self, *, version: int) -> Any:
-        return worker_answer(self.handle.serve_weights.remote(version=version), self._name)
-
     def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         return self.handle.call.remote(method, *args, **kwargs)
 
@@ -282,6 +275,17 @@ class RayStagingWorker(RayRolloutWorker):
 
     def apply_staged(self, *, version: int, staged: StagedUpdate) -> Any:
         return worker_answer(self.handle.apply_staged.remote(version=version, staged=staged), self.name)
+
+
+class RayHostWorker(RayStagingWorker):
+    """The worker ``RayRolloutReplica.create`` makes (over a ``RolloutWorkerHost``): it stages, and it serves a
+    replica that joins the version it holds (``weightsync.api.peers.PeerWorker``)."""
+
+    def execute_as_peer(self, method: str, /, **kwargs: Any) -> Any:
+        return worker_answer(self.handle.execute_as_peer.remote(method, **kwargs), self.name)
+
+    def serve_weights(self, *, version: int) -> Any:
+        return worker_answer(self.handle.serve_weights.remote(version=version), self.name)
 
 
 class RayRolloutReplica:
@@ -323,7 +327,7 @@ class RayRolloutReplica:
         remote = ray.remote(RolloutWorkerHost)
         known = _local_ranks(local_ranks, nodes)
         workers: list[RayRolloutWorker] = [
-            RayStagingWorker(
+            RayHostWorker(
                 remote.options(**actor_options(ray_options, node)).remote(
                     replica=replica, worker=worker, sink_factory=sink_factory,
                     part=parts[worker] if parts is not None else None,
