@@ -98,10 +98,9 @@ def test_a_restarted_replica_replaces_the_old_one_and_catches_up(cluster: Cluste
     assert cluster.digests([0, 2]) == [expected] * 2
 
 
-def test_the_ray_adapters_workers_are_peers_and_a_worker_without_a_kept_copy_to_serve_is_not() -> None:
-    """``RayRolloutReplica.create``'s workers serve a joining replica (``PeerWorker``); the staging worker class a
-    vLLM replica's workers extend does not claim to (its actor has no engine for it), so the manager never picks
-    one as a peer and a vLLM newcomer gets the update in full."""
+def test_the_ray_adapters_workers_are_peers_and_a_worker_whose_actor_cannot_serve_is_not() -> None:
+    """``RayRolloutReplica.create``'s workers serve a joining replica (``PeerWorker``); the staging worker class
+    (over any actor with ``stage_weights``) does not claim to, so the manager never picks one as a peer."""
     from weightsync.api.peers import PeerWorker
     from weightsync.ray import RayHostWorker, RayStagingWorker
 

@@ -404,3 +404,22 @@ def test_a_sender_failing_mid_stage_leaves_the_vllm_replicas_serving_their_old_v
     path = _version(serving, "stage_after_failure", train=None)
     serving.run(manager.update_weights())
     _assert_same_as_reference(serving, path)
+
+
+def test_a_replica_that_rejoins_catches_up_from_its_peer_and_the_next_update_is_a_delta(serving: Serving) -> None:
+    """Delta updates; replica 1 leaves after the first update, misses one and rejoins: before the next update it
+    catches up from replica 0 — its vLLM worker serving the copy its delta receiver keeps, from a thread while vLLM
+    goes on (``weightsync.vllm.peer``) — checked against the version's model digest; then that update is a delta
+    for both, and both generate as the reference does."""
+    manager = _manager(serving, delta=True)
+    serving.run(manager.update_weights())
+    manager.remove_replicas([serving.replicas[1]])
+    _version(serving, "rejoin1", train=(1, 1e-6))
+    assert serving.run(manager.update_weights()).ok  # replica 0 alone
+    manager.add_replicas([serving.replicas[1]])
+    path = _version(serving, "rejoin2", train=(1, 1e-6))
+    report = serving.run(manager.update_weights())
+    assert [(outcome.replica, outcome.state) for outcome in report.joined] == [(1, "committed")], report.joined
+    assert "catch_up" in report.stages and report.ok, report
+    assert [outcome.received for outcome in report.replicas] == ["changes", "changes"], report.replicas
+    _assert_same_as_reference(serving, path)

@@ -26,7 +26,7 @@ from weightsync.api.topology import epoch_of
 from weightsync.core.transports.place import LOCAL_RANK_ENV, ping_answer
 from weightsync.core.transports.plan import Idle, encode_plan
 from weightsync.core.worker.host import EngineHost, check_planned_part, is_untouched
-from weightsync.vllm import internals
+from weightsync.vllm import internals, peer
 from weightsync.vllm.engine import BACKEND, error_from_data
 
 __all__ = ["EXTENSION", "Rendezvous", "VllmEngineActor", "idle_keeping_part"]
@@ -232,6 +232,15 @@ class VllmEngineActor:
         report: TransferReport = await self._meet.join(f"update {version}", worker, None,
                                                        lambda _: self._update(update_info))
         return report
+
+    async def execute_as_peer(self, method: str, /, worker: int = 0, **kwargs: Any) -> Any:
+        """``PeerWorker``: a step of the engine a one-worker replica serves a joining one with (``peer``)."""
+        if method == "ping":
+            return await self.execute_checkpoint_engine(method, worker, **kwargs)
+        return (await self._rpc("weightsync_peer", step=method, kwargs=kwargs))[0]
+
+    async def serve_weights(self, *, version: int, worker: int = 0) -> TransferReport:
+        return await peer.serve_from(self._rpc, version, name=self.name)
 
     async def stage_weights(self, *, version: int, worker: int = 0) -> StagedUpdate:
         """A staged update's stage, in this actor (module docstring): vLLM keeps serving. Only worker 0 stages (its

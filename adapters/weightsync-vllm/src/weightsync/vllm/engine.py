@@ -83,6 +83,7 @@ from weightsync.core.transports.place import LOCAL_RANK_ENV
 from weightsync.core.worker.host import EngineHost, is_untouched, mark_untouched
 from weightsync.vllm import internals
 from weightsync.vllm.parts import Unrecordable, checkpoint_shapes, record_part
+from weightsync.vllm.peer import PeerServing
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -192,6 +193,8 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         vLLM's loader runs in a thread of its own, timed by ``load_seconds``)."""
         self.reload_cpu = 0.0
         """The CPU seconds vLLM's ``initialize_layerwise_reload`` took in this update (on the stream's thread)."""
+        self.serving = PeerServing()
+        """This worker serving a replica that joins (``weightsync.vllm.peer``)."""
         self._part: Part | None = None
         self._part_recorded = False
         """Whether ``_part`` was recorded (at the first prepare that wanted it; None is a result too)."""
@@ -302,6 +305,14 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             # The proof of load, taken here rather than in a call of its own: the replica is paused until the
             # manager has compared it (``VllmEngineActor.load_checksums``).
             self.outcome["load_checksums"] = parameter_checksums(self.model)
+
+    def as_peer(self, method: str, kwargs: Mapping[str, Any]) -> Any:
+        """``PeerWorker.execute_as_peer``: a step of this worker's engine for serving a joining replica."""
+        return asyncio.run(self._require_host("execute_as_peer").execute_as_peer(method, **kwargs))
+
+    def serve(self, version: int) -> None:
+        """``PeerWorker.serve_weights``, started: the kept copy of ``version`` to a joining replica, in a thread."""
+        self.serving.start(self._require_host("serve_weights"), version)
 
     def finalize(self) -> None:
         if self._host is not None:

@@ -52,6 +52,19 @@ class WeightsyncWorkerExtension:
     def weightsync_close(self) -> None:
         self._weightsync().shutdown()
 
+    def weightsync_peer(self, step: str, kwargs: dict[str, Any]) -> Any:
+        """A step of the engine this worker serves a joining replica with (``weightsync.vllm.peer``)."""
+        return self._weightsync().as_peer(step, kwargs)
+
+    def weightsync_serve(self, version: int) -> None:
+        """Start serving the kept copy of ``version`` to a joining replica, in a thread (``weightsync.vllm.peer``)."""
+        self._weightsync().serve(version)
+
+    def weightsync_served(self) -> dict[str, Any]:
+        """The serve's outcome: ``{"report": ...}``, ``{"error": ...}``, or ``{}`` while it runs."""
+        outcome: dict[str, Any] = self._weightsync().serving.outcome
+        return outcome
+
     def weightsync_update(self, update_info: dict[str, Any]) -> dict[str, Any]:
         """One update in one RPC: vLLM's own worker steps ``start_weight_update`` → ``update_weights(update_info)``
         → ``finish_weight_update``, which call the weight-transfer engine's, then the outcome

@@ -96,6 +96,13 @@ class VllmWorker(RayStagingWorker):
         return worker_answer(self.handle.apply_staged.remote(version=version, staged=staged, worker=self.index),
                              self.name)
 
+    def execute_as_peer(self, method: str, /, **kwargs: Any) -> Any:
+        """``PeerWorker``: this (one-worker) replica serves one that joins (``weightsync.vllm.peer``)."""
+        return worker_answer(self.handle.execute_as_peer.remote(method, worker=self.index, **kwargs), self.name)
+
+    def serve_weights(self, *, version: int) -> Any:
+        return worker_answer(self.handle.serve_weights.remote(version=version, worker=self.index), self.name)
+
 
 class VllmRolloutReplica(WholePauseHooks):
     """``RolloutReplica`` (and ``PausableReplica``) for one vLLM engine in a Ray actor.
