@@ -46,6 +46,14 @@ async def update_with_fault(manager: CheckpointEngineManager, fault: Callable[[]
     return {"seconds": time.perf_counter() - started, "error": None, "message": "", **summary(report)}
 
 
+def last_pause(clock: list[tuple[str, float]]) -> float:
+    """A worker's own record of its last pause: from its last ``abort_all_requests`` to the ``resume_generation``
+    after it (its hooks' monotonic times)."""
+    start = max(index for index, (hook, _) in enumerate(clock) if hook == "abort_all_requests")
+    resumed = next(at for hook, at in clock[start:] if hook == "resume_generation")
+    return resumed - clock[start][1]
+
+
 def summary(report: UpdateReport) -> dict[str, Any]:
     """What the test checks of an update's report."""
     return {"ok": report.ok, "chosen": report.chosen, "rebuilt": report.rebuilt, "stages": dict(report.stages),
@@ -86,6 +94,7 @@ def main() -> None:
     result["members"] = [next(i for i, known in enumerate(replicas) if known is replica)
                          for replica in manager.replicas]
     result["hooks"] = [ray.get(replica.call("hook_log")) for replica in survivors]
+    result["own_pauses"] = [last_pause(clock) for replica in survivors for clock in ray.get(replica.call("hook_clock"))]
     result["digests"] = [digest for replica in survivors for digest in ray.get(replica.call("digest"))]
     ray.get(actor_wg.call("set_mode", "normal", 0.0))
     result["expected_next"] = ray.get(actor_wg.call("set_version", 9))[0]
