@@ -3,11 +3,11 @@
 Placement (hosts by index): the actor worker group on host 1; replica 0 with two workers on host 2; replicas 1 and
 2 with one worker each on host 3. ``auto`` picks the two-level chain: host 2's leader is replica0/worker0, host 3's
 replica1/worker0 (downstream of host 2's), and replica2/worker0 reads host 3's leader's ring in place. Updates are
-deltas (``SyncConfig.delta``). Mid-update the driver kills worker 0 of the replica its second argument names (through
+deltas (``SyncConfig.delta``) or full (the third argument). Mid-update the driver kills worker 0 of the replica its second argument names (through
 Ray: the driver cannot see the hosts' processes) — 0: the chain's middle host's leader, its host's only replica;
 1: host 3's leader, the chain's last; 2: a worker reading host 3's ring in place. The update evicts that replica and
 still commits the others in the same call (a second transfer for those the first tore); the next update, with no
-user call, is a delta for every survivor.
+user call, is a delta for every survivor where updates are.
 """
 
 from __future__ import annotations
@@ -75,11 +75,11 @@ def placement(nodes: dict[str, str]) -> tuple[RayActorWorkerGroup, list[RayRollo
 
 def main() -> None:
     nodes: dict[str, str] = json.loads(sys.argv[1])  # host index -> Ray node id
-    killed = int(sys.argv[2])
+    killed, delta = int(sys.argv[2]), sys.argv[3] == "delta"
     channel = DriverChannel()
     ray.init(logging_level="ERROR", log_to_driver=False)
     actor_wg, replicas = placement(nodes)
-    config = SyncConfig(bucket_bytes=256 * 1024, delta=True,
+    config = SyncConfig(bucket_bytes=256 * 1024, delta=delta,
                         timeouts=StepTimeouts(transfer=TRANSFER_TIMEOUT, setup=60))
     manager = CheckpointEngineManager(actor_wg=actor_wg, replicas=replicas, config=config)
     first = asyncio.run(manager.update_weights())

@@ -69,16 +69,18 @@ def test_the_rank_order_chain_takes_the_model_into_each_host_twice(cluster: Test
         assert moved[host].ingress_bytes >= 1.9 * size, moved
 
 
-@pytest.mark.parametrize("killed", [0, 1, 2], ids=["middle-host-leader", "last-host-leader", "in-place-reader"])
+@pytest.mark.parametrize(("killed", "mode"), [(0, "delta"), (1, "delta"), (2, "delta"), (0, "full")],
+                         ids=["middle-host-leader", "last-host-leader", "in-place-reader", "middle-host-leader-full"])
 def test_a_worker_killed_mid_update_is_evicted_and_the_same_call_commits_the_rest(cluster: TestbedRay,
-                                                                                  killed: int) -> None:
-    """Delta updates; a worker killed mid-update (``leader_fault_driver``: the chain's middle host's leader, its
-    host's only replica; the last host's leader; a worker reading its host's ring in place). The same call evicts its
-    replica and commits every other (a second, full transfer for those the first tore) within the bound, each paused
-    once for it, and the next update is a delta for every survivor with no user call."""
+                                                                                  killed: int, mode: str) -> None:
+    """Delta updates (and, for the first case, full ones); a worker killed mid-update (``leader_fault_driver``: the
+    chain's middle host's leader, its host's only replica; the last host's leader; a worker reading its host's ring
+    in place). The same call evicts its replica and commits every other (a second, full transfer for those the first
+    tore) within the bound, each paused once for it, and the next update is a delta for every survivor (full ones
+    stay full) with no user call."""
     nodes = json.dumps({str(index): node for index, node in enumerate(cluster.node_ids)})
-    result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.leader_fault_driver", nodes, str(killed)],
-                   lambda message: None)
+    result = steer(cluster, [sys.executable, "-m", "tests.adapters.ray.leader_fault_driver", nodes, str(killed),
+                             mode], lambda message: None)
     assert result["first"]
     faulted = result["faulted"]
     assert faulted["error"] is None and faulted["ok"], faulted
@@ -96,7 +98,8 @@ def test_a_worker_killed_mid_update_is_evicted_and_the_same_call_commits_the_res
     for hooks in (worker for replica in result["hooks"] for worker in replica):
         assert hooks[-1] == "resume_generation" and hooks.count("resume_generation") == 3, result["hooks"]
     following = result["next"]
-    assert following["ok"] and following["rebuilt"] and following["received"] == ["changes"] * 2, following
+    received = "changes" if mode == "delta" else "full"
+    assert following["ok"] and following["rebuilt"] and following["received"] == [received] * 2, following
     assert result["digests_next"] == [result["expected_next"]] * workers
 
 
