@@ -93,3 +93,13 @@ class Replica:
 
 def report(role: Any, rank: int, digest: str) -> TransferReport:
     return TransferReport(role=role, rank=rank, version=5, nbytes=10, tensors=1, buckets=1, seconds=0.1, digest=digest)
+
+
+def test_catch_up_says_why_it_cannot_run() -> None:
+    from weightsync.api.config import SyncConfig
+    from weightsync.core.control.join import why_not
+
+    assert why_not(SyncConfig(delta=True), version=3, model="m") == ""
+    assert "delta=True" in why_not(SyncConfig(), version=3, model="m")
+    assert "staged" in why_not(SyncConfig(delta=True, staged=True), version=3, model="m")
+    assert "model digest" in why_not(SyncConfig(delta=True), version=3, model="")

@@ -17,8 +17,9 @@ The manager runs it before an update (or ``connect``) builds its epoch, when rep
    ends torn (named in ``UpdateReport.joined``): the update that follows sends it, and so everyone, in full.
 
 Then the update builds its epoch over every replica: all hold the version, so it is a delta for all, newcomers
-included. Catch-up needs ``SyncConfig.delta`` (a receiver keeps a copy of what it holds only then), an
-``actor_wg`` with one sending stream (not sharded) and a committed peer; without them a joining replica gets the
+included. Catch-up needs ``SyncConfig.delta`` (a receiver keeps a copy of what it holds only then) without
+``staged`` (not built: nor serving from a host's staging area), an ``actor_wg`` with one sending stream (not
+sharded) and a committed peer; without them a joining replica gets the
 next update in full, as does every replica (the manager logs why when the replica is added).
 """
 
@@ -71,6 +72,8 @@ def why_not(config: SyncConfig, *, version: int, model: str) -> str:
     """Why replicas joining now cannot catch up from a peer ('' when they can, given a peer)."""
     if not config.delta:
         return "catch-up from a peer needs SyncConfig(delta=True): no receiver keeps a copy of what it holds"
+    if config.staged:
+        return "catch-up from a peer is not built for staged updates (nor from a host's staging area)"
     if version and not model:
         return ("no model digest of the last version to check a peer against (an actor_wg with several sending "
                 "streams, or a full update that kept no copy)")
