@@ -2,7 +2,8 @@
 
 It joins the testbed's Ray cluster, places the actor worker group on one host and one replica on each of two
 others, commits an update, then starts a slow update and asks the test (one JSON line on stdout) to take a host's
-link down; once that update has failed it asks for the link back, commits the next update, and prints what it saw
+link down; once that update has ended (failed, or evicted the cut host's replica) it asks for the link back, adds an evicted
+replica back, commits the next update, and prints what it saw
 as one JSON line. The test reads the bytes the replicas hold through Ray calls made here, and everything that
 decides pass or fail is asserted by the test, not here.
 
@@ -44,10 +45,11 @@ async def faulted_update(manager: CheckpointEngineManager, channel: DriverChanne
     await asyncio.sleep(FAULT_AFTER_S)
     channel.ask({"fault": host})
     try:
-        await task
+        report = await task
     except WeightsyncError as error:
         return {"seconds": time.perf_counter() - started, "error": describe(error)}
-    return {"seconds": time.perf_counter() - started, "error": None}
+    return {"seconds": time.perf_counter() - started, "error": None,
+            "evicted": [[outcome.replica, outcome.error] for outcome in report.evicted]}
 
 
 def main() -> None:
@@ -69,13 +71,15 @@ def main() -> None:
 
     first = asyncio.run(manager.update_weights())
     result: dict[str, Any] = {"first": first.ok, "chosen": first.chosen}
-    ray.get(actor_wg.call("set_version", 5))
+    result["expected_faulted"] = ray.get(actor_wg.call("set_version", 5))[0]
     ray.get(actor_wg.call("set_mode", "normal", SLOW_TENSOR_S))
     result["faulted"] = asyncio.run(faulted_update(manager, channel, victim))
     result["states"] = [status.state for status in manager.status()]
     channel.ask({"restore": victim})  # the victim's replica answers Ray calls only once its link is back
     result["hooks_after_fault"] = hooks()
     result["digests_after_fault"] = digests()
+    evicted = [replicas[index] for index, _ in result["faulted"].get("evicted", [])]
+    manager.add_replicas(evicted)  # back in (link restored): it takes the next update with the others
     ray.get(actor_wg.call("set_mode", "normal", 0.0))
     result["expected"] = ray.get(actor_wg.call("set_version", 7))[0]
     try:

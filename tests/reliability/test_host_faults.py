@@ -2,12 +2,15 @@
 
 Layout (4 hosts, 1 Gb/s links): host 0 runs Ray's head and the driver (``host_fault_driver``), host 1 the actor
 worker group, hosts 2 and 3 one replica each. Every byte between them, Ray's control traffic included, crosses the
-links. Two cases per backend that crosses hosts, and for ``auto``: the link of a receiving host (3) goes down mid-update, and the
-link of the sending host (1) — every packet dropped both ways; once, for nixl, the receiving host's veth loses its
-carrier instead. Each must end within the transfer timeout + 1 s with ``HostUnreachableError`` naming
-exactly that host, resume no torn replica (read from the hooks each replica's own process recorded), and — the
-link restored — commit the next update bit-exact on every replica (digests of what the replicas hold, against the
-source's own).
+links. Two cases per backend that crosses hosts, and for ``auto``: the link of a receiving host (3) goes down
+mid-update, and the link of the sending host (1) — every packet dropped both ways; once, for nixl, the receiving
+host's veth loses its carrier instead. The sending host's must end within the transfer timeout + 1 s with
+``HostUnreachableError`` naming exactly that host and resume no torn replica (read from the hooks each replica's
+own process recorded). The receiving host's replica is evicted (``SyncConfig.max_evicted``: its host is silent,
+named by the same ``HostUnreachableError``) and the same call commits the other replica, within the transfer
+timeout + 1 s + a second transfer where the first tore it; the evicted one, torn, is never resumed. Then — the link
+restored, the evicted replica added back — the next update commits bit-exact on every replica (digests of what the
+replicas hold, against the source's own).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 import pytest
 from weightsync.testbed import LinkMode, Testbed, TestbedRay
 
-from tests.reliability.host_fault_driver import TRANSFER_TIMEOUT
+from tests.reliability.host_fault_driver import SLOW_TENSOR_S, TRANSFER_TIMEOUT
 from tests.tools.testbed.driving import steer
 from tests.tools.testbed.support import start_or_skip
 
@@ -81,6 +84,21 @@ def check_fault(result: dict[str, Any], cluster: TestbedRay, victim: int, backen
         assert state in ("torn", "committed") and hooks[-1] == expected_last, (replica, state, hooks)
 
 
+def check_evicted(result: dict[str, Any], cluster: TestbedRay, victim: int, backend: str) -> None:
+    assert result["first"] is True
+    faulted, host = result["faulted"], cluster.bed.hosts[victim]
+    assert faulted["error"] is None, faulted
+    [(replica, why)] = faulted["evicted"]
+    assert replica == 1 and why.startswith("HostUnreachableError") and host.hostname in why, faulted
+    second = 12 * SLOW_TENSOR_S + 1.0  # a second transfer, setup included, where the first tore replica 0
+    print(f"host {victim} cut ({backend}): replica 1 evicted after {faulted['seconds']:.2f} s")
+    assert faulted["seconds"] < TRANSFER_TIMEOUT + SLACK + second, faulted
+    assert result["states"] == ["committed"], result["states"]
+    kept, evicted = result["hooks_after_fault"]
+    assert kept[-1] == "resume_generation" and evicted[-1] == "release_kv_cache", result["hooks_after_fault"]
+    assert result["digests_after_fault"][0] == result["expected_faulted"]
+
+
 def type_name(error: dict[str, Any]) -> str:
     return str(error["type"])
 
@@ -117,8 +135,7 @@ def test_every_host_runs_its_own_raylet(cluster: TestbedRay) -> None:
 @pytest.mark.parametrize("backend, mode", [*((name, "drop") for name in CROSSING_BACKENDS), ("nixl", "carrier")])
 def test_receiving_host_link_down_mid_update(cluster: TestbedRay, backend: str, mode: LinkMode) -> None:
     result = run_case(cluster, backend, RECEIVING_HOST, mode)
-    check_fault(result, cluster, RECEIVING_HOST, backend)
-    assert result["states"][1] == "torn"  # the replica on the cut host
+    check_evicted(result, cluster, RECEIVING_HOST, backend)
     check_recovery(result)
 
 

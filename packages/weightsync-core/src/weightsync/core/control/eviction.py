@@ -3,11 +3,12 @@ other replica in the same ``update_weights`` call.
 
 When an update's flow fails, every worker is pinged (``health.dead_workers``: dead is ``WorkerDiedError`` or no
 answer within ``PING_S``: a worker that missed its step's deadline and stays silent — a stopped process, a host or
-link gone — is dead too; a live worker busy in a step still answers, Ray actors being concurrent). The update fails
-as a whole, as it would without eviction, when no rollout worker is dead (a failure that is not a death: a digest
-mismatch, a link cut), when an actor rank is dead or silent (the sender dying fails the update), or when evicting
-the dead would exceed ``SyncConfig.max_evicted`` (those evicted before the update count too) or leave no replica.
-Otherwise:
+link gone — is dead too; a live worker busy in a step still answers, Ray actors being concurrent; after a
+``HostUnreachableError`` its silent workers are the dead, the flow having probed every worker already). The update
+fails as a whole, as it would without eviction, when no rollout worker is dead (a failure that is not a death: a
+digest mismatch, a lost rail), when an actor rank is dead or silent (the sender dying fails the update), or when
+evicting the dead would exceed ``SyncConfig.max_evicted`` (those evicted before the update count too) or leave no
+replica. Otherwise:
 
 1. each replica with a dead worker is evicted (``Round.lost``; ``UpdateReport.evicted`` names it and why) and leaves
    the membership; one the failed round tore is never resumed;
@@ -24,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from weightsync.api.errors import HostUnreachableError
 from weightsync.api.types import ReplicaOutcome
 from weightsync.core.control import health, steps
 from weightsync.core.control.round import Round
@@ -35,15 +37,20 @@ PING_S = 2.0
 its own time already, and a worker of ours answers a ping in milliseconds."""
 
 
-async def lost_replicas(round_: Round, pings: steps.Labelled, actor_size: int, timeout: float
-                        ) -> dict[int, BaseException]:
-    """Replica index → why it died, after ``round_`` failed (``pings``: a ping to every worker, the ``actor_size``
-    actor ranks first; ``timeout``: ``timeouts.setup``); {} when no rollout worker is dead, or when an actor rank is."""
-    started = time.perf_counter()
-    try:
-        dead = await health.dead_workers(pings, min(timeout, PING_S), during="the update")
-    finally:
-        round_.stages["evict"] = time.perf_counter() - started
+async def lost_replicas(round_: Round, failure: BaseException, pings: steps.Labelled, actor_size: int,
+                        timeout: float) -> dict[int, BaseException]:
+    """Replica index → why it died, after ``round_`` failed with ``failure`` (``pings``: a ping to every worker, the
+    ``actor_size`` actor ranks first; ``timeout``: ``timeouts.setup``); {} when no rollout worker is dead, or when an
+    actor rank is. A ``HostUnreachableError`` names the silent workers already (the flow probed every worker): they
+    are the dead, with no second ping."""
+    if isinstance(failure, HostUnreachableError):
+        dead: dict[str, BaseException] = {label: failure for label in failure.unreachable}
+    else:
+        started = time.perf_counter()
+        try:
+            dead = await health.dead_workers(pings, min(timeout, PING_S), during="the update")
+        finally:
+            round_.stages["evict"] = time.perf_counter() - started
     if not dead or any(label in dead for label, _ in pings[:actor_size]):
         return {}
     return health.replicas_of(round_.workers, pings[actor_size:], dead)

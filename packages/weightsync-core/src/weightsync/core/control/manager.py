@@ -277,8 +277,8 @@ class CheckpointEngineManager:
         limit, timeout = self.config.max_evicted, self.config.timeouts.setup
         if not limit:
             raise failure
-        lost = await eviction.lost_replicas(round_, self._setup.pings(round_.workers), self.actor_wg.world_size,
-                                            timeout)
+        lost = await eviction.lost_replicas(round_, failure, self._setup.pings(round_.workers),
+                                            self.actor_wg.world_size, timeout)
         if not lost:
             raise failure
         if len(lost) + len(round_.evicted) > limit or len(lost) == len(round_.replicas):
