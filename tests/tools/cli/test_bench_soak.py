@@ -3,7 +3,7 @@ emulated testbed, seed 1, which draws each event once: a replica added, one kill
 mid-update. Every update is checked by the soak's driver from outside the manager (each worker's bytes hashed in
 its own process, each replica's own serving flag); here: that it passed, that the events struck, that each kill
 was evicted by the update it struck, that the added replica caught up from a peer, that every update after the
-first was a delta, and that nothing was left behind. With
+first was a delta (but for a second transfer, full), and that nothing was left behind. With
 eviction off (the negative control) the same run fails: the kills fail their updates."""
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def test_a_soak_with_replicas_killed_and_added_passes_and_leaves_nothing_behind(
     for kill in ("kill-between", "kill-mid"):
         assert len(events[kill]["evicted"]) == 1 and "WorkerDiedError" in events[kill]["evicted"][0], events[kill]
     assert events["add"]["replicas"] == 3 and events["add"]["joined"] == 1  # caught up from a peer first
-    assert all(line["received"] == ["changes"] for line in result.updates[1:]), lines
+    # Every update after the first a delta, but where a kill tore survivors: their second transfer is full.
+    assert all(line["received"] == ["changes"] for line in result.updates[1:] if not line["retried"]), lines
     assert len(lines) == 10
 
 
