@@ -171,7 +171,7 @@ class Summary:
             **({"verify_every": options.verify_every} if options.delta else {}),
             **({"staged": True, "serving_period_s": PERIOD} if options.staged else {}),
             **({"sharded": True, "actor_ranks": options.actor_ranks} if options.sharded else {}),
-            "seconds": {result.backend: [round(s, 4) for s in result.seconds] for result in self.results.values()},
+            "seconds": {result.backend: [round(s, 6) for s in result.seconds] for result in self.results.values()},
             **hosts,
         }
 
