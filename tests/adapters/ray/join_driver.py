@@ -26,30 +26,21 @@ import torch
 from tests.tools.testbed.driving import DriverChannel
 from tests.workloads import RecordingSink, weights_digest
 from weightsync.api.config import StepTimeouts, SyncConfig
+from weightsync.cli.bench.soak_driver import TENSORS, model
 from weightsync.core.control.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 
-TENSORS, NUMEL = 16, 1024 * 1024  # float32: 64 MiB
+NUMEL = 1024 * 1024  # float32, TENSORS of them: 64 MiB
 PROBE_S = 0.05
-
-
-def sparse_model(version: int) -> list[tuple[str, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(0)
-    tensors = []
-    for index in range(TENSORS):
-        tensor = torch.randn(NUMEL, generator=generator)
-        tensor[version % 97::97] += version * 1e-3
-        tensors.append((f"model.layers.{index}.weight", tensor))
-    return tensors
 
 
 class SparseSource:
     def __init__(self, rank: int, world_size: int) -> None:
         torch.set_num_threads(1)
-        self.weights = sparse_model(0)
+        self.weights = model(0, numel=NUMEL)
 
     def set_version(self, version: int) -> str:
-        self.weights = sparse_model(version)
+        self.weights = model(version, numel=NUMEL)
         return weights_digest(self.weights)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

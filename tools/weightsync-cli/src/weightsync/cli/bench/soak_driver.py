@@ -42,13 +42,13 @@ MAX_REPLICAS = 4
 EVENTS = ("kill-between", "kill-mid", "add")
 
 
-def model(version: int) -> list[tuple[str, torch.Tensor]]:
-    """Version ``version`` of the model: a fixed random base, about 1 % of each tensor's elements moved by the
-    version (so each update is a delta against the last)."""
+def model(version: int, *, numel: int = NUMEL) -> list[tuple[str, torch.Tensor]]:
+    """Version ``version`` of the model (``TENSORS`` float32 tensors of ``numel``): a fixed random base, about 1 %
+    of each tensor's elements moved by the version (so each update is a delta against the last)."""
     generator = torch.Generator().manual_seed(0)
     tensors = []
     for index in range(TENSORS):
-        tensor = torch.randn(NUMEL, generator=generator)
+        tensor = torch.randn(numel, generator=generator)
         tensor[version % 97::97] += version * 1e-3
         tensors.append((f"layers.{index:02d}.weight", tensor))
     return tensors
@@ -136,7 +136,8 @@ class Soak:
         return self.random.choice(allowed)
 
     async def update(self, version: int, event: str | None) -> dict[str, Any]:
-        expected = ray.get(self.actor_wg.call("set_version", version, SLOW_S if event == "kill-mid" else 0.0))[0]
+        expected = (await asyncio.gather(*self.actor_wg.call("set_version", version,
+                                                             SLOW_S if event == "kill-mid" else 0.0)))[0]
         victim: RayRolloutReplica | None = None
         if event == "add":
             newcomer = self.new_replica()
