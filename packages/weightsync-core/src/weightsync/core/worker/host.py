@@ -17,10 +17,10 @@ import torch
 
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import (
-    ConfigError, DestinationError, LifecycleError, SharedMemoryFullError, TopologyError, WeightsyncError,
+    ConfigError, LifecycleError, SharedMemoryFullError, TopologyError, WeightsyncError,
     WeightStreamError,
 )
-from weightsync.api.protocols import CheckpointEngine, ReceivedWeights, WeightSink, next_batch
+from weightsync.api.protocols import CheckpointEngine, ReceivedWeights, WeightSink
 from weightsync.api.parts import PART_KEY, Part
 from weightsync.api.sources import SOURCE_KEY, SourceLayout
 from weightsync.api.registry import load_engine_class
@@ -28,6 +28,7 @@ from weightsync.api.types import RankArgs, Role, StagedUpdate, TransferReport, W
 from weightsync.core.transports.place import ping_answer
 from weightsync.core.transports.plan import decode
 from weightsync.core.wire.partplans import PartPlan
+from weightsync.core.worker.counting import CountingStream
 from weightsync.core.transports.stagearea import StageArea
 
 __all__ = ["EngineHost", "EngineSlot", "StagingEngine", "accepted_options", "build_engine", "check_planned_part",
@@ -307,7 +308,7 @@ class EngineHost:
         return engine
 
     async def _load(self, sink: WeightSink, received: ReceivedWeights, *, version: int) -> TransferReport:
-        stream = _CountingStream(received)
+        stream = CountingStream(received)
         try:
             await sink.load_weights(stream, version=version)
             leftover = await stream.drain()  # a sink that stopped early: so the sender is not left waiting
@@ -354,92 +355,3 @@ def is_untouched(error: BaseException) -> bool:
     """Whether ``error`` (or the worker's error inside Ray's wrapper) carries :func:`mark_untouched`'s mark."""
     return any(candidate.untouched if isinstance(candidate, WeightsyncError)
                else getattr(candidate, "untouched", False) is True for candidate in (error, unwrap(error)))
-
-
-class _CountingStream:
-    """Passes a ``ReceivedWeights`` through, noting from outside the engine whether any tensor may have reached the
-    sink's model (:meth:`touched`)."""
-
-    def __init__(self, inner: ReceivedWeights) -> None:
-        self._inner = inner
-        self.handed = 0
-        """Tensors handed to the sink itself (views it iterated, or the fallback of ``copy_into``)."""
-        self.looked_up: list[str] = []
-        """Names of the destinations ``copy_into`` looked up, in order."""
-
-    def touched(self, error: BaseException) -> bool:
-        """Whether the failed update (``error``) may have written to the model. A tensor handed to the sink may
-        have been; in ``copy_into``, what the engine says (a ``wrote`` flag: ours set it before their first copy),
-        else every destination looked up counts, except the last when ``error`` is a ``DestinationError`` naming
-        it (its check failed before it was written, as ``copy_stream_into`` checks)."""
-        if self.handed:
-            return True
-        wrote = getattr(self._inner, "wrote", None)
-        if isinstance(wrote, bool):
-            return wrote
-        looked_up = len(self.looked_up)
-        if looked_up and isinstance(error, DestinationError) and error.name == self.looked_up[-1]:
-            looked_up -= 1
-        return looked_up > 0
-
-    @property
-    def report(self) -> TransferReport | None:
-        return self._inner.report
-
-    async def drain(self) -> int:
-        """Read what the sink left of the stream without handing it over; how many tensors that was."""
-        left = 0
-        async for _ in self._inner:
-            left += 1
-        return left
-
-    async def aclose(self) -> None:
-        close = getattr(self._inner, "aclose", None)
-        if close is not None:
-            await close()
-
-    def __aiter__(self) -> _CountingStream:
-        return self
-
-    async def __anext__(self) -> tuple[str, torch.Tensor]:
-        item = await self._inner.__anext__()
-        self.handed += 1
-        return item
-
-    async def next_batch(self) -> list[tuple[str, torch.Tensor]] | None:
-        """``BatchedWeights``: the engine's batch, or one tensor from a stream that has no batches."""
-        batch = await next_batch(self._inner)
-        self.handed += len(batch or ())
-        return batch
-
-    async def copy_into(
-        self, destinations: Mapping[str, torch.Tensor], *,
-        fallback: Callable[[str, torch.Tensor], object] | None = None,
-    ) -> int:
-        """Noted from outside the engine: each destination looked up, each fallback call."""
-
-        def counted(name: str, tensor: torch.Tensor) -> object:
-            self.handed += 1
-            return fallback(name, tensor) if fallback is not None else None
-
-        return await self._inner.copy_into(_Lookups(self.looked_up, destinations),
-                                           fallback=counted if fallback else None)
-
-
-class _Lookups(Mapping[str, "torch.Tensor"]):
-    """The sink's destinations, noting the name of every lookup that finds one."""
-
-    def __init__(self, names: list[str], inner: Mapping[str, torch.Tensor]) -> None:
-        self._names = names
-        self._inner = inner
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        tensor = self._inner[name]
-        self._names.append(name)
-        return tensor
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._inner)
-
-    def __len__(self) -> int:
-        return len(self._inner)
