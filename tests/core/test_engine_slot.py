@@ -1,6 +1,7 @@
 """``EngineSlot``: a worker's next engine takes over what the last one held across updates (a delta receiver's
-version) when only its rank or its transport changed — a replica before it left; ``auto`` picked another backend
-for the catch-up epoch than for the update's — and not when how updates are made changed."""
+version) when only its rank, its transport or whether updates are staged changed — a replica before it left;
+``auto`` picked another backend for the catch-up epoch (unstaged) than for the update's — and not when how updates
+are made changed."""
 
 from __future__ import annotations
 
@@ -34,12 +35,13 @@ def spec(backend: str = "shm", rank: int = 0, **config: Any) -> dict[str, Any]:
     (spec(rank=2), True),
     (spec(backend="tcp"), True),
     (spec(backend_options={"transport_hook": "x:y"}), True),
+    (spec(staged=True), True),  # a staged update's swap reaches the same delta receiver
     (spec(bucket_bytes=1 << 20), False),
     (spec(verify_every=2), False),
     (engine_spec(backend="shm", config=SyncConfig(delta=True), role="actor", rank=0), False),
 ])
-def test_what_a_worker_held_carries_over_only_when_rank_or_transport_changed(after: dict[str, Any],
-                                                                             carried: bool) -> None:
+def test_what_a_worker_held_carries_over_only_when_rank_transport_or_staging_changed(after: dict[str, Any],
+                                                                                     carried: bool) -> None:
     slot = EngineSlot(Engine)  # type: ignore[arg-type]
     first: Any = slot.ensure(spec())
     again: Any = slot.ensure(spec())

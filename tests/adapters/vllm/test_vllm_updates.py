@@ -406,20 +406,25 @@ def test_a_sender_failing_mid_stage_leaves_the_vllm_replicas_serving_their_old_v
     _assert_same_as_reference(serving, path)
 
 
-def test_a_replica_that_rejoins_catches_up_from_its_peer_and_the_next_update_is_a_delta(serving: Serving) -> None:
-    """Delta updates; replica 1 leaves after the first update, misses one and rejoins: before the next update it
-    catches up from replica 0 — its vLLM worker serving the copy its delta receiver keeps, from a thread while vLLM
-    goes on (``weightsync.vllm.peer``) — checked against the version's model digest; then that update is a delta
-    for both, and both generate as the reference does."""
-    manager = _manager(serving, delta=True)
+@pytest.mark.parametrize("mode", ["delta", "staged"])
+def test_a_replica_that_rejoins_catches_up_from_its_peer_and_then_takes_updates_as_the_others(serving: Serving,
+                                                                                               mode: str) -> None:
+    """Replica 1 leaves after the first update, misses one and rejoins: ``connect`` catches it up from replica 0 —
+    its vLLM worker serving, from a thread while vLLM goes on (``weightsync.vllm.peer``), the copy its delta
+    receiver keeps (``delta``) or the update it staged (``staged``) — and both then generate as the reference of
+    the version missed does; the next update is a delta for both with ``delta`` (full for both with ``staged``)."""
+    manager = _manager(serving, **{mode: True})
     serving.run(manager.update_weights())
     manager.remove_replicas([serving.replicas[1]])
-    _version(serving, "rejoin1", train=(1, 1e-6))
+    missed = _version(serving, f"rejoin1-{mode}", train=(1, 1e-6))
     assert serving.run(manager.update_weights()).ok  # replica 0 alone
     manager.add_replicas([serving.replicas[1]])
-    path = _version(serving, "rejoin2", train=(1, 1e-6))
+    serving.run(manager.connect())
+    assert [(state.state, state.version) for state in manager.status()] == [("committed", 2)] * 2, manager.status()
+    _assert_same_as_reference(serving, missed)
+    path = _version(serving, f"rejoin2-{mode}", train=(1, 1e-6))
     report = serving.run(manager.update_weights())
-    assert [(outcome.replica, outcome.state) for outcome in report.joined] == [(1, "committed")], report.joined
-    assert "catch_up" in report.stages and report.ok, report
-    assert [outcome.received for outcome in report.replicas] == ["changes", "changes"], report.replicas
+    assert report.ok and [outcome.received for outcome in report.replicas] == [
+        "changes" if mode == "delta" else "full"] * 2, report.replicas
     _assert_same_as_reference(serving, path)
+

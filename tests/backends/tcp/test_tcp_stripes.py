@@ -17,15 +17,17 @@ from typing import Any
 import pytest
 import torch
 
-from weightsync.api.errors import ConfigError, WeightsyncError
+from weightsync.api.errors import ConfigError, DigestMismatchError, WeightsyncError, WireError
 from weightsync.api.registry import load_engine_class
 from weightsync.api.testing import case_tensors, raw_bytes
 from weightsync.api.types import RankArgs, Role, WorkerContext, WorldMetadata
 from weightsync.core.control.staged import joined
+from weightsync.core.pipeline.staged import staged_weights
 from weightsync.core.transports.chain.plan import ChainPlans, ChainReceive
 from weightsync.core.transports.plan import decode_metadata, decode_plan
 from weightsync.core.transports.settings import EngineMetadata
-from weightsync.core.transports.stagearea import StageArea
+from weightsync.core.transports.stagearea import PAYLOAD_ALIGN, StageArea
+from weightsync.core.wire.codec import TableCache
 from weightsync.core.wire.digest import combine_stripes
 
 BUCKET = 1 << 16
@@ -186,11 +188,37 @@ def test_a_staged_update_is_staged_one_stripe_per_stager_and_swapped_whole_from_
         backwards = joined([staged[1], staged[0]])
         refused = _in_threads([functools.partial(_load, functools.partial(rollouts[0].receive_staged, backwards))])
         assert isinstance(refused[0], WeightsyncError), refused
+        for stripe in staged[0:2]:  # a stripe's area is not the model: a stager of one cannot serve a catch-up
+            with pytest.raises(WireError, match="a stripe"):
+                list(staged_weights(stripe, tables=TableCache()))
     finally:
         for engine in engines:
             engine.close()
         for area in areas:
             area.close()
+
+
+def test_a_whole_staged_update_reads_back_as_the_model_sent_and_a_byte_changed_since_is_refused() -> None:
+    """``staged_weights``, what a host's stager serves a joining replica from: every tensor sent, bit for bit, in
+    the order sent (``lm_head.weight`` gathered from several buckets); a byte of the area changed after the stage
+    is found by the second hash."""
+    engines = _engines(ACTOR[:1], ROLLOUT[:1], staged=True)
+    area = StageArea()
+    try:
+        _join(engines, _topology(engines, ACTOR[:1], ROLLOUT[:1])[1])
+        _, staged = _succeeded([_send(engines[0], 1), lambda: asyncio.run(engines[1].stage_weights(area, version=1))])
+        read = [(name, tensor.dtype, tensor.shape, raw_bytes(tensor).clone())
+                for name, tensor in staged_weights(staged, tables=TableCache())]
+        assert [(name, dtype, shape) for name, dtype, shape, _ in read] == [
+            (name, tensor.dtype, tensor.shape) for name, tensor in WEIGHTS]
+        assert all(torch.equal(data, raw_bytes(tensor)) for (*_, data), (_, tensor) in zip(read, WEIGHTS))
+        area.tensor[2 * PAYLOAD_ALIGN] ^= 1  # the first payload's first byte (after the area's page and a header)
+        with pytest.raises(DigestMismatchError, match="no longer holds what was staged"):
+            list(staged_weights(staged, tables=TableCache()))
+    finally:
+        for engine in engines:
+            engine.close()
+        area.close()
 
 
 def test_stripes_over_rails_0_and_2_leave_rail_1_out() -> None:

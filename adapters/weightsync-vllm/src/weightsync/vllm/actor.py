@@ -237,10 +237,15 @@ class VllmEngineActor:
         """``PeerWorker``: a step of the engine a one-worker replica serves a joining one with (``peer``)."""
         if method == "ping":
             return await self.execute_checkpoint_engine(method, worker, **kwargs)
+        stager = peer.serving_stager(self._stager, self._specs)
+        if stager is not None:
+            return await stager.execute_as_peer(method, **kwargs)
         return (await self._rpc("weightsync_peer", step=method, kwargs=kwargs))[0]
 
     async def serve_weights(self, *, version: int, worker: int = 0) -> TransferReport:
-        return await peer.serve_from(self._rpc, version, name=self.name)
+        stager = peer.serving_stager(self._stager, self._specs)
+        return await (stager.serve(version=version) if stager is not None else
+                      peer.serve_from(self._rpc, version, name=self.name))
 
     async def stage_weights(self, *, version: int, worker: int = 0) -> StagedUpdate:
         """A staged update's stage, in this actor (module docstring): vLLM keeps serving. Only worker 0 stages (its

@@ -1,8 +1,8 @@
 """A vLLM replica as a peer of a replica that joins (``weightsync.api.peers.PeerWorker``).
 
 Its worker keeps a copy of the version it holds when updates are deltas (vLLM's loader iterates views, so the
-delta receiver keeps one): that copy is what it serves, through a second weightsync engine of the worker's
-``EngineHost`` (``EngineHost.execute_as_peer`` / ``serve``). The serve runs in a thread of the vLLM worker's
+delta receiver keeps one), or, its host's stager, the update it staged: that is what it serves, through a second
+weightsync engine of the worker's ``EngineHost`` (``EngineHost.execute_as_peer`` / ``serve``). The serve runs in a thread of the vLLM worker's
 process (:class:`PeerServing`), not in the RPC that starts it, so the engine core goes on scheduling and vLLM keeps
 generating while the joining replica is caught up; the actor polls for its end (:func:`serve_from`). A replica of
 one worker only: the manager takes no other as a peer.
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from weightsync.api.errors import LifecycleError
 from weightsync.api.types import TransferReport
 from weightsync.core.worker.host import EngineHost
 
-__all__ = ["POLL_S", "PeerServing", "serve_from"]
+__all__ = ["POLL_S", "PeerServing", "serve_from", "serving_stager"]
 
 POLL_S = 0.05
 """How often the actor asks whether the serve ended (a short RPC through the engine core)."""
@@ -62,3 +62,12 @@ async def serve_from(rpc: Callable[..., Awaitable[list[Any]]], version: int, *, 
         if "error" in outcome:
             raise error_from_data(outcome["error"], where=f"{name} (serving a joining replica)")
         await asyncio.sleep(POLL_S)
+
+
+def serving_stager(stager: EngineHost | None, specs: Sequence[Mapping[str, Any]] | None) -> EngineHost | None:
+    """The actor's stager when it is what serves a joining replica (its ``EngineHost`` in the actor's process, for
+    the update it staged): with staged updates without delta (``specs``: the workers' engine specs); None when the
+    vLLM worker serves (with delta, the copy its delta receiver keeps: the stager's area holds changes)."""
+    if not specs or specs[0].get("config", {}).get("delta"):
+        return None
+    return stager

@@ -20,9 +20,10 @@ class PeerWorker(Protocol):
     worker group. That worker acts as the one actor rank of a catch-up epoch of its own: ``execute_as_peer`` is
     ``execute_checkpoint_engine`` on a second engine the worker keeps for it (prepare → init_process_group → close,
     in the sender's role), and ``serve_weights`` sends what it holds through that engine — the copy its receiver
-    keeps for delta updates (``SyncConfig.delta`` with a sink that iterates views), never its sink's parameters.
-    Serving does not touch the worker's own engine or model: its replica is not paused and keeps serving. A worker
-    that holds no copy of ``version`` refuses before anything is sent.
+    keeps for delta updates (``SyncConfig.delta`` with a sink that iterates views), or, its host's stager, the full
+    update it staged (``SyncConfig.staged``), never its sink's parameters. Serving does not touch the worker's own
+    engine or model: its replica is not paused and keeps serving. A worker that holds no copy of ``version``
+    refuses before anything is sent.
     """
 
     def execute_as_peer(self, method: str, /, **kwargs: Any) -> Awaitable[Any]:
@@ -30,5 +31,6 @@ class PeerWorker(Protocol):
         ...
 
     def serve_weights(self, *, version: int) -> Awaitable[TransferReport]:
-        """Send the copy of ``version`` this worker keeps through its catch-up engine; the sender's report."""
+        """Send the copy of ``version`` this worker holds through its catch-up engine; the sender's report, whose
+        ``model`` the manager checks against the version's."""
         ...

@@ -170,7 +170,9 @@ class TransferReport:
     model: str = ""
     """A sender's that keeps the version it sent (``SyncConfig.delta``): that version's model digest (keyed sums of
     every tensor in its buckets, whether this update carried changes or every byte); "" otherwise. Two senders of
-    the same version in the same buckets report the same one (a peer that serves a catch-up is checked by it)."""
+    the same version in the same buckets report the same one (a peer that serves a catch-up is checked by it). A
+    peer serving the update its host staged (``SyncConfig.staged`` without delta) reports the stream digest it was
+    staged under (its bytes hashed again as they were read), checked against the actor worker group's ``digest``."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

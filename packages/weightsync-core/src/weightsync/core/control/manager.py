@@ -23,7 +23,7 @@ from typing import Any
 
 from weightsync.api.config import SyncConfig
 from weightsync.api.errors import ConcurrentUpdateError, ConfigError, LifecycleError, reject_renamed_keywords
-from weightsync.api.protocols import ActorWorkerGroup, CheckpointEngine, RolloutReplica
+from weightsync.api.protocols import ActorWorkerGroup, CheckpointEngine, RolloutReplica, RolloutWorker
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import ReplicaOutcome, UpdateReport
 from weightsync.core.control import eviction, health, join, steps
@@ -81,7 +81,9 @@ class CheckpointEngineManager:
         self._epoch: Epoch | None = None
         self._version = 0
         self._model = ""
-        """The model digest of ``_version`` (the actor worker group's ``TransferReport.model``), for catch-up."""
+        """What a peer's copy of ``_version`` must match, for catch-up (``join.fingerprint``)."""
+        self._stagers: list[RolloutWorker] = []
+        """The workers that staged ``_version`` alone on their host (a staged update): peers for catch-up."""
         self._joining: list[RolloutReplica] = []
         """Replicas added since the last update, to catch up from a peer before the next one."""
         self._updating = False
@@ -108,7 +110,9 @@ class CheckpointEngineManager:
         return tuple(self._replicas)
 
     def add_replicas(self, replicas: Sequence[RolloutReplica]) -> None:
-        """Add replicas; the next update rebuilds the topology and sends them the full weights."""
+        """Add replicas; the next update rebuilds the topology. On a manager that has sent a version they first
+        catch up from a peer (``weightsync.core.control.join``), or, where they cannot, get that update in full, as
+        every replica does (logged now, with why)."""
         self._check_idle("add_replicas")
         for replica in replicas:
             if any(replica is known for known in self._replicas):
@@ -229,8 +233,9 @@ class CheckpointEngineManager:
                 report = self._report(round_)
                 telemetry.record(report, failure=failure)
         self._version = version
-        models = {transfer.model for transfer in report.transfers if transfer.role == "actor" and transfer.model}
-        self._model = next(iter(models)) if len(models) == 1 else ""
+        self._model = join.fingerprint(self.config, report, striped=bool(round_.stripes))
+        self._stagers = [worker for one in (round_, round_.retry) if one is not None
+                         for i, (_, worker) in enumerate(one.workers) if i in one.stagers]
         return report
 
     async def _catch_up(self, round_: Round) -> None:
@@ -238,13 +243,15 @@ class CheckpointEngineManager:
         (``weightsync.core.control.join``); where they cannot, the update sends them, and everyone, the full model."""
         joining, self._joining = self._joining, []
         newcomers = [r for r, replica in enumerate(self._replicas) if any(replica is new for new in joining)]
-        peer = join.peer_of(self._replicas, self._states, self._version)
+        peer = join.peer_of(self._replicas, self._states, self._version,
+                            stagers=None if self.config.delta else self._stagers)
         if not newcomers or join.why_not(self.config, version=self._version, model=self._model):
             return
         if peer is None:
-            logger.warning("%d replica(s) joined and no committed replica can serve them version %d (a peer is a "
-                           "one-worker replica whose worker is a PeerWorker): they get this update in full, as every "
-                           "replica does", len(newcomers), self._version)
+            logger.warning("%d replica(s) joined and no committed replica can serve them version %d (a peer is the "
+                           "PeerWorker of a one-worker replica, and when staged without delta it staged the version "
+                           "alone on its host): they get this update in full, as every replica does",
+                           len(newcomers), self._version)
             return
         outcomes, round_.stages["catch_up"] = await join.catch_up(
             [self._replicas[r] for r in newcomers], peer, setup=self._setup, version=self._version, model=self._model,

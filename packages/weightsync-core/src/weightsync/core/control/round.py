@@ -67,6 +67,9 @@ class Round:
     """This round's index of each of ``retry``'s replicas."""
     held: set[int] = field(default_factory=set)
     """Replicas an earlier round of this update paused and left paused: pausing them again is skipped."""
+    stagers: set[int] = field(default_factory=set)
+    """Workers (indices into ``workers``) that staged this version alone on their host, sealed (a staged update):
+    each can serve it to a replica that joins (``weightsync.core.control.join``)."""
 
     @classmethod
     def of(cls, version: int, replicas: Sequence[RolloutReplica]) -> Round:

@@ -141,6 +141,8 @@ class Staged:
             round_.senders = [outcome for outcome in sent if isinstance(outcome, TransferReport)]
             errors += [steps.typed_error(outcome, step="transfer", worker=steps.actor_label(rank))
                        for rank, outcome in enumerate(sent) if isinstance(outcome, BaseException)]
+        round_.stagers = {indices[0] for host, indices in log.plan.stagers.items()
+                          if len(indices) == 1 and _succeeded(log.staging[host])}
         wrong = await self._disown(round_, log)
         if wrong is not None:
             errors.append(wrong)
@@ -220,13 +222,13 @@ class Staged:
         sent = set(round_.sent().values())
         error: BaseException | None = None
         for host, future in log.staging.items():
-            staged = future.result() if future.done() and not future.cancelled() and future.exception() is None \
-                else None
+            staged = future.result() if _succeeded(future) else None
             digest = staged.report.digest if staged is not None and staged.report is not None else None
             if digest is None or not sent or digest in sent:
                 continue
             error = error or DigestMismatchError(f"host {host} staged digest {digest[:16]}, which no sender sent",
                                                  worker=f"host {host}")
+            round_.stagers.difference_update(log.plan.stagers[host])
             round_.disowned.update(r for r in round_.reached
                                    if any(log.plan.hosts[i] == host for i in round_.workers_of(r)))
         error = error or replicas.disowning(round_, log.loads)
@@ -239,6 +241,10 @@ class Staged:
                 error.add_note(f"replica{r} could not be paused again: {type(result).__name__}: {result}")
         await replicas.tell_torn(round_, again, self.timeouts.resume)
         return error
+
+
+def _succeeded(future: asyncio.Future[StagedUpdate]) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
 
 
 async def _one(step: str, timeout: float, label: str, call: Awaitable[Any]) -> Any:

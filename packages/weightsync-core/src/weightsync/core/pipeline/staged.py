@@ -1,27 +1,32 @@
 """The stage phase of a staged update, on a host's stager: every bucket off the transport into the host's staging
 area (:mod:`weightsync.core.transports.stagearea`), as it arrived, and the update's digest over the staged bytes.
 
-Nothing here reads a bucket as tensors or touches a model: a delta bucket is staged encoded, and its base is checked
-by each worker when it applies the update in the swap (``ReceiveStream`` over a ``StagedReceiver``). A bucket is
-released as soon as it is staged, so the sender and the other receivers never wait for the swap.
+Nothing here touches a model: a delta bucket is staged encoded, and its base is checked by each worker when it
+applies the update in the swap (``ReceiveStream`` over a ``StagedReceiver``). A bucket is released as soon as it is
+staged, so the sender and the other receivers never wait for the swap. :func:`staged_weights` reads a sealed full
+update back as tensors, for the stager to serve to a replica that joins (``weightsync.core.control.join``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
+
+import torch
 
 from weightsync.api.errors import DigestMismatchError, TransferError, WireError
 from weightsync.api.types import StagedUpdate, PhaseTiming, TransferReport
 from weightsync.core.pipeline.receive import BucketOrder
+from weightsync.core.pipeline.unpack import BucketReader, BulkPlans
 from weightsync.core.transports.settings import EngineSettings
-from weightsync.core.transports.stagearea import StageArea
-from weightsync.core.transports.seam import ReceiverTransport
+from weightsync.core.transports.stagearea import StageArea, StagedReceiver
+from weightsync.core.transports.seam import Arrived, ReceiverTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.sources import SourcesDigest
 
-__all__ = ["stage_update"]
+__all__ = ["stage_update", "staged_weights"]
 
 
 def stage_update(receiver: ReceiverTransport, area: StageArea, *, settings: EngineSettings, epoch: str, version: int,
@@ -82,3 +87,38 @@ def stage_update(receiver: ReceiverTransport, area: StageArea, *, settings: Engi
     sealed = area.seal(version=version, epoch=epoch, capacity=receiver.capacity, node_id=settings.context.node_id,
                        report=report)
     return dataclasses.replace(sealed, sources=sources) if sources else sealed
+
+
+def staged_weights(staged: StagedUpdate, *, tables: codec.TableCache) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model a sealed staging area holds (``staged``: a full update staged whole, by this process), tensor by
+    tensor in the order it was sent: views of the area, a tensor split across buckets gathered into one of its own.
+    Every byte is hashed again as it is read; at the end a ``DigestMismatchError`` if the area no longer holds what
+    was staged (the digest in its final header, and in ``staged.report``), a ``WireError`` at the first bucket that
+    shows it holds a stripe or a delta, not the model."""
+    receiver = StagedReceiver(staged)
+    digest = UpdateDigest()
+    reader = BucketReader(digest, BulkPlans())
+    buckets = 0
+    while True:
+        received = receiver.receive(float("inf"))
+        header, table = codec.decode_bucket(received.header, epoch=staged.epoch, capacity=receiver.capacity,
+                                            cache=tables)
+        if header.final or header.abort:
+            break
+        if header.base >= 0 or header.index != buckets:  # a delta's base is not here; a stripe skips buckets
+            raise WireError(f"staging area {staged.area} holds {'a delta' if header.base >= 0 else 'a stripe'} of "
+                            f"version {staged.version}, not the whole model")
+        reader.begin(Arrived(header, received.payload[: header.nbytes], received.token, table, fused=True))
+        while reader.pending:
+            view = reader.next_view()
+            if view is not None:  # a gathered tensor's scratch is overwritten by the next one: a copy of its own
+                yield (view[0], view[1].clone()) if reader.gathered else view
+        reader.finish()
+        buckets += 1
+    if header.abort or header.index != buckets:
+        raise WireError(f"staging area {staged.area} holds {buckets} of the {header.index} buckets of version "
+                        f"{staged.version}, not the whole model")
+    if digest.hexdigest() != header.digest or staged.report is not None and staged.report.digest != header.digest:
+        raise DigestMismatchError(
+            f"staging area {staged.area} no longer holds what was staged: digest {digest.hexdigest()[:16]}, the "
+            f"sender's {header.digest[:16]}", expected=header.digest, actual=digest.hexdigest())

@@ -25,8 +25,10 @@ from weightsync.api.parts import PART_KEY, Part
 from weightsync.api.sources import SOURCE_KEY, SourceLayout
 from weightsync.api.registry import load_engine_class
 from weightsync.api.types import RankArgs, Role, StagedUpdate, TransferReport, WorkerContext, WorkerMetadata
+from weightsync.core.pipeline.staged import staged_weights
 from weightsync.core.transports.place import ping_answer
 from weightsync.core.transports.plan import decode
+from weightsync.core.wire import codec
 from weightsync.core.wire.partplans import PartPlan
 from weightsync.core.worker.counting import CountingStream
 from weightsync.core.transports.stagearea import StageArea
@@ -130,8 +132,9 @@ class ServesHeld(Protocol):
 
 def _held_part(spec: Mapping[str, Any]) -> dict[str, Any]:
     """What an engine's state across updates depends on: its spec less its rank and transport (the backend and its
-    options): the role, and how updates are made (bucket size, delta, ...)."""
-    config = {**spec.get("config", {}), "backend_options": None}
+    options) and whether updates are staged (a staged update reaches the same receiver through the swap): the role,
+    and how updates are made (bucket size, delta, ...)."""
+    config = {**spec.get("config", {}), "backend_options": None, "staged": None}
     return {**spec, "rank": None, "backend": None, "config": config}
 
 
@@ -145,9 +148,10 @@ class EngineSlot:
 
     def ensure(self, spec: Mapping[str, Any]) -> CheckpointEngine:
         """The engine for ``spec``: the current one when its spec is equal, else a new one (the old one closed).
-        When only the rank or the transport changed (a replica before this worker's left the membership; a
-        catch-up epoch, then the update's, whose backend ``auto`` picks anew), the new engine takes over what the
-        old one held across updates (:class:`HoldsAcrossUpdates`): the next delta update stays one."""
+        When only the rank, the transport or the staging changed (a replica before this worker's left the
+        membership; a catch-up epoch, unstaged, then the update's, whose backend ``auto`` picks anew), the new
+        engine takes over what the old one held across updates (:class:`HoldsAcrossUpdates`): the next delta update
+        stays one."""
         wanted = dict(spec)
         if self.engine is None or wanted != self.spec:
             old: object = self.engine
@@ -186,6 +190,8 @@ class EngineHost:
         """The engine this worker serves a joining replica with (``PeerWorker``), made at its first catch-up."""
         self._area: StageArea | None = None
         """This host's staging area, when this worker is its host's stager (made at the first stage, kept)."""
+        self._staged: StagedUpdate | None = None
+        """What the area holds, sealed (None while a stage writes it, or after one failed)."""
 
     @property
     def engine(self) -> CheckpointEngine | None:
@@ -240,7 +246,7 @@ class EngineHost:
         peer, self._peer = self._peer, None
         if peer is not None:
             peer._close()
-        area, self._area = self._area, None
+        area, self._area, self._staged = self._area, None, None
         if area is not None:
             area.close()
 
@@ -260,15 +266,30 @@ class EngineHost:
         return await self._peer.execute(method, **kwargs)
 
     async def serve(self, *, version: int) -> TransferReport:
-        """Send the copy of ``version`` this worker's receiver keeps through the peer engine
-        (``PeerWorker.serve_weights``); a ``LifecycleError`` before anything is sent if it keeps none."""
+        """Send this worker's copy of ``version`` through the peer engine (``PeerWorker.serve_weights``): the copy its
+        receiver keeps, else the full update it staged last for its host (read back from the staging area, every
+        byte hashed again as it is read and checked against the digest it was staged under, which is reported as
+        ``model``: the manager checks it against the actor worker group's stream digest of the version). A
+        ``LifecycleError`` before anything is sent if it holds neither."""
         engine: object = self.engine
         held = engine.held_weights() if isinstance(engine, ServesHeld) else None
-        if held is None or held[0] != version or self._peer is None:
-            what = f"version {held[0]}" if held is not None else "no copy"
-            raise LifecycleError(f"{self.name or 'worker'} cannot serve version {version} to a joining replica: it "
-                                 f"keeps {what} (a whole copy is kept by a delta receiver whose sink iterates views)")
-        return await self._peer.send(held[1], version=version)
+        staged = self._staged
+        if self._peer is not None and held is not None and held[0] == version:
+            return await self._peer.send(held[1], version=version)
+        if self._peer is not None and staged is not None and staged.version == version and staged.report is not None \
+                and staged.report.base < 0:
+            report = await self._peer.send(staged_weights(staged, tables=codec.TableCache()), version=version)
+            return dataclasses.replace(report, model=staged.report.digest)
+        what = f"a copy of version {held[0]}" if held is not None else "no copy"
+        if staged is not None:
+            what += f", and staged version {staged.version}" + (" as a delta" if staged.report and
+                                                                 staged.report.base >= 0 else "")
+        refused = LifecycleError(f"{self.name or 'worker'} cannot serve version {version} to a joining replica: it "
+                                 f"keeps {what} (a whole copy is kept by a delta receiver whose sink iterates views, "
+                                 "or staged whole by a host's only stager)")
+        if self._peer is not None and self._peer.engine is not None:
+            await self._peer.send(_Refusing(refused), version=version)  # aborts: the newcomers stop waiting now
+        raise refused
 
     def _finalized(self, report: TransferReport) -> TransferReport:
         """Finalize right after a successful transfer, in the same call: one round trip fewer for the manager."""
@@ -282,6 +303,7 @@ class EngineHost:
         """The stage phase on this host's stager: the update into the host's staging area (see ``StagingWorker``)."""
         if self._area is None:
             self._area = StageArea()
+        self._staged = None  # the area is rewritten from here on
         try:
             staged = await self._staging_engine().stage_weights(self._area, version=version)
         except SharedMemoryFullError:
@@ -289,6 +311,7 @@ class EngineHost:
             area.close()
             raise
         self._finalize()
+        self._staged = staged
         return staged
 
     async def apply_staged(self, sink: WeightSink, *, staged: StagedUpdate) -> TransferReport:
@@ -324,6 +347,17 @@ class EngineHost:
                 mark_untouched(exc)
             raise
         return self._finalized(report)
+
+
+class _Refusing(Iterator[tuple[str, torch.Tensor]]):
+    """A weights stream that raises ``error`` when first asked for a tensor (the sender's pipeline then aborts the
+    update: its receivers stop waiting at once)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        raise self.error
 
 
 def check_planned_part(rank_args: Mapping[str, Any], declared: Part | None, *, who: str) -> None:
