@@ -6,9 +6,11 @@ its parameters and greedy top-5 logprobs, prompt by prompt."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any, get_args
 
+import psutil
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests run in the vllm env: python3 -m hatch run vllm:test")
@@ -44,9 +46,10 @@ def _reference(serving: Serving, path: str) -> tuple[list[dict[str, Any]], dict[
     return _generate(serving, serving.reference), serving.run(serving.reference.vllm_checksums())
 
 
-def _assert_same_as_reference(serving: Serving, path: str) -> list[dict[str, Any]]:
+def _assert_same_as_reference(serving: Serving, path: str, replicas: list[VllmRolloutReplica] | None = None
+                              ) -> list[dict[str, Any]]:
     outputs, checksums = _reference(serving, path)
-    for replica in serving.replicas:
+    for replica in serving.replicas if replicas is None else replicas:
         mine = _generate(serving, replica)
         assert [o["token_ids"] for o in mine] == [o["token_ids"] for o in outputs], replica.name
         assert [o["logprobs"] for o in mine] == [o["logprobs"] for o in outputs], replica.name
@@ -428,3 +431,44 @@ def test_a_replica_that_rejoins_catches_up_from_its_peer_and_then_takes_updates_
         "changes" if mode == "delta" else "full"] * 2, report.replicas
     _assert_same_as_reference(serving, path)
 
+
+def _engine_core(replica: VllmRolloutReplica) -> psutil.Process:
+    """The vLLM engine core process of ``replica``'s actor (a child of it: vLLM titles it ``EngineCore``)."""
+    actor = psutil.Process(int(ray.get(replica.handle.__ray_call__.remote(lambda _: os.getpid()))))
+    children = [(child, child.name(), " ".join(child.cmdline())) for child in actor.children(recursive=True)]
+    cores = [child for child, name, line in children if "EngineCore" in name + line]
+    assert len(cores) == 1, [(child.pid, name, line) for child, name, line in children]
+    return cores[0]
+
+
+def test_a_replica_whose_vllm_engine_died_is_evicted_and_the_other_commits(serving: Serving) -> None:
+    """The last test of the session's TP-1 engines (the tensor-parallel module stops them next; this one does):
+    replica 1's vLLM engine core process is killed, its Ray actor living on. Its ping answers ``WorkerDiedError``
+    once vLLM says the engine is dead (``AsyncLLM.errored``); the next update evicts it before anything is paused
+    and commits replica 0, still a delta, which then generates as the reference does."""
+    manager = _manager(serving, delta=True)
+    try:
+        serving.run(manager.update_weights())
+        core = _engine_core(serving.replicas[1])
+        core.kill()
+        core.wait(30)
+        ping = serving.replicas[1].workers[0].execute_checkpoint_engine
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # vLLM's monitor thread marks the engine dead on its own time
+            try:
+                serving.run(ping("ping"))
+            except Exception as exc:  # noqa: BLE001 - the answer looked for
+                assert "WorkerDiedError" in type(exc).__name__ + str(exc), exc
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the killed engine's replica still answered its ping after 30 s")
+        path = _version(serving, "after-engine-death", train=(1, 1e-6))
+        report = serving.run(manager.update_weights())
+        [evicted] = report.evicted
+        assert (evicted.replica, evicted.state) == (1, "evicted") and "engine is dead" in str(evicted.error), evicted
+        assert report.ok and [outcome.received for outcome in report.replicas] == ["changes"], report.replicas
+        assert manager.replicas == (serving.replicas[0],)
+        _assert_same_as_reference(serving, path, serving.replicas[:1])
+    finally:
+        serving.stop()
