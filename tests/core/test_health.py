@@ -95,11 +95,27 @@ def report(role: Any, rank: int, digest: str) -> TransferReport:
     return TransferReport(role=role, rank=rank, version=5, nbytes=10, tensors=1, buckets=1, seconds=0.1, digest=digest)
 
 
-def test_catch_up_says_why_it_cannot_run() -> None:
-    from weightsync.api.config import SyncConfig
-    from weightsync.core.control.join import why_not
+def test_catch_up_says_why_it_cannot_run_and_what_a_peer_is_checked_against() -> None:
+    import dataclasses
 
-    assert why_not(SyncConfig(delta=True), version=3, model="m") == ""
-    assert "delta=True" in why_not(SyncConfig(), version=3, model="m")
-    assert "staged" in why_not(SyncConfig(delta=True, staged=True), version=3, model="m")
-    assert "model digest" in why_not(SyncConfig(delta=True), version=3, model="")
+    from weightsync.api.config import SyncConfig
+    from weightsync.api.types import UpdateReport
+    from weightsync.core.control.join import fingerprint, why_not
+
+    for config in (SyncConfig(delta=True), SyncConfig(staged=True), SyncConfig(delta=True, staged=True)):
+        assert why_not(config, version=3, model="m") == ""
+    assert "delta=True) or staged=True" in why_not(SyncConfig(), version=3, model="m")
+    assert "no digest of the last version" in why_not(SyncConfig(delta=True), version=3, model="")
+    sender = dataclasses.replace(report("actor", 0, "stream"), model="model")
+    drained = dataclasses.replace(report("actor", 1, ""), nbytes=0)  # a rank that drained its stream
+    update = UpdateReport(version=5, backend="shm", nbytes=10, seconds=0.1,
+                          transfers=(sender, drained, report("rollout", 0, "stream")))
+    assert fingerprint(SyncConfig(delta=True), update, striped=False) == "model"
+    assert fingerprint(SyncConfig(delta=True, staged=True), update, striped=False) == "model"
+    assert fingerprint(SyncConfig(staged=True), update, striped=False) == "stream"
+    assert fingerprint(SyncConfig(staged=True), update, striped=True) == ""  # a stripe per area: no whole copy
+    assert fingerprint(SyncConfig(), update, striped=False) == ""
+    two = dataclasses.replace(update, transfers=(sender, dataclasses.replace(report("actor", 1, "other"),
+                                                                             model="other")))
+    assert fingerprint(SyncConfig(staged=True), two, striped=False) == ""  # several sending streams
+    assert fingerprint(SyncConfig(delta=True), two, striped=False) == ""

@@ -270,26 +270,35 @@ class EngineHost:
         receiver keeps, else the full update it staged last for its host (read back from the staging area, every
         byte hashed again as it is read and checked against the digest it was staged under, which is reported as
         ``model``: the manager checks it against the actor worker group's stream digest of the version). A
-        ``LifecycleError`` before anything is sent if it holds neither."""
+        ``LifecycleError`` if it holds neither, raised after an abort sent through the peer engine (its receivers
+        stop waiting at once) where one is connected."""
+        copy = self._copy_of(version)
+        if isinstance(copy, str) or self._peer is None:
+            refused = LifecycleError(f"{self.name or 'worker'} cannot serve version {version} to a joining replica: "
+                                     f"{copy if isinstance(copy, str) else 'it has no catch-up engine'}")
+            if self._peer is not None and self._peer.engine is not None:
+                await self._peer.send(_Refusing(refused), version=version)
+            raise refused
+        weights, model = copy
+        report = await self._peer.send(weights, version=version)
+        return report if model is None else dataclasses.replace(report, model=model)
+
+    def _copy_of(self, version: int) -> tuple[Iterator[tuple[str, torch.Tensor]], str | None] | str:
+        """What this worker serves ``version`` from (``serve``), with the digest to report as ``model`` (None: the
+        peer engine's own); else why it cannot."""
         engine: object = self.engine
         held = engine.held_weights() if isinstance(engine, ServesHeld) else None
+        if held is not None and held[0] == version:
+            return held[1], None
         staged = self._staged
-        if self._peer is not None and held is not None and held[0] == version:
-            return await self._peer.send(held[1], version=version)
-        if self._peer is not None and staged is not None and staged.version == version and staged.report is not None \
-                and staged.report.base < 0:
-            report = await self._peer.send(staged_weights(staged, tables=codec.TableCache()), version=version)
-            return dataclasses.replace(report, model=staged.report.digest)
+        report = staged.report if staged is not None else None
+        if staged is not None and report is not None and staged.version == version and report.base < 0:
+            return staged_weights(staged, tables=codec.TableCache()), report.digest
         what = f"a copy of version {held[0]}" if held is not None else "no copy"
         if staged is not None:
-            what += f", and staged version {staged.version}" + (" as a delta" if staged.report and
-                                                                 staged.report.base >= 0 else "")
-        refused = LifecycleError(f"{self.name or 'worker'} cannot serve version {version} to a joining replica: it "
-                                 f"keeps {what} (a whole copy is kept by a delta receiver whose sink iterates views, "
-                                 "or staged whole by a host's only stager)")
-        if self._peer is not None and self._peer.engine is not None:
-            await self._peer.send(_Refusing(refused), version=version)  # aborts: the newcomers stop waiting now
-        raise refused
+            what += f" and staged version {staged.version}{' as a delta' if report and report.base >= 0 else ''}"
+        return (f"it keeps {what} (a whole copy is kept by a delta receiver whose sink iterates views, or staged "
+                "whole by a host's only stager)")
 
     def _finalized(self, report: TransferReport) -> TransferReport:
         """Finalize right after a successful transfer, in the same call: one round trip fewer for the manager."""
