@@ -413,9 +413,10 @@ def test_a_sender_failing_mid_stage_leaves_the_vllm_replicas_serving_their_old_v
 def test_a_replica_that_rejoins_catches_up_from_its_peer_and_then_takes_updates_as_the_others(serving: Serving,
                                                                                                mode: str) -> None:
     """Replica 1 leaves after the first update, misses one and rejoins: ``connect`` catches it up from replica 0 —
-    its vLLM worker serving, from a thread while vLLM goes on (``weightsync.vllm.peer``), the copy its delta
-    receiver keeps (``delta``) or the update it staged (``staged``) — and both then generate as the reference of
-    the version missed does; the next update is a delta for both with ``delta`` (full for both with ``staged``)."""
+    with ``delta`` its vLLM worker serving the copy its delta receiver keeps, from a thread while vLLM goes on; with
+    ``staged`` its actor's stager serving the update it staged (``weightsync.vllm.peer``) — and both then generate
+    as the reference of the version missed does; the next update is a delta for both with ``delta`` (full for both
+    with ``staged``)."""
     manager = _manager(serving, **{mode: True})
     serving.run(manager.update_weights())
     manager.remove_replicas([serving.replicas[1]])

@@ -1,11 +1,13 @@
 """A vLLM replica as a peer of a replica that joins (``weightsync.api.peers.PeerWorker``).
 
 Its worker keeps a copy of the version it holds when updates are deltas (vLLM's loader iterates views, so the
-delta receiver keeps one), or, its host's stager, the update it staged: that is what it serves, through a second
-weightsync engine of the worker's ``EngineHost`` (``EngineHost.execute_as_peer`` / ``serve``). The serve runs in a thread of the vLLM worker's
+delta receiver keeps one): that copy is what it serves, through a second weightsync engine of the worker's
+``EngineHost`` (``EngineHost.execute_as_peer`` / ``serve``). The serve runs in a thread of the vLLM worker's
 process (:class:`PeerServing`), not in the RPC that starts it, so the engine core goes on scheduling and vLLM keeps
-generating while the joining replica is caught up; the actor polls for its end (:func:`serve_from`). A replica of
-one worker only: the manager takes no other as a peer.
+generating while the joining replica is caught up; the actor polls for its end (:func:`serve_from`). With staged
+updates without delta the actor's own stager serves the update it staged, from the actor's process
+(:func:`serving_stager`): vLLM is not asked at all. A replica of one worker only: the manager takes no other as a
+peer.
 """
 
 from __future__ import annotations
