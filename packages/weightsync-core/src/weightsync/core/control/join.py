@@ -99,14 +99,14 @@ def fingerprint(config: SyncConfig, report: UpdateReport, *, striped: bool) -> s
 
 
 def peer_of(replicas: Sequence[RolloutReplica], states: Sequence[ReplicaOutcome], version: int, *,
-            stagers: Sequence[object] | None = None) -> tuple[str, PeerWorker] | None:
+            config: SyncConfig, stagers: Sequence[object]) -> tuple[str, PeerWorker] | None:
     """The peer (step 1 of the module docstring): how errors name it, and its worker; None when none can be.
-    ``stagers``: the workers that staged the version alone on their host, when the peer serves a staged copy (None:
-    the copy a delta receiver keeps)."""
+    ``stagers``: the workers that staged the version alone on their host, among which the peer must be when it
+    serves a staged copy (``staged`` without ``delta``; with ``delta`` it serves the copy its receiver keeps)."""
     for index, (replica, state) in enumerate(zip(replicas, states)):
         workers = list(replica.workers)
         if state.state == "committed" and state.version == version and len(workers) == 1 \
-                and isinstance(workers[0], PeerWorker) and (stagers is None or any(workers[0] is w for w in stagers)):
+                and isinstance(workers[0], PeerWorker) and (config.delta or any(workers[0] is w for w in stagers)):
             return f"{steps.worker_label(index, workers[0])} (peer)", workers[0]
     return None
 

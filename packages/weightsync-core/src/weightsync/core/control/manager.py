@@ -243,10 +243,9 @@ class CheckpointEngineManager:
         (``weightsync.core.control.join``); where they cannot, the update sends them, and everyone, the full model."""
         joining, self._joining = self._joining, []
         newcomers = [r for r, replica in enumerate(self._replicas) if any(replica is new for new in joining)]
-        peer = join.peer_of(self._replicas, self._states, self._version,
-                            stagers=None if self.config.delta else self._stagers)
         if not newcomers or join.why_not(self.config, version=self._version, model=self._model):
             return
+        peer = join.peer_of(self._replicas, self._states, self._version, config=self.config, stagers=self._stagers)
         if peer is None:
             logger.warning("%d replica(s) joined and no committed replica can serve them version %d (a peer is the "
                            "PeerWorker of a one-worker replica, and when staged without delta it staged the version "
