@@ -649,6 +649,67 @@ def test_grouped_topology_gives_each_group_of_hosts_a_sender_and_a_chain_of_its_
         grouped_topology("tcp", malformed, fanout=1, addresses=["x"] * 4)
 
 
+def test_part_groups_share_out_the_rails_each_dealing_its_stream_into_stripes() -> None:
+    """Rails and parts together: hosts h1 and h2 each hold half the layers, every host has a worker on each of 4
+    rails and actor rank 0 asks for 4 stripes. Each group takes 2 rails of its own (h1's group rails 0 and 1, h2's 2
+    and 3) and deals its stream into 2 stripes, each from the sender's actor rank on that rail, skipping the other
+    half's tensors; each host's workers read only their group's stripes, over those rails. The manager checks each
+    receiver against its own group's stripes combined. With 2 rails each group is one stream over a rail of its own;
+    staged (or fewer rails than groups) keeps the stripes over every rail (no grouped topology)."""
+    from weightsync.api.types import Topology, TransferReport, WorldMetadata
+    from weightsync.core.control.round import Round
+    from weightsync.core.transports.chain.groups import grouped_topology
+    from weightsync.core.transports.chain.plan import ChainReceive, ChainSend, StripesReceive
+    from weightsync.core.transports.plan import decode_plan
+    from weightsync.core.wire.digest import combine_stripes
+
+    def world(rails: int, **options: object) -> WorldMetadata:
+        def worker(node: str, rail: int, part: Part | None = None) -> WorkerMetadata:
+            entry: WorkerMetadata = {"node_id": node, "address": f"{node}:{rail}", "library": "tcp", "rail": rail}
+            return {**entry, PART_KEY: part.to_dict()} if part is not None else entry
+
+        halves = {"h1": Part(tensors={"b": (), "c": ()}), "h2": Part(tensors={"a": ()})}
+        actor = [worker("h0", rail) for rail in range(rails)]
+        actor[0] = {**actor[0], "layout": "two_level", "stripes": rails, **options}  # type: ignore[dict-item]
+        return WorldMetadata(actor=actor, rollout=[worker(host, rail, halves[host]) for host in ("h1", "h2")
+                                                   for rail in range(rails)])
+
+    def build(metadata: WorldMetadata) -> Topology | None:
+        return grouped_topology("tcp", metadata, fanout=1, addresses=[f"{w['node_id']}:{w['rail']}"
+                                                                      for w in metadata.rollout])
+
+    topology = build(world(4))
+    assert topology is not None and (topology.stripes, topology.groups) == (2, 2)
+    topology.check(actor_wg_world_size=4, rollout_world_size=8)
+    assert topology.stripe_groups == ((0, 1), (2, 3))
+    senders = [decode_plan(args, ChainSend, who="actor") for args in topology.actor]
+    assert [(s.striping, s.skip) for s in senders] == [((0, 2), ("b", "c")), ((1, 2), ("b", "c")),
+                                                       ((0, 2), ("a",)), ((1, 2), ("a",))]
+    receivers = [decode_plan(args, StripesReceive, who="rollout") for args in topology.rollout]
+    assert [r.sender for r in receivers] == [0] * 4 + [2] * 4
+    for rank, receiver in enumerate(receivers):
+        assert [source.route.rail for source in receiver.sources if source.route] == ([0, 1] if rank < 4 else [2, 3])
+        over = [source.upstream for source in receiver.sources if not source.local]  # the stripe it leads
+        assert over == ([f"h0:{rank % 4}"] if rank % 4 in ((0, 1) if rank < 4 else (2, 3)) else []), (rank, over)
+    # The manager: each receiver against its group's stripes, combined in stripe order (a control: the other's).
+    round_ = Round.of(1, [])
+    round_.stripes = topology.stripe_groups
+    round_.senders = [TransferReport(role="actor", rank=rank, version=1, nbytes=1, tensors=1, buckets=1, seconds=0.0,
+                                     digest=f"{rank:032x}") for rank in range(4)]
+    sent = round_.sent()
+    assert sent[0] == sent[1] == combine_stripes([f"{0:032x}", f"{1:032x}"]) != sent[2] == sent[3]
+    # Two rails, two groups: each group one stream over its sender's rail.
+    two = build(world(2))
+    assert two is not None and (two.senders, two.stripes, two.groups) == ((0, 1), 1, 1)
+    chains = [decode_plan(args, ChainReceive, who="rollout") for args in two.rollout]
+    assert [(c.sender, c.source.upstream) for c in chains if not c.source.local] == [(0, "h0:0"), (1, "h0:1")]
+    assert build(world(4, staged=True)) is None  # staged: the stripes stay over every rail
+    assert build(world(4, stripes=1)) is not None  # no stripes asked: a stream per group
+    with pytest.raises(TopologyError, match="one sender per stripe"):
+        Topology(actor=topology.actor, rollout=topology.rollout, senders=(0, 1, 2), stripes=2, groups=2).check(
+            actor_wg_world_size=4, rollout_world_size=8)
+
+
 def test_a_stager_declares_what_its_hosts_workers_hold_together() -> None:
     """Staged: only each host's stager joins the transport's world, so the topology is built from the stagers'
     metadata with each declaring its host's union, rounded up to whole tensors: on h1 one worker holds only ``a``,

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal, Union
 import pytest
 import torch
 
-from weightsync.api.errors import DigestMismatchError, WireError
+from weightsync.api.errors import DigestMismatchError, PartMismatchError, WireError
 from weightsync.api.testing import case_tensors, raw_bytes
 from weightsync.api.types import Topology, TransferReport, WorkerContext, WorldMetadata
 from weightsync.core.backend import RankPlan, RankRole, Transport, encode_plan, engine_class
@@ -28,6 +28,7 @@ from weightsync.core.control.round import Round
 from weightsync.core.transports.chain.stripes import StripedReceiver
 from weightsync.core.transports.seam import ReceivedBucket
 from weightsync.core.wire.digest import combine_stripes
+from weightsync.core.wire.partplans import Box, PartPlan
 
 BUCKET = 1 << 14
 Published = tuple[bytes, torch.Tensor]
@@ -80,11 +81,15 @@ class _Receiver:
 class _World:
     """What the in-memory transport's engines share: per stripe, one queue per receiver; buckets published."""
 
-    def __init__(self, stripes: int, receivers: int) -> None:
+    def __init__(self, stripes: int, receivers: int, parts: list[PartPlan] | None = None,
+                 declared: list[PartPlan] | None = None) -> None:
         self.queues = [[queue.Queue[Published]() for _ in range(receivers)] for _ in range(stripes)]
         self.published = [[0] for _ in range(stripes)]
         self.order: list[int] | None = None  # which stripe each receiver's source s reads (a test may permute it)
         self.tamper: Callable[[int, int, torch.Tensor], None] = lambda stripe, token, payload: None
+        self.parts = parts or []
+        """The distinct parts the senders sum, if any; receiver r's is ``declared[r]`` (default ``parts[r]``)."""
+        self.declared = declared or self.parts
 
 
 class _MemorySend(RankPlan, tag="memory-send", frozen=True):
@@ -113,8 +118,11 @@ class _MemoryTransport(Transport):
     @classmethod
     def build_topology(cls, *, actor_wg_world_size: int, rollout_world_size: int, metadata: WorldMetadata
                        ) -> Topology:
-        actor = [_MemorySend(sender=rank, stripes=actor_wg_world_size) for rank in range(actor_wg_world_size)]
-        rollout = [_MemoryReceive(stripes=actor_wg_world_size) for _ in range(rollout_world_size)]
+        parts = cls.world.parts
+        actor = [_MemorySend(sender=rank, stripes=actor_wg_world_size, parts=parts, parts_only=bool(parts))
+                 for rank in range(actor_wg_world_size)]
+        rollout = [_MemoryReceive(stripes=actor_wg_world_size, part=cls.world.declared[rank] if parts else None)
+                   for rank in range(rollout_world_size)]
         return Topology(actor=[encode_plan(plan) for plan in actor], rollout=[encode_plan(plan) for plan in rollout],
                         senders=tuple(range(actor_wg_world_size)), stripes=actor_wg_world_size)
 
@@ -209,6 +217,52 @@ def test_every_receiver_holds_every_byte_and_the_stripes_digest_combines_the_sen
     assert isinstance(received[0], WireError), received[0]
 
 
+def _halves(weights: list[tuple[str, torch.Tensor]]) -> list[PartPlan]:
+    """Two parts: each tensor of two rows or more split in halves of rows (part r holds half r), the rest whole."""
+    parts: list[PartPlan] = []
+    for r in range(2):
+        tensors: dict[str, list[Box]] = {}
+        for name, tensor in weights:
+            if tensor.dim() >= 2 and tensor.shape[0] >= 2:
+                half = tensor.shape[0] // 2
+                rows = (r * half, half if r == 0 else tensor.shape[0] - half)
+                tensors[name] = [((rows[0], *([0] * (tensor.dim() - 1))), (rows[1], *tensor.shape[1:]))]
+        parts.append(PartPlan(index=r, tensors=tensors))
+    return parts
+
+
+def _in_part(part: PartPlan, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    boxes = part.tensors.get(name)
+    if boxes is None:
+        return tensor
+    (start, size), = boxes
+    return tensor[start[0]:start[0] + size[0]]
+
+
+def test_a_worker_that_declared_its_part_reads_and_verifies_only_it_stripe_by_stripe() -> None:
+    """Stripes and parts together (rails and tensor parallelism): every stripe's sender folds each part's sums over
+    its own buckets, the final header carries them stripe after stripe, and each receiver copies and verifies only
+    its part (``StripesSums``): its destinations hold its rows, and zeros elsewhere."""
+    weights = case_tensors("mixed", 1, BUCKET)
+    parts = _halves(weights)
+    assert sum(len(part.tensors) for part in parts) >= 4
+    world = _World(2, receivers=2, parts=parts)
+    reports, received = _update(world, weights, receivers=2)
+    assert all(isinstance(report, TransferReport) for report in reports), reports
+    for part, into in zip(parts, received):
+        assert not isinstance(into, BaseException), into
+        for name, tensor in weights:
+            mine = _in_part(part, name, into[name])
+            assert torch.equal(raw_bytes(mine), raw_bytes(_in_part(part, name, tensor))), name
+            assert int(raw_bytes(into[name]).count_nonzero()) == int(raw_bytes(mine).count_nonzero()), name
+    # The control: receiver 1 holds part 1's rows but is planned as part 0 (its sums are then checked against
+    # part 0's): it fails by name, receiver 0 does not.
+    world = _World(2, receivers=2, parts=parts, declared=[parts[0], PartPlan(index=0, tensors=parts[1].tensors)])
+    _, received = _update(world, weights, receivers=2)
+    assert not isinstance(received[0], BaseException), received[0]
+    assert isinstance(received[1], PartMismatchError) and "rollout rank 1" in str(received[1]), received[1]
+
+
 def test_the_combined_digest_is_the_one_sender_digest_for_one_stripe_and_order_sensitive() -> None:
     a, b = "0" * 31 + "1", "0" * 31 + "2"
     assert combine_stripes([a]) == a
@@ -232,7 +286,7 @@ def test_the_manager_checks_receivers_against_the_stripes_combined_digest() -> N
     striped = Round.of(1, [])
     striped.workers = [(0, _Worker()), (1, _Worker())]  # type: ignore[list-item]
     striped.senders = [_report("actor", 1, b, 1), _report("actor", 0, a)]
-    striped.stripes = {0: 0, 1: 1}
+    striped.stripes = ((0, 1),)
     striped.reports = [_report("rollout", 0, combine_stripes([a, b])), _report("rollout", 1, combine_stripes([a, b]))]
     striped.check_digests()
     striped.reports[1] = _report("rollout", 1, a)  # negative control: only stripe 0's

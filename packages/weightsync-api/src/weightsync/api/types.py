@@ -80,6 +80,9 @@ class Topology:
     sharded model is collective) and sends nothing. With several senders each sends a disjoint part of the model.
     ``stripes``: the update is dealt into this many stripes, stripe s sent by ``senders[s]`` (bucket i in stripe
     i mod K) and every receiver reading them all; 1 (the default): each sender's part goes whole to its receivers.
+    ``groups``: with stripes, the senders are that many groups of ``stripes`` each, one after another (group g's
+    stripe s sent by ``senders[g * stripes + s]``): each group deals its own part of the model into stripes, to the
+    receivers that read that group's stripes (``stripe_groups``).
     ``sharded``: the actor ranks hold shards of the model (``weightsync.api.sources``) and every sender sends what
     it holds, each its own stream, to receivers that read them all; the update's digest combines the senders' in
     the order of ``senders``.
@@ -89,6 +92,7 @@ class Topology:
     rollout: Sequence[RankArgs]
     senders: tuple[int, ...] = (0,)
     stripes: int = 1
+    groups: int = 1
     sharded: bool = False
 
     def check(self, *, actor_wg_world_size: int, rollout_world_size: int) -> None:
@@ -106,17 +110,28 @@ class Topology:
         bad = [rank for rank in self.senders if not 0 <= rank < actor_wg_world_size]
         if bad or len(set(self.senders)) != len(self.senders):
             raise TopologyError(f"topology senders {list(self.senders)} are not distinct actor ranks")
-        if isinstance(self.stripes, bool) or not isinstance(self.stripes, int) or self.stripes < 1 or (
-                self.stripes > 1 and self.stripes != len(self.senders)):
-            raise TopologyError(f"topology deals {self.stripes!r} stripes over senders {list(self.senders)}: a striped "
-                                "update has one sender per stripe")
+        for name, count in (("stripes", self.stripes), ("groups", self.groups)):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise TopologyError(f"topology {name} must be a positive int, got {count!r}")
+        if self.groups > 1 and self.stripes == 1:
+            raise TopologyError(f"topology deals {self.groups} groups of stripes but no stripes")
+        if self.stripes > 1 and self.stripes * self.groups != len(self.senders):
+            raise TopologyError(f"topology deals {self.groups} x {self.stripes} stripes over senders "
+                                f"{list(self.senders)}: a striped update has one sender per stripe")
         if self.sharded and self.stripes > 1:
             raise TopologyError("a topology of a sharded actor_wg is not dealt into stripes")
 
     @property
     def stripe_of(self) -> dict[int, int]:
         """Actor rank → the stripe it sends (empty when the update is not dealt into stripes)."""
-        return {rank: stripe for stripe, rank in enumerate(self.senders)} if self.stripes > 1 else {}
+        return {rank: at % self.stripes for at, rank in enumerate(self.senders)} if self.stripes > 1 else {}
+
+    @property
+    def stripe_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Each group's senders in stripe order (one group unless ``groups``); empty when not dealt into stripes."""
+        if self.stripes == 1:
+            return ()
+        return tuple(tuple(self.senders[g * self.stripes:(g + 1) * self.stripes]) for g in range(self.groups))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,8 +25,8 @@ RAIL_GRACE_S = 1.0
 """How long past the transfer timeout a striped update waits for its workers' own errors."""
 
 
-def rail_grace(stripes: dict[int, int]) -> float:
-    """Seconds added to a transfer step's timeout: a striped update's workers (``stripes``: actor rank → stripe)
+def rail_grace(stripes: tuple[tuple[int, ...], ...]) -> float:
+    """Seconds added to a transfer step's timeout: a striped update's workers (``stripes``: its stripes' senders)
     report a lost rail at their own deadline, and a second more lets their errors, which name the rail and its hosts,
     arrive instead of the step's timeout."""
     return RAIL_GRACE_S if stripes else 0.0

@@ -32,8 +32,8 @@ class Round:
     """Wall seconds per step (``UpdateReport.stages``)."""
     started: float = field(default_factory=time.perf_counter)
     rebuilt: bool = False
-    stripes: dict[int, int] = field(default_factory=dict)
-    """Actor rank → its stripe, when the epoch's topology dealt the update into stripes."""
+    stripes: tuple[tuple[int, ...], ...] = ()
+    """Each group's stripe senders in stripe order, when the epoch's topology dealt the update into stripes."""
     sources: tuple[int, ...] = ()
     """The senders of a sharded ``actor_wg``, in the order their digests combine."""
     reports: list[TransferReport | BaseException | None] = field(default_factory=list)
@@ -82,8 +82,9 @@ class Round:
 
     def sent(self) -> dict[int, str]:
         """What each receiver must hold, by the sender its report names: that sender's digest; when the topology
-        dealt the update into stripes (``stripes``), every receiver holds all of them, whose digests combine into
-        one (``combine_stripes``, in stripe order), whichever stripe's sender it names; from a sharded ``actor_wg``
+        dealt the update into stripes (``stripes``), every receiver holds all of its group's (one group, or a group
+        per part of the model), whose digests combine into one (``combine_stripes``, in stripe order), whichever of
+        them its report names; from a sharded ``actor_wg``
         (``sources``), the senders' digests combined (``combine_sources``, in their order)."""
         digests = {report.rank: report.digest for report in self.senders if report.digest}
         if self.sources:  # every receiver reads every sender's stream
@@ -93,11 +94,11 @@ class Round:
             return {rank: combined for rank in self.sources}
         if not self.stripes:
             return digests
-        ranks = sorted(self.stripes, key=lambda rank: self.stripes[rank])
-        if any(rank not in digests for rank in ranks):
-            return {}  # a stripe's sender reported nothing: no receiver can be shown to hold the update
-        combined = combine_stripes([digests[rank] for rank in ranks])
-        return {rank: combined for rank in ranks}
+        sent: dict[int, str] = {}
+        for ranks in self.stripes:  # a group of stripes each (its own part of the model), or one
+            if all(rank in digests for rank in ranks):  # else a stripe's sender reported nothing: not its group
+                sent.update(dict.fromkeys(ranks, combine_stripes([digests[rank] for rank in ranks])))
+        return sent
 
     def _expected(self, index: int, report: TransferReport, sent: dict[int, str]) -> str | None:
         return self.expected.get(index, sent.get(report.sender))

@@ -44,8 +44,9 @@ class Epoch:
     """Every worker's ``prepare`` metadata."""
     where: dict[str, str]
     """Worker label → its host, for people (errors name unreachable hosts by it)."""
-    stripes: dict[int, int]
-    """Actor rank → the stripe it sends, when the topology dealt updates into stripes (empty: one sender)."""
+    stripes: tuple[tuple[int, ...], ...]
+    """Each group's stripe senders in stripe order (``Topology.stripe_groups``), when the topology dealt updates into
+    stripes (empty: not striped)."""
     sources: tuple[int, ...] = ()
     """The senders of a sharded ``actor_wg``, in the order their digests combine (empty: not sharded)."""
 
@@ -133,7 +134,7 @@ class Setup:
         labelled += steps.worker_calls(workers, "init_process_group", [{"rank_args": args} for args in rollout_args])
         await steps.gather("init_process_group", timeout, labelled, fail_fast=True)
         where = {label: decode_metadata(entry, Place, who=label).host for (label, _), entry in zip(labelled, metadata)}
-        return Epoch(token=token, world=world, where=where, stripes=topology.stripe_of,
+        return Epoch(token=token, world=world, where=where, stripes=topology.stripe_groups,
                      sources=topology.senders if topology.sharded else ())
 
     async def _resolve(self, workers: Sequence[tuple[int, RolloutWorker]], timeout: float

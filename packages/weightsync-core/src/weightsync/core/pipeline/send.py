@@ -145,9 +145,10 @@ class SendPipeline:
                           time.monotonic() + self.settings.timeout,
                           self.delta_update(transport, digest) if stripe[1] == 1 else None,
                           stripe=stripe[0], stripes=stripe[1])
-        if parts and stripe[1] == 1 and transport.buffer(0).is_cpu and sending.headers.base < 0:
+        if parts and transport.buffer(0).is_cpu and sending.headers.base < 0:
             sending.parts = [PartSums(part) for part in parts]
-            # Folded as each bucket is packed; the whole digest too, unless no receiver verifies it.
+            # Folded as each bucket is packed (a stripe's sender: its stripe's buckets); the whole digest too, unless
+            # no receiver verifies it.
             sending.digest = PartsDigest(sending.parts, whole=not parts_only)
         # Block after block only where every receiver reads its part of this update from the host, and no delta
         # compares the next update's buckets with this one's (weightsync.core.wire.blocks).

@@ -158,8 +158,8 @@ class BucketReader:
         self.current, self.position, self.hashed, self.folded = arrived, 0, 0, 0
         if self.sources:
             self.digest.select(arrived.header.sender)
-            if self.part is not None:
-                self.part.select(arrived.header.sender)
+        if self.part is not None:
+            self.part.route(arrived.header)
         if arrived.fused:
             self.digest.begin_bucket(arrived.table, arrived.header.nbytes)
 

@@ -29,7 +29,7 @@ from weightsync.api.errors import ConfigError, PartMismatchError
 from weightsync.api.parts import Region
 from weightsync.core.native import copy_batch
 from weightsync.core.wire.blocks import block_index, block_runs
-from weightsync.core.wire.codec import TensorMeta
+from weightsync.core.wire.codec import BucketHeader, TensorMeta
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.partplans import Box, PartPlan
 from weightsync.core.wire.tensors import DTYPES, memoryview_at
@@ -238,8 +238,9 @@ class PartSums:
         self.nbytes = 0
         """Bytes of the part read and hashed so far."""
 
-    def select(self, sender: int) -> None:
-        """The next bucket is ``sender``'s (``weightsync.core.wire.sources.SourcesSums``); these sums fold them all."""
+    def route(self, header: BucketHeader) -> None:
+        """The next bucket is ``header``'s: sums of several senders' streams or stripes fold it into its own
+        (``weightsync.core.wire.sources.SourcesSums``, ``StripesSums``); these sums fold them all."""
 
     def fold(self, meta: TensorMeta, address: int) -> None:
         """Fold one piece: ``meta``'s range of its tensor's bytes, which lie in host memory at ``address``."""

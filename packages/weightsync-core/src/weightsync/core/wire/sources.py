@@ -9,7 +9,8 @@ What verifies such an update is per sender: each sender's stream is hashed as an
 parts' sums), and a receiver folds every bucket into the digest and the sums of the sender it came from
 (:class:`SourcesDigest`, :class:`SourcesSums`, routed by the bucket header's ``sender``). The update's digest combines
 the senders' in the order of the topology's ``senders`` (:func:`combine_sources`), what the manager compares; a part's
-sums are the senders' sums one after another, in that order.
+sums are the senders' sums one after another, in that order. A striped update's parts are verified the same way, a
+stripe for a sender (:class:`StripesSums`, routed by the bucket's index).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import xxhash
 
 from weightsync.api.errors import WeightStreamError, WireError
 from weightsync.api.sources import Shard, byte_range
-from weightsync.core.wire.codec import TensorMeta
+from weightsync.core.wire.codec import BucketHeader, TensorMeta
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.parts import PartLayout, PartSums
 
-__all__ = ["SourcesDigest", "SourcesSums", "as_shard", "combine_sources", "shard_range"]
+__all__ = ["SourcesDigest", "SourcesSums", "StripesSums", "as_shard", "combine_sources", "shard_range"]
 
 
 def as_shard(name: str, value: object) -> Shard | None:
@@ -111,8 +112,8 @@ class SourcesDigest(UpdateDigest):
 
 class SourcesSums(PartSums):
     """A receiver's part sums of an update from several senders: one :class:`PartSums` per sender, the pieces of each
-    bucket folded into its sender's (:meth:`select`); :meth:`sums` and ``names`` are theirs one after another, in the
-    senders' order, as the final header's sums are combined."""
+    bucket folded into its sender's (:meth:`route`, by the bucket header's ``sender``); :meth:`sums` and ``names`` are
+    theirs one after another, in the senders' order, as the final header's sums are combined."""
 
     def __init__(self, layout: PartLayout, senders: Sequence[int]) -> None:
         super().__init__(layout)
@@ -120,8 +121,8 @@ class SourcesSums(PartSums):
         self._each = {sender: PartSums(layout) for sender in self._senders}
         self._current = self._each[self._senders[0]]
 
-    def select(self, sender: int) -> None:
-        self._current = self._each[sender]
+    def route(self, header: BucketHeader) -> None:
+        self._current = self._each[header.sender]
 
     def fold(self, meta: TensorMeta, address: int) -> None:
         before = self._current.nbytes
@@ -139,3 +140,15 @@ class SourcesSums(PartSums):
 
     def tensor_names(self) -> list[str]:
         return [name for sender in self._senders for name in self._each[sender].tensor_names()]
+
+
+class StripesSums(SourcesSums):
+    """A receiver's part sums of an update dealt into ``stripes`` stripes (``weightsync.core.transports.chain.stripes``):
+    stripe s's sender folds its part sums over its own buckets (i with i mod K = s), so the receiver folds each bucket
+    into its stripe's, and the final header carries each part's sums stripe after stripe."""
+
+    def __init__(self, layout: PartLayout, stripes: int) -> None:
+        super().__init__(layout, range(stripes))
+
+    def route(self, header: BucketHeader) -> None:
+        self._current = self._each[header.index % len(self._senders)]

@@ -42,7 +42,7 @@ from weightsync.core.wire.blocks import BlockPlan
 from weightsync.core.wire.digest import StripedDigest, UpdateDigest
 from weightsync.core.wire.partplans import PartPlan
 from weightsync.core.wire.parts import PartLayout, PartSums
-from weightsync.core.wire.sources import SourcesDigest, SourcesSums
+from weightsync.core.wire.sources import SourcesDigest, SourcesSums, StripesSums
 
 __all__ = ["BucketCheckpointEngine", "engine_class", "RankRole", "guard_build_topology"]
 
@@ -265,9 +265,7 @@ class BucketCheckpointEngine(EngineBase):
         if self._receiver is None or self._epoch is None:
             raise LifecycleError(f"{self.name}: receive_weights on a rank that is not connected as a receiver")
         hold = self._handover.hold_for_stream()
-        stripes = self._stripe[1]
-        reader = self._reader(self._sources, self._policy.new_digest) if stripes == 1 else BucketReader(
-            StripedDigest(stripes), self._receive.plans)
+        reader = self._reader(self._sources, self._policy.new_digest, stripes=self._stripe[1])
         return ReceiveStream(self._receive, self._receiver, hold, epoch=self._epoch,
                              peer=self.transport.peer_name(self._sender_rank), reader=reader)
 
@@ -320,17 +318,20 @@ class BucketCheckpointEngine(EngineBase):
             receiver = StripedReceiver([StagedReceiver(part) for part in parts], epoch=staged.epoch)
         hold = self._handover.hold_for_stream()
         # The staged bytes are on the host; a striped update's, one area per stripe, read in bucket order.
-        reader = self._reader(sources, UpdateDigest) if not parts or sources else BucketReader(
-            StripedDigest(len(parts)), self._receive.plans)
+        reader = self._reader(sources, UpdateDigest, stripes=len(parts) if parts and not sources else 1)
         return ReceiveStream(self._receive, receiver, hold, epoch=staged.epoch, release_early=False,
                              peer=f"{self.transport.peer_name(self._sender_rank)} (staged)", reader=reader)
 
 
-    def _reader(self, sources: tuple[int, ...], digest: Callable[[], UpdateDigest]) -> BucketReader:
-        """The reader of an update from one sender, or from every sender of a sharded ``actor_wg`` (``sources``):
-        each bucket then folded into its own sender's digest and sums. Verified by this worker's part where it
-        declared one."""
+    def _reader(self, sources: tuple[int, ...], digest: Callable[[], UpdateDigest], *, stripes: int = 1
+                ) -> BucketReader:
+        """The reader of an update from one sender, from every sender of a sharded ``actor_wg`` (``sources``), or
+        dealt into ``stripes``: each bucket then folded into its own sender's (stripe's) digest and sums. Verified by
+        this worker's part where it declared one."""
         part = self._part
+        if stripes > 1:
+            return BucketReader(StripedDigest(stripes), self._receive.plans,
+                                part=StripesSums(part, stripes) if part is not None else None)
         if not sources:
             return BucketReader(digest(), self._receive.plans, part=PartSums(part) if part is not None else None)
         return BucketReader(SourcesDigest(sources, make=digest), self._receive.plans,

@@ -7,7 +7,9 @@ its stripe's digest, and the update's bucket count N. A receiver reads the strip
 over its rail, the host's other stripes in place from the workers that lead them) through :class:`StripedReceiver`,
 which hands the pipeline one stream: every bucket in bucket order, then one final header whose digest combines
 the stripes' (:func:`~weightsync.core.wire.digest.combine_stripes`), which the receiver's
-:class:`~weightsync.core.wire.digest.StripedDigest` computes from the bytes it read.
+:class:`~weightsync.core.wire.digest.StripedDigest` computes from the bytes it read, and whose part sums are the
+stripes' one after another: a worker that declared its part reads and verifies only that, stripe by stripe
+(:class:`~weightsync.core.wire.sources.StripesSums`).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from weightsync.core.transports.seam import ReceivedBucket, ReceiverTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.digest import combine_stripes
 
-__all__ = ["Interleaved", "OneStripe", "ReadAhead", "StripedReceiver", "on_rail", "stripe_of", "stripes_for",
-           "striped_topology"]
+__all__ = ["Dealt", "Interleaved", "OneStripe", "ReadAhead", "StripedReceiver", "deal", "on_rail", "stripe_of",
+           "stripe_senders", "stripes_for", "striped_topology"]
 
 
 def stripe_of(index: int, stripes: int) -> int:
@@ -128,8 +130,12 @@ class StripedReceiver(Interleaved):
         arrived, self._next = self._next, 0  # the next update starts at bucket 0, from stripe 0
         if counts != {arrived}:
             raise WireError(f"the stripes' final headers name {sorted(counts)} buckets, {arrived} arrived")
+        if len({len(final.parts) for final in finals.values()}) != 1:
+            raise WireError(f"the stripes' final headers carry the sums of "
+                            f"{[len(finals[s].parts) for s in range(stripes)]} parts")
         combined = combine_stripes([finals[s].digest for s in range(stripes)])
-        return ReceivedBucket(codec.encode(msgspec.structs.replace(finals[0], digest=combined)),
+        parts = [b"".join(finals[s].parts[at] for s in range(stripes)) for at in range(len(finals[0].parts))]
+        return ReceivedBucket(codec.encode(msgspec.structs.replace(finals[0], digest=combined, parts=parts)),
                               received.payload[:0], 0)
 
     def _decode(self, header: bytes) -> codec.BucketHeader:
@@ -255,7 +261,7 @@ def stripes_for(metadata: WorldMetadata) -> list[int]:
     return rails
 
 
-def _senders(library: str, actor: list[ChainMetadata], rails: list[int]) -> list[int]:
+def stripe_senders(library: str, actor: list[ChainMetadata], rails: list[int]) -> list[int]:
     """Each stripe's sender: the first actor rank on its rail of the sender's host, which must have advertised an
     endpoint."""
     sender_node = actor[0].node_id
@@ -265,6 +271,62 @@ def _senders(library: str, actor: list[ChainMetadata], rails: list[int]) -> list
         if not actor[rank].address or actor[rank].library != library:
             raise TopologyError(f"actor rank {rank} sends a stripe but did not advertise a {library} endpoint")
     return senders
+
+
+class Dealt:
+    """Every rank's plan as stripes are dealt (:func:`deal`): the actor ranks' and the rollout ranks' (idle until
+    dealt), and each rollout rank's sources, one per stripe it reads."""
+
+    def __init__(self, actor: int, rollout: int, sender: int) -> None:
+        self.actor: list[RankPlan] = [Idle(sender=sender) for _ in range(actor)]
+        self.rollout: list[RankPlan] = [Idle(sender=sender) for _ in range(rollout)]
+        self.sources: list[list[Source]] = [[] for _ in range(rollout)]
+
+    def receivers(self, ranks: Sequence[int], sender: int) -> None:
+        """Rollout ``ranks``, each reading its sources (of ``sender``'s stripes): one chain, or every stripe."""
+        for rank in ranks:
+            mine = tuple(self.sources[rank])
+            self.rollout[rank] = ChainReceive(sender=sender, rank=rank, source=mine[0]) if len(mine) == 1 else \
+                StripesReceive(sender=sender, rank=rank, sources=mine)
+
+
+def deal(dealt: Dealt, *, actor: list[ChainMetadata], rollout: list[ChainMetadata], addresses: list[str],
+         fanout: int, senders: list[int], rails: list[int], taking: list[int] | None = None, staged: bool = False,
+         skip: tuple[str, ...] = ()) -> None:
+    """Deal one stream into ``len(rails)`` stripes (one: a plain two-level chain), stripe s over rail ``rails[s]``
+    from actor rank ``senders[s]``, to the rollout ranks ``taking`` (default every one; staged: each stripe to those
+    on its rail, a :class:`ChainReceive` of that stripe each), each sender leaving ``skip`` out."""
+    count = len(rails)
+    nodes = [actor[0].node_id, *(worker.node_id for worker in rollout)]
+    on_rail = [0, *(worker.rail for worker in rollout)]
+    ranks = list(range(len(rollout))) if taking is None else taking
+    for stripe, (sender, rail) in enumerate(zip(senders, rails)):
+        # Positions taking part in this stripe: the sender, and the rollout ranks (staged: those on its rail).
+        positions = [0, *(rank + 1 for rank in ranks if not staged or on_rail[rank + 1] == rail)]
+        plan = plan_stripe(nodes=[nodes[p] for p in positions], rails=[on_rail[p] for p in positions], rail=rail,
+                           fanout=fanout)
+        where = [actor[sender].address, *addresses]
+        workers = [actor[sender], *rollout]
+        dealt_as = Stripe(stripe, count) if count > 1 else None
+        children, in_place = plan.downstream(0, positions)
+        dealt.actor[sender] = ChainSend(sender=sender, stripe=dealt_as, children=children, in_place=in_place,
+                                        skip=skip)
+        for i, position in enumerate(positions[1:], start=1):
+            children, in_place = plan.downstream(i, positions)
+            upstream = positions[plan.upstream[i]]
+            name = f"actor rank {sender}" if upstream == 0 else f"rollout rank {upstream - 1}"
+            # Errors name the peer by this: which stripe, over which rail, between which hosts.
+            ends = (workers[upstream].host_name, workers[position].host_name)
+            how = "in place" if plan.local[i] else f"rail {rail} from host {ends[0]} to host {ends[1]}"
+            what = f" (stripe {stripe}, {how})" if count > 1 else f" ({how})"
+            source = Source(upstream=where[upstream], upstream_position=upstream, local=plan.local[i],
+                            children=children, in_place=in_place, peer=f"{name}{what}",
+                            route=Route(rail=rail, hosts=ends))
+            if staged:
+                dealt.rollout[position - 1] = ChainReceive(sender=sender, rank=position - 1, source=source,
+                                                           stripe=dealt_as)
+            else:
+                dealt.sources[position - 1].append(source)
 
 
 def striped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addresses: list[str]) -> Topology | None:
@@ -277,45 +339,14 @@ def striped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
     a staged update (``staged``) every rollout rank is a stager on the rail of one stripe s and takes part in that
     stripe alone: its plan is a :class:`ChainReceive` of that stripe's source, with its ``stripe``."""
     used = stripes_for(metadata)
-    count = len(used)
-    if count == 1:
+    if len(used) == 1:
         return None
     actor, rollout = _chain_metadata(metadata)
-    staged = actor[0].staged
-    senders = _senders(library, actor, used)
-    nodes = [actor[0].node_id, *(worker.node_id for worker in rollout)]
-    rails = [0, *(worker.rail for worker in rollout)]
-    actor_plans: list[RankPlan] = [Idle(sender=senders[0]) for _ in actor]
-    rollout_plans: list[RankPlan] = [Idle(sender=senders[0]) for _ in rollout]
-    sources: list[list[Source]] = [[] for _ in rollout]
-    for stripe, (sender, rail) in enumerate(zip(senders, used)):
-        # Positions taking part in this stripe: the sender, and every rollout rank (staged: those on its rail).
-        taking = [0, *(p for p in range(1, len(nodes)) if not staged or rails[p] == rail)]
-        plan = plan_stripe(nodes=[nodes[p] for p in taking], rails=[rails[p] for p in taking], rail=rail,
-                           fanout=fanout)
-        where = [actor[sender].address, *addresses]
-        workers = [actor[sender], *rollout]
-        dealt = Stripe(stripe, count)
-
-        children, in_place = plan.downstream(0, taking)
-        actor_plans[sender] = ChainSend(sender=sender, stripe=dealt, children=children, in_place=in_place)
-        for i, position in enumerate(taking[1:], start=1):
-            children, in_place = plan.downstream(i, taking)
-            upstream = taking[plan.upstream[i]]
-            name = f"actor rank {sender}" if upstream == 0 else f"rollout rank {upstream - 1}"
-            # Errors name the peer by this: which stripe, over which rail, between which hosts.
-            ends = (workers[upstream].host_name, workers[position].host_name)
-            how = "in place" if plan.local[i] else f"rail {rail} from host {ends[0]} to host {ends[1]}"
-            source = Source(upstream=where[upstream], upstream_position=upstream, local=plan.local[i],
-                            children=children, in_place=in_place, peer=f"{name} (stripe {stripe}, {how})",
-                            route=Route(rail=rail, hosts=ends))
-            if staged:
-                rollout_plans[position - 1] = ChainReceive(sender=sender, rank=position - 1, source=source,
-                                                           stripe=dealt)
-            else:
-                sources[position - 1].append(source)
-    if not staged:
-        rollout_plans = [StripesReceive(sender=senders[0], rank=rank, sources=tuple(mine))
-                         for rank, mine in enumerate(sources)]
-    return Topology(actor=[encode_plan(plan) for plan in actor_plans],
-                    rollout=[encode_plan(plan) for plan in rollout_plans], senders=tuple(senders), stripes=count)
+    senders = stripe_senders(library, actor, used)
+    dealt = Dealt(len(actor), len(rollout), senders[0])
+    deal(dealt, actor=actor, rollout=rollout, addresses=addresses, fanout=fanout, senders=senders, rails=used,
+         staged=actor[0].staged)
+    if not actor[0].staged:
+        dealt.receivers(range(len(rollout)), senders[0])
+    return Topology(actor=[encode_plan(plan) for plan in dealt.actor],
+                    rollout=[encode_plan(plan) for plan in dealt.rollout], senders=tuple(senders), stripes=len(used))

@@ -221,12 +221,12 @@ class ChainTransport(Transport):
                 raise TopologyError(f"{cls.name}: a sharded actor_wg sends over layout='two_level' (a chain per "
                                     "sending rank, by host)", field="$.layout")
             return sharded_topology(cls.library, metadata, sources, fanout=fanout, addresses=addresses[1:])
+        grouped = grouped_topology(cls.library, metadata, fanout=fanout, addresses=addresses[1:])
+        if grouped is not None:  # a stream per part group (over rails of its own where there are stripes)
+            return grouped
         striped = striped_topology(cls.library, metadata, fanout=fanout, addresses=addresses[1:])
         if striped is not None:
             return striped
-        grouped = grouped_topology(cls.library, metadata, fanout=fanout, addresses=addresses[1:])
-        if grouped is not None:
-            return grouped
         plan = plan_positions(nodes=[worker.node_id for worker in workers], fanout=fanout, layout=layout)
 
         def in_place(position: int) -> tuple[int, ...]:
