@@ -654,10 +654,12 @@ def test_part_groups_share_out_the_rails_each_dealing_its_stream_into_stripes() 
     rails and actor rank 0 asks for 4 stripes. Each group takes 2 rails of its own (h1's group rails 0 and 1, h2's 2
     and 3) and deals its stream into 2 stripes, each from the sender's actor rank on that rail, skipping the other
     half's tensors; each host's workers read only their group's stripes, over those rails. The manager checks each
-    receiver against its own group's stripes combined. With 2 rails each group is one stream over a rail of its own;
-    staged (or fewer rails than groups) keeps the stripes over every rail (no grouped topology)."""
+    receiver against its own group's stripes combined. Staged, each host's stagers are its workers on its group's
+    rails. With 2 rails each group is one stream over a rail of its own."""
     from weightsync.api.types import Topology, TransferReport, WorldMetadata
+    from weightsync.core.control.parts import members_metadata
     from weightsync.core.control.round import Round
+    from weightsync.core.control.staged import StagedPlan
     from weightsync.core.transports.chain.groups import grouped_topology
     from weightsync.core.transports.chain.plan import ChainReceive, ChainSend, StripesReceive
     from weightsync.core.transports.plan import decode_plan
@@ -703,7 +705,24 @@ def test_part_groups_share_out_the_rails_each_dealing_its_stream_into_stripes() 
     assert two is not None and (two.senders, two.stripes, two.groups) == ((0, 1), 1, 1)
     chains = [decode_plan(args, ChainReceive, who="rollout") for args in two.rollout]
     assert [(c.sender, c.source.upstream) for c in chains if not c.source.local] == [(0, "h0:0"), (1, "h0:1")]
-    assert build(world(4, staged=True)) is None  # staged: the stripes stay over every rail
+    # Staged: each host's stagers are its workers on its group's rails, one stripe each.
+    full = world(4, staged=True)
+    chosen = StagedPlan.of(full)
+    assert chosen.stagers == {"h1": (0, 1), "h2": (6, 7)}
+    # The topology as the manager builds it, from the stagers' metadata alone (each declaring its host's part).
+    labels = [f"rollout rank {rank}" for rank in range(len(full.rollout))]
+    stagers = build(WorldMetadata(actor=full.actor, rollout=members_metadata(full.rollout, chosen.members, labels)))
+    assert stagers is not None and stagers.stripe_groups == ((0, 1), (2, 3))
+    assert [decode_plan(args, ChainReceive, who="stager").striping for args in stagers.rollout] == [(0, 2), (1, 2)] * 2
+    # h2 on rails 0 and 1 only: group 2 cannot have rails 2 and 3, so the stripes stay over rails 0 and 1, where
+    # every host's stagers are; the topology built from them gives way to them (each stager a stripe).
+    narrow = WorldMetadata(actor=full.actor, rollout=[entry for entry in full.rollout
+                                                      if entry["node_id"] == "h1" or entry["rail"] in (0, 1)])
+    chosen = StagedPlan.of(narrow)
+    assert chosen.stagers == {"h1": (0, 1), "h2": (4, 5)}
+    assert build(WorldMetadata(actor=full.actor, rollout=members_metadata(narrow.rollout, chosen.members,
+                                                                          labels[:6]))) is None
+    assert StagedPlan.of(world(4)).stagers == {"h1": (0, 1), "h2": (6, 7)}
     assert build(world(4, stripes=1)) is not None  # no stripes asked: a stream per group
     with pytest.raises(TopologyError, match="one sender per stripe"):
         Topology(actor=topology.actor, rollout=topology.rollout, senders=(0, 1, 2), stripes=2, groups=2).check(

@@ -194,12 +194,19 @@ def test_staged_updates_cross_into_each_host_once_and_only_its_part(tmp_path: pa
     every receiver, takes it into each host once; its unstaged entry in the same run is the negative control (two
     receivers on a host: about 2 S in). With ``--parts layers2`` (each replica's two workers on hosts 1 and 2, each
     holding half the layers) a host's stager declares what its workers hold: each host stages only its half, while
-    ``auto+staged`` of the same run, the control, stages the model on each."""
+    ``auto+staged`` of the same run, the control, stages the model on each.
+
+    Over two rails (each host's two workers one on each): ``auto`` deals a full update into two stripes, and the
+    two part groups share the rails out, one each. Staged or not, each host takes in its half all over its group's
+    rail (host 1 over rail 0, host 2 over rail 1) and the sender's host sends a half over each, every worker
+    verifying its part; the whole-model entries, the control, take the model into each host, half over each rail.
+    (Before, the stripes won: every host took in the whole model, and a worker whose sink held only its part failed
+    on the first tensor it lacked.)"""
     skip_unless_testbed()
     out = tmp_path / "staged.json"
-    result = bench("--hosts", "3", "--receivers", "2", "--link-gbps", str(LINK_GBPS), "--model-mb", "16",
-                   "--bucket-mb", "4", "--repeat", "2", "--backends", "gloo,auto", "--staged", "--parts", "layers2",
-                   "--json", str(out))
+    result = bench("--hosts", "3", "--receivers", "2", "--rails", "2", "--link-gbps", str(LINK_GBPS), "--model-mb",
+                   "16", "--bucket-mb", "4", "--repeat", "2", "--backends", "gloo,auto", "--staged", "--parts",
+                   "layers2", "--json", str(out))
     assert result.returncode == 0, result.stderr[-4000:]
     data = json.loads(out.read_text())
     total = data["scenario"]["model_bytes"]
@@ -212,6 +219,20 @@ def test_staged_updates_cross_into_each_host_once_and_only_its_part(tmp_path: pa
     parted = rows["auto+layers2+staged"]
     check_each_host_takes_in_its_half(parted, whole=rows["auto+staged"])
     assert parted["failed_requests"] == 0 and parted["stage_seconds"] > 0
+    for entry in ("auto", "auto+staged"):
+        check_each_host_takes_in_its_half_over_its_rail(rows[entry.replace("auto", "auto+layers2")], whole=rows[entry])
+
+
+def check_each_host_takes_in_its_half_over_its_rail(parted: dict[str, Any], *, whole: dict[str, Any]) -> None:
+    """Two rails, two part groups: each host's ingress all over its group's rail, the sender's egress a half over
+    each rail; every worker verified its part. The whole-model entry: half over each rail into every host."""
+    assert whole["chosen"].endswith("(two-level, 2 stripes)"), whole
+    for host, rail in ((0, 0), (1, 1)):
+        ingress = parted["rail_ingress_bytes"][host]
+        assert ingress[1 - rail] < 0.01 * MODEL_BYTES <= 0.3 * MODEL_BYTES <= ingress[rail], (host, parted)
+        assert abs(parted["rail_egress_bytes"][rail] - ingress[rail]) <= 0.01 * MODEL_BYTES, parted
+        assert all(0.4 * MODEL_BYTES <= got <= 0.6 * MODEL_BYTES for got in whole["rail_ingress_bytes"][host]), whole
+    assert all(t["part"] in (0, 1) for t in parted["report"]["transfers"] if t["role"] == "rollout"), parted
 
 
 def test_bench_cleanup_removes_a_killed_runs_leftovers() -> None:
@@ -320,27 +341,3 @@ def test_rails_are_counted_one_by_one_and_two_actor_ranks_stripe_over_them(tmp_p
             assert auto["chosen"].endswith("(two-level)"), auto
             assert auto["rail_egress_bytes"][0] >= 0.95 * MODEL_BYTES
             assert auto["rail_egress_bytes"][1] < 0.01 * MODEL_BYTES
-
-
-def test_rails_and_parts_each_host_takes_in_its_half_over_its_groups_rail(tmp_path: pathlib.Path) -> None:
-    """``--rails 2 --parts layers2`` across 3 hosts (two workers on each, one per rail): ``auto`` deals a full update
-    over both rails, and the two part groups share them out, one rail each. By the link counters each receiving host
-    takes in its half, all of it over its group's rail (host 1 over rail 0, host 2 over rail 1), and the sender's
-    host sends the model once, a half over each rail; every worker verified its part. The whole-model entry of the
-    same run, the control, takes the model into each host, half over each rail. (Before, the stripes won: every
-    host took in the whole model, and a worker whose sink held only its part failed on the first tensor it lacked.)"""
-    skip_unless_testbed()
-    out = tmp_path / "rails-parts.json"
-    result = bench("--hosts", "3", "--receivers", "2", "--rails", "2", "--link-gbps", str(LINK_GBPS), "--model-mb",
-                   "16", "--bucket-mb", "4", "--repeat", "2", "--backends", "auto", "--parts", "layers2", "--json",
-                   str(out))
-    assert result.returncode == 0, result.stderr[-4000:]
-    rows = {row["backend"]: row for row in json.loads(out.read_text())["results"]}
-    parted, whole = rows["auto+layers2"], rows["auto"]
-    check_each_host_takes_in_its_half(parted, whole=whole)
-    for host, rail in ((0, 0), (1, 1)):
-        ingress = parted["rail_ingress_bytes"][host]
-        assert ingress[1 - rail] < 0.01 * MODEL_BYTES <= 0.3 * MODEL_BYTES <= ingress[rail], (host, parted)
-        assert abs(parted["rail_egress_bytes"][rail] - ingress[rail]) <= 0.01 * MODEL_BYTES, parted
-        assert all(0.4 * MODEL_BYTES <= got <= 0.6 * MODEL_BYTES for got in whole["rail_ingress_bytes"][host]), whole
-    assert all(t["part"] in (0, 1) for t in parted["report"]["transfers"] if t["role"] == "rollout"), parted

@@ -40,6 +40,7 @@ from weightsync.core.control.rails import rail_grace
 from weightsync.core.control.round import Round
 from weightsync.core.control.setup import Epoch
 from weightsync.core.transports.chain.sources import stream_rails
+from weightsync.core.transports.chain.groups import rail_groups
 from weightsync.core.transports.chain.stripes import stripes_for
 from weightsync.core.transports.place import Place
 from weightsync.core.transports.plan import decode_metadata
@@ -53,7 +54,7 @@ __all__ = ["Staged", "StagedPlan", "joined"]
 class StagedPlan:
     """Who stages for whom: each rollout worker's host, and each host's stagers (indices into the round's workers):
     the host's first worker in replica order, or with K stripes its first worker on each of the K rails (stripe
-    s's stager at s)."""
+    s's stager at s); where the hosts' part groups share the rails out (``rail_groups``), on its group's rails."""
 
     hosts: tuple[str, ...]
     stagers: dict[str, tuple[int, ...]]
@@ -65,13 +66,15 @@ class StagedPlan:
         places = [decode_metadata(entry, Place, who=f"rollout rank {i}") for i, entry in enumerate(world.rollout)]
         streams = stream_rails(world)
         used = streams if streams is not None else stripes_for(world)
+        # Where the hosts' part groups share the rails out, a host's stagers are on its group's rails alone.
+        grouped = {host: rails for _, members, rails in rail_groups(world) or () for host in members}
         hosts = tuple(place.node_id or f"unknown-{i}" for i, place in enumerate(places))
         stagers: dict[str, tuple[int, ...]] = {}
         for host in dict.fromkeys(hosts):
             on_host = [i for i, where in enumerate(hosts) if where == host]
             rails = {i: places[i].rail for i in on_host}
             chosen: list[int] = []
-            for rail in used:
+            for rail in grouped.get(host, used):
                 left = [i for i in on_host if i not in chosen]
                 pick = next((i for i in left if len(used) == 1 or rails[i] == rail),
                             left[0] if streams is not None and left else None)

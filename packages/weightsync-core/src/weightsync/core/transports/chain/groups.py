@@ -4,17 +4,18 @@ Where rollout workers declared parts (``weightsync.api.parts``) and the hosts di
 hosts that skip the same tensors (:func:`~weightsync.core.wire.partplans.part_groups`: none of their workers holds
 anything of them) gets a stream of its own: its own sender (actor rank g of the sender's host), which leaves those
 tensors out (``RankPlan.skip``), and a two-level chain over the group's hosts alone, on that sender's rail (each
-host's leader is its first worker on it). So the sender's host sends each
-group its part once, and a host takes in only what its workers hold (rounded up to whole tensors). In a staged
-update the receivers are the hosts' stagers, each declaring what its host's workers hold together
-(:func:`weightsync.core.control.parts.members_metadata`): a host stages only that.
+host's leader is its first worker on it). So the sender's host sends each group its part once, and a host takes in
+only what its workers hold (rounded up to whole tensors). In a staged update the receivers are the hosts' stagers,
+each declaring what its host's workers hold together (:func:`weightsync.core.control.parts.members_metadata`): a
+host stages only that.
 
 With several rails (``auto`` deals a full update into stripes, one per rail: :mod:`.stripes`) the groups share them
-out: with K rails and G groups each group takes K // G rails of its own (group g the g-th run of them) and deals its
-stream into that many stripes, each from the sender's actor rank on its rail, to the group's hosts alone. So the
-sender's host still sends the model once, spread over its rails, and each host takes in only its part, over its
-group's rails. A staged update, or fewer rails than groups, keeps the stripes over every rail: every host then takes
-in the whole model, and each worker still reads and verifies only its part.
+out (:func:`rail_groups`): with K rails and G groups each group takes K // G rails of its own and deals its stream
+into that many stripes, each from the sender's actor rank on its rail, to the group's hosts alone. So the sender's
+host still sends the model once, spread over its rails, and each host takes in only its part, over its group's
+rails; staged, each host's stagers are its workers on those rails, one stripe each. With fewer rails than groups
+the stripes stay over every rail: every host then takes in the whole model, and each worker still reads and
+verifies only its part.
 """
 
 from __future__ import annotations
@@ -24,17 +25,49 @@ from collections.abc import Sequence
 from weightsync.api.types import Topology, WorldMetadata
 from weightsync.core.transports.chain.plan import ChainMetadata
 from weightsync.core.transports.chain.stripes import Dealt, deal, stripe_senders, stripes_for
+from weightsync.core.transports.place import Place
 from weightsync.core.transports.plan import decode_metadata, encode_plan
 from weightsync.core.wire.partplans import declared_parts, part_groups
 
-__all__ = ["grouped_topology"]
+__all__ = ["grouped_topology", "rail_groups"]
+
+
+def rail_groups(metadata: WorldMetadata) -> list[tuple[frozenset[str], list[str], list[int]]] | None:
+    """Where the part groups share the rails out (module docstring): each group's skipped tensors, hosts and rails,
+    in the order of their hosts' names; None where actor rank 0 asks for no stripes (or not two-level), the hosts do
+    not differ in what they hold, or the rails do not go round (fewer than groups, or a group's hosts lacking one of
+    its rails). The rails are those asked for (``stripes``) that have an actor rank on the sender's host and a worker
+    on every host of some group, K // G of them to each group in rail order. A staged update's manager picks each
+    host's stagers on its group's rails by this, from every worker's metadata; the topology, built from the
+    stagers' (each declaring what its host holds: the same groups), finds the same rails."""
+    parts = declared_parts(metadata.rollout, [f"rollout rank {rank}" for rank in range(len(metadata.rollout))])
+    actor = [decode_metadata(entry, ChainMetadata, who=f"actor rank {rank}") for rank, entry in
+             enumerate(metadata.actor)]
+    asked = actor[0].stripes
+    if actor[0].layout != "two_level" or asked == 1 or all(part is None for part in parts):
+        return None
+    places = [decode_metadata(entry, Place, who=f"rollout rank {rank}") for rank, entry in
+              enumerate(metadata.rollout)]
+    hosts = [place.node_id for place in places]
+    groups = sorted(part_groups(parts, hosts), key=lambda group: sorted(group[1]))
+    sender_rails = {worker.rail for worker in actor if worker.node_id == actor[0].node_id}
+    commons = [sender_rails.intersection(*({place.rail for place in places if place.node_id == host}
+                                           for host in members)) for _, members in groups]
+    rails = [rail for rail in sorted(set().union(*commons)) if not isinstance(asked, list) or rail in asked]
+    rails = rails[:asked] if isinstance(asked, int) else rails
+    per = len(rails) // len(groups)
+    dealt = [rails[g * per:(g + 1) * per] for g in range(len(groups))]
+    if len(groups) < 2 or per == 0 or 0 not in rails or any(not set(mine) <= common
+                                                          for mine, common in zip(dealt, commons)):
+        return None
+    return [(skipped, members, mine) for (skipped, members), mine in zip(groups, dealt)]
 
 
 def grouped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addresses: Sequence[str]
                      ) -> Topology | None:
-    """The chain split into part groups (over rails of their own where the update is dealt into stripes), or None
-    where one stream serves every host (no parts, or every host needs the same tensors), the sender's host has fewer
-    actor ranks than there are groups, or the stripes stay over every rail (module docstring)."""
+    """The chain split into part groups (over rails of their own where there are stripes: :func:`rail_groups`), or
+    None where one stream serves every host (no parts, or every host needs the same tensors), the sender's host has
+    fewer actor ranks than there are groups, or the stripes stay over every rail (module docstring)."""
     parts = declared_parts(metadata.rollout, [f"rollout rank {rank}" for rank in range(len(metadata.rollout))])
     if all(part is None for part in parts):
         return None
@@ -45,29 +78,32 @@ def grouped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
     rollout = [decode_metadata(entry, ChainMetadata, who=f"rollout rank {rank}") for rank, entry in
                enumerate(metadata.rollout)]
     hosts = [worker.node_id for worker in rollout]
-    groups = part_groups(parts, hosts)
-    if len(groups) < 2:
-        return None
-    used = stripes_for(metadata)
-    per = len(used) // len(groups)
     sender_node = actor[0].node_id
-    if len(used) > 1:
-        if actor[0].staged or per == 0:
-            return None
-        rails = [used[g * per:(g + 1) * per] for g in range(len(groups))]
+    striped = rail_groups(metadata)
+    if striped is not None:
+        groups = [(skipped, members) for skipped, members, _ in striped]
+        rails = [mine for _, _, mine in striped]
+        if actor[0].staged and any(sorted(worker.rail for worker in rollout if worker.node_id == host) != mine
+                                   for (_, members), mine in zip(groups, rails) for host in members):
+            return None  # the stagers were picked for other rails (StagedPlan): the stripes stay over them
         senders = [stripe_senders(library, actor, mine) for mine in rails]
+    elif len(stripes_for(metadata)) > 1:
+        return None  # the stripes stay over every rail
     else:  # one stream per group, each over its sender's rail
+        groups = part_groups(parts, hosts)
         ranks = [rank for rank, worker in enumerate(actor) if worker.node_id == sender_node and worker.address]
-        if len(ranks) < len(groups):
+        if len(groups) < 2 or len(ranks) < len(groups):
             return None
         senders = [[rank] for rank in ranks[:len(groups)]]
         rails = [[actor[rank].rail] for rank in ranks[:len(groups)]]
+    staged = actor[0].staged and len(senders[0]) > 1  # each stager stages the stripe of its rail
     dealt = Dealt(len(actor), len(rollout), senders[0][0])
     for g, (skipped, members) in enumerate(groups):
         taking = [rank for rank, host in enumerate(hosts) if host in members]
         deal(dealt, actor=actor, rollout=rollout, addresses=list(addresses), fanout=fanout, senders=senders[g],
-             rails=rails[g], taking=taking, skip=tuple(sorted(skipped)))
-        dealt.receivers(taking, senders[g][0])
+             rails=rails[g], taking=taking, skip=tuple(sorted(skipped)), staged=staged)
+        if not staged:
+            dealt.receivers(taking, senders[g][0])
     stripes = len(senders[0])
     return Topology(actor=[encode_plan(plan) for plan in dealt.actor],
                     rollout=[encode_plan(plan) for plan in dealt.rollout],
