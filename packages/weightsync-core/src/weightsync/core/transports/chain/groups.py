@@ -24,10 +24,9 @@ from collections.abc import Sequence
 
 from weightsync.api.types import Topology, WorldMetadata
 from weightsync.core.transports.chain.plan import ChainMetadata
-from weightsync.core.transports.chain.stripes import Dealt, deal, stripe_senders, stripes_for
-from weightsync.core.transports.place import Place
-from weightsync.core.transports.plan import decode_metadata, encode_plan
-from weightsync.core.wire.partplans import declared_parts, part_groups
+from weightsync.core.transports.chain.stripes import Dealt, chain_metadata, deal, stripe_senders, stripes_for
+from weightsync.core.transports.plan import encode_plan
+from weightsync.core.wire.partplans import PartPlan, declared_parts, part_groups
 
 __all__ = ["grouped_topology", "rail_groups"]
 
@@ -40,18 +39,25 @@ def rail_groups(metadata: WorldMetadata) -> list[tuple[frozenset[str], list[str]
     on every host of some group, K // G of them to each group in rail order. A staged update's manager picks each
     host's stagers on its group's rails by this, from every worker's metadata; the topology, built from the
     stagers' (each declaring what its host holds: the same groups), finds the same rails."""
+    return _shared_out(*_decoded(metadata))
+
+
+def _decoded(metadata: WorldMetadata) -> tuple[list[PartPlan | None], list[ChainMetadata], list[ChainMetadata]]:
+    """The rollout workers' parts, and every worker's metadata as the chain reads it."""
     parts = declared_parts(metadata.rollout, [f"rollout rank {rank}" for rank in range(len(metadata.rollout))])
-    actor = [decode_metadata(entry, ChainMetadata, who=f"actor rank {rank}") for rank, entry in
-             enumerate(metadata.actor)]
+    return (parts, *chain_metadata(metadata))
+
+
+def _shared_out(parts: list[PartPlan | None], actor: list[ChainMetadata], rollout: list[ChainMetadata]
+                ) -> list[tuple[frozenset[str], list[str], list[int]]] | None:
+    """:func:`rail_groups` of the decoded metadata."""
     asked = actor[0].stripes
     if actor[0].layout != "two_level" or asked == 1 or all(part is None for part in parts):
         return None
-    places = [decode_metadata(entry, Place, who=f"rollout rank {rank}") for rank, entry in
-              enumerate(metadata.rollout)]
-    hosts = [place.node_id for place in places]
+    hosts = [worker.node_id for worker in rollout]
     groups = sorted(part_groups(parts, hosts), key=lambda group: sorted(group[1]))
     sender_rails = {worker.rail for worker in actor if worker.node_id == actor[0].node_id}
-    commons = [sender_rails.intersection(*({place.rail for place in places if place.node_id == host}
+    commons = [sender_rails.intersection(*({worker.rail for worker in rollout if worker.node_id == host}
                                            for host in members)) for _, members in groups]
     rails = [rail for rail in sorted(set().union(*commons)) if not isinstance(asked, list) or rail in asked]
     rails = rails[:asked] if isinstance(asked, int) else rails
@@ -68,18 +74,12 @@ def grouped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
     """The chain split into part groups (over rails of their own where there are stripes: :func:`rail_groups`), or
     None where one stream serves every host (no parts, or every host needs the same tensors), the sender's host has
     fewer actor ranks than there are groups, or the stripes stay over every rail (module docstring)."""
-    parts = declared_parts(metadata.rollout, [f"rollout rank {rank}" for rank in range(len(metadata.rollout))])
-    if all(part is None for part in parts):
-        return None
-    actor = [decode_metadata(entry, ChainMetadata, who=f"actor rank {rank}") for rank, entry in
-             enumerate(metadata.actor)]
-    if actor[0].layout != "two_level":
-        return None  # the rank-order chain is not by host
-    rollout = [decode_metadata(entry, ChainMetadata, who=f"rollout rank {rank}") for rank, entry in
-               enumerate(metadata.rollout)]
+    parts, actor, rollout = _decoded(metadata)
+    if all(part is None for part in parts) or actor[0].layout != "two_level":
+        return None  # no parts; or the rank-order chain, which is not by host
     hosts = [worker.node_id for worker in rollout]
     sender_node = actor[0].node_id
-    striped = rail_groups(metadata)
+    striped = _shared_out(parts, actor, rollout)
     if striped is not None:
         groups = [(skipped, members) for skipped, members, _ in striped]
         rails = [mine for _, _, mine in striped]

@@ -38,8 +38,8 @@ from weightsync.core.transports.seam import ReceivedBucket, ReceiverTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.digest import combine_stripes
 
-__all__ = ["Dealt", "Interleaved", "OneStripe", "ReadAhead", "StripedReceiver", "deal", "on_rail", "stripe_of",
-           "stripe_senders", "stripes_for", "striped_topology"]
+__all__ = ["Dealt", "Interleaved", "OneStripe", "ReadAhead", "StripedReceiver", "chain_metadata", "deal", "on_rail",
+           "stripe_of", "stripe_senders", "stripes_for", "striped_topology"]
 
 
 def stripe_of(index: int, stripes: int) -> int:
@@ -232,7 +232,7 @@ class OneStripe:
         self._source.close()
 
 
-def _chain_metadata(metadata: WorldMetadata) -> tuple[list[ChainMetadata], list[ChainMetadata]]:
+def chain_metadata(metadata: WorldMetadata) -> tuple[list[ChainMetadata], list[ChainMetadata]]:
     """Every worker's metadata as the chain reads it, actor ranks and rollout ranks."""
     def decoded(entries: Sequence[WorkerMetadata], side: str) -> list[ChainMetadata]:
         return [decode_metadata(entry, ChainMetadata, who=f"{side} rank {rank}") for rank, entry in enumerate(entries)]
@@ -246,7 +246,7 @@ def stripes_for(metadata: WorldMetadata) -> list[int]:
     :func:`stripe_rails` of the rails reported, as many as asked for (an int), or those listed (a list of rails).
     In a staged update (``staged``) each stager holds one stripe, so rollout workers on the sender's host, if any,
     must also be on each of the rails."""
-    actor, rollout = _chain_metadata(metadata)
+    actor, rollout = chain_metadata(metadata)
     asked = actor[0].stripes
     if actor[0].layout != "two_level" or asked == 1:
         return [0]
@@ -341,7 +341,7 @@ def striped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
     used = stripes_for(metadata)
     if len(used) == 1:
         return None
-    actor, rollout = _chain_metadata(metadata)
+    actor, rollout = chain_metadata(metadata)
     senders = stripe_senders(library, actor, used)
     dealt = Dealt(len(actor), len(rollout), senders[0])
     deal(dealt, actor=actor, rollout=rollout, addresses=addresses, fanout=fanout, senders=senders, rails=used,
