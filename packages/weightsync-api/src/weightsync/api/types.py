@@ -122,11 +122,6 @@ class Topology:
             raise TopologyError("a topology of a sharded actor_wg is not dealt into stripes")
 
     @property
-    def stripe_of(self) -> dict[int, int]:
-        """Actor rank → the stripe it sends (empty when the update is not dealt into stripes)."""
-        return {rank: at % self.stripes for at, rank in enumerate(self.senders)} if self.stripes > 1 else {}
-
-    @property
     def stripe_groups(self) -> tuple[tuple[int, ...], ...]:
         """Each group's senders in stripe order (one group unless ``groups``); empty when not dealt into stripes."""
         if self.stripes == 1:

@@ -84,8 +84,8 @@ class Round:
         """What each receiver must hold, by the sender its report names: that sender's digest; when the topology
         dealt the update into stripes (``stripes``), every receiver holds all of its group's (one group, or a group
         per part of the model), whose digests combine into one (``combine_stripes``, in stripe order), whichever of
-        them its report names; from a sharded ``actor_wg``
-        (``sources``), the senders' digests combined (``combine_sources``, in their order)."""
+        them its report names; from a sharded ``actor_wg`` (``sources``), the senders' digests combined
+        (``combine_sources``, in their order)."""
         digests = {report.rank: report.digest for report in self.senders if report.digest}
         if self.sources:  # every receiver reads every sender's stream
             if any(rank not in digests for rank in self.sources):

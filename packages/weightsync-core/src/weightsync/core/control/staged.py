@@ -39,8 +39,8 @@ from weightsync.core.control import replicas, steps
 from weightsync.core.control.rails import rail_grace
 from weightsync.core.control.round import Round
 from weightsync.core.control.setup import Epoch
-from weightsync.core.transports.chain.sources import stream_rails
 from weightsync.core.transports.chain.groups import rail_groups
+from weightsync.core.transports.chain.sources import stream_rails
 from weightsync.core.transports.chain.stripes import stripes_for
 from weightsync.core.transports.place import Place
 from weightsync.core.transports.plan import decode_metadata

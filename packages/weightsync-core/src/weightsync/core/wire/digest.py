@@ -70,8 +70,8 @@ def combine_stripes(digests: list[str]) -> str:
         return digests[0]
     combined = xxhash.xxh3_128()
     combined.update(f"weightsync stripes {len(digests)}".encode())
-    for digest in digests:  # a stripe verified by parts alone has a digest of its parts' sums (``parts-...``)
-        combined.update(digest.encode() + b"\0" if digest.startswith("parts-") else bytes.fromhex(digest))
+    for digest in digests:  # as written: a stripe verified by parts alone has a digest of its sums (``parts-...``)
+        combined.update(digest.encode() + b"\0")
     return str(combined.hexdigest())
 
 
