@@ -132,8 +132,7 @@ class BucketReader:
         self.digest = digest
         self.plans = plans
         self.part = part
-        """This worker's part, when it declared one; folded instead of the whole digest once the update turns out
-        full and on the host (:meth:`by_part`)."""
+        """This worker's part, when it declared one (folded instead of the whole digest: :meth:`by_part`)."""
         self.sources = sources
         """Whether the update comes from several senders (a sharded ``actor_wg``): the digest and sums are routed by
         each bucket's sender, and a tensor's ranges may come from several of them in any order (``_gathered``)."""
@@ -148,11 +147,9 @@ class BucketReader:
         """Tensors completed in this update."""
         self._scratch: torch.Tensor | None = None
         self.gathered = False
-        """Whether the last view ``next_view`` gave lives in the scratch buffer, which the next split tensor
-        overwrites (it is valid only until the reader takes the next piece)."""
+        """Whether the last view ``next_view`` gave lives in the scratch buffer (valid until the next piece)."""
         self.wrote = False
-        """Whether a copy into the consumer's destinations (or a call of its fallback) has begun: set before the
-        first, so that a failure before it left the model as it was."""
+        """Whether a copy into the consumer's destinations (or a fallback call) has begun: set before the first."""
 
     def begin(self, arrived: Arrived) -> None:
         self.current, self.position, self.hashed, self.folded = arrived, 0, 0, 0
@@ -172,8 +169,7 @@ class BucketReader:
         return fused
 
     def finish(self) -> Arrived | None:
-        """Hash what is left of the current bucket (or this worker's part of it); returns it (for its release), or
-        None."""
+        """Hash what is left of the current bucket (or this worker's part of it); returns it (to release), or None."""
         current, self.current = self.current, None
         if current is not None and current.fused:
             self._hash_to(current, current.header.nbytes)
@@ -187,13 +183,18 @@ class BucketReader:
         return current is not None and self.position < len(current.header.tensors)
 
     def next_view(self) -> tuple[str, torch.Tensor] | None:
-        """The next piece of the current bucket as a view; None when it is only part of a split tensor."""
+        """The next piece of the current bucket as a view; None when it is only part of a split tensor, or none of
+        it is this worker's part (a stream that carries more: passed over, as ``copy_out`` passes it)."""
         current = self._current()
         meta = current.header.tensors[self.position]
         self.position += 1
         if current.fused and meta.bucket_offset - self.hashed >= PIECE_BYTES:
             # The consumer is done with every earlier piece: hash them while they are in cache.
             self._hash_to(current, meta.bucket_offset)
+        if self.part is not None and self.part.plan.tensors.get(meta.name) == []:
+            self.gathered = False
+            self.tensors += meta.offset + meta.nbytes == meta.total_nbytes
+            return None
         return self._tensor(meta, current.payload)
 
     def copy_out(self, destinations: Mapping[str, torch.Tensor], fallback: Fallback | None, *,
