@@ -729,6 +729,70 @@ def test_part_groups_share_out_the_rails_each_dealing_its_stream_into_stripes() 
             actor_wg_world_size=4, rollout_world_size=8)
 
 
+def test_a_part_group_s_stream_lost_on_its_rail_names_it_and_no_group_goes_over_it_until_it_is_back() -> None:
+    """A part group's stream over rail 1 (each host its half, one rail each) fails: the receiver's error names rail
+    1 and both hosts (``OnRail``), so the manager records the rail as lost; ``auto`` then puts it in ``left_out``
+    (delta updates too, which deal no stripes), and no group is dealt over it: with 4 rails the groups take rails 0
+    and 2; with 2 rails and one actor rank on rail 0 one stream over rail 0 serves both hosts (no grouped topology);
+    with two actor ranks on rail 0 each group gets one of them. A control: the same failure read in place (no
+    route) is raised as it is."""
+    from weightsync.api.types import Topology, WorldMetadata
+    from weightsync.core.control.auto import choose
+    from weightsync.core.control.rails import LostRails
+    from weightsync.api.errors import TransferError
+    from weightsync.core.transports.chain.groups import grouped_topology
+    from weightsync.core.transports.chain.plan import ChainReceive
+    from weightsync.core.transports.chain.stripes import OnRail
+    from weightsync.core.transports.plan import decode_plan
+    from weightsync.core.transports.seam import ReceivedBucket
+
+    class Broken:
+        capacity = 1
+
+        def receive(self, deadline: float) -> ReceivedBucket:
+            raise TransferError("connection reset", peer="actor rank 1 (rail 1 from host h0 to host h2)", closed=True)
+
+        def release(self, token: int) -> None: ...
+
+        def close(self) -> None: ...
+
+    with pytest.raises(TransferError, match="stream over rail 1 from host h0 to host h2 failed") as caught:
+        OnRail(Broken(), "stream", (1, ["h0", "h2"])).receive(0.0)
+    assert (caught.value.rail, caught.value.hosts, caught.value.closed) == (1, ["h0", "h2"], True)
+    lost = LostRails()
+    lost.record(caught.value)
+    assert lost.rails == {1}
+    with pytest.raises(TransferError, match="^connection reset$"):
+        OnRail(Broken(), "stream", None).receive(0.0)
+
+    for striping in (True, False):  # auto leaves the rail out of the stripes and of the groups, delta or not
+        choice = choose(sender_node="h0", rollout_nodes=["h1", "h1", "h2", "h2"], available=lambda: ["tcp"],
+                        sender_rails=[0, 1], rollout_rails=[0, 1, 0, 1], lost_rails=lost.rails, striping=striping)
+        assert choice.options == {"layout": "two_level", "left_out": [1]} and "rail 1 left out" in choice.reason
+
+    def build(actor_rails: list[int], rails: int, **options: object) -> Topology | None:
+        halves = {"h1": Part(tensors={"b": ()}), "h2": Part(tensors={"a": ()})}
+        actor: list[WorkerMetadata] = [{"node_id": "h0", "address": f"h0:{i}", "library": "tcp", "rail": rail}
+                                       for i, rail in enumerate(actor_rails)]
+        actor[0] = {**actor[0], "layout": "two_level", **options}  # type: ignore[dict-item]
+        rollout: list[WorkerMetadata] = [{"node_id": host, "address": f"{host}:{rail}", "library": "tcp", "rail": rail,
+                                          PART_KEY: halves[host].to_dict()} for host in ("h1", "h2")
+                                         for rail in range(rails)]
+        return grouped_topology("tcp", WorldMetadata(actor=actor, rollout=rollout), fanout=1,
+                                addresses=[f"{w['node_id']}:{w['rail']}" for w in rollout])
+
+    def rails_of(topology: Topology | None) -> list[int]:
+        """The rail of each chain read over the network (each host's leader's)."""
+        assert topology is not None
+        chains = [decode_plan(args, ChainReceive, who="rollout") for args in topology.rollout]
+        return [chain.source.route.rail for chain in chains if chain.source.route and not chain.source.local]
+
+    assert rails_of(build([0, 1], 2)) == [0, 1]  # the control: each group over a rail of its own
+    assert build([0, 1], 2, left_out=[1]) is None  # one sender on rail 0: one stream serves both hosts
+    assert rails_of(build([0, 0, 1], 2, left_out=[1])) == [0, 0]  # two senders on rail 0: a group each
+    assert rails_of(build([0, 1, 2, 3], 4, stripes=[0, 2, 3], left_out=[1])) == [0, 2]
+
+
 def test_a_stager_declares_what_its_hosts_workers_hold_together() -> None:
     """Staged: only each host's stager joins the transport's world, so the topology is built from the stagers'
     metadata with each declaring its host's union, rounded up to whole tensors: on h1 one worker holds only ``a``,

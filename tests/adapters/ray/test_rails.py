@@ -152,3 +152,25 @@ def test_a_rail_lost_mid_update_is_named_and_left_out_until_it_answers_again(clu
     assert "rail 1 left out" in down["chosen"], down
     assert moved[2][0].ingress_bytes >= 0.95 * down["nbytes"] and moved[2][1].ingress_bytes < 0.05 * down["nbytes"]
     assert restored["ok"] and restored["whole"] and "(two-level, 2 stripes)" in restored["chosen"], restored
+
+
+def test_a_part_group_s_rail_lost_mid_update_is_named_and_left_out_until_it_answers_again(cluster: TestbedRay) -> None:
+    """Parts: the replica's two workers on host 0 hold the first half of the layers, its two on host 2 the rest, so
+    ``auto``'s part groups each take a rail of their own (host 0's group rail 0, host 2's rail 1), one stream each.
+    Rail 1 of host 2 dropped mid-update: the update raises a ``TransferError`` naming the stream's rail and both
+    hosts (before, the group's plain chain raised a timeout naming no rail, and every later update went over rail 1
+    again). The next update, the rail still down, leaves rail 1 out: its one actor rank on rail 0 cannot send two
+    groups, so one stream over rail 0 serves both hosts (host 2 takes in the whole model over rail 0, nothing over
+    rail 1), each worker still verifying its part and handed only its half (its sink's digest: the tensors of its
+    half alone); restored, the groups take a rail each again."""
+    result, moved = rail_fault(cluster, "drop", {"parts": True})
+    assert result["first"] and "(two-level, 2 part groups)" in result["chosen"], result
+    faulted = result["faulted"]
+    assert faulted["error"] == "TransferError", faulted
+    assert "stream over rail 1 from host wst-h1 to host wst-h2" in faulted["message"], faulted
+    assert faulted["seconds"] <= 6.0 + 1.0 + 0.6, faulted
+    down, restored = result["down"], result["restored"]
+    assert down["ok"] and down["whole"] and "rail 1 left out" in down["chosen"], down
+    assert "part groups" not in down["chosen"].split(":")[0], down
+    assert moved[2][0].ingress_bytes >= 0.95 * down["nbytes"] and moved[2][1].ingress_bytes < 0.05 * down["nbytes"]
+    assert restored["ok"] and restored["whole"] and "(two-level, 2 part groups)" in restored["chosen"], restored

@@ -86,13 +86,19 @@ class AutoChoice:
     backend: str
     options: dict[str, JsonValue] = field(default_factory=dict)
     reason: str = ""
+    groups: tuple[int, int] = (1, 1)
+    """The part groups the topology dealt (:mod:`weightsync.core.transports.chain.groups`), each a stream of its own,
+    and each group's stripes (set by the setup, from the topology)."""
 
     @property
     def name(self) -> str:
         """What reports show: the backend, and its layout when not the default (``"nixl (two-level)"``,
-        ``"tcp (two-level, 2 stripes)"``)."""
+        ``"tcp (two-level, 2 stripes)"``, ``"tcp (two-level, 2 part groups of 2 stripes)"``)."""
         if self.options.get("layout") != "two_level":
             return self.backend
+        groups, each = self.groups
+        if groups > 1:
+            return f"{self.backend} (two-level, {groups} part groups{f' of {each} stripes' if each > 1 else ''})"
         stripes = self.options.get("stripes", 1)
         if isinstance(stripes, list):  # rails past a gap (a rail left out)
             return f"{self.backend} (two-level, {len(stripes)} stripes: rails {', '.join(map(str, stripes))})"
@@ -108,8 +114,9 @@ def choose(*, sender_node: str, rollout_nodes: Sequence[str], rdma: bool = False
     """The choice for a sender on ``sender_node`` and rollout workers on ``rollout_nodes``; ``rdma``: every
     worker's host has an RDMA device; ``sender_rails``: the rails of the actor ranks on the sender's host,
     ``rollout_rails``: each rollout worker's (None: all on rail 0); ``striping``: stripes may be used (not with
-    delta updates, which stripes do not carry yet); ``lost_rails``: rails a striped update lost and no
-    probe has reached since (:mod:`weightsync.core.control.rails`): they are left out of the stripes;
+    delta updates, which stripes do not carry yet); ``lost_rails``: rails an update lost (a stripe's, a part group's
+    stream's) and no probe has reached since (:mod:`weightsync.core.control.rails`): they are left out of the stripes
+    and of the part groups (the ``left_out`` option);
     ``shm_free``: each node's free bytes in ``/dev/shm`` (a node not in it: taken to have room), against what a
     layout maps there at ``bucket_bytes`` and ``slots`` (:func:`ring_bytes`)."""
     usable = set(available())
@@ -133,8 +140,9 @@ def choose(*, sender_node: str, rollout_nodes: Sequence[str], rdma: bool = False
             common = stripe_rails(sender_node=sender_node, sender_rails=sender_rails, rollout=where_rails)
             rails = stripe_rails(sender_node=sender_node, sender_rails=sender_rails, rollout=where_rails,
                                  leaving_out=lost_rails) if options and striping else [0]
-            left_out = sorted(set(common) & set(lost_rails)) if options and striping else []
-            if left_out:
+            left_out = sorted(set(common) & set(lost_rails)) if options else []
+            if left_out:  # no stripe, and no part group's stream (transports.chain.groups), goes over them
+                options["left_out"] = list(left_out)
                 reason += (f"; rail{'s' if len(left_out) > 1 else ''} {', '.join(map(str, left_out))} left out: "
                            "failed an update and no probe has reached it since")
             if len(rails) > 1:

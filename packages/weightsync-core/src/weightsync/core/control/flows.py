@@ -75,7 +75,7 @@ class Unstaged:
         sends = list(self.actor_wg.update_weights(version=version))
         labelled = [(steps.actor_label(rank), call) for rank, call in enumerate(sends)]
         labelled += [(steps.worker_label(r, worker), worker.update_weights(version=version)) for r, worker in workers]
-        outcomes = await steps.gather("transfer", timeouts.transfer + rail_grace(epoch.stripes), labelled,
+        outcomes = await steps.gather("transfer", timeouts.transfer + rail_grace(epoch.senders), labelled,
                                       raise_first=False)
         round_.stages["transfer"] = time.perf_counter() - started
         round_.reports = outcomes[len(sends):]

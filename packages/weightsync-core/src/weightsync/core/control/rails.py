@@ -1,6 +1,7 @@
 """Rails a striped update lost (:mod:`weightsync.core.transports.chain.stripes`), left out until a probe shows them back.
 
-A striped update whose stripe failed on its rail raises a ``TransferError`` naming the ``rail``. The manager records
+A striped update whose stripe failed on its rail raises a ``TransferError`` naming the ``rail``, as does a part
+group's stream over a rail of its own (:mod:`weightsync.core.transports.chain.groups`). The manager records
 it here; before every update after that (and at every rebuild, before ``auto`` deals stripes), each rollout worker
 on that rail probes it (a ``ping`` with ``probe``: a TCP connection to the sender host's address on that rail,
 refused or accepted, within a second), the replicas serving; the rail comes back — and the topology is rebuilt with
@@ -22,14 +23,15 @@ from weightsync.core.transports.plan import decode_metadata
 __all__ = ["LostRails", "RAIL_GRACE_S", "rail_grace"]
 
 RAIL_GRACE_S = 1.0
-"""How long past the transfer timeout a striped update waits for its workers' own errors."""
+"""How long past the transfer timeout an update of several senders waits for its workers' own errors."""
 
 
-def rail_grace(stripes: tuple[tuple[int, ...], ...]) -> float:
-    """Seconds added to a transfer step's timeout: a striped update's workers (``stripes``: its stripes' senders)
-    report a lost rail at their own deadline, and a second more lets their errors, which name the rail and its hosts,
-    arrive instead of the step's timeout."""
-    return RAIL_GRACE_S if stripes else 0.0
+def rail_grace(senders: Sequence[int]) -> float:
+    """Seconds added to a transfer step's timeout: an update of several senders (``senders``: a striped update's, a
+    part group's each, a sharded ``actor_wg``'s) may cross several rails, and its workers report a lost rail at their
+    own deadline; a second more lets their errors, which name the rail and its hosts, arrive instead of the step's
+    timeout."""
+    return RAIL_GRACE_S if len(senders) > 1 else 0.0
 
 
 class LostRails:

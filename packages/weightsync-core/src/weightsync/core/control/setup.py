@@ -49,6 +49,8 @@ class Epoch:
     stripes (empty: not striped)."""
     sources: tuple[int, ...] = ()
     """The senders of a sharded ``actor_wg``, in the order their digests combine (empty: not sharded)."""
+    senders: tuple[int, ...] = (0,)
+    """The actor ranks that send (``Topology.senders``)."""
 
 
 class Setup:
@@ -122,6 +124,12 @@ class Setup:
             self.choice = dataclasses.replace(self.choice, options=options, reason=(
                 f"{self.choice.reason}; a sharded actor_wg: each of its {len(topology.senders)} sending ranks sends "
                 "its own stream"))
+        elif len(topology.senders) > topology.stripes and self.choice is not None:  # part groups, a stream each
+            groups = len(topology.senders) // topology.stripes
+            dealt = f", each dealt into {topology.stripes} stripes" if topology.stripes > 1 else ""
+            self.choice = dataclasses.replace(self.choice, groups=(groups, topology.stripes), reason=(
+                f"{self.choice.reason}; the hosts differ in what their workers hold: {groups} part groups, each a "
+                f"stream of its own from actor ranks {', '.join(map(str, topology.senders))}{dealt}"))
         actor_args = list(topology.actor)
         if delta_base is not None:  # the senders may send only what changed since it
             actor_args = [with_delta_base(args, delta_base) for args in actor_args]
@@ -135,7 +143,7 @@ class Setup:
         await steps.gather("init_process_group", timeout, labelled, fail_fast=True)
         where = {label: decode_metadata(entry, Place, who=label).host for (label, _), entry in zip(labelled, metadata)}
         return Epoch(token=token, world=world, where=where, stripes=topology.stripe_groups,
-                     sources=topology.senders if topology.sharded else ())
+                     sources=topology.senders if topology.sharded else (), senders=topology.senders)
 
     async def _resolve(self, workers: Sequence[tuple[int, RolloutWorker]], timeout: float
                        ) -> tuple[str, SyncConfig, type[CheckpointEngine]]:

@@ -128,7 +128,7 @@ class Staged:
         """Send, stage, and every replica's swap; raises the root cause of what failed, every task having ended."""
         log = _Log(StagedPlan.of(epoch.world))
         started = time.perf_counter()
-        timeout = self.timeouts.transfer + rail_grace(epoch.stripes)
+        timeout = self.timeouts.transfer + rail_grace(epoch.senders)
         sends = list(self.actor_wg.update_weights(version=round_.version))
         sending = asyncio.ensure_future(steps.gather(
             "transfer", timeout, [(steps.actor_label(rank), call) for rank, call in enumerate(sends)],

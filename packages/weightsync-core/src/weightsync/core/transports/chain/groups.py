@@ -16,6 +16,11 @@ host still sends the model once, spread over its rails, and each host takes in o
 rails; staged, each host's stagers are its workers on those rails, one stripe each. With fewer rails than groups
 the stripes stay over every rail: every host then takes in the whole model, and each worker still reads and
 verifies only its part.
+
+A group's stream over a rail > 0 that fails names its rail (``stripes.OnRail``); the manager leaves that rail out
+(the ``left_out`` option, from ``auto``: :mod:`weightsync.core.control.rails`) until a probe reaches it again, and
+no group is dealt over a rail left out: the groups share the rails left, or, with fewer senders on them than groups,
+one two-level stream over rail 0 serves every host.
 """
 
 from __future__ import annotations
@@ -54,12 +59,12 @@ def _shared_out(parts: list[PartPlan | None], actor: list[ChainMetadata], rollou
     asked = actor[0].stripes
     if actor[0].layout != "two_level" or asked == 1 or all(part is None for part in parts):
         return None
-    hosts = [worker.node_id for worker in rollout]
-    groups = sorted(part_groups(parts, hosts), key=lambda group: sorted(group[1]))
+    groups = _groups(parts, rollout)
     sender_rails = {worker.rail for worker in actor if worker.node_id == actor[0].node_id}
     commons = [sender_rails.intersection(*({worker.rail for worker in rollout if worker.node_id == host}
                                            for host in members)) for _, members in groups]
-    rails = [rail for rail in sorted(set().union(*commons)) if not isinstance(asked, list) or rail in asked]
+    rails = [rail for rail in sorted(set().union(*commons))
+             if (not isinstance(asked, list) or rail in asked) and rail not in actor[0].left_out]
     rails = rails[:asked] if isinstance(asked, int) else rails
     per = len(rails) // len(groups)
     dealt = [rails[g * per:(g + 1) * per] for g in range(len(groups))]
@@ -67,6 +72,14 @@ def _shared_out(parts: list[PartPlan | None], actor: list[ChainMetadata], rollou
                                                           for mine, common in zip(dealt, commons)):
         return None
     return [(skipped, members, mine) for (skipped, members), mine in zip(groups, dealt)]
+
+
+def _groups(parts: list[PartPlan | None], rollout: list[ChainMetadata]) -> list[tuple[frozenset[str], list[str]]]:
+    """:func:`part_groups` over the rollout workers' hosts, in the order of the hosts' names (so the rails go to
+    them in an order a person can predict: the first host's group gets rail 0)."""
+    names = {worker.node_id: worker.host_name for worker in rollout}
+    groups = part_groups(parts, [worker.node_id for worker in rollout])
+    return sorted(groups, key=lambda group: sorted(names[host] for host in group[1]))
 
 
 def grouped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addresses: Sequence[str]
@@ -90,8 +103,9 @@ def grouped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
     elif len(stripes_for(metadata)) > 1:
         return None  # the stripes stay over every rail
     else:  # one stream per group, each over its sender's rail
-        groups = part_groups(parts, hosts)
-        ranks = [rank for rank, worker in enumerate(actor) if worker.node_id == sender_node and worker.address]
+        groups = _groups(parts, rollout)
+        ranks = [rank for rank, worker in enumerate(actor)
+                 if worker.node_id == sender_node and worker.address and worker.rail not in actor[0].left_out]
         if len(groups) < 2 or len(ranks) < len(groups):
             return None
         senders = [[rank] for rank in ranks[:len(groups)]]

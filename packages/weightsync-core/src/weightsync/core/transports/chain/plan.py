@@ -19,13 +19,14 @@ __all__ = ["ChainMetadata", "ChainPlans", "ChainReceive", "ChainSend", "Route", 
 class ChainMetadata(EngineMetadata, kw_only=True, frozen=True):
     """What a chain worker advertises: its endpoint (``address``, ``host:port`` on its rail; empty on an actor rank
     that serves nothing) and the library that reads from it, and — read from actor rank 0's — the options that shape
-    the topology (``fanout``, ``layout``, ``stripes``)."""
+    the topology (``fanout``, ``layout``, ``stripes``, ``left_out``)."""
 
     address: str = ""
     library: str = ""
     fanout: int = 1
     layout: str = "chain"
     stripes: int | str | list[int] = 1
+    left_out: tuple[int, ...] = ()
 
 
 class Stripe(msgspec.Struct, array_like=True, frozen=True):

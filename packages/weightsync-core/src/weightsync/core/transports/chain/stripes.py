@@ -38,7 +38,7 @@ from weightsync.core.transports.seam import ReceivedBucket, ReceiverTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.digest import combine_stripes
 
-__all__ = ["Dealt", "Interleaved", "OneStripe", "ReadAhead", "StripedReceiver", "chain_metadata", "deal", "on_rail",
+__all__ = ["Dealt", "Interleaved", "OnRail", "ReadAhead", "StripedReceiver", "chain_metadata", "deal", "on_rail",
            "stripe_of", "stripe_senders", "stripes_for", "striped_topology"]
 
 
@@ -207,20 +207,21 @@ def on_rail(error: BaseException, what: str, route: tuple[int, list[str]] | None
     return named
 
 
-class OneStripe:
-    """A stager's receiver in a staged striped update: stripe ``stripe`` alone, from its upstream (its buckets are
-    every K-th of the update, then the stripe's final header), failures named as :class:`StripedReceiver` names
-    them."""
+class OnRail:
+    """A receiver of one chain read over a rail, its failures named as :class:`StripedReceiver` names a stripe's
+    (``what``: ``stripe 1``, ``stream``; ``route``: its rail and hosts, None in place): a stager's one stripe in a
+    staged striped update (its buckets every K-th of the update, then the stripe's final header), a part group's
+    stream over a rail of its own (:mod:`.groups`)."""
 
-    def __init__(self, source: ReceiverTransport, stripe: int, route: tuple[int, list[str]] | None) -> None:
-        self._source, self.stripe, self._route = source, stripe, route
+    def __init__(self, source: ReceiverTransport, what: str, route: tuple[int, list[str]] | None) -> None:
+        self._source, self._what, self._route = source, what, route
         self.capacity = source.capacity
 
     def receive(self, deadline: float) -> ReceivedBucket:
         try:
             return self._source.receive(deadline)
         except Exception as exc:
-            named = on_rail(exc, f"stripe {self.stripe}", self._route)
+            named = on_rail(exc, self._what, self._route)
             if named is exc:
                 raise
             raise named from exc

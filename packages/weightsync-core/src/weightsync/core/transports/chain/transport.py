@@ -73,7 +73,7 @@ from weightsync.core.transports.chain.rings import HOST_SHARED, BucketReady, Reg
 from weightsync.core.transports.settings import EngineSettings
 from weightsync.core.transports.chain.groups import grouped_topology
 from weightsync.core.transports.chain.sources import sharded_topology
-from weightsync.core.transports.chain.stripes import OneStripe, StripedReceiver, striped_topology
+from weightsync.core.transports.chain.stripes import OnRail, StripedReceiver, striped_topology
 from weightsync.core.transports.sources import SourcesReceiver, plan_sources
 from weightsync.core.transports.device import DevicePolicy, HOST_POLICY
 from weightsync.core.transports.transport import Transport
@@ -96,7 +96,8 @@ class ChainTransport(Transport):
     """The one-sided chain. Options: ``fanout`` (readers per position, 1 = chain, the default), ``device``
     (``"cpu"``, or ``"cuda"`` for a ring in GPU memory where the library supports it), ``layout`` (``"chain"``, the
     default, or ``"two_level"``: one reader per host over the network, the host's others in place; host rings only),
-    ``relay_piece_bytes`` (a relay forwards a bucket in pieces of this size as they land; default 1 MiB).
+    ``relay_piece_bytes`` (a relay forwards a bucket in pieces of this size as they land; default 1 MiB), ``stripes``
+(:mod:`.stripes`), ``left_out`` (rails > 0 no part group's stream goes over, :mod:`.groups`; ``auto`` sets it).
 
     A backend provides ``library`` and ``make_ring``. Sender: actor rank 0; every other actor rank drains its stream
     (a sharded ``actor_wg``, two-level: every rank that holds shards sends them, over a chain of its own:
@@ -105,7 +106,7 @@ class ChainTransport(Transport):
 
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     option_names: ClassVar[frozenset[str]] = frozenset({"fanout", "device", "layout", "relay_piece_bytes",
-                                                        "stripes"})
+                                                        "stripes", "left_out"})
     library: ClassVar[str]
     plans: ClassVar[Any] = ChainPlans
 
@@ -136,12 +137,18 @@ class ChainTransport(Transport):
             raise ConfigError(f"{self.name}: stripes and delta=True do not combine: a delta update (a few percent of "
                               "the model) travels as one stream; leave stripes out (backend='auto' stripes only "
                               "updates without delta)")
+        left_out = settings.options.get("left_out", [])
+        if not isinstance(left_out, list) or not all(
+                isinstance(rail, int) and not isinstance(rail, bool) and rail > 0 for rail in left_out):
+            raise ConfigError(f"{self.name}: left_out must be a list of rails > 0 (rail 0 carries the control "
+                              f"plane), got {left_out!r}")
         piece = settings.options.get("relay_piece_bytes", RELAY_PIECE_BYTES)
         if isinstance(piece, bool) or not isinstance(piece, int) or piece < 4096:
             raise ConfigError(f"{self.name}: relay_piece_bytes must be an int >= 4096, got {piece!r}")
         self.fanout: int = fanout
         self.layout: str = layout
         self.stripes: JsonValue = stripes
+        self.left_out: list[int] = sorted(set(left_out))
         self.relay_piece_bytes: int = piece
         # A two-level ring is a shared segment: the other workers of this host may read it in place.
         self.ring_device: str = HOST_SHARED if layout == "two_level" else device
@@ -180,7 +187,7 @@ class ChainTransport(Transport):
             self._listener = listener
         host, port = self._listener.getsockname()[:2]
         return {"address": f"{host}:{port}", "fanout": self.fanout, "layout": self.layout, "library": self.library,
-                "stripes": self.stripes}
+                "stripes": self.stripes, "left_out": list[JsonValue](self.left_out)}
 
     def release(self) -> None:
         if self._listener is not None:
@@ -255,7 +262,7 @@ class ChainTransport(Transport):
         return ChainSender(ring, downstream)
 
     def connect_receiver(self, plan: ChainReceive | StripesReceive | StreamsReceive
-                         ) -> ChainReceiver | HostRingReader | StripedReceiver | OneStripe | SourcesReceiver:
+                         ) -> ChainReceiver | HostRingReader | StripedReceiver | OnRail | SourcesReceiver:
         if isinstance(plan, StripesReceive):
             opened, routes = self._connect_many(plan.sources, rank=plan.rank, epoch=plan.epoch, what="stripe")
             return StripedReceiver(opened, epoch=plan.epoch, routes=routes)
@@ -265,7 +272,11 @@ class ChainTransport(Transport):
         alone = self._connect_one(plan.source, rank=plan.rank, epoch=plan.epoch)
         if plan.stripe is not None:
             # A stager of one stripe (a staged striped update): its stripe's chain, failures named by its rail.
-            return OneStripe(alone, plan.stripe.index, None if plan.source.local else _route(plan.source))
+            return OnRail(alone, f"stripe {plan.stripe.index}", None if plan.source.local else _route(plan.source))
+        if plan.source.route is not None and plan.source.route.rail > 0 and not plan.source.local:
+            # A part group's stream over a rail of its own (chain.groups): a failure names the rail, which the
+            # manager then leaves out until a probe reaches it (control.rails), as a striped update's.
+            return OnRail(alone, "stream", _route(plan.source))
         return alone
 
     def _connect_one(self, source: Source, *, rank: int, epoch: str) -> ChainReceiver | HostRingReader:
