@@ -97,7 +97,7 @@ class ChainTransport(Transport):
     (``"cpu"``, or ``"cuda"`` for a ring in GPU memory where the library supports it), ``layout`` (``"chain"``, the
     default, or ``"two_level"``: one reader per host over the network, the host's others in place; host rings only),
     ``relay_piece_bytes`` (a relay forwards a bucket in pieces of this size as they land; default 1 MiB), ``stripes``
-(:mod:`.stripes`), ``left_out`` (rails > 0 no part group's stream goes over, :mod:`.groups`; ``auto`` sets it).
+    (:mod:`.stripes`), ``left_out`` (rails > 0 no part group's stream goes over, :mod:`.groups`; ``auto`` sets it).
 
     A backend provides ``library`` and ``make_ring``. Sender: actor rank 0; every other actor rank drains its stream
     (a sharded ``actor_wg``, two-level: every rank that holds shards sends them, over a chain of its own:
