@@ -95,9 +95,9 @@ def whole_only(destinations: Mapping[str, torch.Tensor], fallback: Fallback | No
              if shapes[name] is None or tuple(destination.shape) != shapes[name]}
 
     def into_shards(name: str, tensor: torch.Tensor) -> object:
-        boxes = layout.plan.tensors.get(name)
-        if boxes is not None and not boxes:  # none of it is this worker's
+        if layout.plan.holds_none(name):
             return None
+        boxes = layout.plan.tensors.get(name)
         shard = destinations.get(name)
         if boxes is not None and shard is not None and name not in whole:
             (start, size), = boxes
@@ -191,7 +191,7 @@ class BucketReader:
         if current.fused and meta.bucket_offset - self.hashed >= PIECE_BYTES:
             # The consumer is done with every earlier piece: hash them while they are in cache.
             self._hash_to(current, meta.bucket_offset)
-        if self.part is not None and self.part.plan.tensors.get(meta.name) == []:
+        if self.part is not None and self.part.plan.holds_none(meta.name):
             self.gathered = False
             self.tensors += meta.offset + meta.nbytes == meta.total_nbytes
             return None

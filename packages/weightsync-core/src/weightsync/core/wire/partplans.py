@@ -31,6 +31,10 @@ class PartPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return cls(index=index, tensors={name: [(region.start, region.size) for region in regions]
                                          for name, regions in part.tensors.items()})
 
+    def holds_none(self, name: str) -> bool:
+        """Whether this part holds nothing of tensor ``name`` (listed with no box)."""
+        return self.tensors.get(name) == []
+
     def key(self) -> bytes:
         """What equal parts share (their regions, whatever their index)."""
         return msgspec.msgpack.encode(sorted(self.tensors.items()))
