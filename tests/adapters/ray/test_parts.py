@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import os
+import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -192,3 +195,45 @@ def test_a_corrupted_byte_fails_only_the_worker_whose_part_holds_it(fleet: Fleet
     report = fleet.update(fleet.manager(), 21)
     assert report.ok
     fleet.check_holds(21)
+
+
+def test_a_tp_replica_that_dies_is_evicted_and_one_that_joins_takes_the_next_update_by_part(
+        fleet: Fleet, ray_nodes: RayNodes) -> None:
+    """Parts with an elastic fleet: a third TP-2 replica joins two that are serving delta updates. No peer holds a
+    whole copy to catch it up from (a worker that holds a part keeps none), so the next update goes to everyone in
+    full, each worker verifying its part. Then one of the newcomer's two workers is killed: the next update evicts
+    that replica (its other worker alive), before any pause, and commits the other two by delta, every worker
+    holding exactly its slice. (The fleet's two replicas are left as they were.)"""
+    extra = RayRolloutReplica.create(replica=2, sink_factory=TpSink, num_workers=2, node_id=ray_nodes.head,
+                                     parts=[tp_part(0), tp_part(1)])
+    manager = fleet.manager(delta=True)
+    try:
+        for version in (NUDGED + 30, NUDGED + 31):
+            assert fleet.update(manager, version).ok
+        manager.add_replicas([extra])
+        fleet.replicas.append(extra)  # check_holds and hashed cover it too
+        report = fleet.update(manager, NUDGED + 32)
+        assert report.ok and report.joined == (), report  # no peer: everyone takes it in full
+        assert [outcome.received for outcome in report.replicas] == ["full"] * 3, report.replicas
+        assert sorted(transfer.part for transfer in receivers(report)) == [0, 0, 0, 1, 1, 1]
+        fleet.check_holds(NUDGED + 32)
+        os.kill(ray.get(extra.call("pid")[1]), signal.SIGKILL)
+        fleet.replicas.pop()
+        deadline = time.monotonic() + 30  # until Ray says the actor is dead (bounded)
+        while time.monotonic() < deadline:
+            try:
+                ray.get(extra.call("pid")[1], timeout=5)
+            except ray.exceptions.ActorDiedError:
+                break
+            except ray.exceptions.GetTimeoutError:
+                pass
+            time.sleep(0.1)
+        report = fleet.update(manager, NUDGED + 33)
+        assert [(outcome.replica, outcome.state) for outcome in report.evicted] == [(2, "evicted")], report
+        assert report.ok and [outcome.received for outcome in report.replicas] == ["changes"] * 2, report.replicas
+        assert manager.replicas == tuple(fleet.replicas)
+        fleet.check_holds(NUDGED + 33)
+    finally:
+        if fleet.replicas[-1] is extra:
+            fleet.replicas.pop()
+        extra.shutdown()
