@@ -3,8 +3,12 @@ drive ``CheckpointEngineManager`` end to end and look at what each replica holds
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 from dataclasses import dataclass
 
 import ray
@@ -12,6 +16,22 @@ import ray
 from tests.conftest import RayNodes
 from tests.workloads import ModelSource, RecordingSink
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
+
+
+def kill_actor(pid_of: Callable[[], Any], what: str) -> None:
+    """SIGKILL the actor whose ``pid`` call ``pid_of()`` makes (an ObjectRef), and wait (bounded) until Ray says it
+    is dead."""
+    os.kill(int(ray.get(pid_of())), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(pid_of(), timeout=5)
+        except ray.exceptions.ActorDiedError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"Ray did not declare {what}'s actor dead within 30 s")
 
 
 @dataclass

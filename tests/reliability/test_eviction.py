@@ -7,16 +7,13 @@ none."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import time
 from collections.abc import Iterator
 
 import pytest
 import ray
 
 from tests.conftest import RayNodes
-from tests.ray_cluster import Cluster, running_cluster
+from tests.ray_cluster import Cluster, kill_actor, running_cluster
 from tests.workloads import NUDGED, TpSource, tp_tensors, weights_digest
 from weightsync.api.config import StepTimeouts, SyncConfig
 from weightsync.api.errors import WorkerDiedError
@@ -32,17 +29,7 @@ def cluster(ray_nodes: RayNodes) -> Iterator[Cluster]:
 
 def kill(cluster: Cluster, replica: int) -> None:
     """SIGKILL the replica's worker process, and wait (bounded) until Ray says its actor is dead."""
-    os.kill(cluster.pid(replica), signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            ray.get(cluster.replicas[replica].call("pid")[0], timeout=5)
-        except ray.exceptions.ActorDiedError:
-            return
-        except ray.exceptions.GetTimeoutError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"Ray did not declare replica {replica}'s actor dead within 30 s")
+    kill_actor(lambda: cluster.replicas[replica].call("pid")[0], f"replica {replica}")
 
 
 def update(manager: CheckpointEngineManager, version: int) -> tuple[str, UpdateReport]:

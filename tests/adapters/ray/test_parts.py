@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import os
-import signal
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +19,7 @@ from weightsync.core.control.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
 
 from tests.conftest import RayNodes
+from tests.ray_cluster import kill_actor
 from tests.workloads import NUDGED, TpSink, TpSource, tp_part, tp_slice, tp_tensors
 
 BUCKET = 256 * 1024
@@ -217,17 +215,8 @@ def test_a_tp_replica_that_dies_is_evicted_and_one_that_joins_takes_the_next_upd
         assert [outcome.received for outcome in report.replicas] == ["full"] * 3, report.replicas
         assert sorted(transfer.part for transfer in receivers(report)) == [0, 0, 0, 1, 1, 1]
         fleet.check_holds(NUDGED + 32)
-        os.kill(ray.get(extra.call("pid")[1]), signal.SIGKILL)
         fleet.replicas.pop()
-        deadline = time.monotonic() + 30  # until Ray says the actor is dead (bounded)
-        while time.monotonic() < deadline:
-            try:
-                ray.get(extra.call("pid")[1], timeout=5)
-            except ray.exceptions.ActorDiedError:
-                break
-            except ray.exceptions.GetTimeoutError:
-                pass
-            time.sleep(0.1)
+        kill_actor(lambda: extra.call("pid")[1], "the newcomer's worker 1")
         report = fleet.update(manager, NUDGED + 33)
         assert [(outcome.replica, outcome.state) for outcome in report.evicted] == [(2, "evicted")], report
         assert report.ok and [outcome.received for outcome in report.replicas] == ["changes"] * 2, report.replicas
