@@ -2,8 +2,8 @@
 
 The bench builds the testbed itself and removes it when done (on error and Ctrl-C too): H hosts, each behind its
 own link shaped to ``--link-gbps`` both ways. The sender runs on host 0 and ``--receivers`` rollout workers on each
-of hosts 1..H-1; every worker is a process started inside its host, speaking the bench's worker protocol over its
-stdin and stdout (``worker.serve_stdio``), and advertising its host's node id and address (198.18.x.x), so the
+of hosts 1..H-1; every worker is a process inside its host (forked there by the host's fork server: ``forks``),
+speaking the bench's worker protocol over a socket, and advertising its host's node id and address (198.18.x.x), so the
 control plane and every transport run over the testbed's links.
 
 Why the bytes must cross the links, and how we know they do: hosts share no ``/dev/shm``, no IPC and no PID
@@ -17,51 +17,52 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from weightsync.api.registry import get_backend_spec
+from weightsync.cli.bench.forks import FORK_SERVER_ARGV, HostForks
 from weightsync.cli.bench.measure import Placement, PlacementUnavailable, Spawned
 from weightsync.cli.bench.scenario import BenchOptions
-from weightsync.cli.bench.worker import Duplex
 from weightsync.core.control.auto import AUTO
-from weightsync.testbed import CleanupError, LinkCounters, Testbed, TestbedError, TestbedUnavailable, cleanup
+from weightsync.testbed import CleanupError, LinkCounters, Testbed, TestbedUnavailable, cleanup
 
-__all__ = ["WORKER_ARGV", "HostPlacement", "cross_host_split", "placement", "run_cleanup"]
+__all__ = ["HostPlacement", "cross_host_split", "placement", "run_cleanup"]
 
-WORKER_ARGV = (sys.executable, "-c", "from weightsync.cli.bench.worker import serve_stdio; serve_stdio()")
-STOP_KILL_TIMEOUT_S = 15.0
 
 
 class HostPlacement:
-    """Workers started inside the hosts of a running testbed (``Testbed.popen``), over their stdin and stdout."""
+    """Workers forked inside the hosts of a running testbed, from one fork server per host (``forks``)."""
 
     testbed = True
 
     def __init__(self, testbed: Testbed) -> None:
         self.bed = testbed
         self.rails = testbed.rails
+        self.forks: dict[int, HostForks] = {}
+
+    def _forks(self, host: int) -> HostForks:
+        if host not in self.forks:
+            ours, theirs = HostForks.pair()
+            try:
+                self.bed.popen(host, FORK_SERVER_ARGV, stdin=theirs.fileno())
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                theirs.close()
+            self.forks[host] = HostForks(ours)
+        return self.forks[host]
 
     def start(self, spec: dict[str, Any], *, host: int) -> Spawned:
-        process = self.bed.popen(host, WORKER_ARGV, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        if process.stdin is None or process.stdout is None:
-            raise TestbedError("a bench worker started without pipes")
-        # The channel owns duplicates of the pipes' descriptors; the file objects are closed at once, so that no
-        # descriptor is closed twice.
-        channel = Duplex(os.dup(process.stdout.fileno()), os.dup(process.stdin.fileno()))
-        process.stdout.close()
-        process.stdin.close()
+        forks = self._forks(host)
+        channel, pid = forks.fork()
         channel.send_bytes(json.dumps(spec).encode())
 
         def stop(timeout: float) -> None:
             try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(STOP_KILL_TIMEOUT_S)
+                forks.reap(pid, timeout)
             finally:
                 channel.close()
 
@@ -69,6 +70,12 @@ class HostPlacement:
 
     def read_links(self) -> Sequence[Sequence[LinkCounters]]:
         return self.bed.rail_counters()
+
+    def close(self) -> None:
+        """Close every host's fork server (each kills what it still runs and exits; teardown kills the rest)."""
+        for forks in self.forks.values():
+            forks.close()
+        self.forks.clear()
 
 
 def cross_host_split(backends: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -85,7 +92,11 @@ def placement(options: BenchOptions) -> Iterator[Placement]:
     try:
         with Testbed(options.hosts, link_gbps=options.link_gbps, rails=options.rails,
                      rtt_ms=options.rtt_ms) as testbed:
-            yield HostPlacement(testbed)
+            hosts = HostPlacement(testbed)
+            try:
+                yield hosts
+            finally:
+                hosts.close()
     except TestbedUnavailable as error:
         raise PlacementUnavailable(f"no testbed on this machine: {error.reason}") from error
 

@@ -123,13 +123,16 @@ class PlacementUnavailable(RuntimeError):
 
 
 class LocalPlacement:
-    """Every worker a ``multiprocessing`` child of the driver on this machine, over a ``Pipe``."""
+    """Every worker a ``multiprocessing`` child on this machine, over a ``Pipe``: forked from a server that imported
+    the worker once (``forkserver``, the module preloaded), not spawned: a spawned worker spends about two seconds of
+    CPU importing torch before its first command, and a bench starts one per rank for every entry."""
 
     testbed = False
     rails = 1
 
     def start(self, spec: dict[str, Any], *, host: int) -> Spawned:
-        context = multiprocessing.get_context("spawn")
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["weightsync.cli.bench.worker"])
         parent, child = context.Pipe()
         process = context.Process(target=serve, args=(child, spec), daemon=True)
         process.start()

@@ -12,9 +12,10 @@ A worker is one of three kinds:
 The ``bucketed`` workers also serve the two yardsticks once their own figures are taken: a raw gloo broadcast of the
 model's bytes between pre-faulted buffers, and the copy bandwidth of this host (see ``copy``).
 
-On this machine a worker is a ``multiprocessing`` child talking over a ``Pipe`` (``serve``); on a testbed host
-(``bench --hosts``) it is a process started in the host, talking over its stdin and stdout with the same framing
-(``serve_stdio``), and it takes its node id and address from the host's ``WEIGHTSYNC_TESTBED_*`` variables.
+On this machine a worker is a ``multiprocessing`` child (of a fork server that imported this module once) talking
+over a ``Pipe`` (``serve``); on a testbed host (``bench --hosts``) it is forked in the host by that host's fork server
+(``weightsync.cli.bench.forks``), talking over a socket with the same framing, and it takes its node id and address
+from the host's ``WEIGHTSYNC_TESTBED_*`` variables.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
-import multiprocessing.connection
 import os
 import resource
 import time
@@ -41,7 +41,7 @@ from weightsync.core.transports.place import LOCAL_RANK_ENV
 from weightsync.core.wire.layout import PIECE_BYTES
 from weightsync.core.worker.host import EngineHost
 
-__all__ = ["Channel", "Duplex", "Layout", "bucket_plan", "c10d", "serve", "serve_stdio", "worker_identity"]
+__all__ = ["Channel", "Layout", "bucket_plan", "c10d", "serve", "worker_identity"]
 
 # torch.distributed re-exports its C++ classes without declaring them to type checkers.
 c10d: Any = dist
@@ -62,25 +62,6 @@ class Channel(Protocol):
     def send_bytes(self, buf: bytes) -> None: ...
 
     def recv_bytes(self) -> bytes: ...
-
-
-class Duplex:
-    """A channel over two one-way file descriptors (a process's stdin and stdout), framed as ``Connection`` frames
-    them, so either end may be a ``multiprocessing`` Connection or this."""
-
-    def __init__(self, read_fd: int, write_fd: int) -> None:
-        self.reader = multiprocessing.connection.Connection(read_fd, writable=False)
-        self.writer = multiprocessing.connection.Connection(write_fd, readable=False)
-
-    def send_bytes(self, buf: bytes) -> None:
-        self.writer.send_bytes(buf)
-
-    def recv_bytes(self) -> bytes:
-        return self.reader.recv_bytes()
-
-    def close(self) -> None:
-        self.writer.close()
-        self.reader.close()
 
 
 def worker_identity(spec: dict[str, Any]) -> tuple[str, str]:
@@ -414,17 +395,3 @@ def serve(conn: Channel, spec: dict[str, Any]) -> None:
             conn.send_bytes(b"null")
             return
         conn.send_bytes(json.dumps(worker.handle(command)).encode())
-
-
-def serve_stdio() -> None:
-    """A worker on a testbed host: the spec is the first message on stdin, then ``serve`` over stdin and stdout."""
-    # Replies go out on a private copy of stdout, and fd 1 becomes stderr: a library that prints cannot garble them.
-    reply_fd = os.dup(1)
-    os.dup2(2, 1)
-    channel = Duplex(os.dup(0), reply_fd)
-    try:
-        serve(channel, json.loads(channel.recv_bytes()))
-    except EOFError:
-        pass  # the driver went away: nothing left to answer
-    finally:
-        channel.close()
