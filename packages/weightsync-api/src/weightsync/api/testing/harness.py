@@ -1,7 +1,9 @@
 """Run one engine per process — a sender and N receivers — and drive the lifecycle from this process.
 
-Worker processes are started with ``spawn`` (a clean interpreter, as a real worker is) and driven over a pipe with
-JSON commands. Every receiver checks what it got against its own copy of the case, by raw bytes, inside the
+Worker processes are forked from ``multiprocessing``'s fork server (a clean interpreter that has imported torch and
+nothing of the driver's, as a real worker is; forked, not spawned, because a spawned worker spends seconds importing
+torch and the kit starts three per case), take the driver's environment as it is when they start, and are driven over
+a pipe with JSON commands. Every receiver checks what it got against its own copy of the case, by raw bytes, inside the
 ``async for`` loop — so the check also holds the engine to its view-validity contract.
 """
 
@@ -11,6 +13,7 @@ import asyncio
 import json
 import multiprocessing
 import multiprocessing.connection
+import os
 import socket
 import time
 import traceback
@@ -58,7 +61,11 @@ def _node_id() -> str:
 
 
 def _worker_main(conn: multiprocessing.connection.Connection, backend: str, role: Role, rank: int,
-                 bucket_bytes: int, options: dict[str, Any], node_id: str, where: tuple[str, str]) -> None:
+                 bucket_bytes: int, options: dict[str, Any], node_id: str, where: tuple[str, str],
+                 environment: dict[str, str]) -> None:
+    # The fork server's environment is the one it started with: the worker takes the driver's as it is now.
+    os.environ.clear()
+    os.environ.update(environment)
     import torch
 
     from weightsync.api.testing.cases import place, resolve_device
@@ -229,7 +236,8 @@ class EngineHarness:
         self.options = dict(options or {})
         self.timeout = timeout
         self.engine_class = load_engine_class(backend)
-        self._context = multiprocessing.get_context("spawn")
+        self._context = multiprocessing.get_context("forkserver")
+        self._context.set_forkserver_preload(["torch"])
         self._workers: list[tuple[str, multiprocessing.connection.Connection, Any]] = []
         self.epoch = ""
 
@@ -253,7 +261,7 @@ class EngineHarness:
             process = self._context.Process(
                 target=_worker_main,
                 args=(child, self.backend, role, rank, self.bucket_bytes, self.options, worker_node,
-                      (self.device, self.placement)),
+                      (self.device, self.placement), dict(os.environ)),
                 daemon=True, name=f"weightsync-conformance-{label}",
             )
             process.start()
