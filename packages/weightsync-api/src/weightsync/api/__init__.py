@@ -23,6 +23,7 @@ from weightsync.api.protocols import (
     RolloutReplica,
     RolloutWorker,
     StagingWorker,
+    SwapPreparingWorker,
     WeightSink,
     WeightSource,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "TornAwareReplica",
     "RolloutWorker",
     "StagingWorker",
+    "SwapPreparingWorker",
     "WeightSink",
     "WeightSource",
     "BackendSpec",
