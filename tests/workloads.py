@@ -411,52 +411,20 @@ class _FailingAfter(Mapping[str, torch.Tensor]):
 
 class StagedSink(InPlaceSink):
     """``InPlaceSink`` that can fail its next load part-way, after its first tensor was written (``fail_next``), and
-    says which staging areas its process maps (``mapped_areas``, read from ``/proc/self/maps``), and how many bytes
-    its process summed whole while loading and outside a load (``summed``: the compiled helper's two calls that read
-    every byte of what they sum, wrapped)."""
+    says which staging areas its process maps (``mapped_areas``, read from ``/proc/self/maps``)."""
 
     def __init__(self, replica: int, worker: int) -> None:
         super().__init__(replica, worker)
         self.failing = False
-        self.in_load = False
-        self.sums = {"load": 0, "outside": 0, "changes": 0}
-        from weightsync.core import native
-
-        whole_sum, apply = native.delta_sum, native.delta_apply
-
-        def counted(rows: Any, step: int) -> None:
-            self.sums["load" if self.in_load else "outside"] += sum(rows[1::step])
-
-        def delta_sum(rows: Any) -> int:
-            counted(rows, 3)
-            return whole_sum(rows)
-
-        def delta_apply(encoded: int, nbytes: int, rows: Any, *, summed: bool, change: bool = False) -> int | None:
-            if summed:
-                counted(rows, 4)
-            self.sums["changes"] += change
-            return apply(encoded, nbytes, rows, summed=summed, change=change)
-
-        native.delta_sum, native.delta_apply = delta_sum, delta_apply
-
-    def summed(self) -> dict[str, int]:
-        """Bytes summed whole while loading and outside a load, and applies that summed only what they changed,
-        since the last call."""
-        sums, self.sums = self.sums, {"load": 0, "outside": 0, "changes": 0}
-        return sums
 
     def fail_next(self) -> None:
         self.failing = True
 
     async def load_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]], *, version: int) -> None:
-        self.in_load = True
-        try:
-            if self.failing:
-                self.failing = False
-                await weights.copy_into(_FailingAfter(self.weights, 2))  # type: ignore[attr-defined]
-            await super().load_weights(weights, version=version)
-        finally:
-            self.in_load = False
+        if self.failing:
+            self.failing = False
+            await weights.copy_into(_FailingAfter(self.weights, 2))  # type: ignore[attr-defined]
+        await super().load_weights(weights, version=version)
 
     def mapped_areas(self) -> list[str]:
         with open("/proc/self/maps") as maps:

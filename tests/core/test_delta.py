@@ -191,8 +191,8 @@ def test_a_keyed_sum_changes_with_any_change_of_what_is_held() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int16])
 @pytest.mark.parametrize("fraction", [0.0, 0.02, 0.5])
-def test_the_sender_updates_its_sum_from_the_changes_and_receivers_sum_while_applying(
-        dtype: torch.dtype, fraction: float, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_sender_updates_its_sum_from_the_changes_and_receivers_sum_while_applying(dtype: torch.dtype,
+                                                                                        fraction: float) -> None:
     generator = torch.Generator().manual_seed(2)
     old = {f"w{i}": (torch.randn(shape, generator=generator) * 10).to(dtype)
            for i, shape in enumerate([(64, 33), (7,), (1,), (0,), (3001,)])}
@@ -207,16 +207,6 @@ def test_the_sender_updates_its_sum_from_the_changes_and_receivers_sum_while_app
     held = {name: tensor.clone() for name, tensor in old.items()}
     assert delta.apply(encoded, rows_into(metas, held), summed=True) == new_sum
     assert all(torch.equal(raw(held[name]), raw(new[name])) for name in old)
-    # A receiver that read the old sum ahead adds what the changes changed it by: from the words they touch alone.
-    # Runs that share a word (1- and 2-byte units, a gap shorter than a word) each count it around their own write.
-    for python in (False, True):
-        held = {name: tensor.clone() for name, tensor in old.items()}
-        if python:
-            monkeypatch.setattr(native, "HELPER", None)
-        assert (old_sum + delta.apply(encoded, rows_into(metas, held), change=True)) & M64 == new_sum
-        assert all(torch.equal(raw(held[name]), raw(new[name])) for name in old)
-    with pytest.raises(ValueError, match="not both"):
-        delta.apply(encoded, rows_into(metas, held), summed=True, change=True)
 
 
 @pytest.mark.parametrize("python", [False, True])

@@ -122,9 +122,6 @@ class RolloutWorkerHost:
     async def stage_weights(self, *, version: int) -> StagedUpdate:
         return await self.host.stage(version=version)
 
-    async def prepare_swap(self, *, version: int) -> int:
-        return await self.host.prepare_swap()
-
     async def apply_staged(self, *, version: int, staged: StagedUpdate) -> TransferReport:
         if staged.version != version:
             raise ConfigError(f"apply_staged of version {version} was handed version {staged.version}'s staging")
@@ -282,11 +279,7 @@ class RayStagingWorker(RayRolloutWorker):
 
 class RayHostWorker(RayStagingWorker):
     """The worker ``RayRolloutReplica.create`` makes (over a ``RolloutWorkerHost``): it stages, and it serves a
-    replica that joins the version it holds (``weightsync.api.peers.PeerWorker``), and it reads ahead of a staged
-    swap (``SwapPreparingWorker``)."""
-
-    def prepare_swap(self, *, version: int) -> Any:
-        return worker_answer(self.handle.prepare_swap.remote(version=version), self.name)
+    replica that joins the version it holds (``weightsync.api.peers.PeerWorker``)."""
 
     def execute_as_peer(self, method: str, /, **kwargs: Any) -> Any:
         return worker_answer(self.handle.execute_as_peer.remote(method, **kwargs), self.name)

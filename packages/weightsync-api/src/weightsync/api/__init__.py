@@ -23,7 +23,6 @@ from weightsync.api.protocols import (
     RolloutReplica,
     RolloutWorker,
     StagingWorker,
-    SwapPreparingWorker,
     WeightSink,
     WeightSource,
 )
@@ -84,7 +83,6 @@ __all__ = [
     "TornAwareReplica",
     "RolloutWorker",
     "StagingWorker",
-    "SwapPreparingWorker",
     "WeightSink",
     "WeightSource",
     "BackendSpec",

@@ -41,15 +41,37 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeGuard, runtime_checkable
 
 from weightsync.api.errors import DestinationError
-from weightsync.api.types import (RankArgs, StagedUpdate, Topology, TransferReport, WorkerContext, WorkerMetadata,
-                                  WorldMetadata)
+from weightsync.api.types import (
+    RankArgs,
+    StagedUpdate,
+    Topology,
+    TransferReport,
+    WorkerContext,
+    WorkerMetadata,
+    WorldMetadata,
+)
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CheckpointEngine", "ReceivedWeights", "BatchedWeights", "next_batch", "check_destination",
-           "copy_stream_into", "load_into", "ActorWorkerGroup", "RolloutWorker", "StagingWorker", "SwapPreparingWorker",
-           "RolloutReplica", "PausableReplica", "LoadProvingReplica", "TornAwareReplica", "WeightSource", "WeightSink"]
+__all__ = [
+    "CheckpointEngine",
+    "ReceivedWeights",
+    "BatchedWeights",
+    "next_batch",
+    "check_destination",
+    "copy_stream_into",
+    "load_into",
+    "ActorWorkerGroup",
+    "RolloutWorker",
+    "StagingWorker",
+    "RolloutReplica",
+    "PausableReplica",
+    "LoadProvingReplica",
+    "TornAwareReplica",
+    "WeightSource",
+    "WeightSink",
+]
 
 
 @runtime_checkable
@@ -352,21 +374,6 @@ class StagingWorker(Protocol):
     def apply_staged(self, *, version: int, staged: StagedUpdate) -> Awaitable[TransferReport]:
         """Feed the update staged on this worker's host (``staged``, the host stager's answer) into the sink;
         yields the receiver's report once verified, as ``update_weights`` does."""
-        ...
-
-
-@runtime_checkable
-class SwapPreparingWorker(Protocol):
-    """Optional, on a ``StagingWorker``: read ahead, while the replica serves, what its swap would read while paused.
-
-    A delta update's swap verifies what the worker holds once the changes are in: a keyed sum over every byte it
-    holds. ``prepare_swap`` reads those bytes ahead (it writes nothing), so the swap reads only the words its changes
-    touch. The manager calls it on every worker of a staged update while the stagers stage, and pauses a replica once
-    its workers answered. Without it, or where it fails, the swap reads everything, as before.
-    """
-
-    def prepare_swap(self, *, version: int) -> Awaitable[int]:
-        """Read ahead of update ``version``'s swap; yields how many buckets were read (0: nothing to read)."""
         ...
 
 

@@ -7,15 +7,12 @@ host's first worker on each of those rails, each staging its stripe into an area
 the host's staging. So has an update from the N sending ranks of a sharded ``actor_wg`` across hosts (``stream_rails``):
 N stagers per host, each staging one rank's stream. Then, per update (:meth:`Staged.run`):
 
-1. the actor ranks send and every stager stages (``StagingWorker.stage_weights``), the replicas serving; beside
-   them every worker that can reads ahead what its swap would read while paused (``SwapPreparingWorker``: a delta
-   update's swap then sums only the words it changes);
-2. each replica, as soon as every host it spans holds a verified staged copy and its workers have read ahead
-   (answered, whatever the answer: a failed read ahead only means a longer swap), is paused, every worker of it
-   applies from its host's staging area (``apply_staged``: the sink's usual path), the digests are compared with
-   what was staged, a ``LoadProvingReplica`` gives its checksums (still paused: they are of what it applied), and it
-   is resumed unless torn (the replica steps every flow shares) — replicas swap independently, each in a task of
-   its own;
+1. the actor ranks send and every stager stages (``StagingWorker.stage_weights``), the replicas serving;
+2. each replica, as soon as every host it spans holds a verified staged copy, is paused, every worker of it applies
+   from its host's staging area (``apply_staged``: the sink's usual path), the digests are compared with what was
+   staged, a ``LoadProvingReplica`` gives its checksums (still paused: they are of what it applied), and it is
+   resumed unless torn (the replica steps every flow shares) — replicas swap independently, each in a task of its
+   own;
 3. a replica one of whose hosts failed to stage is never paused: it keeps serving its old version (``untouched``).
    A swap that wrote some bytes and failed leaves its replica torn and paused, as an unstaged update does;
 4. once every swap has ended and the senders have reported, each host's staged digest is compared with what was
@@ -29,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
@@ -37,8 +33,7 @@ from typing import Any
 
 from weightsync.api.config import StepTimeouts
 from weightsync.api.errors import ConfigError, DigestMismatchError, TopologyError
-from weightsync.api.protocols import (ActorWorkerGroup, LoadProvingReplica, RolloutWorker, StagingWorker,
-                                      SwapPreparingWorker)
+from weightsync.api.protocols import ActorWorkerGroup, LoadProvingReplica, RolloutWorker, StagingWorker
 from weightsync.api.types import ReplicaOutcome, StagedUpdate, TransferReport, WorldMetadata
 from weightsync.core.control import replicas, steps
 from weightsync.core.control.rails import rail_grace
@@ -53,8 +48,6 @@ from weightsync.core.wire.digest import combine_stripes
 from weightsync.core.wire.sources import combine_sources
 
 __all__ = ["Staged", "StagedPlan", "joined"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -108,8 +101,6 @@ class _Log:
 
     plan: StagedPlan
     staging: dict[str, asyncio.Future[StagedUpdate]] = field(default_factory=dict)
-    ahead: dict[int, asyncio.Future[list[Any]]] = field(default_factory=dict)
-    """Per replica, its workers' read ahead (``SwapPreparingWorker.prepare_swap``)."""
     loads: dict[int, dict[str, str]] = field(default_factory=dict)
 
 
@@ -144,11 +135,8 @@ class Staged:
             raise_first=False))
         log.staging = {host: asyncio.ensure_future(self._stage_host(round_, indices, timeout))
                        for host, indices in log.plan.stagers.items()}
-        log.ahead = {r: asyncio.ensure_future(self._read_ahead(round_, r, timeout))
-                     for r in range(len(round_.replicas))}
         swaps = [asyncio.ensure_future(self._swap(round_, r, log, previous)) for r in range(len(round_.replicas))]
         results = await asyncio.gather(sending, *log.staging.values(), *swaps, return_exceptions=True)
-        await _note_read_ahead(log)
         round_.stages["transfer"] = time.perf_counter() - started  # the stage and every swap
         errors = [result for result in results if isinstance(result, BaseException)]
         sent = results[0]
@@ -179,14 +167,6 @@ class Staged:
         staged = [part for part in parts if isinstance(part, StagedUpdate)]
         return staged[0] if len(staged) == 1 else joined(staged)
 
-    async def _read_ahead(self, round_: Round, r: int, timeout: float) -> list[Any]:
-        """Replica ``r``'s workers read ahead of their swap, while it serves; each one's answer or error (a failed
-        read ahead leaves that worker's swap reading everything, as one without it)."""
-        calls = [(steps.worker_label(r, worker), worker.prepare_swap(version=round_.version))
-                 for _, worker in (round_.workers[i] for i in round_.workers_of(r))
-                 if isinstance(worker, SwapPreparingWorker)]
-        return await steps.gather("read ahead", timeout, calls, raise_first=False)
-
     async def _swap(self, round_: Round, r: int, log: _Log, previous: Sequence[ReplicaOutcome]) -> None:
         """Replica ``r``: wait for its hosts' staging; if all staged, pause, apply on every worker, check, resume
         unless torn. A failed staging leaves it serving; its error is the stager's, raised by ``run``."""
@@ -200,7 +180,6 @@ class Staged:
             return  # never paused: it serves its old version
         finally:
             round_.timing.setdefault(r, {})["stage"] = time.perf_counter() - round_.started
-        await asyncio.wait([log.ahead[r]])  # answers and errors alike (read in run): it only shortens the swap
         failure: BaseException | None = None
         try:
             await replicas.pause(round_, [r], self.timeouts.pause)
@@ -265,18 +244,6 @@ class Staged:
                 error.add_note(f"replica{r} could not be paused again: {type(result).__name__}: {result}")
         await replicas.tell_torn(round_, again, self.timeouts.resume)
         return error
-
-
-async def _note_read_ahead(log: _Log) -> None:
-    """Log the workers whose read ahead failed (their swaps read everything); each replica's ended before its swap,
-    or is waited for here where its stage failed (the read is bounded by the transfer's timeout)."""
-    if log.ahead:
-        await asyncio.wait(log.ahead.values())
-    for r, ahead in log.ahead.items():
-        failed = ahead.exception() if not ahead.cancelled() else None
-        for answer in [failed] if failed is not None else ahead.result() if not ahead.cancelled() else []:
-            if isinstance(answer, BaseException):
-                logger.warning("replica%d: a read ahead of its swap failed, so its swap read everything: %s", r, answer)
 
 
 def _succeeded(future: asyncio.Future[StagedUpdate]) -> bool:

@@ -19,9 +19,8 @@ The model digest (:class:`ModelDigest`) is an XXH3-128 hash over every bucket's 
 modulo 2^64, of one term per 8-byte word of the bucket's pieces, each keyed by the word's place in the model
 (:func:`piece_key`; the compiled helper documents the term). Its terms are independent, which is what makes
 verification cheap: the sender updates a kept bucket's sum from the words that changed alone (no pass over the
-model), and a receiver sums each stretch of a piece right after writing its changes, in the same pass — or, where it
-read the sum of what it held ahead of the update (:mod:`weightsync.core.delta.ahead`), adds what its changes changed
-it by, from the words they touch. Like XXH3 it finds corruption and bugs, not a forger.
+model), and a receiver sums each stretch of a piece right after writing its changes, in the same pass. Like XXH3 it
+finds corruption and bugs, not a forger.
 """
 
 from __future__ import annotations
@@ -161,21 +160,16 @@ def _put_varint(value: int) -> bytes:
 _MALFORMED = "malformed delta bucket: a run outside its tensor, or bytes missing or left over"
 
 
-def apply(encoded: torch.Tensor, rows: array.array[int], *, summed: bool = False, change: bool = False) -> int:
+def apply(encoded: torch.Tensor, rows: array.array[int], *, summed: bool = False) -> int:
     """Apply the encoding ``encoded`` (a host uint8 tensor) to the pieces ``rows`` (flat ``(destination address,
     nbytes, unit, key)`` rows, in the encoding's order); ``WireError``, with nothing written, when it is malformed.
-    With ``summed``, returns the pieces' keyed sum once written (the helper computes it in the same pass); with
-    ``change``, what their keyed sum changed by, modulo 2^64, from the words the changes touch alone (their sum before
-    plus this is their sum after); else 0."""
-    if summed and change:
-        raise ValueError("apply: summed or change, not both")
+    With ``summed``, returns the pieces' keyed sum once written (the helper computes it in the same pass), else 0."""
     if not native.compiled():
         data = bytes(memoryview_of(encoded)) if encoded.numel() else b""
         _walk(data, rows, write=False)
-        before = applied_sum(rows) if change else 0
         _walk(data, rows, write=True)
-        return (applied_sum(rows) - before) & _MASK if summed or change else 0
-    total = native.delta_apply(encoded.data_ptr(), encoded.numel(), rows, summed=summed, change=change)
+        return applied_sum(rows) if summed else 0
+    total = native.delta_apply(encoded.data_ptr(), encoded.numel(), rows, summed=summed)
     if total is None:
         raise WireError(_MALFORMED)
     return total

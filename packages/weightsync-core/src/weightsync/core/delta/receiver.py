@@ -10,7 +10,6 @@ import torch
 
 from weightsync.api.errors import DestinationError, DigestMismatchError, TransferError
 from weightsync.core import native
-from weightsync.core.delta.ahead import BaseSums
 from weightsync.core.delta.copies import BaseCopies, PlacedCopies
 from weightsync.core.delta.encoding import Held, ModelDigest, applied_sum, apply, held_sum, piece_key, unit_of
 from weightsync.core.transports.seam import Arrived, ReceiverTransport
@@ -20,8 +19,6 @@ from weightsync.core.wire.destinations import Fallback, check_destination, desti
 from weightsync.core.wire.tensors import DTYPES
 
 __all__ = ["ReceiverDelta"]
-
-_MASK = (1 << 64) - 1
 
 
 class ReceiverDelta:
@@ -54,8 +51,6 @@ class ReceiverDelta:
         self.wrote = False
         """Whether this update began writing changes into the consumer's destinations."""
         self._views = True
-        self.sums = BaseSums()
-        """Where each bucket was written, and its sum read there ahead of the next update (``prepare``)."""
 
     def held_weights(self) -> tuple[int, Iterator[tuple[str, torch.Tensor]]] | None:
         """The version this receiver holds and keeps a whole copy of (its consumer iterated views), with that copy's
@@ -73,12 +68,6 @@ class ReceiverDelta:
             self.placed.begin()
         self._model = None
         self._views = True
-        self.sums.begin()
-
-    def prepare(self) -> int:
-        """Read what this receiver holds ahead of the next update (``weightsync.core.delta.ahead``), while its
-        consumer serves; how many buckets were read."""
-        return self.sums.prepare()
 
     def _verifies(self, header: codec.BucketHeader) -> bool:
         """Whether this update's model digest is being folded (decided at its first bucket: delta updates, every
@@ -140,15 +129,7 @@ class ReceiverDelta:
         # back unchanged), unless a whole tensor was copied: then from what the destinations hold, below.
         verified = not places.whole and self._verifies(header)
         self.wrote = True
-        base = self.sums.base(header.index, places.rows) if verified and header.dense >= 0 else None
-        if base is None:
-            total = places.write(payload, summed=verified)
-        else:  # read ahead: only the words the changes touch are read now
-            total = (base + places.write(payload, change=True)) & _MASK
-        if places.windows or places.whole:
-            self.sums.forget(header.index)
-        else:
-            self.sums.record(header.index, places.rows, places.holders)
+        total = places.write(payload, summed=verified)
         if verified and self._model is not None:
             self._model.add(arrived.table, _layout(header), total)
         elif places.whole:
@@ -183,7 +164,6 @@ class ReceiverDelta:
 
     def complete(self, header: codec.BucketHeader, *, receiver: int, peer: str) -> None:
         """The update's final header: verify what this receiver holds when due, then hold the new version."""
-        self.sums.complete()
         if not header.model:
             return
         if header.base >= 0:
@@ -232,8 +212,6 @@ class _Places:
         self.rows = array.array("Q")
         """``apply``'s rows, in the bucket's order."""
         self.held: list[Held] = []
-        self.holders: list[torch.Tensor] = []
-        """The tensors ``rows`` point into, where every row points into one (no host copy made for this update)."""
         self.windows: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.whole: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.placed: list[tuple[TensorMeta, torch.Tensor]] = []
@@ -246,7 +224,6 @@ class _Places:
         dtype = DTYPES[meta.dtype]
         if destination_fits(destination, dtype, meta.shape):
             address = destination.data_ptr() + meta.offset
-            self.holders.append(destination)
         elif destination_fits(destination, dtype, meta.shape, anywhere=True):
             window = tensors.as_byte_view(destination)[meta.offset:meta.offset + meta.nbytes]
             # A dense bucket overwrites the piece: nothing to read back first.
@@ -262,17 +239,15 @@ class _Places:
 
     def kept(self, meta: TensorMeta, copy: torch.Tensor) -> None:
         self._row(meta, copy.data_ptr() + meta.offset)
-        self.holders.append(copy)
         self.held.append((meta, copy, meta.offset))
         self.placed.append((meta, copy))
 
-    def write(self, payload: torch.Tensor, *, summed: bool = False, change: bool = False) -> int:
+    def write(self, payload: torch.Tensor, *, summed: bool) -> int:
         """Write the bucket (changes, or dense bytes) to every place, then copy the host copies back; with
-        ``summed``, the keyed sum of what was written; with ``change`` (changes only), what the changes changed the
-        keyed sum by; else 0."""
+        ``summed``, the keyed sum of what was written (else 0)."""
         total = 0
         if self.header.dense >= 0:  # with ``summed``, each stretch summed right after its changes, in one pass
-            total = apply(payload, self.rows, summed=summed, change=change)
+            total = apply(payload, self.rows, summed=summed)
         else:  # a bucket sent dense: each piece copied to its place
             at, rows = payload.data_ptr(), self.rows
             native.copy_batch([value for row, meta in enumerate(self.header.tensors)

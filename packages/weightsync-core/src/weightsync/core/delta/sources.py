@@ -52,10 +52,6 @@ class SourcesDelta:
         for delta in self._each.values():
             delta.begin()
 
-    def prepare(self) -> int:
-        """Every sender's ``ReceiverDelta.prepare``: buckets read ahead, in all."""
-        return sum(delta.prepare() for delta in self._each.values())
-
     def check_base(self, header: codec.BucketHeader, peer: str) -> None:
         """A stream's first bucket: refused when its base is not the other streams' (changes from some senders, the
         whole stream from others), or not what this receiver holds from its sender."""

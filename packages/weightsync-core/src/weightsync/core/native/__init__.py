@@ -49,7 +49,7 @@ process wants the GIL (the receive thread decoding a header, the sender's planne
 switch between the two threads."""
 
 
-_ABI = 7
+_ABI = 6
 """``WEIGHTSYNC_STREAM_COPY_ABI`` of the ``_stream_copy.c`` this module calls."""
 
 
@@ -98,7 +98,7 @@ def _open_helper(path: Path) -> tuple[ctypes.CDLL | None, str]:
                                                 ctypes.c_int, ctypes.POINTER(ctypes.c_uint64))
     library.weightsync_delta_encode.restype = ctypes.c_uint64
     library.weightsync_delta_apply.argtypes = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
-                                               ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64))
+                                               ctypes.POINTER(ctypes.c_uint64))
     library.weightsync_delta_apply.restype = ctypes.c_int
     library.weightsync_delta_sum.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     library.weightsync_delta_sum.restype = ctypes.c_uint64
@@ -199,16 +199,13 @@ def delta_encode(rows: array.array[int], out: int, capacity: int, *, open_last: 
             int(last.value))
 
 
-def delta_apply(encoded: int, nbytes: int, rows: array.array[int], *, summed: bool, change: bool = False
-                ) -> int | None:
+def delta_apply(encoded: int, nbytes: int, rows: array.array[int], *, summed: bool) -> int | None:
     """Apply the ``nbytes`` of encoding at host address ``encoded`` to the pieces ``rows`` (flat ``(destination
     address, nbytes, unit, key)`` rows), checked whole before a byte is written. None when it is malformed (nothing
-    written); else, with ``summed``, the pieces' keyed sum once written; with ``change``, what their keyed sum changed
-    by (from the words written alone; modulo 2^64); 0 with neither."""
+    written); else, with ``summed``, the pieces' keyed sum once written, and 0 without."""
     total = ctypes.c_uint64(0)
     if _library().weightsync_delta_apply(encoded, nbytes, rows.buffer_info()[0], len(rows) // 4,
-                                         ctypes.byref(total) if summed else None,
-                                         ctypes.byref(total) if change else None) != 0:
+                                         ctypes.byref(total) if summed else None) != 0:
         return None
     return int(total.value)
 

@@ -19,7 +19,7 @@
 #include <string.h>
 
 #define WEIGHTSYNC_STREAM_MIN 4096 /* below this, memmove's cached copy is as fast and keeps the bytes cached */
-#define WEIGHTSYNC_STREAM_COPY_ABI 7 /* bumped with any change of these functions' signatures or meaning */
+#define WEIGHTSYNC_STREAM_COPY_ABI 6 /* bumped with any change of these functions' signatures or meaning */
 
 /* The Python side refuses a library built from another version of this file (a stale in-place build). */
 int weightsync_stream_copy_abi(void) { return WEIGHTSYNC_STREAM_COPY_ABI; }
@@ -419,23 +419,11 @@ static int check_delta(const unsigned char *delta, uint64_t length, const uint64
 
 #define SUM_CHUNK 4096 /* bytes summed right after their runs are written, while they are in the core's cache */
 
-/* The keyed terms of the words of a piece (nbytes long, its first word's key) that its bytes [from, to) touch. */
-static inline uint64_t touched_terms(const unsigned char *piece, uint64_t nbytes, uint64_t from, uint64_t to,
-                                     uint64_t key) {
-    uint64_t sum = 0;
-    for (uint64_t word = from / 8; word * 8 < to; word++) {
-        sum += keyed_term(load_partial(piece + word * 8, nbytes - word * 8), key + word * KEY_STEP);
-    }
-    return sum;
-}
-
 /* Applies one piece's part of a checked encoding, starting at p; returns where the next piece's part starts. With
- * sum, adds the keyed sum of the piece's bytes once written, chunk by chunk as each chunk's runs are in. With
- * change, adds what each run changed the piece's keyed sum by: the terms of the words it touches after its write
- * less before (a word two runs share is counted by each, before and after its own write, so the changes add up). */
+ * sum, adds the keyed sum of the piece's bytes once written, chunk by chunk as each chunk's runs are in. */
 static inline __attribute__((always_inline)) const unsigned char *apply_piece(
     const unsigned char *p, const unsigned char *end, unsigned char *destination, uint64_t nbytes, uint64_t unit,
-    uint64_t key, uint64_t *sum, uint64_t *change) {
+    uint64_t key, uint64_t *sum) {
     uint64_t run = 0, gap = 0, position = 0, summed = 0;
     get_varint(&p, end, &run);
     if (run != 0) {
@@ -451,13 +439,7 @@ static inline __attribute__((always_inline)) const unsigned char *apply_piece(
         }
         while (run != 0 && position < limit) {
             uint64_t n = run * unit;
-            if (change != NULL) {
-                *change -= touched_terms(destination, nbytes, position, position + n, key);
-            }
             copy_run(destination + position, p, n);
-            if (change != NULL) {
-                *change += touched_terms(destination, nbytes, position, position + n, key);
-            }
             p += n;
             position += n;
             get_varint(&p, end, &run);
@@ -479,31 +461,26 @@ static inline __attribute__((always_inline)) const unsigned char *apply_piece(
 /* pieces: count rows of (destination address, nbytes, unit, key), as the encoding's pieces. Checks the whole
  * encoding first and writes nothing unless it is well formed (every run inside its piece, nothing left over):
  * returns 0 after applying it, -1 for a malformed one. With sum (not NULL), *sum gets the keyed sum of the pieces'
- * bytes once applied (key: of a piece's first word), computed in the same pass; with change (not NULL), *change gets
- * what the pieces' keyed sum changed by, modulo 2^64, from the words the runs touch alone (their sum before the
- * apply plus this is their sum after it). */
+ * bytes once applied (key: of a piece's first word), computed in the same pass. */
 int weightsync_delta_apply(const unsigned char *delta, uint64_t length, const uint64_t *pieces, size_t count,
-                           uint64_t *sum, uint64_t *change) {
+                           uint64_t *sum) {
     if (check_delta(delta, length, pieces, count) != 0) {
         return -1;
     }
     const unsigned char *p = delta, *end = delta + length;
-    uint64_t total = 0, changed = 0;
-    uint64_t *into = sum == NULL ? NULL : &total, *by = change == NULL ? NULL : &changed;
+    uint64_t total = 0;
     for (size_t i = 0; i < count; i++, pieces += 4) {
         unsigned char *destination = (unsigned char *)(uintptr_t)pieces[0];
+        uint64_t *into = sum == NULL ? NULL : &total;
         switch (pieces[2]) { /* inlined for each unit, as encode_piece */
-        case 1: p = apply_piece(p, end, destination, pieces[1], 1, pieces[3], into, by); break;
-        case 2: p = apply_piece(p, end, destination, pieces[1], 2, pieces[3], into, by); break;
-        case 4: p = apply_piece(p, end, destination, pieces[1], 4, pieces[3], into, by); break;
-        default: p = apply_piece(p, end, destination, pieces[1], 8, pieces[3], into, by); break;
+        case 1: p = apply_piece(p, end, destination, pieces[1], 1, pieces[3], into); break;
+        case 2: p = apply_piece(p, end, destination, pieces[1], 2, pieces[3], into); break;
+        case 4: p = apply_piece(p, end, destination, pieces[1], 4, pieces[3], into); break;
+        default: p = apply_piece(p, end, destination, pieces[1], 8, pieces[3], into); break;
         }
     }
     if (sum != NULL) {
         *sum = total;
-    }
-    if (change != NULL) {
-        *change = changed;
     }
     return 0;
 }

@@ -323,12 +323,6 @@ class BucketCheckpointEngine(EngineBase):
                              peer=f"{self.transport.peer_name(self._sender_rank)} (staged)", reader=reader)
 
 
-    async def prepare_swap(self) -> int:
-        """Read what this receiver holds ahead of a staged swap (``weightsync.core.delta.ahead``), in a thread of its
-        own while the consumer serves (a stager's stage goes on beside it); buckets read, 0 without delta."""
-        delta = self._receive.delta
-        return await asyncio.to_thread(delta.prepare) if delta is not None else 0
-
     def _reader(self, sources: tuple[int, ...], digest: Callable[[], UpdateDigest], *, stripes: int = 1
                 ) -> BucketReader:
         """The reader of an update from one sender, from every sender of a sharded ``actor_wg`` (``sources``), or

@@ -113,14 +113,6 @@ class StagingEngine(Protocol):
 
 
 @runtime_checkable
-class SwapPreparingEngine(Protocol):
-    """An engine that reads ahead of a staged swap what the swap would read while paused (every bucket engine:
-    ``weightsync.core.delta.ahead``)."""
-
-    async def prepare_swap(self) -> int: ...
-
-
-@runtime_checkable
 class HoldsAcrossUpdates(Protocol):
     """An engine that holds something across updates (a delta receiver's version) which the worker's next engine
     may take over when only the worker's rank or transport changed (``EngineSlot.ensure``)."""
@@ -330,11 +322,6 @@ class EngineHost:
         self._finalize()
         self._staged = staged
         return staged
-
-    async def prepare_swap(self) -> int:
-        """Read ahead of a staged swap what it would read while paused (``SwapPreparingWorker``); how many buckets
-        were read (0 before this worker's engine exists)."""
-        return await self.engine.prepare_swap() if isinstance(self.engine, SwapPreparingEngine) else 0
 
     async def apply_staged(self, sink: WeightSink, *, staged: StagedUpdate) -> TransferReport:
         """The swap on this worker: the update staged on this host into ``sink``, as ``receive`` feeds it."""

@@ -91,11 +91,6 @@ class PipeWorker:
     async def stage_weights(self, *, version: int) -> StagedUpdate:
         return StagedUpdate.from_dict(await self._pipes.call(self._index, "stage", version=version))
 
-    async def prepare_swap(self, *, version: int) -> int:
-        """Answered as soon as the worker has begun reading ahead (``_Worker.engine_op``): it reads beside its next
-        command (a stager's stage; a worker takes one command at a time) and its swap waits for the read to end."""
-        return int(await self._pipes.call(self._index, "prepare_swap", version=version))
-
     async def apply_staged(self, *, version: int, staged: StagedUpdate) -> TransferReport:
         return TransferReport.from_dict(await self._pipes.call(self._index, "apply_staged", staged=staged.to_dict()))
 

@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import resource
-import threading
 import time
 from typing import Any, Protocol
 
@@ -51,8 +50,7 @@ Layout = list[tuple[str, tuple[int, ...]]]
 # One bucket: (tensor index, byte offset in the tensor, bytes, byte offset in the bucket) per piece.
 Bucket = list[tuple[int, int, int, int]]
 
-_ENGINE_OPS = frozenset({"execute", "send", "receive", "stage", "prepare_swap", "apply_staged", "trace_on",
-                         "trace_off"})
+_ENGINE_OPS = frozenset({"execute", "send", "receive", "stage", "apply_staged", "trace_on", "trace_off"})
 
 PAGE = resource.getpagesize()
 STORE_TIMEOUT = datetime.timedelta(seconds=120)
@@ -249,8 +247,6 @@ class _Worker:
         self.sink = _Sink(self.by_name)
         self.server: Server | None = None
         """``--staged``: this receiver's serving loop."""
-        self.reading_ahead: threading.Thread | None = None
-        """A staged swap's read ahead under way (``prepare_swap``)."""
         self.rss_before = 0
         self.reset_worked = False
         self.raw: torch.Tensor | None = None
@@ -327,16 +323,7 @@ class _Worker:
             return asyncio.run(host.receive(self.sink, version=command["version"])).to_dict()
         if op == "stage":
             return asyncio.run(host.stage(version=command["version"])).to_dict()
-        if op == "prepare_swap":
-            # Answered at once, the read going on in a thread of its own: a worker takes one command at a time, and a
-            # stager's next one is its stage, which the read must not hold up. The swap waits for the read.
-            self.reading_ahead = threading.Thread(target=lambda: asyncio.run(host.prepare_swap()), daemon=True)
-            self.reading_ahead.start()
-            return 0
         if op == "apply_staged":
-            if self.reading_ahead is not None:
-                self.reading_ahead.join()
-                self.reading_ahead = None
             staged = StagedUpdate.from_dict(command["staged"])
             return asyncio.run(host.apply_staged(self.sink, staged=staged)).to_dict()
         engine: Any = host.engine
@@ -388,8 +375,6 @@ class _Worker:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
-        if self.reading_ahead is not None:  # it reads what the host holds: ended before the host closes
-            self.reading_ahead.join()
         if self.host is not None:
             asyncio.run(self.host.execute("close"))
         if self.gloo is not None:
