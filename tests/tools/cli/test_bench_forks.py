@@ -23,6 +23,15 @@ def _parent(pid: int) -> int:
         return int(handle.read().rsplit(")", 1)[1].split()[1])
 
 
+def _zombie(pid: int) -> bool:
+    """Exited, not reaped (its server is gone: it waits for init)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _gone(pid: int) -> bool:
     """Exited and reaped (a zombie still has its /proc entry, in state Z)."""
     return not os.path.exists(f"/proc/{pid}")
@@ -77,7 +86,24 @@ def test_closing_the_control_socket_ends_the_server_and_its_workers(
     with pytest.raises(ForkServerError, match="gone"):
         forks.fork()  # its end is closed
     ours, theirs = HostForks.pair()
-    theirs.close()  # a server that died
+    theirs.close()  # a server that died before it started
     with pytest.raises(ForkServerError, match="gone"):
         HostForks(ours).fork()
     ours.close()
+
+
+def test_a_killed_server_is_seen_gone_though_its_workers_live(server: tuple[HostForks, subprocess.Popen[bytes]]
+                                                             ) -> None:
+    """Its workers hold no copy of its end of the control socket, so its end closes with it: the driver's next
+    request fails at once instead of waiting for an answer that never comes."""
+    forks, process = server
+    channel, pid = forks.fork()
+    process.kill()
+    process.wait(30)
+    assert not _gone(pid)  # the worker lives on, waiting for its spec
+    started = time.monotonic()
+    with pytest.raises(ForkServerError, match="gone"):
+        forks.fork()
+    assert time.monotonic() - started < 10
+    channel.close()  # its driver went away: the worker ends
+    assert wait_until(lambda: _gone(pid) or _zombie(pid), timeout=10)

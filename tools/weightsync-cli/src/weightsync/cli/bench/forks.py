@@ -33,6 +33,8 @@ FORK_SERVER_ARGV = (sys.executable, "-c", "from weightsync.cli.bench.forks impor
 PACKET = 64 * 1024
 REAP_POLL_S = 0.01
 KILL_WAIT_S = 15.0
+ANSWER_S = 30.0
+"""How long the driver waits for a fork server's answer beyond what the request itself may take."""
 
 
 class ForkServerError(RuntimeError):
@@ -50,14 +52,18 @@ class HostForks:
         """The driver's and the server's ends of a new control channel (the server's end becomes its stdin)."""
         return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
-    def _ask(self, request: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
+    def _ask(self, request: dict[str, Any], fds: list[int] | None = None, *, takes: float = 0.0) -> dict[str, Any]:
         payload = json.dumps(request).encode()
         try:
+            self.control.settimeout(takes + ANSWER_S)
             if fds:
                 socket.send_fds(self.control, [payload], fds)
             else:
                 self.control.send(payload)
             reply = self.control.recv(PACKET)
+        except TimeoutError as error:
+            raise ForkServerError(f"a host's fork server did not answer {request['op']} within "
+                                  f"{takes + ANSWER_S:.0f} s") from error
         except OSError as error:
             raise ForkServerError(f"a host's fork server is gone ({error})") from error
         if not reply:
@@ -79,7 +85,7 @@ class HostForks:
 
     def reap(self, pid: int, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for worker ``pid`` to exit, then kill it; True where it had to be killed."""
-        return bool(self._ask({"op": "reap", "pid": pid, "timeout": timeout})["killed"])
+        return bool(self._ask({"op": "reap", "pid": pid, "timeout": timeout}, takes=timeout + KILL_WAIT_S)["killed"])
 
     def close(self) -> None:
         self.control.close()
@@ -128,6 +134,11 @@ def serve_forks() -> None:
     """A host's fork server (the worker imported once, with this module): stdin is its control socket; output goes
     to stderr, whatever prints."""
     control = socket.socket(fileno=os.dup(0))
+    # Only ``control`` holds the server's end from here (closed in every worker): were a worker to keep it open,
+    # the driver would not see the server's end close when the server dies.
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
     os.dup2(2, 1)
     children: set[int] = set()
     try:
