@@ -14,7 +14,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-# Ray workers and spawned harness processes import tests.workloads by name.
+# Ray workers and the harness's fork server (its workers fork from it) import tests.workloads by name.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
 
 
