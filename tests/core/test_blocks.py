@@ -16,13 +16,14 @@ from weightsync.api.errors import PartMismatchError, WireError
 from weightsync.api.parts import Part
 from weightsync.core.native import copy_batch
 from weightsync.core.pipeline.planner import plan_buckets
+from weightsync.core.wire import blocks
 from weightsync.core.wire.blocks import (BlockPlan, block_copies, block_index, block_view, blocks_of, candidates,
                                          check_blocks)
 from weightsync.core.wire.codec import TensorMeta, check_tensor_meta, encode_tensors
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.layout import pack_hashing
 from weightsync.core.wire.partplans import PartPlan
-from weightsync.core.wire.parts import PartLayout, PartSums
+from weightsync.core.wire.parts import PartLayout, PartsDigest, PartSums
 
 SHAPES = {"q": (64, 32), "o": (32, 64), "down": (32, 128), "norm": (32,), "experts": (4, 24, 16)}
 DIMS = {"q": 0, "o": 1, "down": 1, "experts": 1}
@@ -129,22 +130,36 @@ def test_a_table_entry_with_blocks_that_do_not_split_its_shape_is_refused() -> N
                                                                           0, (1, 2))]))  # absent unless set
 
 
+@pytest.mark.parametrize("group_bytes", [None, 512], ids=["groups", "small-groups"])
 @pytest.mark.parametrize("bucket_bytes", [1 << 20, 20_000])
-def test_the_planner_packs_blocked_tensors_block_after_block_and_the_parts_sums_agree(bucket_bytes: int) -> None:
+def test_the_planner_packs_blocked_tensors_block_after_block_and_the_parts_sums_agree(
+        bucket_bytes: int, group_bytes: int | None, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
     """Whole or split across buckets (20 KB buckets cut ``down``'s 32 KiB), the buckets hold each blocked tensor's
-    blocks one after the other and the others in their own order; each part's sums folded from the packed buckets
-    equal its sums of the same tensors in their own order (what a receiver of the tensors' own order folds)."""
+    blocks one after the other and the others in their own order; each part's sums folded from the packed buckets,
+    and those the sender folds as it packs (``PartsDigest``, a blocked tensor's rows gathered a group at a time in a
+    scratch the next group reuses), equal its sums of the same tensors in their own order (what a receiver of the
+    tensors' own order folds). With small groups every blocked piece is several groups."""
+    if group_bytes is not None:
+        monkeypatch.setattr(blocks, "GROUP_BYTES", group_bytes)
+    block_copies.cache_clear()  # groups of the size set here (cleared again after)
+    request.addfinalizer(block_copies.cache_clear)
     torch.manual_seed(0)
     tensors = {name: torch.randn(shape) for name, shape in SHAPES.items()}
     parts = plans(2)
     blocked = candidates([plan.tensors for plan in parts])
     payload = bytearray()
     metas: list[TensorMeta] = []
+    packing = PartsDigest([PartSums(plan) for plan in parts], whole=False)
     for bucket in plan_buckets(list(tensors.items()), bucket_bytes=bucket_bytes, devices=frozenset({"cpu"}),
                                blocked=blocked):
         buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8)
         digest = UpdateDigest()
         pack_hashing(buffer.data_ptr(), bucket, digest)
+        packing.pieces([meta for meta, _, _ in bucket.items])
+        packing.begin_bucket(b"", bucket.nbytes)
+        again = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+        pack_hashing(again.data_ptr(), bucket, packing)
         for meta, _, _ in bucket.items:
             metas.append(msgspec.structs.replace(meta, bucket_offset=len(payload) + meta.bucket_offset))
         payload += bytes(buffer.numpy())
@@ -160,11 +175,12 @@ def test_the_planner_packs_blocked_tensors_block_after_block_and_the_parts_sums_
             assert data.equal(packed(tensor, DIMS[name], 2)), name
         else:
             assert all(not meta.blocks for meta in pieces) and data.equal(tensor.view(torch.uint8).reshape(-1))
-    for plan in parts:
+    for plan, packed_sums in zip(parts, packing.parts):
         folded, own = PartSums(plan), PartSums(plan)
         folded.fold_all(metas, whole.data_ptr())
         for name, tensor in tensors.items():
             own.fold(TensorMeta(name, "float32", tuple(tensor.shape), 0, tensor.nbytes, tensor.nbytes),
                      tensor.data_ptr())
         assert folded.sums() == own.sums() and folded.nbytes == own.nbytes, plan.index
+        assert packed_sums.sums() == own.sums() and packed_sums.nbytes == own.nbytes, plan.index
         assert folded.nbytes < 0.6 * sum(math.prod(shape) * 4 for shape in SHAPES.values())

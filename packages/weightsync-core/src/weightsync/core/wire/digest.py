@@ -49,6 +49,10 @@ class UpdateDigest:
         if nbytes > 0:
             self._hash.update(memoryview_at(address, nbytes))
 
+    def settle(self) -> None:
+        """Read every byte fed so far now (the caller is about to reuse the memory they lie in). This digest reads
+        each at once; one that defers (``PartsDigest``) reads what it holds back."""
+
     def update_bucket(self, table: bytes, payload: torch.Tensor) -> None:
         self.begin_bucket(table, payload.numel())
         if payload.numel():
@@ -97,6 +101,9 @@ class StripedDigest(UpdateDigest):
 
     def update_at(self, address: int, nbytes: int) -> None:
         self._current.update_at(address, nbytes)
+
+    def settle(self) -> None:
+        self._current.settle()
 
     def update_bucket(self, table: bytes, payload: torch.Tensor) -> None:
         self._next().update_bucket(table, payload)

@@ -7,6 +7,7 @@ The planner (:mod:`weightsync.core.pipeline.planner`) fills these; the pipeline 
 from __future__ import annotations
 
 import array
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +74,21 @@ class PlannedBucket:
         return len(self.items)
 
 
+class _Scratch(threading.local):
+    """A packing thread's scratch buffer, for a group of rows (``pack_hashing``)."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.ones(2 * PIECE_BYTES, dtype=torch.uint8)  # pre-faulted
+
+    def at_least(self, nbytes: int) -> int:
+        if self.buffer.numel() < nbytes:
+            self.buffer = torch.ones(nbytes, dtype=torch.uint8)
+        return self.buffer.data_ptr()
+
+
+_SCRATCH = _Scratch()
+
+
 def pack_hashing(base: int, bucket: PlannedBucket, digest: UpdateDigest) -> None:
     """Copy host sources into the host bucket at ``base``, hashing the bucket in order (padding included)."""
     copy_batch(bucket.copies, base, 0)  # every small piece in one call
@@ -81,10 +97,16 @@ def pack_hashing(base: int, bucket: PlannedBucket, digest: UpdateDigest) -> None
         nbytes, at = meta.nbytes, meta.bucket_offset
         digest.update_at(base + hashed, at - hashed)  # the small pieces and padding before this one
         rows = bucket.rows.get(at) if meta.blocks else None
-        if rows is not None:  # a group of rows at a time, hashed in the bucket behind its copy, while in cache
+        if rows is not None:
+            # A group of rows at a time, gathered into a scratch in cache, hashed there (the digest reads it all before
+            # the next group: ``settle``) and streamed into the bucket: copied straight into the bucket, each of its
+            # lines would be read from memory before being written.
             for triples, first, size in rows:
-                copy_batch(triples, base + at, source.data_ptr())
-                digest.update_at(base + at + first, size)
+                scratch = _SCRATCH.at_least(size)
+                copy_batch(triples, scratch - first, source.data_ptr())
+                digest.update_at(scratch, size)
+                digest.settle()
+                copy_stream(base + at + first, scratch, size)
             hashed = at + nbytes
             continue
         address = source.data_ptr() + start

@@ -369,6 +369,11 @@ class PartsDigest(UpdateDigest):
             start, low = start + high - low, high
         self._pending = (start, low, high)
 
+    def settle(self) -> None:
+        start, low, high = self._pending
+        self._fold(start, low, high)
+        self._pending = (start + high - low, high, high)
+
     def _fold(self, address: int, low: int, high: int) -> None:
         """Fold the current bucket's payload bytes ``[low, high)``, which lie at ``address``."""
         metas = self._metas
