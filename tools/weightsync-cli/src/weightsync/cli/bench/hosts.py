@@ -31,7 +31,6 @@ from weightsync.testbed import CleanupError, LinkCounters, Testbed, TestbedUnava
 __all__ = ["HostPlacement", "cross_host_split", "placement", "run_cleanup"]
 
 
-
 class HostPlacement:
     """Workers forked inside the hosts of a running testbed, from one fork server per host (``forks``)."""
 
