@@ -18,18 +18,22 @@ from tests.tools.testbed.support import wait_until
 SPEC = {"layout": [["w", [8]]], "role": "rollout", "rank": 0, "kind": "naive", "node_id": "node", "testbed": False}
 
 
+def _stat(pid: int) -> list[str]:
+    """``/proc/PID/stat``'s fields after the command name (state, parent pid, ...); [] once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return []
+
+
 def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as handle:
-        return int(handle.read().rsplit(")", 1)[1].split()[1])
+    return int(_stat(pid)[1])
 
 
 def _zombie(pid: int) -> bool:
     """Exited, not reaped (its server is gone: it waits for init)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return False
+    return _stat(pid)[:1] == ["Z"]
 
 
 def _gone(pid: int) -> bool:
