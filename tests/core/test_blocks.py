@@ -17,8 +17,8 @@ from weightsync.api.parts import Part
 from weightsync.core.native import copy_batch
 from weightsync.core.pipeline.planner import plan_buckets
 from weightsync.core.wire import blocks
-from weightsync.core.wire.blocks import (BlockPlan, block_copies, block_index, block_view, blocks_of, candidates,
-                                         check_blocks)
+from weightsync.core.wire.blocks import (BlockPlan, block_copies, block_index, block_packing, block_view, blocks_of,
+                                         candidates, check_blocks)
 from weightsync.core.wire.codec import TensorMeta, check_tensor_meta, encode_tensors
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.layout import pack_hashing
@@ -76,16 +76,21 @@ def test_rows_pack_any_range_and_copy_each_block_back_where_it_belongs(shape: tu
     out = torch.zeros(total, dtype=torch.uint8)
     for first, end in zip(cuts, cuts[1:]):  # a tensor split across buckets: each piece packed on its own
         piece = torch.zeros(end - first, dtype=torch.uint8)
-        for triples, start, nbytes in block_copies(shape, 4, (dim, count), first, end, packing=True):
+        filled: dict[int, int] = {}
+        for triples, spans in block_packing(shape, 4, (dim, count), first, end):
             copy_batch(triples, piece.data_ptr(), tensor.data_ptr())
-            assert 0 <= start and start + nbytes <= end - first
+            assert sum(triples[2::3]) == sum(nbytes for _, _, nbytes in spans)
+            for block, start, nbytes in spans:  # where each block's rows went, contiguous, after the last group's
+                assert filled.get(block, start) == start and 0 <= start and start + nbytes <= end - first
+                assert block * total // count <= first + start < (block + 1) * total // count
+                filled[block] = start + nbytes
         out[first:end] = piece
     assert out.equal(reference)
     width = shape[dim] // count
     for index in range(count):  # a receiver copies its block's rows into a full-shape destination
         destination = torch.zeros(shape, dtype=torch.float32)
         low, high = index * total // count, (index + 1) * total // count
-        for triples, _, _ in block_copies(shape, 4, (dim, count), low, high, packing=False):
+        for triples, _, _ in block_copies(shape, 4, (dim, count), low, high):
             copy_batch(triples, destination.data_ptr(), reference.data_ptr() + low)
         expected = torch.zeros(shape, dtype=torch.float32)
         expected.narrow(dim, index * width, width).copy_(tensor.narrow(dim, index * width, width))
@@ -137,13 +142,15 @@ def test_the_planner_packs_blocked_tensors_block_after_block_and_the_parts_sums_
 ) -> None:
     """Whole or split across buckets (20 KB buckets cut ``down``'s 32 KiB), the buckets hold each blocked tensor's
     blocks one after the other and the others in their own order; each part's sums folded from the packed buckets,
-    and those the sender folds as it packs (``PartsDigest``, a blocked tensor's rows gathered a group at a time in a
-    scratch the next group reuses), equal its sums of the same tensors in their own order (what a receiver of the
-    tensors' own order folds). With small groups every blocked piece is several groups."""
+    and those the sender folds as it packs (``PartsDigest``: a blocked tensor's rows copied a group at a time, the
+    same rows of every block, each block's span hashed into the sums of the part that holds it), equal its sums of
+    the same tensors in their own order (what a receiver of the tensors' own order folds); a whole digest, which
+    reads the bucket in order, reads the blocked piece once it is packed. With small groups every blocked piece is
+    several groups."""
     if group_bytes is not None:
         monkeypatch.setattr(blocks, "GROUP_BYTES", group_bytes)
-    block_copies.cache_clear()  # groups of the size set here (cleared again after)
-    request.addfinalizer(block_copies.cache_clear)
+    block_packing.cache_clear()  # groups of the size set here (cleared again after)
+    request.addfinalizer(block_packing.cache_clear)
     torch.manual_seed(0)
     tensors = {name: torch.randn(shape) for name, shape in SHAPES.items()}
     parts = plans(2)

@@ -25,7 +25,7 @@ from weightsync.api.errors import (
     WeightStreamError,
     WeightsyncError,
 )
-from weightsync.core.wire.blocks import BlockPlan, Blocks, block_copies, blocks_of
+from weightsync.core.wire.blocks import BlockPlan, Blocks, block_packing, blocks_of
 from weightsync.core.wire.codec import MAX_NAME_BYTES, TensorMeta
 from weightsync.core.wire.layout import PIECE_BYTES, PlannedBucket
 from weightsync.core.wire.sources import as_shard, shard_range
@@ -186,8 +186,7 @@ def _place(bucket: PlannedBucket, name: str, dtype: str, shape: torch.Size, sour
         item = (TensorMeta(name, dtype, shape, first + offset, take, whole, start, blocks or ()), source, offset)
         bucket.items.append(item)
         if blocks is not None:  # row by row, block after block
-            bucket.rows[start] = block_copies(tuple(shape), source.element_size(), blocks, offset, offset + take,
-                                              packing=True)
+            bucket.rows[start] = block_packing(tuple(shape), source.element_size(), blocks, offset, offset + take)
             bucket.large.append(item)
         elif take <= PIECE_BYTES and source.is_cpu:
             bucket.copies += (start, source.data_ptr() + offset, take)

@@ -343,8 +343,7 @@ class BucketReader:
         compact = tuple(destination.shape) != meta.shape
         if runs is not None and not compact and meta.blocks:  # its block's rows, each where it belongs
             low, high = max(runs[0][0], meta.offset), min(runs[1][0], meta.offset + meta.nbytes)
-            for triples, _, _ in block_copies(tuple(meta.shape), DTYPES[meta.dtype].itemsize, meta.blocks, low, high,
-                                              packing=False):
+            for triples, _, _ in block_copies(tuple(meta.shape), DTYPES[meta.dtype].itemsize, meta.blocks, low, high):
                 copy_batch(triples, target, address + low - meta.offset)
             part.fold(meta, address)
             return

@@ -33,8 +33,8 @@ import torch
 
 from weightsync.api.errors import PartMismatchError, WireError
 
-__all__ = ["BlockPlan", "Blocks", "block_copies", "block_index", "block_runs", "block_view", "blocks_of",
-           "candidates", "check_blocks"]
+__all__ = ["BlockPlan", "Blocks", "PackGroup", "block_copies", "block_index", "block_packing", "block_runs",
+           "block_view", "blocks_of", "candidates", "check_blocks"]
 
 Blocks = tuple[int, ...]
 """``(dim, count)``: a tensor packed as ``count`` equal blocks along ``dim`` (``TensorMeta.blocks``, as it comes)."""
@@ -126,30 +126,66 @@ def block_runs(index: int | None, name: str, total: int, blocks: Blocks) -> tupl
 
 
 @functools.lru_cache(maxsize=4096)
-def block_copies(shape: tuple[int, ...], itemsize: int, blocks: Blocks, first: int, end: int, *, packing: bool
+def block_copies(shape: tuple[int, ...], itemsize: int, blocks: Blocks, first: int, end: int
                  ) -> tuple[tuple[array.array[int], int, int], ...]:
-    """The rows of the packed bytes ``[first, end)`` of a tensor of ``shape`` as ``copy_batch`` triples, in groups of
-    about ``GROUP_BYTES``: each ``(triples, start, nbytes)``, ``start`` the group's first byte relative to ``first``.
-    ``packing``: (packed offset − first, the tensor's own offset, bytes), for a sender packing from the tensor; else
-    (the tensor's own offset, packed offset − first, bytes), for a receiver copying into a full-shape destination."""
+    """The rows of the packed bytes ``[first, end)`` of a tensor of ``shape``, for a receiver copying them into a
+    full-shape destination: ``copy_batch`` triples (the tensor's own offset, packed offset − first, bytes) in groups of
+    about ``GROUP_BYTES``, each ``(triples, start, nbytes)``, ``start`` the group's first byte relative to ``first``."""
     dim, count = blocks
     rows, row = _rows(shape, dim, count, itemsize)
     if end <= first or not row:
         return ()
     index = torch.arange(first // row, (end - 1) // row + 1, dtype=torch.int64)  # rows in packed order
+    low, high, own = _clip(index, rows, row, count, first, end)
+    triples = torch.stack([own, low - first, high - low], dim=1)
+    per = max(1, GROUP_BYTES // row)
+    return tuple((array.array("Q", triples[at:at + per].reshape(-1).tolist()), int(low[at]) - first,
+                  int((high[at:at + per] - low[at:at + per]).sum())) for at in range(0, len(index), per))
+
+
+PackGroup = tuple["array.array[int]", tuple[tuple[int, int, int], ...]]
+"""A sender's group of rows (:func:`block_packing`): ``copy_batch`` triples, and the spans they fill."""
+
+
+@functools.lru_cache(maxsize=4096)
+def block_packing(shape: tuple[int, ...], itemsize: int, blocks: Blocks, first: int, end: int
+                  ) -> tuple[PackGroup, ...]:
+    """The rows of the packed bytes ``[first, end)`` of a tensor of ``shape``, for a sender packing them from the
+    tensor: ``copy_batch`` triples (packed offset − first, the tensor's own offset, bytes) in groups that each take
+    the same rows of every block, about ``GROUP_BYTES`` in all, so that the tensor is read front to back, row after
+    row (reading one block's rows and then the next block's reads the tensor ``count`` times over, a run of each
+    row at a time, which costs half as much again). Each group comes with its **spans**: for each block it fills,
+    ``(block, start, nbytes)``, where its bytes lie contiguous, ``start`` relative to ``first``."""
+    dim, count = blocks
+    rows, row = _rows(shape, dim, count, itemsize)
+    if end <= first or not row:
+        return ()
+    index = torch.arange(first // row, (end - 1) // row + 1, dtype=torch.int64)  # rows in packed order
+    index = index[torch.argsort((index % rows) * count + index // rows)]  # the tensor's own order
+    low, high, own = _clip(index, rows, row, count, first, end)
+    triples = torch.stack([low - first, own, high - low], dim=1)
+    group = (index % rows - int(index[0] % rows)) // max(1, GROUP_BYTES // (row * count))
+    groups: list[PackGroup] = []
+    at = 0
+    for size in torch.unique_consecutive(group, return_counts=True)[1].tolist():
+        spans: dict[int, tuple[int, int]] = {}
+        for block, start, stop in zip((index[at:at + size] // rows).tolist(), low[at:at + size].tolist(),
+                                      high[at:at + size].tolist()):
+            began, filled = spans.get(block, (start, 0))
+            spans[block] = (began, filled + stop - start)
+        groups.append((array.array("Q", triples[at:at + size].reshape(-1).tolist()),
+                       tuple((block, began - first, filled) for block, (began, filled) in spans.items())))
+        at += size
+    return tuple(groups)
+
+
+def _clip(index: torch.Tensor, rows: int, row: int, count: int, first: int, end: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For packed rows ``index``: their bytes' range inside ``[first, end)`` (low, high) and where ``low`` lies in
+    the tensor's own bytes."""
     low = torch.clamp(index * row, min=first)
     high = torch.clamp((index + 1) * row, max=end)
-    own = (index % rows) * count * row + (index // rows) * row + (low - index * row)
-    packed = low - first
-    pair = (packed, own) if packing else (own, packed)
-    triples = torch.stack([pair[0], pair[1], high - low], dim=1)
-    per = max(1, GROUP_BYTES // row)
-    groups = []
-    for at in range(0, len(index), per):
-        chunk = triples[at:at + per]
-        groups.append((array.array("Q", chunk.reshape(-1).tolist()), int(packed[at]),
-                       int((high[at:at + per] - low[at:at + per]).sum())))
-    return tuple(groups)
+    return low, high, (index % rows) * count * row + (index // rows) * row + (low - index * row)
 
 
 def block_view(data: torch.Tensor, shape: Sequence[int], blocks: Blocks, index: int) -> torch.Tensor:

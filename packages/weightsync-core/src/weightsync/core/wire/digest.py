@@ -17,6 +17,7 @@ import xxhash
 
 import torch
 
+from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.tensors import memoryview_at, memoryview_of
 
 __all__ = ["StripedDigest", "UpdateDigest", "combine_stripes"]
@@ -49,9 +50,17 @@ class UpdateDigest:
         if nbytes > 0:
             self._hash.update(memoryview_at(address, nbytes))
 
-    def settle(self) -> None:
-        """Read every byte fed so far now (the caller is about to reuse the memory they lie in). This digest reads
-        each at once; one that defers (``PartsDigest``) reads what it holds back."""
+    def begin_blocks(self, meta: TensorMeta) -> bool:
+        """Whether the bucket's next piece ``meta``, of a tensor packed block after block, may be fed block by
+        block (``update_block``, the blocks' bytes interleaved, each block's in order; then ``end_blocks``) instead
+        of in bucket order: only a digest of the parts' sums can (``PartsDigest``), this one reads every byte."""
+        return False
+
+    def update_block(self, block: int, address: int, nbytes: int) -> None:
+        raise NotImplementedError("a digest fed in bucket order takes no blocks")
+
+    def end_blocks(self, meta: TensorMeta, address: int) -> None:
+        raise NotImplementedError("a digest fed in bucket order takes no blocks")
 
     def update_bucket(self, table: bytes, payload: torch.Tensor) -> None:
         self.begin_bucket(table, payload.numel())
@@ -101,9 +110,6 @@ class StripedDigest(UpdateDigest):
 
     def update_at(self, address: int, nbytes: int) -> None:
         self._current.update_at(address, nbytes)
-
-    def settle(self) -> None:
-        self._current.settle()
 
     def update_bucket(self, table: bytes, payload: torch.Tensor) -> None:
         self._next().update_bucket(table, payload)

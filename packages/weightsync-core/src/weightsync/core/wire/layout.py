@@ -6,13 +6,12 @@ The planner (:mod:`weightsync.core.pipeline.planner`) fills these; the pipeline 
 
 from __future__ import annotations
 
-import array
-import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from weightsync.core.native import copy_batch, copy_stream
+from weightsync.core.wire.blocks import PackGroup
 from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.tensors import as_byte_view
@@ -42,7 +41,7 @@ def pack_piece(buffer: torch.Tensor, bucket: PlannedBucket, item: PackItem) -> N
     meta, source, _ = item
     rows = bucket.rows.get(meta.bucket_offset) if meta.blocks else None
     if rows is not None:
-        for triples, _, _ in rows:
+        for triples, _ in rows:
             copy_batch(triples, buffer.data_ptr() + meta.bucket_offset, source.data_ptr())
     elif meta.nbytes:
         buffer[meta.bucket_offset:meta.bucket_offset + meta.nbytes].copy_(piece_bytes(item))
@@ -62,9 +61,9 @@ class PlannedBucket:
     ``copy_batch`` (host addresses only: an accelerator tensor's address is never used as a host pointer)."""
     large: list[PackItem] = field(default_factory=list)
     """The other pieces (larger ones, and every piece of an accelerator tensor), in bucket order."""
-    rows: dict[int, tuple[tuple[array.array[int], int, int], ...]] = field(default_factory=dict)
+    rows: dict[int, tuple[PackGroup, ...]] = field(default_factory=dict)
     """Pieces of a tensor packed block after block (``TensorMeta.blocks``), by bucket offset: their rows as
-    ``copy_batch`` groups (:func:`weightsync.core.wire.blocks.block_copies`); such a piece is in ``large`` and its
+    ``copy_batch`` groups (:func:`weightsync.core.wire.blocks.block_packing`); such a piece is in ``large`` and its
     source on the host."""
     on_device: bool = False
     """Whether any piece's source lives on the accelerator (the bucket is staged before a host transport packs it,
@@ -72,21 +71,6 @@ class PlannedBucket:
 
     def __len__(self) -> int:
         return len(self.items)
-
-
-class _Scratch(threading.local):
-    """A packing thread's scratch buffer, for a group of rows (``pack_hashing``)."""
-
-    def __init__(self) -> None:
-        self.buffer = torch.ones(2 * PIECE_BYTES, dtype=torch.uint8)  # pre-faulted
-
-    def at_least(self, nbytes: int) -> int:
-        if self.buffer.numel() < nbytes:
-            self.buffer = torch.ones(nbytes, dtype=torch.uint8)
-        return self.buffer.data_ptr()
-
-
-_SCRATCH = _Scratch()
 
 
 def pack_hashing(base: int, bucket: PlannedBucket, digest: UpdateDigest) -> None:
@@ -98,15 +82,7 @@ def pack_hashing(base: int, bucket: PlannedBucket, digest: UpdateDigest) -> None
         digest.update_at(base + hashed, at - hashed)  # the small pieces and padding before this one
         rows = bucket.rows.get(at) if meta.blocks else None
         if rows is not None:
-            # A group of rows at a time, gathered into a scratch in cache, hashed there (the digest reads it all before
-            # the next group: ``settle``) and streamed into the bucket: copied straight into the bucket, each of its
-            # lines would be read from memory before being written.
-            for triples, first, size in rows:
-                scratch = _SCRATCH.at_least(size)
-                copy_batch(triples, scratch - first, source.data_ptr())
-                digest.update_at(scratch, size)
-                digest.settle()
-                copy_stream(base + at + first, scratch, size)
+            _pack_blocks(base + at, meta, source, rows, digest)
             hashed = at + nbytes
             continue
         address = source.data_ptr() + start
@@ -118,3 +94,21 @@ def pack_hashing(base: int, bucket: PlannedBucket, digest: UpdateDigest) -> None
             digest.update_at(address + done, size)
         hashed = at + nbytes
     digest.update_at(base + hashed, bucket.nbytes - hashed)
+
+
+def _pack_blocks(address: int, meta: TensorMeta, source: torch.Tensor, rows: tuple[PackGroup, ...],
+                 digest: UpdateDigest) -> None:
+    """A piece packed block after block, to ``address``: each group (the same rows of every block, read from the
+    tensor front to back) copied straight into the bucket and hashed there while in cache, each block's span into
+    the sums of the parts that hold it (:meth:`UpdateDigest.begin_blocks`); a digest that reads the bucket in order
+    reads the piece once it is packed."""
+    by_blocks = digest.begin_blocks(meta)
+    for triples, spans in rows:
+        copy_batch(triples, address, source.data_ptr())
+        if by_blocks:
+            for block, start, nbytes in spans:
+                digest.update_block(block, address + start, nbytes)
+    if by_blocks:
+        digest.end_blocks(meta, address)
+    else:
+        digest.update_at(address, meta.nbytes)

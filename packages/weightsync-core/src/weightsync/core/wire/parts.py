@@ -327,7 +327,8 @@ def check_sums(sums: PartSums, expected: Sequence[bytes], *, receiver: int, peer
 class PartsDigest(UpdateDigest):
     """A sender's digest that also folds every distinct part's sums from the bytes it is fed, so each piece is
     hashed for the parts right behind its copy, while in cache (``pack_hashing`` feeds a bucket's payload in order,
-    from the bucket or from a large piece's source, which hold the same bytes).
+    from the bucket or from a large piece's source, which hold the same bytes; a piece packed block after block, a
+    group of rows of every block at a time: :meth:`begin_blocks`).
 
     With ``whole`` False (every receiver of the update verifies a part, none the whole digest) the whole digest is
     not computed at all, and the update's digest is a digest of the parts' sums (:meth:`hexdigest`), which every
@@ -344,6 +345,10 @@ class PartsDigest(UpdateDigest):
         """Bytes of the current bucket's payload fed so far, and in all."""
         self._pending = (0, 0, 0)
         """Bytes fed and not folded yet: where they lie, and their range of the payload."""
+        self._blocks: list[tuple[PartSums, int, xxhash.xxh3_64]] = []
+        """While a piece is fed block by block: each part, the block it holds, its sum's hash."""
+        self._fed: list[int] = []
+        """Bytes of each block fed so far."""
 
     def pieces(self, metas: Sequence[TensorMeta]) -> None:
         """The current bucket's pieces (in bucket order), before its payload is fed."""
@@ -369,10 +374,33 @@ class PartsDigest(UpdateDigest):
             start, low = start + high - low, high
         self._pending = (start, low, high)
 
-    def settle(self) -> None:
+    def begin_blocks(self, meta: TensorMeta) -> bool:
+        """With no whole digest to fold and every part holding one block of ``meta``'s tensor: fold what was fed
+        before it, and open each part's sum of the tensor for its block's bytes."""
+        blocks = [block for sums in self.parts if (block := sums.layout.block_of(meta)) is not None]
+        if self.whole or len(blocks) < len(self.parts):
+            return False
         start, low, high = self._pending
         self._fold(start, low, high)
-        self._pending = (start + high - low, high, high)
+        self._blocks = [(sums, block, sums.open(meta)) for sums, block in zip(self.parts, blocks)]
+        self._fed = [0] * meta.blocks[1]
+        return True
+
+    def update_block(self, block: int, address: int, nbytes: int) -> None:
+        view = memoryview_at(address, nbytes)
+        for _, held, hashing in self._blocks:
+            if held == block:
+                hashing.update(view)
+        self._fed[block] += nbytes
+
+    def end_blocks(self, meta: TensorMeta, address: int) -> None:
+        for sums, block, _ in self._blocks:
+            sums.nbytes += self._fed[block]
+            sums.close(meta)
+        self._blocks = []
+        self._next += 1  # the piece, which the bucket's next bytes follow
+        self._at += meta.nbytes
+        self._pending = (address + meta.nbytes, self._at, self._at)
 
     def _fold(self, address: int, low: int, high: int) -> None:
         """Fold the current bucket's payload bytes ``[low, high)``, which lie at ``address``."""

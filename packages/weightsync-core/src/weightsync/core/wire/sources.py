@@ -103,9 +103,6 @@ class SourcesDigest(UpdateDigest):
     def update_at(self, address: int, nbytes: int) -> None:
         self._current.update_at(address, nbytes)
 
-    def settle(self) -> None:
-        self._current.settle()
-
     def update_bucket(self, table: bytes, payload: torch.Tensor) -> None:
         self._current.update_bucket(table, payload)
 
