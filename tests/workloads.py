@@ -6,6 +6,7 @@ Ray) so that Ray and ``multiprocessing`` can rebuild them by reference in worker
 
 from __future__ import annotations
 
+import array
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -762,6 +763,9 @@ class TpSink(RecordingSink):
         super().__init__(replica, worker)
         self.rank = worker
         self.shards: dict[str, torch.Tensor] = {}
+        self.storages: dict[int, int] = {}
+        """The memory the last update's views lay in: address → bytes."""
+        self.views: dict[str, torch.Tensor] = {}
         HashCounter.install()
 
     async def load_weights(self, weights: Any, *, version: int) -> None:
@@ -774,12 +778,36 @@ class TpSink(RecordingSink):
             await weights.copy_into(self.shards)
             self.weights = dict(self.shards)
         else:
+            self.storages, self.views = {}, {}
             async for name, tensor in weights:
                 self.weights[name] = tp_slice(name, tensor, self.rank).clone()
+                storage = tensor.untyped_storage()
+                self.storages[storage.data_ptr()] = storage.nbytes()
+                self.views[name] = tensor
         self.version = version
+
+    def scribble(self, name: str, element: int) -> None:
+        """Change one element of the last update's view of ``name`` (of a delta update: the engine's kept copy),
+        behind the engine's back."""
+        with torch.no_grad():
+            self.views[name].view(-1)[element] += 1
 
     def held(self) -> dict[str, torch.Tensor]:
         return dict(self.weights)
+
+    def views_resident(self) -> tuple[int, int]:
+        """Of the memory the last update's views lay in: the bytes of its pages that are in memory, as this
+        process's page table says (``/proc/self/pagemap``: present and mapped by this process alone, so not the
+        shared zero page a read of an unwritten page maps), and its bytes."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        resident = 0
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            for address, nbytes in self.storages.items():
+                first, last = address // page, (address + nbytes - 1) // page
+                pagemap.seek(first * 8)
+                entries = array.array("Q", pagemap.read((last - first + 1) * 8))
+                resident += page * sum(1 for entry in entries if entry >> 63 & 1 and entry >> 56 & 1)
+        return resident, sum(self.storages.values())
 
     def hashed(self) -> int:
         """Bytes hashed in this process so far (then reset)."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 import ray
 from weightsync.api.config import SyncConfig
-from weightsync.api.errors import PartMismatchError
+from weightsync.api.errors import DigestMismatchError, PartMismatchError
 from weightsync.api.types import TransferReport, UpdateReport
 from weightsync.core.control.manager import CheckpointEngineManager
 from weightsync.ray import RayActorWorkerGroup, RayRolloutReplica
@@ -36,7 +36,7 @@ class Fleet:
 
     def manager(self, backend: str = "shm", **config: Any) -> CheckpointEngineManager:
         return CheckpointEngineManager(backend=backend, actor_wg=self.actor_wg, replicas=self.replicas,
-                                       config=SyncConfig(bucket_bytes=BUCKET, **config))
+                                       config=SyncConfig(**{"bucket_bytes": BUCKET, **config}))
 
     def update(self, manager: CheckpointEngineManager, version: int) -> UpdateReport:
         ray.get(self.actor_wg.call("set_version", version))
@@ -163,6 +163,54 @@ def test_the_hash_counter_sees_a_whole_model_verification(fleet: Fleet, ray_node
         assert all(map(ring_holds, own)) and not any(map(ring_holds, blocks))
     finally:
         whole.shutdown()
+
+
+def test_a_worker_of_a_part_keeps_its_part_of_the_version_it_holds_alone(fleet: Fleet, ray_nodes: RayNodes) -> None:
+    """With delta updates a worker that iterates views keeps a host copy of the version it holds, and a delta
+    update's views lie in it. Read from each worker's page table (outside the engine): the copy of a worker that
+    holds half of every split tensor takes about half the model (its half, and the norms both keep); a replica of
+    workers of the whole model keeps all of it (the negative control). One bucket holds the model: a tensor split
+    across buckets would be put together in a buffer of its own for its view."""
+    manager = fleet.manager(delta=True, bucket_bytes=8 << 20)
+    for version in (NUDGED + 40, NUDGED + 41):
+        report = fleet.update(manager, version)
+        assert report.ok, report.replicas
+    assert [outcome.received for outcome in report.replicas] == ["changes"] * 2
+    fleet.check_holds(NUDGED + 41)
+    for replica in fleet.replicas:
+        for resident, nbytes in ray.get(list(replica.call("views_resident"))):
+            assert nbytes >= MODEL_BYTES and resident <= 0.52 * MODEL_BYTES + REPLICATED_BYTES, (resident, nbytes)
+            assert resident >= 0.48 * MODEL_BYTES, (resident, nbytes)
+    whole = RayRolloutReplica.create(replica=9, sink_factory=TpSink, num_workers=2, node_id=ray_nodes.head)
+    try:
+        manager = CheckpointEngineManager(backend="shm", actor_wg=fleet.actor_wg, replicas=[whole],
+                                          config=SyncConfig(bucket_bytes=8 << 20, delta=True))
+        for version in (NUDGED + 42, NUDGED + 43):
+            ray.get(fleet.actor_wg.call("set_version", version))
+            assert asyncio.run(manager.update_weights(version=version)).ok
+        for resident, nbytes in ray.get(list(whole.call("views_resident"))):
+            assert resident >= MODEL_BYTES, (resident, nbytes)
+    finally:
+        whole.shutdown()
+
+
+def test_a_change_behind_the_engine_to_the_part_a_worker_keeps_fails_that_worker_alone(fleet: Fleet) -> None:
+    """After a delta update each worker's views lie in the copy it keeps of its part. An element of ``embed.weight``
+    that only worker 1 holds is changed there in both workers of replica 0: the next delta update fails worker 1
+    alone (its part's digest differs), not worker 0 (the element is not in its part), tears replica 0 alone, and the
+    next update repairs it (in full, as after any failed update)."""
+    manager = fleet.manager(delta=True)
+    for version in (NUDGED + 50, NUDGED + 51):
+        assert fleet.update(manager, version).ok
+    last = dict(tp_tensors(0))["embed.weight"].numel() - 1  # in the second half of its rows: worker 1's
+    ray.get([ref for ref in fleet.replicas[0].call("scribble", "embed.weight", last)])
+    with pytest.raises(DigestMismatchError, match="holds its part 1 of tensors") as raised:
+        fleet.update(manager, NUDGED + 52)
+    assert raised.value.details["receiver"] == 1 and "also:" not in str(raised.value)
+    assert [state.state for state in manager.status()] == ["torn", "committed"]
+    report = fleet.update(manager, NUDGED + 53)
+    assert report.ok and [outcome.received for outcome in report.replicas] == ["full", "full"]
+    fleet.check_holds(NUDGED + 53)
 
 
 @pytest.mark.parametrize("mode", ["delta", "staged", "delta+staged"])

@@ -4,6 +4,7 @@ the tensors a ``copy_into`` consumer's fallback takes (:class:`PlacedCopies`).""
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -47,6 +48,9 @@ class BaseCopies:
     model: str = ""
     """The model digest of ``version``."""
     buckets: list[BucketCopy] = field(default_factory=list)
+    partial: bool = False
+    """Whether the copy holds a part alone (``weightsync.core.delta.parts``): its buckets then take memory only
+    where the part's ranges were written, and it cannot be served again whole."""
 
     def match(self, index: int, table: bytes, nbytes: int) -> BucketCopy | None:
         """The kept bucket ``index`` when it has this table and size (so its pieces line up), else None."""
@@ -63,12 +67,18 @@ class BaseCopies:
         if kept is not None:
             kept.total = None
         else:
-            kept = BucketCopy(table, torch.zeros(nbytes, dtype=torch.uint8))
+            kept = BucketCopy(table, _untouched(nbytes) if self.partial else torch.zeros(nbytes, dtype=torch.uint8))
             if index < len(self.buckets):
                 self.buckets[index] = kept
             else:
                 self.buckets.append(kept)
         return kept
+
+    def hold(self, partial: bool) -> None:
+        """Whether the copy is to hold a part alone from now on: a change drops what it holds (the next update must
+        be full, which the receiver's base check sees: it holds no version then)."""
+        if partial != self.partial:
+            self.partial, self.buckets, self.version = partial, [], None
 
     def truncate(self, count: int) -> None:
         """Drop the buckets past ``count`` (the model got smaller)."""
@@ -82,6 +92,9 @@ class BaseCopies:
         """The kept version as ``(name, tensor)`` pairs in the order its buckets carried them (what a peer serves a
         joining replica: sent again in the same buckets, it has the same model digest): a tensor in one piece is a
         view of its bucket, one split across buckets is put together."""
+        if self.partial:
+            raise TransferError("this worker keeps its part of the model alone, which cannot be served again",
+                                peer="this worker")
         pieces: dict[str, torch.Tensor] = {}
         for kept in self.buckets:
             for meta in codec.decode_table(kept.table):
@@ -137,3 +150,12 @@ class PlacedCopies:
         done = self._written.get(meta.name, 0) + meta.nbytes
         self._written[meta.name] = done
         return done >= meta.total_nbytes
+
+
+def _untouched(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of zeroed host memory that takes none until written: a private anonymous mapping of its own (an
+    allocator's block may reuse pages other data dirtied, ``torch.zeros`` writes every page, and a shared mapping
+    would take a page for every page read)."""
+    if not nbytes:
+        return torch.zeros(0, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import array
 import concurrent.futures
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import xxhash
@@ -160,16 +160,19 @@ def _put_varint(value: int) -> bytes:
 _MALFORMED = "malformed delta bucket: a run outside its tensor, or bytes missing or left over"
 
 
-def apply(encoded: torch.Tensor, rows: array.array[int], *, summed: bool = False) -> int:
+def apply(encoded: torch.Tensor, rows: array.array[int], *, summed: bool = False,
+          held: array.array[int] | None = None) -> int:
     """Apply the encoding ``encoded`` (a host uint8 tensor) to the pieces ``rows`` (flat ``(destination address,
     nbytes, unit, key)`` rows, in the encoding's order); ``WireError``, with nothing written, when it is malformed.
-    With ``summed``, returns the pieces' keyed sum once written (the helper computes it in the same pass), else 0."""
+    With ``summed``, returns the pieces' keyed sum once written (the helper computes it in the same pass), else 0.
+    With ``held`` (:func:`weightsync.core.delta.parts.held_rows`), only the ranges of each piece it names held are
+    written and summed: a worker that keeps its part alone."""
     if not native.compiled():
         data = bytes(memoryview_of(encoded)) if encoded.numel() else b""
         _walk(data, rows, write=False)
-        _walk(data, rows, write=True)
-        return applied_sum(rows) if summed else 0
-    total = native.delta_apply(encoded.data_ptr(), encoded.numel(), rows, summed=summed)
+        _walk(data, rows, write=True, held=held)
+        return applied_sum(rows, held) if summed else 0
+    total = native.delta_apply(encoded.data_ptr(), encoded.numel(), rows, summed=summed, held=held)
     if total is None:
         raise WireError(_MALFORMED)
     return total
@@ -182,10 +185,30 @@ def bucket_sum(rows: array.array[int]) -> int:
     return sum(_keyed_sum(rows[row], rows[row + 1], rows[row + 2]) for row in range(0, len(rows), 3)) & _MASK
 
 
-def applied_sum(rows: array.array[int]) -> int:
-    """The keyed sum of the pieces :func:`apply` rows (``(address, nbytes, unit, key)``) point at."""
-    return bucket_sum(array.array("Q", [value for row in range(0, len(rows), 4)
-                                         for value in (rows[row], rows[row + 1], rows[row + 3])]))
+def applied_sum(rows: array.array[int], held: array.array[int] | None = None) -> int:
+    """The keyed sum of the pieces :func:`apply` rows (``(address, nbytes, unit, key)``) point at (of their ranges
+    ``held`` names held, when given)."""
+    sums = array.array("Q")
+    for row, ranges in zip(range(0, len(rows), 4), _ranges(rows, held)):
+        for start, end in ranges:
+            sums.extend((rows[row] + start, end - start, (rows[row + 3] + start // 8 * KEY_STEP) & _MASK))
+    return bucket_sum(sums)
+
+
+def _ranges(rows: array.array[int], held: array.array[int] | None) -> Iterator[list[tuple[int, int]]]:
+    """Each :func:`apply` row's held ranges ``(start, end)``: the whole piece without ``held``."""
+    at = 0
+    for row in range(0, len(rows), 4):
+        if held is None:
+            yield [(0, rows[row + 1])]
+            continue
+        count, start, ranges = held[at], 0, []
+        for pair in range(at + 1, at + 1 + 2 * count, 2):
+            if held[pair + 1] and held[pair] > start:
+                ranges.append((start, held[pair]))
+            start = held[pair]
+        at += 1 + 2 * count
+        yield ranges
 
 
 def _keyed_sum(address: int, nbytes: int, key: int) -> int:
@@ -222,10 +245,10 @@ class ModelDigest:
         return str(self._hash.hexdigest())
 
 
-def _walk(data: bytes, rows: array.array[int], *, write: bool) -> None:
-    """The helper's apply in Python (a receiver built without it): check, or write."""
+def _walk(data: bytes, rows: array.array[int], *, write: bool, held: array.array[int] | None = None) -> None:
+    """The helper's apply in Python (a receiver built without it): check, or write (``held``'s ranges alone)."""
     position = 0
-    for row in range(0, len(rows), 4):
+    for row, ranges in zip(range(0, len(rows), 4), _ranges(rows, held)):
         address, nbytes, unit = rows[row], rows[row + 1], rows[row + 2]
         units, at = nbytes // unit, 0
         while True:
@@ -237,7 +260,11 @@ def _walk(data: bytes, rows: array.array[int], *, write: bool) -> None:
                 raise WireError("malformed delta bucket: a run outside its tensor")
             at += gap
             if write:
-                native.copy_bytes(address + at * unit, data[position:position + run * unit], run * unit)
+                for start, end in ranges:  # the run's bytes inside each held range
+                    low, high = max(start, at * unit), min(end, (at + run) * unit)
+                    if low < high:
+                        native.copy_bytes(address + low, data[position + low - at * unit:position + high - at * unit],
+                                          high - low)
             position += run * unit
             at += run
     if position != len(data):

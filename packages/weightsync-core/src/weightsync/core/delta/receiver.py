@@ -8,14 +8,17 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from weightsync.api.errors import DestinationError, DigestMismatchError, TransferError
+from weightsync.api.errors import DestinationError, DigestMismatchError, TransferError, WireError
 from weightsync.core import native
 from weightsync.core.delta.copies import BaseCopies, PlacedCopies
 from weightsync.core.delta.encoding import Held, ModelDigest, applied_sum, apply, held_sum, piece_key, unit_of
+from weightsync.core.delta.parts import PartWords
 from weightsync.core.transports.seam import Arrived, ReceiverTransport
 from weightsync.core.wire import codec, tensors
+from weightsync.core.wire.blocks import block_view
 from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.destinations import Fallback, check_destination, destination_fits, typed_view
+from weightsync.core.wire.parts import PartLayout
 from weightsync.core.wire.tensors import DTYPES
 
 __all__ = ["ReceiverDelta"]
@@ -51,16 +54,24 @@ class ReceiverDelta:
         self.wrote = False
         """Whether this update began writing changes into the consumer's destinations."""
         self._views = True
+        self.part: PartWords | None = None
+        """This worker's part, which its kept copy holds alone (``weightsync.core.delta.parts``); None: it keeps
+        the whole model."""
+        self._words: dict[tuple[bytes, int], PartWords] = {}
 
     def held_weights(self) -> tuple[int, Iterator[tuple[str, torch.Tensor]]] | None:
         """The version this receiver holds and keeps a whole copy of (its consumer iterated views), with that copy's
-        tensors (``BaseCopies.weights``); None when it keeps none."""
-        if self.held is None or self.kept.version != self.held[0] or not self.kept.buckets:
+        tensors (``BaseCopies.weights``); None when it keeps none (or its part alone)."""
+        if self.held is None or self.kept.version != self.held[0] or not self.kept.buckets or self.kept.partial:
             return None
         return self.kept.version, self.kept.weights()
 
-    def begin(self) -> None:
-        """A new update starts: until it completes, this receiver holds no version it can vouch for."""
+    def begin(self, part: PartLayout | None = None) -> None:
+        """A new update starts: until it completes, this receiver holds no version it can vouch for. ``part``: this
+        worker's, when it declared one: a copy kept for its views then holds that part alone."""
+        self.part = None if part is None else self._words.setdefault(
+            (part.plan.key(), part.plan.index), PartWords(part))
+        self.kept.hold(part is not None)
         self.wrote = False
         self._base, self.held = self.held, None
         self._kept_base, self.kept.version = self.kept.version, None
@@ -107,7 +118,8 @@ class ReceiverDelta:
         if kept is not None:
             at = kept.data.data_ptr()
             apply(payload, array.array("Q", [value for meta in header.tensors for value in (
-                at + meta.bucket_offset, meta.nbytes, unit_of(meta), piece_key(header.index, meta.bucket_offset))]))
+                at + meta.bucket_offset, meta.nbytes, unit_of(meta), piece_key(header.index, meta.bucket_offset))]),
+                  held=self.part.segments(header.tensors) if self.part is not None else None)
             arrived.payload = kept.data  # read from the kept copy as a dense bucket (``read`` folds it)
             return True
         if destinations is None:
@@ -118,12 +130,12 @@ class ReceiverDelta:
         places = _Places(header)
         for meta in header.tensors:
             destination = destinations.get(meta.name)
-            if destination is not None:
+            if destination is not None and not meta.blocks:
                 places.into(meta, destination)
-            elif fallback is None:
+            elif destination is None and fallback is None:
                 raise DestinationError(f"no destination for received tensor {meta.name!r} (and no fallback)",
                                        name=meta.name)
-            else:
+            else:  # one only the fallback takes, or one packed block after block: a host copy in the bucket's order
                 places.kept(meta, self.placed.get(meta, fresh=header.dense < 0))
         # Verified here, from the bytes just written (a piece changed in a host copy is summed there: the copy goes
         # back unchanged), unless a whole tensor was copied: then from what the destinations hold, below.
@@ -134,8 +146,7 @@ class ReceiverDelta:
             self._model.add(arrived.table, _layout(header), total)
         elif places.whole:
             self._fold(header, arrived.table, places.held)
-        if fallback is not None:
-            places.hand_over(fallback, self.placed)
+        places.hand_over(self.placed, destinations, fallback, self.part.layout if self.part is not None else None)
         return False
 
     def read(self, arrived: Arrived, destinations: Mapping[str, torch.Tensor] | None) -> None:
@@ -144,17 +155,25 @@ class ReceiverDelta:
         header = arrived.header
         if destinations is None:
             kept = self.kept.replace(header.index, arrived.table, _layout(header))
+            part = self.part
             if arrived.payload.data_ptr() != kept.data.data_ptr():  # not read from the kept copy: keep it now
-                for meta in header.tensors:
+                if part is not None:  # its held ranges alone (the copy's other pages stay unwritten)
+                    native.copy_batch(part.copies(header.tensors), kept.data.data_ptr(), arrived.payload.data_ptr())
+                for meta in header.tensors if part is None else ():
                     piece = arrived.payload[meta.bucket_offset:meta.bucket_offset + meta.nbytes]
                     kept.data[meta.bucket_offset:meta.bucket_offset + meta.nbytes].copy_(piece)
-            self._fold(header, arrived.table, [(meta, kept.data, meta.bucket_offset) for meta in header.tensors])
+            if part is None:
+                self._fold(header, arrived.table, [(meta, kept.data, meta.bucket_offset) for meta in header.tensors])
+            elif self._verifies(header) and self._model is not None:
+                self._model.add(arrived.table, _layout(header), part.bucket_sum(header.index, header.tensors,
+                                                                                kept.data))
             return
         self._views = False
         held: list[Held] = []
         for meta in header.tensors:
             destination = destinations.get(meta.name)
-            if destination is None:  # the consumer's fallback took it: kept, for the next delta update
+            if destination is None or meta.blocks:  # the fallback took it, or it came block after block: kept
+                # for the next delta update in the bucket's order
                 destination = self.placed.get(meta, fresh=True)
                 with torch.no_grad():
                     destination[meta.offset:meta.offset + meta.nbytes].copy_(
@@ -169,13 +188,17 @@ class ReceiverDelta:
         if header.base >= 0:
             self.delta_updates += 1
             if self._model is not None:
-                actual = self._model.hexdigest()
-                if actual != header.model:
+                actual, expected, what = self._model.hexdigest(), header.model, "tensors"
+                if self._views and self.part is not None:
+                    index = self.part.index
+                    expected = header.part_models[index] if index < len(header.part_models) else ""
+                    what = f"its part {index} of tensors"
+                if actual != expected:
                     raise DigestMismatchError(
-                        f"rollout rank {receiver} holds tensors whose digest {actual[:16]} differs from version "
-                        f"{header.version}'s {header.model[:16]} from {peer} after applying its changes: a "
-                        "destination changed outside the engine, or the base was not what it claimed",
-                        receiver=receiver, expected=header.model, actual=actual)
+                        f"rollout rank {receiver} holds {what} whose digest {actual[:16]} differs from version "
+                        f"{header.version}'s {expected[:16] or '(none sent)'} from {peer} after applying its "
+                        "changes: a destination changed outside the engine, or the base was not what it claimed",
+                        receiver=receiver, expected=expected, actual=actual)
         self.held = (header.version, header.model)
         if self._owns_placed:
             self.placed.complete()
@@ -261,8 +284,27 @@ class _Places:
                 destination.copy_(host.view(destination.dtype).reshape(destination.shape))
         return total
 
-    def hand_over(self, fallback: Fallback, copies: PlacedCopies) -> None:
-        """Each tensor the fallback takes that this bucket completed, whole now."""
+    def hand_over(self, copies: PlacedCopies, destinations: Mapping[str, torch.Tensor], fallback: Fallback | None,
+                  part: PartLayout | None) -> None:
+        """Each tensor kept in a host copy that this bucket completed, whole now: to the fallback; one packed block
+        after block as a full-shape view whose elements in this worker's block are the block (``part``'s), into its
+        destination's block when it has one."""
         for meta, copy in self.placed:
-            if copies.written(meta):
-                fallback(meta.name, typed_view(copy, DTYPES[meta.dtype], meta.shape))
+            if not copies.written(meta):
+                continue
+            tensor = typed_view(copy, DTYPES[meta.dtype], meta.shape if not meta.blocks else (copy.numel() // DTYPES[
+                meta.dtype].itemsize,))
+            index = part.block_of(meta) if part is not None and meta.blocks else None
+            if meta.blocks:
+                if index is None:
+                    raise WireError(f"{meta.name!r} was sent block by block, and this worker holds none of its "
+                                    "blocks: the update was not planned for it")
+                tensor = block_view(tensor, meta.shape, meta.blocks, index)
+            destination = destinations.get(meta.name)
+            if destination is not None and index is not None:
+                dim, count = meta.blocks
+                width = meta.shape[dim] // count
+                with torch.no_grad():
+                    destination.narrow(dim, index * width, width).copy_(tensor.narrow(dim, index * width, width))
+            elif fallback is not None:
+                fallback(meta.name, tensor)

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import array
 import concurrent.futures
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from weightsync.core.delta import encoding
 from weightsync.core.delta.copies import BaseCopies, BucketCopy
+from weightsync.core.delta.parts import PartWords
 from weightsync.core.native import copy_batch
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.layout import PlannedBucket, pack_hashing
+from weightsync.core.wire.parts import PartLayout
 
 __all__ = ["DeltaUpdate", "SenderDelta"]
 
@@ -29,13 +32,20 @@ class SenderDelta:
     """The version every receiver holds, as the manager said at ``init_process_group`` (advanced by every update
     this epoch completes); None: send the next update full."""
 
-    def begin(self) -> DeltaUpdate:
+    gathered: Gathered = field(default_factory=lambda: Gathered())
+    """Where pieces packed block after block are gathered in that order to be compared, reused across updates."""
+    words: dict[tuple[bytes, int], PartWords] = field(default_factory=dict)
+    """Each distinct part's held ranges, kept across updates and epochs (keyed by its regions and index)."""
+
+    def begin(self, parts: Sequence[PartLayout] = ()) -> DeltaUpdate:
         """An update starts: against the kept version when every receiver holds it, else full (the kept copy is
-        rewritten). Until it completes the kept copy holds no whole version."""
+        rewritten). Until it completes the kept copy holds no whole version. ``parts``: the distinct parts the
+        receivers declared, whose part model digests the update folds too."""
         kept = self.kept
         usable = kept.version is not None and kept.version == self.allowed_base
+        words = [self.words.setdefault((layout.plan.key(), layout.plan.index), PartWords(layout)) for layout in parts]
         update = DeltaUpdate(kept, kept.version if usable and kept.version is not None else -1,
-                             kept.model if usable else "")
+                             kept.model if usable else "", parts=words, gathered=self.gathered)
         kept.version = None
         return update
 
@@ -57,6 +67,15 @@ class DeltaUpdate:
     folding: list[tuple[bytes, int, concurrent.futures.Future[int]]] = field(default_factory=list)
     """Each bucket's table, size and keyed sum, in order: known for a bucket sent as changes (its kept sum updated
     by what changed), else being summed from the kept copy on the digest thread."""
+    parts: list[PartWords] = field(default_factory=list)
+    """The distinct parts the receivers declared, each of whose part model digest this update folds too
+    (:mod:`weightsync.core.delta.parts`)."""
+    part_folding: list[list[concurrent.futures.Future[int]]] = field(default_factory=list)
+    """Per bucket, in order, each part's keyed sum of its held ranges (summed from the kept copy on the digest
+    thread)."""
+    part_models: list[str] = field(default_factory=list)
+    """Once :meth:`model_digest` ran: each part's model digest, in the order of the senders' plan."""
+    gathered: Gathered = field(default_factory=lambda: Gathered())
 
     def pack(self, buffer: torch.Tensor, bucket: PlannedBucket, table: bytes, digest: UpdateDigest, *, index: int,
              pool: concurrent.futures.ThreadPoolExecutor) -> tuple[int, int]:
@@ -70,9 +89,10 @@ class DeltaUpdate:
         if kept is not None:
             rows = array.array("Q")
             kept_at = kept.data.data_ptr()
+            blocked = self.gathered.gather(bucket)
             for meta, source, start in bucket.items:
-                rows.extend((source.data_ptr() + start, kept_at + meta.bucket_offset, meta.nbytes,
-                             encoding.unit_of(meta), encoding.piece_key(index, meta.bucket_offset)))
+                rows.extend((blocked.get(meta.bucket_offset, source.data_ptr() + start), kept_at + meta.bucket_offset,
+                             meta.nbytes, encoding.unit_of(meta), encoding.piece_key(index, meta.bucket_offset)))
             length, changed, sum_change = encoding.encode(rows, base, bucket.nbytes - 1, pool)
             self.changed += changed
             if kept.total is not None:
@@ -104,14 +124,23 @@ class DeltaUpdate:
         else:
             future = pool.submit(kept.sum, index, [meta for meta, _, _ in bucket.items])
         self.folding.append((table, kept.nbytes, future))
+        if self.parts:
+            metas = [meta for meta, _, _ in bucket.items]
+            self.part_folding.append([pool.submit(part.bucket_sum, index, metas, kept.data) for part in self.parts])
 
     def model_digest(self, buckets: int) -> str:
         """Once every one of the update's ``buckets`` is folded: the model digest (the kept copy loses any bucket
         past them: the model got smaller)."""
         model = encoding.ModelDigest()
-        for table, nbytes, future in self.folding:
+        by_part = [encoding.ModelDigest() for _ in self.parts]
+        for (table, nbytes, future), sums in zip(self.folding, self.part_folding or [[]] * len(self.folding)):
             model.add(table, nbytes, future.result())
-        self.folding = []
+            for part_model, part_sum in zip(by_part, sums):
+                part_model.add(table, nbytes, part_sum.result())
+        self.folding, self.part_folding = [], []
+        self.part_models = [""] * (max((part.index for part in self.parts), default=-1) + 1)
+        for part, part_model in zip(self.parts, by_part):
+            self.part_models[part.index] = part_model.hexdigest()
         self.kept.truncate(buckets)
         return model.hexdigest()
 
@@ -119,8 +148,35 @@ class DeltaUpdate:
         """After a failed update: the sums under way finish before anything changes the kept copy (no kept bucket
         may change or go while one reads it); their errors do not matter, the update failed already."""
         folding, self.folding = self.folding, []
-        for _, _, future in folding:
+        futures = [future for _, _, future in folding] + [future for sums in self.part_folding for future in sums]
+        self.part_folding = []
+        for future in futures:
             try:
                 future.result()
             except Exception:  # noqa: BLE001 - the model digest of a failed update is discarded
                 pass
+
+
+class Gathered:
+    """A bucket's pieces packed block after block (``weightsync.core.wire.blocks``), gathered in that order: the
+    encoder compares a piece with the kept copy in the bucket's layout. One host buffer, grown as needed."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def gather(self, bucket: PlannedBucket) -> dict[int, int]:
+        """Gather the bucket's blocked pieces; where each now lies, by its bucket offset."""
+        blocked = [(meta, source) for meta, source, _ in bucket.large
+                   if meta.blocks and meta.bucket_offset in bucket.rows]
+        if not blocked:
+            return {}
+        need = sum(meta.nbytes for meta, _ in blocked)
+        if self._buffer is None or self._buffer.numel() < need:
+            self._buffer = torch.empty(need, dtype=torch.uint8)
+        at, places = self._buffer.data_ptr(), {}
+        for meta, source in blocked:
+            for triples, _ in bucket.rows[meta.bucket_offset]:
+                copy_batch(triples, at, source.data_ptr())
+            places[meta.bucket_offset] = at
+            at += meta.nbytes
+        return places

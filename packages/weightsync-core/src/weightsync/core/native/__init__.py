@@ -49,7 +49,7 @@ process wants the GIL (the receive thread decoding a header, the sender's planne
 switch between the two threads."""
 
 
-_ABI = 6
+_ABI = 7
 """``WEIGHTSYNC_STREAM_COPY_ABI`` of the ``_stream_copy.c`` this module calls."""
 
 
@@ -98,7 +98,7 @@ def _open_helper(path: Path) -> tuple[ctypes.CDLL | None, str]:
                                                 ctypes.c_int, ctypes.POINTER(ctypes.c_uint64))
     library.weightsync_delta_encode.restype = ctypes.c_uint64
     library.weightsync_delta_apply.argtypes = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
-                                               ctypes.POINTER(ctypes.c_uint64))
+                                               ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p)
     library.weightsync_delta_apply.restype = ctypes.c_int
     library.weightsync_delta_sum.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     library.weightsync_delta_sum.restype = ctypes.c_uint64
@@ -199,13 +199,16 @@ def delta_encode(rows: array.array[int], out: int, capacity: int, *, open_last: 
             int(last.value))
 
 
-def delta_apply(encoded: int, nbytes: int, rows: array.array[int], *, summed: bool) -> int | None:
+def delta_apply(encoded: int, nbytes: int, rows: array.array[int], *, summed: bool,
+                held: array.array[int] | None = None) -> int | None:
     """Apply the ``nbytes`` of encoding at host address ``encoded`` to the pieces ``rows`` (flat ``(destination
     address, nbytes, unit, key)`` rows), checked whole before a byte is written. None when it is malformed (nothing
-    written); else, with ``summed``, the pieces' keyed sum once written, and 0 without."""
+    written); else, with ``summed``, the pieces' keyed sum once written, and 0 without. With ``held``, each piece's
+    held ranges alone are written and summed (per piece: a count n, then n ``(end, held)`` pairs covering it)."""
     total = ctypes.c_uint64(0)
     if _library().weightsync_delta_apply(encoded, nbytes, rows.buffer_info()[0], len(rows) // 4,
-                                         ctypes.byref(total) if summed else None) != 0:
+                                         ctypes.byref(total) if summed else None,
+                                         held.buffer_info()[0] if held is not None else None) != 0:
         return None
     return int(total.value)
 

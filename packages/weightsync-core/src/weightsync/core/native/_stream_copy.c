@@ -19,7 +19,7 @@
 #include <string.h>
 
 #define WEIGHTSYNC_STREAM_MIN 4096 /* below this, memmove's cached copy is as fast and keeps the bytes cached */
-#define WEIGHTSYNC_STREAM_COPY_ABI 6 /* bumped with any change of these functions' signatures or meaning */
+#define WEIGHTSYNC_STREAM_COPY_ABI 7 /* bumped with any change of these functions' signatures or meaning */
 
 /* The Python side refuses a library built from another version of this file (a stale in-place build). */
 int weightsync_stream_copy_abi(void) { return WEIGHTSYNC_STREAM_COPY_ABI; }
@@ -458,12 +458,60 @@ static inline __attribute__((always_inline)) const unsigned char *apply_piece(
     }
 }
 
+/* Applies one piece's part of a checked encoding, as apply_piece, to the ranges of the piece this receiver holds
+ * (a worker that keeps its part alone: weightsync.core.delta.parts): segments is count pairs (end, held) that cover
+ * the piece in order, every end but the last (nbytes) a multiple of 8. Bytes of runs outside held ranges are passed
+ * over; with sum, adds the keyed sum of the held ranges once written. */
+static const unsigned char *apply_piece_held(const unsigned char *p, const unsigned char *end,
+                                             unsigned char *destination, uint64_t nbytes, uint64_t unit,
+                                             uint64_t key, const uint64_t *segments, uint64_t count,
+                                             uint64_t *sum) {
+    uint64_t run = 0, gap = 0, position = 0, segment = 0;
+    for (;;) {
+        get_varint(&p, end, &run);
+        if (run == 0) {
+            break;
+        }
+        get_varint(&p, end, &gap);
+        position += gap * unit;
+        uint64_t stop = position + run * unit;
+        for (uint64_t at = position; at < stop;) {
+            while (segment < count && segments[2 * segment] <= at) {
+                segment++;
+            }
+            if (segment >= count) { /* not reached: checked runs lie inside the piece, which the segments cover */
+                break;
+            }
+            uint64_t upto = segments[2 * segment] < stop ? segments[2 * segment] : stop;
+            if (segments[2 * segment + 1]) {
+                memcpy(destination + at, p + (at - position), upto - at);
+            }
+            at = upto;
+        }
+        p += stop - position;
+        position = stop;
+    }
+    if (sum != NULL) {
+        uint64_t start = 0;
+        for (uint64_t i = 0; i < count; i++) {
+            uint64_t upto = segments[2 * i] < nbytes ? segments[2 * i] : nbytes;
+            if (segments[2 * i + 1] && upto > start) {
+                *sum += keyed_sum(destination + start, upto - start, key + start / 8 * KEY_STEP);
+            }
+            start = upto;
+        }
+    }
+    return p;
+}
+
 /* pieces: count rows of (destination address, nbytes, unit, key), as the encoding's pieces. Checks the whole
  * encoding first and writes nothing unless it is well formed (every run inside its piece, nothing left over):
  * returns 0 after applying it, -1 for a malformed one. With sum (not NULL), *sum gets the keyed sum of the pieces'
- * bytes once applied (key: of a piece's first word), computed in the same pass. */
+ * bytes once applied (key: of a piece's first word), computed in the same pass. With held (not NULL), only the
+ * ranges each piece's row there names are written and summed: for each piece in order, a count n and n pairs
+ * (end, held) as apply_piece_held takes them. */
 int weightsync_delta_apply(const unsigned char *delta, uint64_t length, const uint64_t *pieces, size_t count,
-                           uint64_t *sum) {
+                           uint64_t *sum, const uint64_t *held) {
     if (check_delta(delta, length, pieces, count) != 0) {
         return -1;
     }
@@ -472,6 +520,11 @@ int weightsync_delta_apply(const unsigned char *delta, uint64_t length, const ui
     for (size_t i = 0; i < count; i++, pieces += 4) {
         unsigned char *destination = (unsigned char *)(uintptr_t)pieces[0];
         uint64_t *into = sum == NULL ? NULL : &total;
+        if (held != NULL) {
+            p = apply_piece_held(p, end, destination, pieces[1], pieces[2], pieces[3], held + 1, held[0], into);
+            held += 1 + 2 * held[0];
+            continue;
+        }
         switch (pieces[2]) { /* inlined for each unit, as encode_piece */
         case 1: p = apply_piece(p, end, destination, pieces[1], 1, pieces[3], into); break;
         case 2: p = apply_piece(p, end, destination, pieces[1], 2, pieces[3], into); break;

@@ -28,7 +28,7 @@ from weightsync.core.transports.seam import Arrived
 from weightsync.core.transports.seam import ReceivedBucket, ReceiverTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.destinations import Fallback
-from weightsync.core.wire.parts import check_sums
+from weightsync.core.wire.parts import PartLayout, check_sums
 
 __all__ = ["BucketOrder", "ReceiveStream", "ReceiveContext"]
 
@@ -49,15 +49,19 @@ class ReceiveContext:
         """With ``settings.delta``: what this receiver holds across updates (``weightsync.core.delta.receiver``; per
         sender from a sharded ``actor_wg``: ``weightsync.core.delta.sources``)."""
 
-    def begin_delta(self, sources: bool) -> None:
+    def begin_delta(self, sources: bool, part: PartLayout | None = None) -> None:
         """An update from one sender or from several (``sources``) begins. Between the two kinds nothing held
-        carries over: the first update after a switch must be full (a delta one is refused before any write)."""
+        carries over: the first update after a switch must be full (a delta one is refused before any write).
+        ``part``: this worker's, which a copy kept for its views holds alone (from one sender)."""
         if self.delta is None:
             return
         if isinstance(self.delta, SourcesDelta) != sources:
             every = self.settings.verify_every
             self.delta = SourcesDelta(verify_every=every) if sources else ReceiverDelta(verify_every=every)
-        self.delta.begin()
+        if isinstance(self.delta, ReceiverDelta):
+            self.delta.begin(part)
+        else:
+            self.delta.begin()
 
 
 class ReceiveStream:
@@ -100,7 +104,8 @@ class ReceiveStream:
     async def _start(self) -> asyncio.Queue[Arrived | BaseException]:
         if self._queue is None:
             await self._hold.start()
-            self._context.begin_delta(self._reader.sources)
+            part = self._reader.part
+            self._context.begin_delta(self._reader.sources, part.layout if part is not None else None)
             loop = asyncio.get_running_loop()
             self._queue = asyncio.Queue()
             loop.run_in_executor(self._context.pool, self._receive_loop, loop, self._queue)

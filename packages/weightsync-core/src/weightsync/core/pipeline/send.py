@@ -12,7 +12,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,13 +121,15 @@ class SendPipeline:
     delta: SenderDelta = field(default_factory=SenderDelta)
     """With ``settings.delta``: the last version this sender sent, kept on the host (the base of the next update)."""
 
-    def delta_update(self, transport: SenderTransport, digest: UpdateDigest) -> DeltaUpdate | None:
+    def delta_update(self, transport: SenderTransport, digest: UpdateDigest, parts: Sequence[PartLayout] = ()
+                     ) -> DeltaUpdate | None:
         """This update's delta bookkeeping, or None when the sender keeps no version (``delta`` off, no compiled
-        encoder, or a test hook that rewrites packed buckets; engines with buckets on a device refuse ``delta``)."""
+        encoder, or a test hook that rewrites packed buckets; engines with buckets on a device refuse ``delta``).
+        ``parts``: the receivers' distinct parts, whose part model digests it folds too."""
         if (not self.settings.delta or not native.compiled() or not transport.buffer(0).is_cpu
                 or not digest.fusable or self.settings.after_pack is not None):
             return None
-        return self.delta.begin()
+        return self.delta.begin(parts)
 
     async def send(self, transport: SenderTransport, weights: Iterable[object], *, epoch: str, version: int,
                    started: float, stripe: tuple[int, int] = (0, 1), parts: list[PartLayout] | None = None,
@@ -143,16 +145,16 @@ class SendPipeline:
         digest = self.policy.new_digest()
         sending = Sending(transport, epoch, version, self.settings.context.rank, digest,
                           time.monotonic() + self.settings.timeout,
-                          self.delta_update(transport, digest) if stripe[1] == 1 else None,
+                          self.delta_update(transport, digest, parts or ()) if stripe[1] == 1 else None,
                           stripe=stripe[0], stripes=stripe[1])
         if parts and transport.buffer(0).is_cpu and sending.headers.base < 0:
             sending.parts = [PartSums(part) for part in parts]
             # Folded as each bucket is packed (a stripe's sender: its stripe's buckets); the whole digest too, unless
             # no receiver verifies it.
             sending.digest = PartsDigest(sending.parts, whole=not parts_only)
-        # Block after block only where every receiver reads its part of this update from the host, and no delta
-        # compares the next update's buckets with this one's (weightsync.core.wire.blocks).
-        blocks = blocked if blocked and sending.parts and sending.delta is None else None
+        # Block after block only where every receiver reads its part from the host (weightsync.core.wire.blocks),
+        # in every update alike: a delta compares each bucket with the one before in the same layout.
+        blocks = blocked if blocked and parts and transport.buffer(0).is_cpu else None
         in_flight: dict[int, asyncio.Future[float]] = {}
         try:
             await self._buckets(sending, weights, in_flight, blocks)
@@ -207,7 +209,8 @@ class SendPipeline:
         model = delta.model_digest(sending.buckets) if delta is not None else ""
         final = sending.headers.marker(index=sending.buckets, final=True, digest=sending.digest.hexdigest(),
                                        base=delta.base if delta is not None else -1, model=model,
-                                       parts=[sums.sums() for sums in sending.parts])
+                                       parts=[sums.sums() for sums in sending.parts],
+                                       part_models=delta.part_models if delta is not None else [])
         sending.publish_seconds += await asyncio.get_running_loop().run_in_executor(
             self.transfer_pool, _timed, sending.transport.publish, NO_SLOT, 0, final, sending.deadline)
         return model

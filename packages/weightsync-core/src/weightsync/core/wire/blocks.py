@@ -16,9 +16,10 @@ reads the layout from the wire, never from a guess. Each worker's block then lie
   block out of the tensor reads, without a copy.
 
 The part sums stay what :mod:`weightsync.core.wire.parts` defines (a block's bytes in row-major order are the same
-bytes either way). Only full, unstaged updates whose every receiver verifies a part, without ``SyncConfig.delta``,
-with the sender's buckets on the host, go block after block (the sender decides: ``pipeline.send``); a block's row of
-a tensor of dtype size ``itemsize`` is ``width * prod(shape[dim + 1:]) * itemsize`` bytes.
+bytes either way). Unstaged updates whose every receiver declared a part, with the sender's buckets on the host, go
+block after block, full and delta ones alike (a delta compares each bucket with the one of the update before, in the
+same layout; the sender decides: ``pipeline.send``); a block's row of a tensor of dtype size ``itemsize`` is
+``width * prod(shape[dim + 1:]) * itemsize`` bytes.
 """
 
 from __future__ import annotations

@@ -113,6 +113,9 @@ class _BucketFields(msgspec.Struct, frozen=True, tag="bucket"):
     parts: list[bytes] = []
     """On the final header of a full update whose receivers declared parts: each distinct part's sums, in the
     order of the senders' plan (:mod:`weightsync.core.wire.parts`)."""
+    part_models: list[str] = []
+    """On the final header of an update of a delta-enabled sender whose receivers declared parts: each distinct
+    part's model digest, in the order of the senders' plan (:mod:`weightsync.core.delta.parts`)."""
     ends: list[StreamEnd] = []
     """On the final header a receiver of several senders merges from theirs (no sender sends it): each sender's end,
     in the senders' order (its delta state is per sender: :mod:`weightsync.core.delta.sources`)."""
@@ -217,12 +220,13 @@ class UpdateHeaders(msgspec.Struct, frozen=True, kw_only=True):
         ))
 
     def marker(self, *, index: int, final: bool = False, digest: str = "", abort: str = "", base: int = -1,
-               model: str = "", parts: list[bytes] | None = None) -> bytes:
+               model: str = "", parts: list[bytes] | None = None, part_models: list[str] | None = None) -> bytes:
         """A header without payload after ``index`` buckets: the final one (``digest``; a delta-enabled sender's
-        ``base`` and ``model``; the parts' sums), or an abort."""
+        ``base``, ``model`` and ``part_models``; the parts' sums), or an abort."""
         return encode(BucketHeader(wire=WIRE_VERSION, epoch=self.epoch, version=self.version, sender=self.sender,
                                    index=index, slot=NO_SLOT, nbytes=0, tensors=[], final=final, digest=digest,
-                                   abort=abort, base=base, model=model, parts=parts or []))
+                                   abort=abort, base=base, model=model, parts=parts or [],
+                                   part_models=part_models or []))
 
 
 def _check_common(wire: int, epoch: str, expected_epoch: str | None) -> None:
@@ -268,7 +272,7 @@ def decode_bucket(
     header = BucketHeader(
         wire=raw.wire, epoch=raw.epoch, version=raw.version, sender=raw.sender, index=raw.index, slot=raw.slot,
         nbytes=raw.nbytes, tensors=tensors, final=raw.final, digest=raw.digest, abort=raw.abort, base=raw.base,
-        base_model=raw.base_model, dense=raw.dense, model=raw.model, parts=raw.parts,
+        base_model=raw.base_model, dense=raw.dense, model=raw.model, parts=raw.parts, part_models=raw.part_models,
         ends=raw.ends,
     )
     return header, table
