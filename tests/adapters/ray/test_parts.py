@@ -59,6 +59,16 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
+def whole(ray_nodes: RayNodes) -> Iterator[RayRolloutReplica]:
+    """A TP-2 replica whose workers declare no part (each receives the whole model): the negative controls'."""
+    replica = RayRolloutReplica.create(replica=9, sink_factory=TpSink, num_workers=2, node_id=ray_nodes.head)
+    try:
+        yield replica
+    finally:
+        replica.shutdown()
+
+
+@pytest.fixture(scope="module")
 def fleet(ray_nodes: RayNodes) -> Iterator[Fleet]:
     made = Fleet(ray_nodes)
     try:
@@ -145,27 +155,24 @@ def test_a_column_split_tensor_lies_block_after_block_in_the_ring(fleet: Fleet) 
     assert all(map(ring_holds, blocks)) and not any(map(ring_holds, own))
 
 
-def test_the_hash_counter_sees_a_whole_model_verification(fleet: Fleet, ray_nodes: RayNodes) -> None:
+def test_the_hash_counter_sees_a_whole_model_verification(fleet: Fleet, whole: RayRolloutReplica) -> None:
     """Negative control of the counter: workers that declare no part hash every byte of the update. And of the
     ring's layout: with workers of the whole model, ``o.weight`` lies in its own order."""
-    whole = RayRolloutReplica.create(replica=9, sink_factory=TpSink, num_workers=2, node_id=ray_nodes.head)
-    try:
-        manager = CheckpointEngineManager(backend="shm", actor_wg=fleet.actor_wg, replicas=[whole],
-                                          config=SyncConfig(bucket_bytes=BUCKET))
-        ray.get(fleet.actor_wg.call("set_version", 5))
-        ray.get([ref for ref in whole.call("hashed")])
-        report = asyncio.run(manager.update_weights(version=5))
-        assert report.ok
-        hashed = [ray.get(ref) for ref in whole.call("hashed")]
-        assert all(nbytes >= MODEL_BYTES for nbytes in hashed), (hashed, MODEL_BYTES)
-        assert all(transfer.part == -1 for transfer in receivers(report))
-        own, blocks = windows(5)
-        assert all(map(ring_holds, own)) and not any(map(ring_holds, blocks))
-    finally:
-        whole.shutdown()
+    manager = CheckpointEngineManager(backend="shm", actor_wg=fleet.actor_wg, replicas=[whole],
+                                      config=SyncConfig(bucket_bytes=BUCKET))
+    ray.get(fleet.actor_wg.call("set_version", 5))
+    ray.get([ref for ref in whole.call("hashed")])
+    report = asyncio.run(manager.update_weights(version=5))
+    assert report.ok
+    hashed = [ray.get(ref) for ref in whole.call("hashed")]
+    assert all(nbytes >= MODEL_BYTES for nbytes in hashed), (hashed, MODEL_BYTES)
+    assert all(transfer.part == -1 for transfer in receivers(report))
+    own, blocks = windows(5)
+    assert all(map(ring_holds, own)) and not any(map(ring_holds, blocks))
 
 
-def test_a_worker_of_a_part_keeps_its_part_of_the_version_it_holds_alone(fleet: Fleet, ray_nodes: RayNodes) -> None:
+def test_a_worker_of_a_part_keeps_its_part_of_the_version_it_holds_alone(fleet: Fleet,
+                                                                          whole: RayRolloutReplica) -> None:
     """With delta updates a worker that iterates views keeps a host copy of the version it holds, and a delta
     update's views lie in it. Read from each worker's page table (outside the engine): the copy of a worker that
     holds half of every split tensor takes about half the model (its half, and the norms both keep); a replica of
@@ -181,17 +188,13 @@ def test_a_worker_of_a_part_keeps_its_part_of_the_version_it_holds_alone(fleet: 
         for resident, nbytes in ray.get(list(replica.call("views_resident"))):
             assert nbytes >= MODEL_BYTES and resident <= 0.52 * MODEL_BYTES + REPLICATED_BYTES, (resident, nbytes)
             assert resident >= 0.48 * MODEL_BYTES, (resident, nbytes)
-    whole = RayRolloutReplica.create(replica=9, sink_factory=TpSink, num_workers=2, node_id=ray_nodes.head)
-    try:
-        manager = CheckpointEngineManager(backend="shm", actor_wg=fleet.actor_wg, replicas=[whole],
-                                          config=SyncConfig(bucket_bytes=8 << 20, delta=True))
-        for version in (NUDGED + 42, NUDGED + 43):
-            ray.get(fleet.actor_wg.call("set_version", version))
-            assert asyncio.run(manager.update_weights(version=version)).ok
-        for resident, nbytes in ray.get(list(whole.call("views_resident"))):
-            assert resident >= MODEL_BYTES, (resident, nbytes)
-    finally:
-        whole.shutdown()
+    manager = CheckpointEngineManager(backend="shm", actor_wg=fleet.actor_wg, replicas=[whole],
+                                      config=SyncConfig(bucket_bytes=8 << 20, delta=True))
+    for version in (NUDGED + 42, NUDGED + 43):
+        ray.get(fleet.actor_wg.call("set_version", version))
+        assert asyncio.run(manager.update_weights(version=version)).ok
+    for resident, nbytes in ray.get(list(whole.call("views_resident"))):
+        assert resident >= MODEL_BYTES, (resident, nbytes)
 
 
 def test_a_change_behind_the_engine_to_the_part_a_worker_keeps_fails_that_worker_alone(fleet: Fleet) -> None:

@@ -47,6 +47,12 @@ class PartWords:
         self.layout = layout
         self._ranges: dict[tuple[str, str, tuple[int, ...], int, int, tuple[int, ...]], Ranges] = {}
 
+    @classmethod
+    def of(cls, layout: PartLayout, known: dict[tuple[bytes, int], PartWords]) -> PartWords:
+        """``layout``'s, from ``known`` (kept across updates and epochs, by the part's regions and index) when
+        there."""
+        return known.setdefault((layout.plan.key(), layout.plan.index), cls(layout))
+
     @property
     def index(self) -> int:
         """The part's place in the senders' plan (its part model digest's, on the final header)."""

@@ -8,16 +8,15 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from weightsync.api.errors import DestinationError, DigestMismatchError, TransferError, WireError
+from weightsync.api.errors import DestinationError, DigestMismatchError, TransferError
 from weightsync.core import native
 from weightsync.core.delta.copies import BaseCopies, PlacedCopies
 from weightsync.core.delta.encoding import Held, ModelDigest, applied_sum, apply, held_sum, piece_key, unit_of
 from weightsync.core.delta.parts import PartWords
 from weightsync.core.transports.seam import Arrived, ReceiverTransport
 from weightsync.core.wire import codec, tensors
-from weightsync.core.wire.blocks import block_view
 from weightsync.core.wire.codec import TensorMeta
-from weightsync.core.wire.destinations import Fallback, check_destination, destination_fits, typed_view
+from weightsync.core.wire.destinations import Fallback, check_destination, destination_fits, tensor_of
 from weightsync.core.wire.parts import PartLayout
 from weightsync.core.wire.tensors import DTYPES
 
@@ -69,8 +68,7 @@ class ReceiverDelta:
     def begin(self, part: PartLayout | None = None) -> None:
         """A new update starts: until it completes, this receiver holds no version it can vouch for. ``part``: this
         worker's, when it declared one: a copy kept for its views then holds that part alone."""
-        self.part = None if part is None else self._words.setdefault(
-            (part.plan.key(), part.plan.index), PartWords(part))
+        self.part = None if part is None else PartWords.of(part, self._words)
         self.kept.hold(part is not None)
         self.wrote = False
         self._base, self.held = self.held, None
@@ -292,14 +290,8 @@ class _Places:
         for meta, copy in self.placed:
             if not copies.written(meta):
                 continue
-            tensor = typed_view(copy, DTYPES[meta.dtype], meta.shape if not meta.blocks else (copy.numel() // DTYPES[
-                meta.dtype].itemsize,))
             index = part.block_of(meta) if part is not None and meta.blocks else None
-            if meta.blocks:
-                if index is None:
-                    raise WireError(f"{meta.name!r} was sent block by block, and this worker holds none of its "
-                                    "blocks: the update was not planned for it")
-                tensor = block_view(tensor, meta.shape, meta.blocks, index)
+            tensor = tensor_of(copy, meta, DTYPES[meta.dtype], index)
             destination = destinations.get(meta.name)
             if destination is not None and index is not None:
                 dim, count = meta.blocks

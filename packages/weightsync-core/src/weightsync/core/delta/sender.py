@@ -43,7 +43,7 @@ class SenderDelta:
         receivers declared, whose part model digests the update folds too."""
         kept = self.kept
         usable = kept.version is not None and kept.version == self.allowed_base
-        words = [self.words.setdefault((layout.plan.key(), layout.plan.index), PartWords(layout)) for layout in parts]
+        words = [PartWords.of(layout, self.words) for layout in parts]
         update = DeltaUpdate(kept, kept.version if usable and kept.version is not None else -1,
                              kept.model if usable else "", parts=words, gathered=self.gathered)
         kept.version = None

@@ -18,12 +18,12 @@ from collections.abc import Mapping
 
 import torch
 
-from weightsync.api.errors import DestinationError, WireError
+from weightsync.api.errors import DestinationError
 from weightsync.core.native import copy_batch, copy_columns, copy_stream
 from weightsync.core.transports.seam import Arrived
-from weightsync.core.wire.blocks import block_copies, block_view
+from weightsync.core.wire.blocks import block_copies
 from weightsync.core.wire.codec import TensorMeta
-from weightsync.core.wire.destinations import Fallback, check_destination, destination_fits, typed_view
+from weightsync.core.wire.destinations import Fallback, check_destination, destination_fits, tensor_of
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.layout import PIECE_BYTES
 from weightsync.core.wire.parts import PartLayout, PartSums
@@ -439,11 +439,4 @@ class BucketReader:
     def _shaped(self, meta: TensorMeta, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A whole tensor's bytes as the tensor; one packed block after block as a full-shape view whose elements
         inside this worker's block are that block (``weightsync.core.wire.blocks.block_view``)."""
-        if not meta.blocks or not data.numel():
-            return typed_view(data, dtype, meta.shape)
-        index = self.part.layout.block_of(meta) if self.part is not None else None
-        if index is None:
-            raise WireError(f"{meta.name!r} was sent block by block, and this worker holds none of its blocks: the "
-                            f"update was not planned for it")
-        flat = typed_view(data, dtype, (meta.total_nbytes // DTYPES[meta.dtype].itemsize,))
-        return block_view(flat, meta.shape, meta.blocks, index)
+        return tensor_of(data, meta, dtype, self.part.layout.block_of(meta) if self.part is not None else None)

@@ -8,11 +8,13 @@ from typing import TypeGuard
 
 import torch
 
+from weightsync.api.errors import WireError
 from weightsync.api.protocols import check_destination as check_tensor_destination
+from weightsync.core.wire.blocks import block_view
 from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.tensors import DTYPES
 
-__all__ = ["Fallback", "check_destination", "destination_fits", "typed_view"]
+__all__ = ["Fallback", "check_destination", "destination_fits", "tensor_of", "typed_view"]
 
 Fallback = Callable[[str, torch.Tensor], object]
 """``copy_into``'s ``fallback(name, tensor)``: where a tensor without a destination goes."""
@@ -39,3 +41,15 @@ def typed_view(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -
     if data.numel() == 0:
         return torch.empty(shape, dtype=dtype, device=data.device)
     return data.view(dtype).reshape(shape)
+
+
+def tensor_of(data: torch.Tensor, meta: TensorMeta, dtype: torch.dtype, block: int | None) -> torch.Tensor:
+    """A whole tensor's bytes ``data`` (uint8) as the tensor; one packed block after block (``meta.blocks``) as a
+    full-shape view whose elements inside block ``block`` (the receiving worker's) are that block
+    (:func:`~weightsync.core.wire.blocks.block_view`): a ``WireError`` where the worker holds none of its blocks."""
+    if not meta.blocks or not data.numel():
+        return typed_view(data, dtype, meta.shape)
+    if block is None:
+        raise WireError(f"{meta.name!r} was sent block by block, and this worker holds none of its blocks: the "
+                        "update was not planned for it")
+    return block_view(typed_view(data, dtype, (data.numel() // dtype.itemsize,)), meta.shape, meta.blocks, block)
