@@ -130,9 +130,10 @@ class PlacedCopies:
         """The update completed: copies of tensors it did not write (the fallback no longer takes them) go."""
         self._base = {}
 
-    def get(self, meta: TensorMeta, *, fresh: bool) -> torch.Tensor:
+    def get(self, meta: TensorMeta, *, fresh: bool, untouched: bool = False) -> torch.Tensor:
         """The copy a piece of ``meta``'s tensor is written to: this update's, the base's (to apply changes to), or,
-        for a piece sent dense (``fresh``), a new one."""
+        for a piece sent dense (``fresh``), a new one (``untouched``: that takes memory only where written, for a
+        worker that writes its part alone)."""
         copy = self.copies.get(meta.name)
         if copy is None:
             copy = self._base.pop(meta.name, None)
@@ -141,7 +142,7 @@ class PlacedCopies:
                     raise TransferError(f"changes to {meta.name!r} arrived, but this receiver kept no copy of it to "
                                         "apply them to (its fallback took it): it needs a full update",
                                         peer="this receiver")
-                copy = torch.empty(meta.total_nbytes, dtype=torch.uint8)
+                copy = _untouched(meta.total_nbytes) if untouched else torch.empty(meta.total_nbytes, dtype=torch.uint8)
             self.copies[meta.name] = copy
         return copy
 

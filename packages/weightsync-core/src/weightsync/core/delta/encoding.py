@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import array
 import concurrent.futures
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import xxhash
@@ -276,14 +276,18 @@ Held = tuple[TensorMeta, torch.Tensor, int]
 the tensor's bytes (a destination and the piece's offset in it, or a kept bucket and the piece's bucket offset)."""
 
 
-def held_sum(index: int, pieces: Sequence[Held]) -> int:
+def held_sum(index: int, pieces: Sequence[Held],
+             ranges: Callable[[TensorMeta], Sequence[tuple[int, int]]] | None = None) -> int:
     """The keyed sum of bucket ``index``'s pieces where a receiver holds them (a device piece is read back first, a
-    piece of a non-contiguous tensor read from a contiguous copy)."""
+    piece of a non-contiguous tensor read from a contiguous copy); with ``ranges``, of each piece's ranges it gives
+    (``(start, end)`` from the piece's first byte, starting on words: a worker's part, :mod:`.parts`)."""
     rows, alive = array.array("Q"), []  # every piece stays referenced until summed: some are copies made here
     for meta, source, start in pieces:
         piece = as_byte_view(source)[start:start + meta.nbytes]
         if not piece.is_cpu:
             piece = piece.cpu()
         alive.append(piece)
-        rows.extend((piece.data_ptr(), meta.nbytes, piece_key(index, meta.bucket_offset)))
+        key = piece_key(index, meta.bucket_offset)
+        for low, high in ((0, meta.nbytes),) if ranges is None else ranges(meta):
+            rows.extend((piece.data_ptr() + low, high - low, (key + low // 8 * KEY_STEP) & _MASK))
     return bucket_sum(rows)

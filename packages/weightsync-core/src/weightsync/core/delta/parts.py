@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from weightsync.core.delta.encoding import KEY_STEP, bucket_sum, piece_key
+from weightsync.core.delta.encoding import held_sum
 from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.parts import PartLayout
 
@@ -37,7 +37,6 @@ MAX_RANGES = 8
 Ranges = tuple[tuple[int, int], ...]
 """Held ranges of a piece: ``(start, end)`` from its first byte, sorted, disjoint."""
 
-_MASK = (1 << 64) - 1
 
 
 class PartWords:
@@ -113,9 +112,4 @@ class PartWords:
     def bucket_sum(self, index: int, metas: Sequence[TensorMeta], data: torch.Tensor) -> int:
         """The keyed sum of the held ranges of bucket ``index`` (pieces ``metas``), whose bytes lie in ``data`` in
         the bucket's layout."""
-        base, rows = data.data_ptr(), array.array("Q")
-        for meta in metas:
-            key = piece_key(index, meta.bucket_offset)
-            for start, stop in self.ranges(meta):
-                rows.extend((base + meta.bucket_offset + start, stop - start, (key + start // 8 * KEY_STEP) & _MASK))
-        return bucket_sum(rows)
+        return held_sum(index, [(meta, data, meta.bucket_offset) for meta in metas], self.ranges)

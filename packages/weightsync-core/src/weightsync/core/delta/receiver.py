@@ -88,7 +88,8 @@ class ReceiverDelta:
 
     def _fold(self, header: codec.BucketHeader, table: bytes, pieces: Sequence[Held]) -> None:
         if self._verifies(header) and self._model is not None:
-            self._model.add(table, _layout(header), held_sum(header.index, pieces))
+            ranges = self.part.ranges if self.part is not None else None
+            self._model.add(table, _layout(header), held_sum(header.index, pieces, ranges))
 
     def check_base(self, header: codec.BucketHeader, peer: str) -> None:
         """Refuse a delta update against a base this receiver does not hold (before anything is written)."""
@@ -125,7 +126,7 @@ class ReceiverDelta:
                                 "copy of the previous version to rebuild whole tensors from: it needs a full update",
                                 peer="this receiver")
         self._views = False
-        places = _Places(header)
+        places = _Places(header, self.part)
         for meta in header.tensors:
             destination = destinations.get(meta.name)
             if destination is not None and not meta.blocks:
@@ -134,7 +135,7 @@ class ReceiverDelta:
                 raise DestinationError(f"no destination for received tensor {meta.name!r} (and no fallback)",
                                        name=meta.name)
             else:  # one only the fallback takes, or one packed block after block: a host copy in the bucket's order
-                places.kept(meta, self.placed.get(meta, fresh=header.dense < 0))
+                places.kept(meta, self.placed.get(meta, fresh=header.dense < 0, untouched=self.part is not None))
         # Verified here, from the bytes just written (a piece changed in a host copy is summed there: the copy goes
         # back unchanged), unless a whole tensor was copied: then from what the destinations hold, below.
         verified = not places.whole and self._verifies(header)
@@ -160,22 +161,18 @@ class ReceiverDelta:
                 for meta in header.tensors if part is None else ():
                     piece = arrived.payload[meta.bucket_offset:meta.bucket_offset + meta.nbytes]
                     kept.data[meta.bucket_offset:meta.bucket_offset + meta.nbytes].copy_(piece)
-            if part is None:
-                self._fold(header, arrived.table, [(meta, kept.data, meta.bucket_offset) for meta in header.tensors])
-            elif self._verifies(header) and self._model is not None:
-                self._model.add(arrived.table, _layout(header), part.bucket_sum(header.index, header.tensors,
-                                                                                kept.data))
+            self._fold(header, arrived.table, [(meta, kept.data, meta.bucket_offset) for meta in header.tensors])
             return
         self._views = False
         held: list[Held] = []
         for meta in header.tensors:
             destination = destinations.get(meta.name)
             if destination is None or meta.blocks:  # the fallback took it, or it came block after block: kept
-                # for the next delta update in the bucket's order
-                destination = self.placed.get(meta, fresh=True)
-                with torch.no_grad():
-                    destination[meta.offset:meta.offset + meta.nbytes].copy_(
-                        arrived.payload[meta.bucket_offset:meta.bucket_offset + meta.nbytes])
+                # for the next delta update in the bucket's order (a worker's part: its held ranges alone)
+                destination = self.placed.get(meta, fresh=True, untouched=self.part is not None)
+                ranges = self.part.ranges(meta) if self.part is not None else ((0, meta.nbytes),)
+                native.copy_batch([value for low, high in ranges for value in (meta.offset + low, low, high - low)],
+                                  destination.data_ptr(), arrived.payload.data_ptr() + meta.bucket_offset)
             held.append((meta, destination, meta.offset))
         self._fold(header, arrived.table, held)
 
@@ -187,7 +184,7 @@ class ReceiverDelta:
             self.delta_updates += 1
             if self._model is not None:
                 actual, expected, what = self._model.hexdigest(), header.model, "tensors"
-                if self._views and self.part is not None:
+                if self.part is not None:
                     index = self.part.index
                     expected = header.part_models[index] if index < len(header.part_models) else ""
                     what = f"its part {index} of tensors"
@@ -228,8 +225,10 @@ class _Places:
     tensor for one in a layout raw writes cannot fill (changed, then copied back); the receiver's own host copy of
     a tensor only the consumer's fallback takes."""
 
-    def __init__(self, header: codec.BucketHeader) -> None:
+    def __init__(self, header: codec.BucketHeader, part: PartWords | None) -> None:
         self.header = header
+        self.part = part
+        """The worker's part: each piece written and summed in its held ranges alone."""
         self.rows = array.array("Q")
         """``apply``'s rows, in the bucket's order."""
         self.held: list[Held] = []
@@ -247,8 +246,9 @@ class _Places:
             address = destination.data_ptr() + meta.offset
         elif destination_fits(destination, dtype, meta.shape, anywhere=True):
             window = tensors.as_byte_view(destination)[meta.offset:meta.offset + meta.nbytes]
-            # A dense bucket overwrites the piece: nothing to read back first.
-            host = window.cpu() if self.header.dense >= 0 else torch.empty(meta.nbytes, dtype=torch.uint8)
+            # A dense bucket overwrites the piece (unless a part's held ranges alone): nothing to read back first.
+            host = (window.cpu() if self.header.dense >= 0 or self.part is not None
+                    else torch.empty(meta.nbytes, dtype=torch.uint8))
             self.windows.append((window, host))
             address = host.data_ptr()
         else:
@@ -266,15 +266,17 @@ class _Places:
     def write(self, payload: torch.Tensor, *, summed: bool) -> int:
         """Write the bucket (changes, or dense bytes) to every place, then copy the host copies back; with
         ``summed``, the keyed sum of what was written (else 0)."""
-        total = 0
+        total, part, metas = 0, self.part, self.header.tensors
+        held = part.segments(metas) if part is not None else None
         if self.header.dense >= 0:  # with ``summed``, each stretch summed right after its changes, in one pass
-            total = apply(payload, self.rows, summed=summed)
-        else:  # a bucket sent dense: each piece copied to its place
+            total = apply(payload, self.rows, summed=summed, held=held)
+        else:  # a bucket sent dense: each piece (its held ranges) copied to its place
             at, rows = payload.data_ptr(), self.rows
-            native.copy_batch([value for row, meta in enumerate(self.header.tensors)
-                               for value in (rows[4 * row], at + meta.bucket_offset, meta.nbytes)], 0, 0)
+            native.copy_batch([value for row, meta in enumerate(metas)
+                               for low, high in (part.ranges(meta) if part is not None else ((0, meta.nbytes),))
+                               for value in (rows[4 * row] + low, at + meta.bucket_offset + low, high - low)], 0, 0)
             if summed:
-                total = applied_sum(rows)
+                total = applied_sum(rows, held)
         with torch.no_grad():
             for window, host in self.windows:
                 window.copy_(host)
