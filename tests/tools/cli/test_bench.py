@@ -22,7 +22,8 @@ RESULT_KEYS = {"backend", "gbps_p50", "gbps_p90", "ratio_bucketed", "ratio_limit
 BASELINE_NAMES = ("naive", "bucketed")
 
 
-PARTS_KEYS = {"parts_of", "ratio_seconds_whole", "ratio_busy_whole"}
+PARTS_KEYS = {"parts_of", "ratio_seconds_whole", "ratio_busy_whole", "receivers_rss_mb",
+              "whole_receivers_rss_mb"}
 
 
 def result_keys(row: dict[str, Any]) -> set[str]:

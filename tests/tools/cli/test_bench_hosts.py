@@ -72,7 +72,8 @@ def test_json_keeps_the_schema_and_adds_the_testbed_fields(hosts_run: tuple[dict
     auto = next(row for row in data["results"] if row["backend"] == "auto")
     assert set(auto) == HOSTS_RESULT_KEYS | {"chosen"} | engines
     parted = next(row for row in data["results"] if row["backend"] == "auto+layers2")
-    assert set(parted) == HOSTS_RESULT_KEYS | {"chosen", "parts_of", "ratio_seconds_whole", "ratio_busy_whole"} | engines
+    assert set(parted) == HOSTS_RESULT_KEYS | {"chosen", "parts_of", "ratio_seconds_whole", "ratio_busy_whole",
+                                                    "receivers_rss_mb", "whole_receivers_rss_mb"} | engines
     assert auto["chosen"] == choose(sender_node="0", rollout_nodes=["1", "2"]).name  # e.g. "nixl (two-level)"
     assert f"(auto picked {auto['chosen']} here)" in stdout
     scenario = data["scenario"]

@@ -461,47 +461,60 @@ static inline __attribute__((always_inline)) const unsigned char *apply_piece(
 /* Applies one piece's part of a checked encoding, as apply_piece, to the ranges of the piece this receiver holds
  * (a worker that keeps its part alone: weightsync.core.delta.parts): segments is count pairs (end, held) that cover
  * the piece in order, every end but the last (nbytes) a multiple of 8. Bytes of runs outside held ranges are passed
- * over; with sum, adds the keyed sum of the held ranges once written. */
+ * over; with sum, adds the keyed sum of the held ranges once written, chunk by chunk as apply_piece does. */
 static const unsigned char *apply_piece_held(const unsigned char *p, const unsigned char *end,
                                              unsigned char *destination, uint64_t nbytes, uint64_t unit,
                                              uint64_t key, const uint64_t *segments, uint64_t count,
                                              uint64_t *sum) {
-    uint64_t run = 0, gap = 0, position = 0, segment = 0;
-    for (;;) {
-        get_varint(&p, end, &run);
-        if (run == 0) {
-            break;
-        }
+    uint64_t run = 0, gap = 0, position = 0, summed = 0, segment = 0, summing = 0;
+    get_varint(&p, end, &run);
+    if (run != 0) {
         get_varint(&p, end, &gap);
-        position += gap * unit;
-        uint64_t stop = position + run * unit;
-        for (uint64_t at = position; at < stop;) {
-            while (segment < count && segments[2 * segment] <= at) {
-                segment++;
-            }
-            if (segment >= count) { /* not reached: checked runs lie inside the piece, which the segments cover */
-                break;
-            }
-            uint64_t upto = segments[2 * segment] < stop ? segments[2 * segment] : stop;
-            if (segments[2 * segment + 1]) {
-                memcpy(destination + at, p + (at - position), upto - at);
-            }
-            at = upto;
-        }
-        p += stop - position;
-        position = stop;
+        position = gap * unit;
     }
-    if (sum != NULL) {
-        uint64_t start = 0;
-        for (uint64_t i = 0; i < count; i++) {
-            uint64_t upto = segments[2 * i] < nbytes ? segments[2 * i] : nbytes;
-            if (segments[2 * i + 1] && upto > start) {
-                *sum += keyed_sum(destination + start, upto - start, key + start / 8 * KEY_STEP);
+    for (;;) {
+        uint64_t limit = nbytes - summed <= SUM_CHUNK ? nbytes : summed + SUM_CHUNK;
+        while (run != 0 && position < limit) {
+            uint64_t stop = position + run * unit;
+            for (uint64_t at = position; at < stop;) { /* the run's bytes inside each held range */
+                while (segment < count && segments[2 * segment] <= at) {
+                    segment++;
+                }
+                if (segment >= count) { /* not reached: checked runs lie inside the piece, which they cover */
+                    break;
+                }
+                uint64_t upto = segments[2 * segment] < stop ? segments[2 * segment] : stop;
+                if (segments[2 * segment + 1]) {
+                    copy_run(destination + at, p + (at - position), upto - at);
+                }
+                at = upto;
             }
-            start = upto;
+            p += stop - position;
+            position = stop;
+            get_varint(&p, end, &run);
+            if (run != 0) {
+                get_varint(&p, end, &gap);
+                position += gap * unit;
+            }
+        }
+        if (sum != NULL) { /* the held ranges' bytes of this chunk, every run in it written */
+            uint64_t start = summing == 0 ? 0 : segments[2 * (summing - 1)];
+            for (; summing < count; start = segments[2 * summing], summing++) {
+                uint64_t low = start > summed ? start : summed;
+                uint64_t high = segments[2 * summing] < limit ? segments[2 * summing] : limit;
+                if (segments[2 * summing + 1] && high > low) {
+                    *sum += keyed_sum(destination + low, high - low, key + low / 8 * KEY_STEP);
+                }
+                if (segments[2 * summing] > limit) {
+                    break; /* the rest of this range is summed with the next chunk */
+                }
+            }
+        }
+        summed = limit;
+        if (summed >= nbytes) {
+            return p;
         }
     }
-    return p;
 }
 
 /* pieces: count rows of (destination address, nbytes, unit, key), as the encoding's pieces. Checks the whole

@@ -62,6 +62,8 @@ class BenchResult:
     busy_seconds: list[float] = field(default_factory=list)
     """An engine entry's, per timed update: the receivers' busy seconds (each receiver's ``unpack`` phase, their
     median): what reading, copying and hashing an update cost a receiver."""
+    receivers_rss_mb: float = 0.0
+    """The receivers' peak extra RSS (the largest of theirs), MiB: what a receiver keeps (``--delta``: its copies)."""
     checked: int = 0
     """``--sharded``: the receivers whose whole model was compared with the version sent last, after the timed
     updates, and held it bit for bit (every receiver: a mismatch fails the run)."""
@@ -284,6 +286,7 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
             progress.step(f"{case.name}: update {index + 1}/{case.repeat}")
         # Taken before any yardstick (or check) allocates: the peak over the updates only.
         peak_extra = max(workers.each("rss")) / MiB
+        receivers_rss = max(workers.each_receiver("rss"), default=0) / MiB
         checked = 0
         if case.source:  # ``--sharded``: every receiver holds the version sent last, bit for bit
             checked = check_receivers(case.name, workers.each_receiver("check", version=case.repeat))
@@ -304,7 +307,8 @@ def measure_case(case: Case, progress: Progress, trace: list[dict[str, Any]] | N
                        peak_extra_rss_mb=peak_extra, seconds=seconds, sender_egress_bytes=links.egress,
                        host_ingress_bytes=links.ingress, rail_egress_bytes=links.rail_egress,
                        rail_ingress_bytes=links.rail_ingress, chosen=managed.chosen if managed else "",
-                       serving=serving, report=report, busy_seconds=busy, checked=checked)
+                       serving=serving, report=report, busy_seconds=busy, checked=checked,
+                       receivers_rss_mb=receivers_rss)
 
 
 def receivers_busy(report: UpdateReport) -> float:

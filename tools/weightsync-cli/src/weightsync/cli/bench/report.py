@@ -115,7 +115,9 @@ class Summary:
         return {"parts_of": twin.backend,
                 "ratio_seconds_whole": round(statistics.median(result.seconds) / statistics.median(twin.seconds), 4),
                 "ratio_busy_whole": round(statistics.median(result.busy_seconds)
-                                          / statistics.median(twin.busy_seconds), 4)}
+                                          / statistics.median(twin.busy_seconds), 4),
+                "receivers_rss_mb": round(result.receivers_rss_mb, 1),
+                "whole_receivers_rss_mb": round(twin.receivers_rss_mb, 1)}
 
     def _sharded_row(self, result: BenchResult) -> dict[str, Any]:
         """``--sharded``: the bytes each actor rank sent in the entry's last timed update, the receivers whose model
@@ -252,10 +254,11 @@ host's ingress and the sender host's egress as multiples of the model."""
 
 def _print_parts(summary: Summary) -> None:
     """``--parts``: each entry of workers holding parts against its whole-model twin, update time and receivers'
-    busy seconds (p50s), against the bars of one host, or across hosts those of the link counters."""
+    busy seconds (p50s), against the bars of one host, or across hosts those of the link counters; and the
+    receivers' peak extra RSS, the entry's and its twin's (``rss MiB``: with ``--delta``, the copies they keep)."""
     print(f"parts ({summary.options.parts}: replicas of two workers, each reading, copying and hashing only its part; "
           "p50 against the whole-model entry's)")
-    print(f"{'entry':<22} {'x time':>7} {'x busy':>7} {'busy ms':>8}")
+    print(f"{'entry':<22} {'x time':>7} {'x busy':>7} {'busy ms':>8} {'rss MiB':>15}")
     total, (time_bar, in_bar, out_bar) = summary.main.total_bytes, PARTS_HOSTS_BARS
     for row in summary.rows():
         if "parts_of" not in row:
@@ -268,7 +271,9 @@ def _print_parts(summary: Summary) -> None:
             meets = row["ratio_seconds_whole"] <= PARTS_SECONDS_BAR and row["ratio_busy_whole"] <= PARTS_BUSY_BAR
             bars = f"time <= {PARTS_SECONDS_BAR:g} x, busy <= {PARTS_BUSY_BAR:g} x"
         print(f"{row['backend']:<22} {row['ratio_seconds_whole']:>7.2f} {row['ratio_busy_whole']:>7.2f} "
-              f"{row['busy_seconds_p50'] * 1e3:>8.1f}  ({'meets' if meets else 'MISSES'} {bars})")
+              f"{row['busy_seconds_p50'] * 1e3:>8.1f} {row['receivers_rss_mb']:>7.1f}/"
+              f"{row['whole_receivers_rss_mb']:<7.1f} "
+              f"({'meets' if meets else 'MISSES'} {bars})")
 
 
 SHARDED_BAR = 1.5
