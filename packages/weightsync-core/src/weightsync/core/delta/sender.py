@@ -22,6 +22,31 @@ from weightsync.core.wire.parts import PartLayout
 __all__ = ["DeltaUpdate", "SenderDelta"]
 
 
+class Gathered:
+    """A bucket's pieces packed block after block (``weightsync.core.wire.blocks``), gathered in that order: the
+    encoder compares a piece with the kept copy in the bucket's layout. One host buffer, grown as needed."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def gather(self, bucket: PlannedBucket) -> dict[int, int]:
+        """Gather the bucket's blocked pieces; where each now lies, by its bucket offset."""
+        blocked = [(meta, source) for meta, source, _ in bucket.large
+                   if meta.blocks and meta.bucket_offset in bucket.rows]
+        if not blocked:
+            return {}
+        need = sum(meta.nbytes for meta, _ in blocked)
+        if self._buffer is None or self._buffer.numel() < need:
+            self._buffer = torch.empty(need, dtype=torch.uint8)
+        at, places = self._buffer.data_ptr(), {}
+        for meta, source in blocked:
+            for triples, _ in bucket.rows[meta.bucket_offset]:
+                copy_batch(triples, at, source.data_ptr())
+            places[meta.bucket_offset] = at
+            at += meta.nbytes
+        return places
+
+
 @dataclass
 class SenderDelta:
     """What a sender keeps across updates (``SyncConfig.delta``)."""
@@ -32,7 +57,7 @@ class SenderDelta:
     """The version every receiver holds, as the manager said at ``init_process_group`` (advanced by every update
     this epoch completes); None: send the next update full."""
 
-    gathered: Gathered = field(default_factory=lambda: Gathered())
+    gathered: Gathered = field(default_factory=Gathered)
     """Where pieces packed block after block are gathered in that order to be compared, reused across updates."""
     words: dict[tuple[bytes, int], PartWords] = field(default_factory=dict)
     """Each distinct part's held ranges, kept across updates and epochs (keyed by its regions and index)."""
@@ -75,7 +100,8 @@ class DeltaUpdate:
     thread)."""
     part_models: list[str] = field(default_factory=list)
     """Once :meth:`model_digest` ran: each part's model digest, in the order of the senders' plan."""
-    gathered: Gathered = field(default_factory=lambda: Gathered())
+    gathered: Gathered = field(default_factory=Gathered)
+    """The sender's buffer for pieces packed block after block (:class:`Gathered`)."""
 
     def pack(self, buffer: torch.Tensor, bucket: PlannedBucket, table: bytes, digest: UpdateDigest, *, index: int,
              pool: concurrent.futures.ThreadPoolExecutor) -> tuple[int, int]:
@@ -156,27 +182,3 @@ class DeltaUpdate:
             except Exception:  # noqa: BLE001 - the model digest of a failed update is discarded
                 pass
 
-
-class Gathered:
-    """A bucket's pieces packed block after block (``weightsync.core.wire.blocks``), gathered in that order: the
-    encoder compares a piece with the kept copy in the bucket's layout. One host buffer, grown as needed."""
-
-    def __init__(self) -> None:
-        self._buffer: torch.Tensor | None = None
-
-    def gather(self, bucket: PlannedBucket) -> dict[int, int]:
-        """Gather the bucket's blocked pieces; where each now lies, by its bucket offset."""
-        blocked = [(meta, source) for meta, source, _ in bucket.large
-                   if meta.blocks and meta.bucket_offset in bucket.rows]
-        if not blocked:
-            return {}
-        need = sum(meta.nbytes for meta, _ in blocked)
-        if self._buffer is None or self._buffer.numel() < need:
-            self._buffer = torch.empty(need, dtype=torch.uint8)
-        at, places = self._buffer.data_ptr(), {}
-        for meta, source in blocked:
-            for triples, _ in bucket.rows[meta.bucket_offset]:
-                copy_batch(triples, at, source.data_ptr())
-            places[meta.bucket_offset] = at
-            at += meta.nbytes
-        return places

@@ -419,17 +419,25 @@ static int check_delta(const unsigned char *delta, uint64_t length, const uint64
 
 #define SUM_CHUNK 4096 /* bytes summed right after their runs are written, while they are in the core's cache */
 
+/* Reads the next run of a checked piece at *p into *run and, for a run (not the piece's closing 0), its gap, which
+ * advances *position (in bytes) to where the run starts. */
+static inline __attribute__((always_inline)) void next_run(const unsigned char **p, const unsigned char *end,
+                                                           uint64_t unit, uint64_t *run, uint64_t *position) {
+    get_varint(p, end, run);
+    if (*run != 0) {
+        uint64_t gap = 0;
+        get_varint(p, end, &gap);
+        *position += gap * unit;
+    }
+}
+
 /* Applies one piece's part of a checked encoding, starting at p; returns where the next piece's part starts. With
  * sum, adds the keyed sum of the piece's bytes once written, chunk by chunk as each chunk's runs are in. */
 static inline __attribute__((always_inline)) const unsigned char *apply_piece(
     const unsigned char *p, const unsigned char *end, unsigned char *destination, uint64_t nbytes, uint64_t unit,
     uint64_t key, uint64_t *sum) {
-    uint64_t run = 0, gap = 0, position = 0, summed = 0;
-    get_varint(&p, end, &run);
-    if (run != 0) {
-        get_varint(&p, end, &gap);
-        position = gap * unit;
-    }
+    uint64_t run = 0, position = 0, summed = 0;
+    next_run(&p, end, unit, &run, &position);
     for (;;) {
         uint64_t limit = nbytes - summed <= SUM_CHUNK ? nbytes : summed + SUM_CHUNK;
         /* The next chunk's lines are on their way while this one's runs are written: scattered writes otherwise
@@ -442,11 +450,7 @@ static inline __attribute__((always_inline)) const unsigned char *apply_piece(
             copy_run(destination + position, p, n);
             p += n;
             position += n;
-            get_varint(&p, end, &run);
-            if (run != 0) {
-                get_varint(&p, end, &gap);
-                position += gap * unit;
-            }
+            next_run(&p, end, unit, &run, &position);
         }
         if (sum != NULL) {
             *sum += keyed_sum(destination + summed, limit - summed, key + summed / 8 * KEY_STEP);
@@ -466,12 +470,8 @@ static const unsigned char *apply_piece_held(const unsigned char *p, const unsig
                                              unsigned char *destination, uint64_t nbytes, uint64_t unit,
                                              uint64_t key, const uint64_t *segments, uint64_t count,
                                              uint64_t *sum) {
-    uint64_t run = 0, gap = 0, position = 0, summed = 0, segment = 0, summing = 0;
-    get_varint(&p, end, &run);
-    if (run != 0) {
-        get_varint(&p, end, &gap);
-        position = gap * unit;
-    }
+    uint64_t run = 0, position = 0, summed = 0, segment = 0, summing = 0;
+    next_run(&p, end, unit, &run, &position);
     for (;;) {
         uint64_t limit = nbytes - summed <= SUM_CHUNK ? nbytes : summed + SUM_CHUNK;
         while (run != 0 && position < limit) {
@@ -491,11 +491,7 @@ static const unsigned char *apply_piece_held(const unsigned char *p, const unsig
             }
             p += stop - position;
             position = stop;
-            get_varint(&p, end, &run);
-            if (run != 0) {
-                get_varint(&p, end, &gap);
-                position += gap * unit;
-            }
+            next_run(&p, end, unit, &run, &position);
         }
         if (sum != NULL) { /* the held ranges' bytes of this chunk, every run in it written */
             uint64_t start = summing == 0 ? 0 : segments[2 * (summing - 1)];
