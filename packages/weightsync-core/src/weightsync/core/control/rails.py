@@ -4,9 +4,10 @@ A striped update whose stripe failed on its rail raises a ``TransferError`` nami
 group's stream over a rail of its own (:mod:`weightsync.core.transports.chain.groups`). The manager records
 it here; before every update after that (and at every rebuild, before ``auto`` deals stripes), each rollout worker
 on that rail probes it (a ``ping`` with ``probe``: a TCP connection to the sender host's address on that rail,
-refused or accepted, within a second), the replicas serving; the rail comes back — and the topology is rebuilt with
-stripes over it — only when every probe reached it. Until then ``auto`` deals the stripes over the other rails only
-(rail 0 carries the control plane: losing it is losing the host).
+refused or accepted, within a second: :func:`weightsync.core.transports.place.reaches`), the replicas serving; the
+rail comes back — and the topology is rebuilt with stripes over it — only when every probe reached it. Until then
+``auto`` deals the stripes over the other rails only (rail 0 carries the control plane: losing it is losing the
+host).
 """
 
 from __future__ import annotations

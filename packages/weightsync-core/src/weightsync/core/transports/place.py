@@ -10,6 +10,7 @@ import functools
 import os
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -168,13 +169,29 @@ def ping_answer(*, node_id: str, host_ip: str, probe: Sequence[str] = (), local_
     return encoded
 
 
+_RETRY_WINDOW_S = 0.5
+"""The least time :func:`reaches` gives a connection it tries again after a quick failure."""
+
+
 def reaches(address: str, *, timeout: float = 1.0) -> bool:
     """Whether packets get to ``address`` and back: a TCP connection to its discard port, refused or accepted, within
-    ``timeout`` (a cut link times out or has no route)."""
-    try:
-        socket.create_connection((address, 9), timeout=timeout).close()
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-    return True
+    ``timeout`` (a cut link times out or has no route). A quick failure is tried again, each try with the time left
+    but at least :data:`_RETRY_WINDOW_S`: over a link that has just come back, the first connection fails with "no
+    route to host" where the kernel resolved the address's neighbour entry while the link was down, and that
+    resolution ends (failed) after the link is back, up to a second later; the next connection gets through."""
+    deadline = time.monotonic() + timeout
+    window = timeout
+    while True:
+        try:
+            socket.create_connection((address, 9), timeout=window).close()
+        except ConnectionRefusedError:
+            return True
+        except TimeoutError:
+            return False
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)  # a route that fails at once keeps failing: a bounded number of tries
+            window = max(deadline - time.monotonic(), _RETRY_WINDOW_S)
+        else:
+            return True
