@@ -612,8 +612,40 @@ def tp_slice(name: str, tensor: torch.Tensor, rank: int, parts: int = 2) -> torc
     return tensor if dim is None else tensor.chunk(parts, dim)[rank]
 
 
+class SumCounter:
+    """Counts the bytes this process sums with the compiled helper's keyed sum (``native.delta_sum``), by wrapping
+    the call: what a delta sender reads again to fold its model and part digests, seen from outside its logic."""
+
+    nbytes = 0
+
+    @classmethod
+    def install(cls) -> None:
+        from weightsync.core import native
+
+        original = native.delta_sum
+        if getattr(original, "_counted", False):
+            return
+
+        def counted(rows: Any) -> int:
+            cls.nbytes += sum(rows[1::3])
+            return original(rows)
+
+        counted._counted = True  # type: ignore[attr-defined]
+        native.delta_sum = counted
+
+
 class TpSource(ModelSource):
-    """An actor rank's copy of :func:`tp_tensors` (every rank holds the whole model; rank 0 sends it)."""
+    """An actor rank's copy of :func:`tp_tensors` (every rank holds the whole model; rank 0 sends it); counts the
+    bytes its process sums (:class:`SumCounter`)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size)
+        SumCounter.install()
+
+    def summed(self) -> int:
+        """Bytes this process summed since the last call."""
+        nbytes, SumCounter.nbytes = SumCounter.nbytes, 0
+        return nbytes
 
     def named_weights(self) -> Iterator[Any]:
         yield from tp_tensors(self.version)

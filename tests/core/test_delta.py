@@ -61,7 +61,7 @@ def encode_summed(metas: list[TensorMeta], new: dict[str, torch.Tensor], base: t
         rows.extend((new[meta.name].data_ptr(), base.data_ptr() + meta.bucket_offset, meta.nbytes,
                      delta.unit_of(meta), delta.piece_key(0, meta.bucket_offset)))
     out = torch.empty(capacity + 64, dtype=torch.uint8)
-    length, changed, sum_change = delta.encode(rows, out.data_ptr(), capacity)
+    length, changed, sum_change, _ = delta.encode(rows, out.data_ptr(), capacity)
     return (None if length is None else out[:length].clone()), changed, sum_change
 
 
@@ -272,7 +272,7 @@ def test_a_bucket_compared_in_two_halves_applies_as_compared_whole(layout: str, 
                 rows.extend((new[meta.name].data_ptr(), base.data_ptr() + meta.bucket_offset, meta.nbytes,
                              delta.unit_of(meta), delta.piece_key(0, meta.bucket_offset)))
             out = torch.zeros(base.numel(), dtype=torch.uint8)
-            length, changed, sum_change = delta.encode(rows, out.data_ptr(), base.numel() - 1, pool)
+            length, changed, sum_change, _ = delta.encode(rows, out.data_ptr(), base.numel() - 1, pool)
             assert length is not None and torch.equal(base, bucket_of(metas, new))
             held = {name: tensor.clone() for name, tensor in old.items()}
             applied = delta.apply(out[:length], rows_into(metas, held), summed=True)

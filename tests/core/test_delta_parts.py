@@ -5,6 +5,7 @@ where it was written, read from the kernel's accounting of the process's mapping
 from __future__ import annotations
 
 import array
+import concurrent.futures
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from weightsync.api.parts import Part
 from weightsync.core import native
 from weightsync.core.delta import encoding as delta
 from weightsync.core.delta.copies import BaseCopies
-from weightsync.core.delta.parts import MAX_RANGES, PartWords
+from weightsync.core.delta.parts import MAX_RANGES, PartWords, part_segments
 from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.partplans import PartPlan
 from weightsync.core.wire.parts import PartLayout
@@ -57,9 +58,9 @@ def fill(metas: list[TensorMeta], seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
-def bucket_metas() -> list[TensorMeta]:
+def bucket_metas(names: tuple[str, ...] = tuple(SHAPES)) -> list[TensorMeta]:
     metas, at = [], 0
-    for name in SHAPES:
+    for name in names:
         piece = meta(name, bucket_offset=at)
         metas.append(piece)
         at = (at + piece.nbytes + 255) & ~255
@@ -80,7 +81,7 @@ def encoded_changes(metas: list[TensorMeta], old: torch.Tensor, new: torch.Tenso
         rows.extend((new.data_ptr() + piece.bucket_offset, base.data_ptr() + piece.bucket_offset, piece.nbytes,
                      delta.unit_of(piece), delta.piece_key(3, piece.bucket_offset)))
     out = torch.empty(new.numel() * 2, dtype=torch.uint8)
-    length, _, _ = delta.encode(rows, out.data_ptr(), out.numel())
+    length, _, _, _ = delta.encode(rows, out.data_ptr(), out.numel())
     assert length is not None
     return out[:length].clone()
 
@@ -136,6 +137,47 @@ def test_the_parts_sums_add_up_to_the_whole_where_they_do_not_overlap() -> None:
     data = fill(metas, seed=5)
     whole = delta.bucket_sum(array.array("Q", [data.data_ptr(), metas[0].nbytes, delta.piece_key(3, 0)]))
     assert (words(0).bucket_sum(3, metas, data) + words(1).bucket_sum(3, metas, data)) % (1 << 64) == whole
+
+
+@pytest.mark.parametrize("halves", [False, True], ids=["whole", "halves"])
+def test_the_encoder_keeps_each_parts_sum_up_to_date(monkeypatch: pytest.MonkeyPatch, halves: bool) -> None:
+    """What the encoder says each part's keyed sum changed by, added to the part's sum of the old version, is the
+    part's sum of the new one (taken from scratch), for the row-split, column-split, whole and odd pieces of both
+    ranks; also where the bucket is compared in two halves split inside a piece (``rows``, whose halves the two
+    ranks hold). The whole sum's change is the encoder's as before. Negative control: the segments of rank 0 alone
+    give rank 1 no change."""
+    metas = bucket_metas(("columns", "rows", "norm", "odd"))
+    old = fill(metas, seed=11)
+    new = changed(old, 0.05, seed=12)
+    parts = [words(0), words(1)]
+    base = old.clone()
+    rows = array.array("Q")
+    for piece in metas:
+        rows.extend((new.data_ptr() + piece.bucket_offset, base.data_ptr() + piece.bucket_offset, piece.nbytes,
+                     delta.unit_of(piece), delta.piece_key(3, piece.bucket_offset)))
+    if halves:
+        monkeypatch.setattr(delta, "SPLIT_BYTES", 1024)
+    out = torch.empty(new.numel() * 2, dtype=torch.uint8)
+    with concurrent.futures.ThreadPoolExecutor(1) as beside:
+        length, _, sum_change, part_changes = delta.encode(rows, out.data_ptr(), out.numel(), beside,
+                                                           segments=part_segments(parts, metas), parts=2)
+    assert length is not None and all(torch.equal(base[piece.bucket_offset:piece.bucket_offset + piece.nbytes],
+                                                  new[piece.bucket_offset:piece.bucket_offset + piece.nbytes])
+                                      for piece in metas)
+    assert all(change != 0 for change in part_changes)
+    for part, change in zip(parts, part_changes):
+        assert (part.bucket_sum(3, metas, old) + change) % (1 << 64) == part.bucket_sum(3, metas, new)
+    whole = [array.array("Q", [data.data_ptr() + piece.bucket_offset, piece.nbytes,
+                               delta.piece_key(3, piece.bucket_offset)]) for data in (old, new) for piece in metas]
+    old_sum = sum(delta.bucket_sum(row) for row in whole[:len(metas)])
+    new_sum = sum(delta.bucket_sum(row) for row in whole[len(metas):])
+    assert (old_sum + sum_change - new_sum) % (1 << 64) == 0
+    # Negative control: rank 1's bit never set, so it gets no change.
+    base = old.clone()
+    rows[1::5] = array.array("Q", [base.data_ptr() + piece.bucket_offset for piece in metas])
+    _, _, _, only_first = delta.encode(rows, out.data_ptr(), out.numel(), segments=part_segments(parts[:1], metas),
+                                       parts=2)
+    assert only_first[0] == part_changes[0] and only_first[1] == 0
 
 
 def resident_bytes(tensor: torch.Tensor) -> int:

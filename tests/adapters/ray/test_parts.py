@@ -41,6 +41,7 @@ class Fleet:
     def update(self, manager: CheckpointEngineManager, version: int) -> UpdateReport:
         ray.get(self.actor_wg.call("set_version", version))
         self.hashed()  # from here on: this update's
+        ray.get(self.actor_wg.call("summed"))
         return asyncio.run(manager.update_weights(version=version))
 
     def hashed(self) -> list[int]:
@@ -218,15 +219,22 @@ def test_a_change_behind_the_engine_to_the_part_a_worker_keeps_fails_that_worker
 
 @pytest.mark.parametrize("mode", ["delta", "staged", "delta+staged"])
 def test_parts_compose_with_delta_and_staged_updates(fleet: Fleet, mode: str) -> None:
+    """Three updates of each mode, every worker holding its slice after each. A delta sender sums its kept copy's
+    buckets for the model digest and for each part's digest at the first (full) update, and from then on keeps
+    every sum up to date from the words that changed: the bytes its process sums (``native.delta_sum``, wrapped)
+    are at least the model at the first update and none at the next two."""
     manager = fleet.manager(delta="delta" in mode, staged="staged" in mode)
     for version in (NUDGED + 10, NUDGED + 11, NUDGED + 12):  # a few elements apart: a delta sends changes
         report = fleet.update(manager, version)
+        summed = ray.get(fleet.actor_wg.call("summed"))[0]
         assert report.ok, report.replicas
         fleet.check_holds(version)
         if "delta" not in mode or version == NUDGED + 10:  # the first update of a delta manager is full
             assert sorted(transfer.part for transfer in receivers(report)) == [0, 0, 1, 1], mode
+            assert summed >= (MODEL_BYTES if "delta" in mode else 0), mode
         else:
             assert [outcome.received for outcome in report.replicas] == ["changes"] * 2, mode
+            assert summed == 0, mode
 
 
 def test_a_corrupted_byte_fails_only_the_worker_whose_part_holds_it(fleet: Fleet) -> None:

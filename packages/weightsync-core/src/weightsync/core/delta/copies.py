@@ -4,6 +4,7 @@ the tensors a ``copy_into`` consumer's fallback takes (:class:`PlacedCopies`).""
 
 from __future__ import annotations
 
+import array
 import mmap
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,11 @@ class BucketCopy:
     data: torch.Tensor
     total: int | None = None
     """Its keyed sum, when known (a sender keeps it up to date across deltas)."""
+    part_totals: dict[tuple[bytes, int], int] = field(default_factory=dict)
+    """Each part's keyed sum of its held ranges, by the part's key, when known (``weightsync.core.delta.parts``; a
+    sender keeps them up to date across deltas)."""
+    segments: tuple[tuple[tuple[bytes, int], ...], array.array[int]] | None = None
+    """The encoder's segments of its pieces for some parts (by their keys), kept for the next update."""
 
     @property
     def nbytes(self) -> int:
@@ -66,6 +72,7 @@ class BaseCopies:
         kept = self.match(index, table, nbytes)
         if kept is not None:
             kept.total = None
+            kept.part_totals.clear()
         else:
             kept = BucketCopy(table, _untouched(nbytes) if self.partial else torch.zeros(nbytes, dtype=torch.uint8))
             if index < len(self.buckets):

@@ -74,27 +74,35 @@ SPLIT_BYTES = 1 << 20
 """A bucket of at least this many bytes is compared in two halves at once when the caller gives a second thread."""
 
 
-def encode(rows: array.array[int], out: int, capacity: int,
-           beside: concurrent.futures.Executor | None = None) -> tuple[int | None, int, int]:
+def encode(rows: array.array[int], out: int, capacity: int, beside: concurrent.futures.Executor | None = None, *,
+           segments: array.array[int] | None = None, parts: int = 0) -> tuple[int | None, int, int, list[int]]:
     """Encode the pieces ``rows`` (flat ``(source address, base address, nbytes, unit, key)`` rows) into host memory
     at ``out``, and bring each base up to its source. Returns the encoding's length (None when it would not fit in
-    ``capacity`` bytes), the changed bytes, and what the bases' keyed sum changed by (modulo 2^64; add it to the
-    sum of the bases before). With ``beside`` (a thread), a large bucket's second half is compared there while this
-    thread compares the first, and the two encodings are joined. Needs the compiled helper (``ENCODER``)."""
+    ``capacity`` bytes), the changed bytes, what the bases' keyed sum changed by (modulo 2^64; add it to the sum of
+    the bases before), and with ``segments`` what each of ``parts`` parts' keyed sum changed by (the segments of
+    :func:`weightsync.core.delta.parts.part_segments`). With ``beside`` (a thread), a large bucket's second half is
+    compared there while this thread compares the first, and the two encodings are joined. Needs the compiled
+    helper (``ENCODER``)."""
     total = sum(rows[row + 2] for row in range(0, len(rows), 5))
     if beside is None or total < SPLIT_BYTES:
-        length, changed, sum_change, _ = native.delta_encode(rows, out, capacity, open_last=False)
-        return length, changed, sum_change
+        length, changed, sum_change, _, part_changes = native.delta_encode(rows, out, capacity, open_last=False,
+                                                                           segments=segments, parts=parts)
+        return length, changed, sum_change, part_changes
     first, second, split = _halves(rows, total)
+    first_segments, second_segments = (None, None) if segments is None else _split_segments(
+        segments, len(first) // 5, split[0] if split else 0)
     share = capacity * sum(first[row + 2] for row in range(0, len(first), 5)) // total
-    later = beside.submit(native.delta_encode, second, out + share, capacity - share, open_last=False)
+    later = beside.submit(native.delta_encode, second, out + share, capacity - share, open_last=False,
+                          segments=second_segments, parts=parts)
     try:
-        length, changed, sum_change, last = native.delta_encode(first, out, share, open_last=split is not None)
+        length, changed, sum_change, last, part_changes = native.delta_encode(
+            first, out, share, open_last=split is not None, segments=first_segments, parts=parts)
     finally:
-        second_length, second_changed, second_change, _ = later.result()
+        second_length, second_changed, second_change, _, second_parts = later.result()
     changed, sum_change = changed + second_changed, (sum_change + second_change) & _MASK
+    part_changes = [(one + other) & _MASK for one, other in zip(part_changes, second_parts)]
     if length is None or second_length is None:
-        return None, changed, sum_change
+        return None, changed, sum_change, part_changes
     joint = b""
     skip = 0
     if split is not None:  # the split piece's first run after the split counts its gap from the first part's end
@@ -108,11 +116,11 @@ def encode(rows: array.array[int], out: int, capacity: int,
             skip = 0
     joined = length + len(joint) + second_length - skip
     if joined > capacity:
-        return None, changed, sum_change
+        return None, changed, sum_change, part_changes
     native.copy_bytes(out + length + len(joint), out + share + skip, second_length - skip)
     if joint:
         native.copy_bytes(out + length, joint, len(joint))
-    return joined, changed, sum_change
+    return joined, changed, sum_change, part_changes
 
 
 def _halves(rows: array.array[int], total: int) -> tuple[array.array[int], array.array[int], tuple[int, int] | None]:
@@ -131,6 +139,26 @@ def _halves(rows: array.array[int], total: int) -> tuple[array.array[int], array
             return first, rest + rows[row + 5:], (at, unit)
         before += nbytes
     return rows, array.array("Q"), None
+
+
+def _split_segments(segments: array.array[int], pieces: int, at: int) -> tuple[array.array[int], array.array[int]]:
+    """``segments`` for the first of :func:`_halves`' halves (its ``pieces`` pieces, the last of them cut ``at``
+    bytes in when ``at``) and for the second."""
+    position = 0
+    for _ in range(pieces - (1 if at else 0)):
+        position += 1 + 2 * segments[position]
+    if not at:
+        return segments[:position], segments[position:]
+    count = segments[position]
+    pairs = segments[position + 1:position + 1 + 2 * count]
+    first, second = array.array("Q"), array.array("Q")
+    for end, mask in zip(pairs[::2], pairs[1::2]):
+        if not first or first[-2] < at:
+            first.extend((min(end, at), mask))
+        if end > at:
+            second.extend((end - at, mask))
+    return (segments[:position] + array.array("Q", [len(first) // 2]) + first,
+            array.array("Q", [len(second) // 2]) + second + segments[position + 1 + 2 * count:])
 
 
 def _varint(data: memoryview | bytes, at: int) -> tuple[int, int]:

@@ -14,7 +14,9 @@ nothing. The sender and every worker compute them alike from the plan.
 Verification follows the part: the sender folds, besides the model digest, each distinct part's **part model
 digest** (the same fold over every bucket, of the keyed sums of the part's held ranges alone) and sends them on the
 update's final header (``BucketHeader.part_models``, in the order of the senders' plan); a worker applies and sums
-its held ranges alone and compares its part's.
+its held ranges alone and compares its part's. The sender sums each part's ranges of a kept bucket once, when the
+bucket is written whole; from then on the compiled encoder adds each changed word's term change to the sums of the
+parts that hold the word (:func:`part_segments`), as it does to the bucket's own sum.
 """
 
 from __future__ import annotations
@@ -29,14 +31,17 @@ from weightsync.core.delta.encoding import held_sum
 from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.parts import PartLayout
 
-__all__ = ["MAX_RANGES", "PartWords"]
+__all__ = ["MAX_PARTS", "MAX_RANGES", "PartWords", "part_segments"]
 
 MAX_RANGES = 8
 """A part that holds more runs of a piece than this holds the whole piece (in delta updates)."""
 
+MAX_PARTS = 64
+"""The most distinct parts whose sums the compiled encoder keeps up to date as it compares (a bit each); past them,
+each part's sums are taken from the sender's kept copy every update."""
+
 Ranges = tuple[tuple[int, int], ...]
 """Held ranges of a piece: ``(start, end)`` from its first byte, sorted, disjoint."""
-
 
 
 class PartWords:
@@ -44,13 +49,16 @@ class PartWords:
 
     def __init__(self, layout: PartLayout) -> None:
         self.layout = layout
+        self.key = (layout.plan.key(), layout.plan.index)
+        """What tells this part from another: its regions and its place in the senders' plan."""
         self._ranges: dict[tuple[str, str, tuple[int, ...], int, int, tuple[int, ...]], Ranges] = {}
 
     @classmethod
     def of(cls, layout: PartLayout, known: dict[tuple[bytes, int], PartWords]) -> PartWords:
         """``layout``'s, from ``known`` (kept across updates and epochs, by the part's regions and index) when
         there."""
-        return known.setdefault((layout.plan.key(), layout.plan.index), cls(layout))
+        words = cls(layout)
+        return known.setdefault(words.key, words)
 
     @property
     def index(self) -> int:
@@ -113,3 +121,26 @@ class PartWords:
         """The keyed sum of the held ranges of bucket ``index`` (pieces ``metas``), whose bytes lie in ``data`` in
         the bucket's layout."""
         return held_sum(index, [(meta, data, meta.bucket_offset) for meta in metas], self.ranges)
+
+
+def part_segments(parts: Sequence[PartWords], metas: Sequence[TensorMeta]) -> array.array[int]:
+    """The encoder's ``segments`` for a bucket's pieces (``weightsync.core.native.delta_encode``): per piece, a count
+    and ``(end, mask)`` pairs that cover it, bit ``b`` of a mask set where ``parts[b]`` holds the bytes (at most
+    :data:`MAX_PARTS` parts)."""
+    out = array.array("Q")
+    for meta in metas:
+        held = [part.ranges(meta) for part in parts]
+        ends = sorted({meta.nbytes, *(edge for ranges in held for start, stop in ranges for edge in (start, stop))})
+        pairs: list[int] = []
+        for end in ends:
+            if end == 0:
+                continue
+            mask = sum(1 << bit for bit, ranges in enumerate(held)
+                       if any(start < end <= stop for start, stop in ranges))
+            if pairs and pairs[-1] == mask:  # the same parts as the segment before: one segment
+                pairs[-2] = end
+            else:
+                pairs += (end, mask)
+        out.append(len(pairs) // 2)
+        out.extend(pairs)
+    return out

@@ -13,8 +13,9 @@ import torch
 
 from weightsync.core.delta import encoding
 from weightsync.core.delta.copies import BaseCopies, BucketCopy
-from weightsync.core.delta.parts import PartWords
+from weightsync.core.delta.parts import MAX_PARTS, PartWords, part_segments
 from weightsync.core.native import copy_batch
+from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.layout import PlannedBucket, pack_hashing
 from weightsync.core.wire.parts import PartLayout
@@ -96,8 +97,8 @@ class DeltaUpdate:
     """The distinct parts the receivers declared, each of whose part model digest this update folds too
     (:mod:`weightsync.core.delta.parts`)."""
     part_folding: list[list[concurrent.futures.Future[int]]] = field(default_factory=list)
-    """Per bucket, in order, each part's keyed sum of its held ranges (summed from the kept copy on the digest
-    thread)."""
+    """Per bucket, in order, each part's keyed sum of its held ranges: known for a bucket sent as changes (the
+    encoder updated it from the words that changed), else being summed from the kept copy on the digest thread."""
     part_models: list[str] = field(default_factory=list)
     """Once :meth:`model_digest` ran: each part's model digest, in the order of the senders' plan."""
     gathered: Gathered = field(default_factory=Gathered)
@@ -119,10 +120,16 @@ class DeltaUpdate:
             for meta, source, start in bucket.items:
                 rows.extend((blocked.get(meta.bucket_offset, source.data_ptr() + start), kept_at + meta.bucket_offset,
                              meta.nbytes, encoding.unit_of(meta), encoding.piece_key(index, meta.bucket_offset)))
-            length, changed, sum_change = encoding.encode(rows, base, bucket.nbytes - 1, pool)
+            segments = (self._segments(kept, [meta for meta, _, _ in bucket.items])
+                        if 0 < len(self.parts) <= MAX_PARTS else None)
+            length, changed, sum_change, part_changes = encoding.encode(
+                rows, base, bucket.nbytes - 1, pool, segments=segments, parts=len(self.parts) if segments else 0)
             self.changed += changed
             if kept.total is not None:
-                kept.total = (kept.total + sum_change) & ((1 << 64) - 1)
+                kept.total = (kept.total + sum_change) & _MASK
+            # The sums the encoder kept up to date; any other part's (none without segments) is summed again.
+            kept.part_totals = {part.key: (kept.part_totals[part.key] + part_change) & _MASK
+                                for part, part_change in zip(self.parts, part_changes) if part.key in kept.part_totals}
         if kept is not None and length is not None:
             dense = bucket.nbytes
             digest.update_bucket(table, buffer[:length])
@@ -143,16 +150,20 @@ class DeltaUpdate:
               kept: BucketCopy) -> None:
         """Fold ``kept`` (final for this version) into the model digest: its sum now when known, else on ``pool``
         while the next bucket is packed."""
-        future: concurrent.futures.Future[int]
-        if kept.total is not None:
-            future = concurrent.futures.Future()
-            future.set_result(kept.total)
-        else:
-            future = pool.submit(kept.sum, index, [meta for meta, _, _ in bucket.items])
+        future = (_known(kept.total) if kept.total is not None
+                  else pool.submit(kept.sum, index, [meta for meta, _, _ in bucket.items]))
         self.folding.append((table, kept.nbytes, future))
         if self.parts:
             metas = [meta for meta, _, _ in bucket.items]
-            self.part_folding.append([pool.submit(part.bucket_sum, index, metas, kept.data) for part in self.parts])
+            self.part_folding.append([_known(kept.part_totals[part.key]) if part.key in kept.part_totals
+                                      else pool.submit(_part_sum, kept, part, index, metas) for part in self.parts])
+
+    def _segments(self, kept: BucketCopy, metas: Sequence[TensorMeta]) -> array.array[int]:
+        """The encoder's segments for ``kept``'s pieces ``metas`` and this update's parts, kept with the bucket."""
+        key = tuple(part.key for part in self.parts)
+        if kept.segments is None or kept.segments[0] != key:
+            kept.segments = (key, part_segments(self.parts, metas))
+        return kept.segments[1]
 
     def model_digest(self, buckets: int) -> str:
         """Once every one of the update's ``buckets`` is folded: the model digest (the kept copy loses any bucket
@@ -182,3 +193,20 @@ class DeltaUpdate:
             except Exception:  # noqa: BLE001 - the model digest of a failed update is discarded
                 pass
 
+
+
+_MASK = (1 << 64) - 1
+
+
+def _known(total: int) -> concurrent.futures.Future[int]:
+    """A sum known already, as the digest thread's sums are awaited."""
+    future: concurrent.futures.Future[int] = concurrent.futures.Future()
+    future.set_result(total)
+    return future
+
+
+def _part_sum(kept: BucketCopy, part: PartWords, index: int, metas: Sequence[TensorMeta]) -> int:
+    """``part``'s keyed sum of ``kept`` (bucket ``index``, pieces ``metas``), remembered with the bucket: the encoder
+    keeps it up to date from then on."""
+    total = kept.part_totals[part.key] = part.bucket_sum(index, metas, kept.data)
+    return total

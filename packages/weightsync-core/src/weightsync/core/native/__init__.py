@@ -49,7 +49,7 @@ process wants the GIL (the receive thread decoding a header, the sender's planne
 switch between the two threads."""
 
 
-_ABI = 7
+_ABI = 8
 """``WEIGHTSYNC_STREAM_COPY_ABI`` of the ``_stream_copy.c`` this module calls."""
 
 
@@ -95,7 +95,8 @@ def _open_helper(path: Path) -> tuple[ctypes.CDLL | None, str]:
     library.weightsync_copy_columns.restype = None
     library.weightsync_delta_encode.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint64,
                                                 ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
-                                                ctypes.c_int, ctypes.POINTER(ctypes.c_uint64))
+                                                ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p,
+                                                ctypes.c_void_p)
     library.weightsync_delta_encode.restype = ctypes.c_uint64
     library.weightsync_delta_apply.argtypes = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
                                                ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p)
@@ -185,18 +186,24 @@ def _library() -> ctypes.CDLL:
     return HELPER
 
 
-def delta_encode(rows: array.array[int], out: int, capacity: int, *, open_last: bool
-                 ) -> tuple[int | None, int, int, int]:
+def delta_encode(rows: array.array[int], out: int, capacity: int, *, open_last: bool,
+                 segments: array.array[int] | None = None, parts: int = 0
+                 ) -> tuple[int | None, int, int, int, list[int]]:
     """Compare and encode the pieces ``rows`` (flat ``(source address, base address, nbytes, unit, key)`` rows) into
     host memory at ``out``, bringing each base up to its source (the helper's ``weightsync_delta_encode``). Returns
     the encoding's length (None when it would not fit in ``capacity``), the changed bytes, what the bases' keyed sum
-    changed by, and, with ``open_last``, where the last piece's last run ended (its closing byte left out)."""
+    changed by, with ``open_last`` where the last piece's last run ended (its closing byte left out), and with
+    ``segments`` (per piece: a count n, then n ``(end, mask)`` pairs covering it) what each of ``parts`` parts' sum
+    changed by (part b: the words of segments whose mask has bit b)."""
     changed, sum_change, last = ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_uint64(0)
+    part_changes = (ctypes.c_uint64 * max(parts, 1))()
     length = _library().weightsync_delta_encode(rows.buffer_info()[0], len(rows) // 5, out, capacity,
                                                 ctypes.byref(changed), ctypes.byref(sum_change), int(open_last),
-                                                ctypes.byref(last))
+                                                ctypes.byref(last),
+                                                segments.buffer_info()[0] if segments is not None else None,
+                                                part_changes)
     return ((None if length == _NO_ROOM else int(length)), int(changed.value), int(sum_change.value),
-            int(last.value))
+            int(last.value), [int(value) for value in part_changes[:parts]])
 
 
 def delta_apply(encoded: int, nbytes: int, rows: array.array[int], *, summed: bool,

@@ -19,7 +19,7 @@
 #include <string.h>
 
 #define WEIGHTSYNC_STREAM_MIN 4096 /* below this, memmove's cached copy is as fast and keeps the bytes cached */
-#define WEIGHTSYNC_STREAM_COPY_ABI 7 /* bumped with any change of these functions' signatures or meaning */
+#define WEIGHTSYNC_STREAM_COPY_ABI 8 /* bumped with any change of these functions' signatures or meaning */
 
 /* The Python side refuses a library built from another version of this file (a stale in-place build). */
 int weightsync_stream_copy_abi(void) { return WEIGHTSYNC_STREAM_COPY_ABI; }
@@ -286,9 +286,10 @@ static inline __attribute__((always_inline)) int encode_piece(const unsigned cha
                                                                uint64_t nbytes, uint64_t unit, uint64_t key,
                                                                unsigned char **out, uint64_t *room, int fits,
                                                                uint64_t *changed, uint64_t *adjust, int open,
-                                                               uint64_t *last_end) {
+                                                               uint64_t *last_end, const uint64_t *segments,
+                                                               uint64_t *part_changes) {
     unsigned char *p = *out;
-    uint64_t at = 0, last = 0, next_word = 0;
+    uint64_t at = 0, last = 0, next_word = 0, segment = 0;
     while ((at = next_change(source, base, at, nbytes, unit)) < nbytes) {
         uint64_t start = at;
         do {
@@ -299,8 +300,17 @@ static inline __attribute__((always_inline)) int encode_piece(const unsigned cha
          * every run is copied (the bytes outside runs are equal). */
         for (uint64_t word = start / 8 > next_word ? start / 8 : next_word; word * 8 < at; word++) {
             uint64_t word_key = key + word * KEY_STEP, left = nbytes - word * 8;
-            *adjust += keyed_term(load_partial(source + word * 8, left), word_key) -
-                       keyed_term(load_partial(base + word * 8, left), word_key);
+            uint64_t change = keyed_term(load_partial(source + word * 8, left), word_key) -
+                              keyed_term(load_partial(base + word * 8, left), word_key);
+            *adjust += change;
+            if (segments) { /* the parts that hold this word (segments end on words) change their sums too */
+                while (segments[2 * segment] <= word * 8) {
+                    segment++;
+                }
+                for (uint64_t mask = segments[2 * segment + 1]; mask; mask &= mask - 1) {
+                    part_changes[__builtin_ctzll(mask)] += change;
+                }
+            }
         }
         next_word = (at + 7) / 8;
         copy_run(base + start, source + start, run);
@@ -339,9 +349,13 @@ static inline __attribute__((always_inline)) int encode_piece(const unsigned cha
  * and *sum_change what the bases' keyed sum (key: of a piece's first word) changed by, modulo 2^64. With open_last,
  * the last row is the first part of a piece whose rest another call encodes: it gets no closing byte, and *last_end
  * gets where its last run ended (from the row's start; 0 without runs), which the rest's first gap must count from
- * (weightsync.core.delta.encoding joins the two). */
+ * (weightsync.core.delta.encoding joins the two). With segments (else NULL), the parts' sums too
+ * (weightsync.core.delta.parts): per piece a count n, then n (end, mask) pairs that cover it, the ends on its words
+ * (from its start, increasing, the last its nbytes); each changed word's term change is added to part_changes[b]
+ * for every bit b of its segment's mask. */
 uint64_t weightsync_delta_encode(const uint64_t *pieces, size_t count, unsigned char *out, uint64_t capacity,
-                                 uint64_t *changed, uint64_t *sum_change, int open_last, uint64_t *last_end) {
+                                 uint64_t *changed, uint64_t *sum_change, int open_last, uint64_t *last_end,
+                                 const uint64_t *segments, uint64_t *part_changes) {
     unsigned char *p = out;
     uint64_t room = capacity, changed_bytes = 0, adjust = 0, last = 0;
     int fits = 1;
@@ -350,8 +364,10 @@ uint64_t weightsync_delta_encode(const uint64_t *pieces, size_t count, unsigned 
         unsigned char *base = (unsigned char *)(uintptr_t)pieces[1];
         uint64_t nbytes = pieces[2], key = pieces[4];
         int open = open_last && i + 1 == count;
+        const uint64_t *pairs = segments ? segments + 1 : NULL;
 #define ENCODE_PIECE(UNIT) \
-    encode_piece(source, base, nbytes, UNIT, key, &p, &room, fits, &changed_bytes, &adjust, open, &last)
+    encode_piece(source, base, nbytes, UNIT, key, &p, &room, fits, &changed_bytes, &adjust, open, &last, pairs, \
+                 part_changes)
         switch (pieces[3]) {
         case 1: fits = ENCODE_PIECE(1); break;
         case 2: fits = ENCODE_PIECE(2); break;
@@ -359,6 +375,9 @@ uint64_t weightsync_delta_encode(const uint64_t *pieces, size_t count, unsigned 
         default: fits = ENCODE_PIECE(8); break;
         }
 #undef ENCODE_PIECE
+        if (segments) {
+            segments += 1 + 2 * segments[0];
+        }
     }
     *changed = changed_bytes;
     *sum_change = adjust;
