@@ -22,6 +22,8 @@ from weightsync.core.wire.parts import PartLayout
 
 __all__ = ["DeltaUpdate", "SenderDelta"]
 
+_MASK = (1 << 64) - 1
+
 
 class Gathered:
     """A bucket's pieces packed block after block (``weightsync.core.wire.blocks``), gathered in that order: the
@@ -192,10 +194,6 @@ class DeltaUpdate:
                 future.result()
             except Exception:  # noqa: BLE001 - the model digest of a failed update is discarded
                 pass
-
-
-
-_MASK = (1 << 64) - 1
 
 
 def _known(total: int) -> concurrent.futures.Future[int]:
