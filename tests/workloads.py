@@ -787,9 +787,30 @@ class HashCounter:
         xxhash._counted = True  # type: ignore[attr-defined]
 
 
+class CopyCounter:
+    """Counts the bytes this process copies into tensors with torch's ``Tensor.copy_`` (by wrapping it): what a
+    worker copies through torch rather than writing in place with the compiled helper."""
+
+    nbytes = 0
+
+    @classmethod
+    def install(cls) -> None:
+        original = torch.Tensor.copy_
+        if getattr(original, "_counted", False):
+            return
+
+        def counted(self: torch.Tensor, source: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+            cls.nbytes += self.nbytes
+            return original(self, source, non_blocking)
+
+        counted._counted = True  # type: ignore[attr-defined]
+        torch.Tensor.copy_ = counted  # type: ignore[method-assign,assignment]
+
+
 class TpSink(RecordingSink):
     """A rollout worker of a tensor-parallel replica: keeps only its slice of each tensor (``tp_slice``), as an
-    inference engine's loader does; counts the bytes this process hashes (:class:`HashCounter`)."""
+    inference engine's loader does; counts the bytes this process hashes (:class:`HashCounter`) and copies through
+    torch (:class:`CopyCounter`)."""
 
     def __init__(self, replica: int, worker: int) -> None:
         super().__init__(replica, worker)
@@ -799,6 +820,7 @@ class TpSink(RecordingSink):
         """The memory the last update's views lay in: address → bytes."""
         self.views: dict[str, torch.Tensor] = {}
         HashCounter.install()
+        CopyCounter.install()
 
     async def load_weights(self, weights: Any, *, version: int) -> None:
         """``views`` (``set_loading``): each slice cloned from the stream's views; ``shards``: ``copy_into`` shards
@@ -844,6 +866,11 @@ class TpSink(RecordingSink):
     def hashed(self) -> int:
         """Bytes hashed in this process so far (then reset)."""
         nbytes, HashCounter.nbytes = HashCounter.nbytes, 0
+        return nbytes
+
+    def copied(self) -> int:
+        """Bytes copied into tensors with ``Tensor.copy_`` in this process so far (then reset)."""
+        nbytes, CopyCounter.nbytes = CopyCounter.nbytes, 0
         return nbytes
 
 

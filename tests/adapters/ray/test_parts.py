@@ -42,6 +42,8 @@ class Fleet:
         ray.get(self.actor_wg.call("set_version", version))
         self.hashed()  # from here on: this update's
         ray.get(self.actor_wg.call("summed"))
+        for replica in self.replicas:
+            ray.get(replica.call("copied"))
         return asyncio.run(manager.update_weights(version=version))
 
     def hashed(self) -> list[int]:
@@ -104,7 +106,9 @@ def test_each_worker_reads_and_verifies_only_its_part(fleet: Fleet) -> None:
 def test_copy_into_shards_copies_and_hashes_only_the_part(fleet: Fleet, mode: str) -> None:
     """Sinks that hold only their slices (shards of the slices' shapes) take updates with ``copy_into``: in a full
     update each worker's copy lands its part, and its process hashes no more than its part; a delta update (the
-    second of a delta manager) lands in the shards too."""
+    second of a delta manager) lands in the shards too, its changes written straight into them: the worker's
+    process copies nothing into a tensor with torch (``Tensor.copy_``, wrapped), where a shard refilled from a host
+    copy of its tensor each delta update took about half the model that way."""
     for replica in fleet.replicas:
         ray.get(replica.call("set_loading", "shards"))
     try:
@@ -113,10 +117,12 @@ def test_copy_into_shards_copies_and_hashes_only_the_part(fleet: Fleet, mode: st
             report = fleet.update(manager, version)
             assert report.ok, report.replicas
             fleet.check_holds(version)
+            copied = [ray.get(ref) for replica in fleet.replicas for ref in replica.call("copied")]
             if version == NUDGED or mode == "full":
                 assert all(nbytes <= 0.52 * MODEL_BYTES + REPLICATED_BYTES for nbytes in fleet.hashed())
             else:
                 assert [outcome.received for outcome in report.replicas] == ["changes"] * 2
+                assert copied == [0] * 4, copied
     finally:
         for replica in fleet.replicas:
             ray.get(replica.call("set_loading", "views"))

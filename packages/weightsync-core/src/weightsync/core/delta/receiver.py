@@ -86,10 +86,37 @@ class ReceiverDelta:
             self._model = ModelDigest() if due else None
         return self._model is not None
 
-    def _fold(self, header: codec.BucketHeader, table: bytes, pieces: Sequence[Held]) -> None:
+    def _fold(self, header: codec.BucketHeader, table: bytes, pieces: Sequence[Held],
+              in_shards: Sequence[tuple[TensorMeta, int]] = ()) -> None:
+        """Fold what this receiver holds of a bucket: ``pieces``, and ``in_shards`` (``(meta, address)``: pieces
+        whose held ranges lie in a shard, byte 0 of the piece as the shard's bytes see it)."""
         if self._verifies(header) and self._model is not None:
             ranges = self.part.ranges if self.part is not None else None
-            self._model.add(table, _layout(header), held_sum(header.index, pieces, ranges))
+            total = held_sum(header.index, pieces, ranges)
+            if in_shards and self.part is not None:
+                total = (total + applied_sum(_rows(header.index, in_shards), self.part.segments(
+                    [meta for meta, _ in in_shards]))) & _MASK
+            self._model.add(table, _layout(header), total)
+
+    def _in_shard(self, meta: TensorMeta, shards: Mapping[str, torch.Tensor] | None) -> int | None:
+        """Where a piece's byte 0 lies as its shard's bytes see it, when its changes can go straight into the
+        worker's shard of the tensor (a destination of its one box's shape): the part's bytes of the tensor are one
+        run (rows of it, or its block of one packed block after block) laid out in the shard as they travel, and the
+        piece's held ranges stay inside that run. None where they cannot: the tensor is then kept whole here."""
+        if shards is None or self.part is None:
+            return None
+        layout = self.part.layout
+        shape, shard = layout.shard_shape(meta.name), shards.get(meta.name)
+        if shape is None or shape == meta.shape or not destination_fits(shard, DTYPES[meta.dtype], shape):
+            return None
+        runs = layout.runs_of(meta)
+        if runs is None or len(runs[0]) != 1:
+            return None
+        start, end = runs[0][0], runs[1][0]
+        if any(meta.offset + low < start or meta.offset + high > end for low, high in self.part.ranges(meta)):
+            return None  # a held range rounded out to words past the run (its ends are not on words)
+        address = shard.data_ptr() + meta.offset - start
+        return address if address >= 0 else None
 
     def check_base(self, header: codec.BucketHeader, peer: str) -> None:
         """Refuse a delta update against a base this receiver does not hold (before anything is written)."""
@@ -99,12 +126,15 @@ class ReceiverDelta:
                                 "it needs a full update", peer=peer)
 
     def take(self, arrived: Arrived, destinations: Mapping[str, torch.Tensor] | None,
-             fallback: Fallback | None = None, *, transport: ReceiverTransport | None = None) -> bool:
+             fallback: Fallback | None = None, *, transport: ReceiverTransport | None = None,
+             shards: Mapping[str, torch.Tensor] | None = None) -> bool:
         """A bucket of a delta update, before the consumer reads it. True: the consumer reads it as a dense bucket
         (a delta applied to the kept copy is read from there); False: it went straight into ``destinations`` and
         is done (a tensor with no destination handed to ``fallback`` whole). Every bucket of the update goes one
         way: a tensor split across buckets may arrive partly dense, partly as changes, and each piece must land in
-        place. With ``transport`` (the one it arrived on), a small encoding is released first (``_leave_buffer``)."""
+        place. With ``transport`` (the one it arrived on), a small encoding is released first (``_leave_buffer``).
+        ``shards``: a worker of a part's own destinations, whose shards take its changes in place where they can
+        (:meth:`_in_shard`)."""
         if transport is not None:
             _leave_buffer(arrived, transport)
         header, payload = arrived.header, arrived.payload[: arrived.header.nbytes]
@@ -128,8 +158,10 @@ class ReceiverDelta:
         self._views = False
         places = _Places(header, self.part)
         for meta in header.tensors:
-            destination = destinations.get(meta.name)
-            if destination is not None and not meta.blocks:
+            destination, in_shard = destinations.get(meta.name), self._in_shard(meta, shards)
+            if in_shard is not None:
+                places.into_shard(meta, in_shard)
+            elif destination is not None and not meta.blocks:
                 places.into(meta, destination)
             elif destination is None and fallback is None:
                 raise DestinationError(f"no destination for received tensor {meta.name!r} (and no fallback)",
@@ -144,13 +176,14 @@ class ReceiverDelta:
         if verified and self._model is not None:
             self._model.add(arrived.table, _layout(header), total)
         elif places.whole:
-            self._fold(header, arrived.table, places.held)
+            self._fold(header, arrived.table, places.held, places.in_shards)
         places.hand_over(self.placed, destinations, fallback, self.part.layout if self.part is not None else None)
         return False
 
-    def read(self, arrived: Arrived, destinations: Mapping[str, torch.Tensor] | None) -> None:
+    def read(self, arrived: Arrived, destinations: Mapping[str, torch.Tensor] | None, *,
+             shards: Mapping[str, torch.Tensor] | None = None) -> None:
         """A bucket was read as a dense one: by views (its bytes are kept, for the next delta) or into
-        ``destinations`` (recorded, for verifying what this receiver holds)."""
+        ``destinations`` and ``shards`` (recorded, for verifying what this receiver holds)."""
         header = arrived.header
         if destinations is None:
             kept = self.kept.replace(header.index, arrived.table, _layout(header))
@@ -165,8 +198,12 @@ class ReceiverDelta:
             return
         self._views = False
         held: list[Held] = []
+        in_shards: list[tuple[TensorMeta, int]] = []
         for meta in header.tensors:
-            destination = destinations.get(meta.name)
+            destination, in_shard = destinations.get(meta.name), self._in_shard(meta, shards)
+            if in_shard is not None:  # the reader copied the part into its shard, where the next changes go
+                in_shards.append((meta, in_shard))
+                continue
             if destination is None or meta.blocks:  # the fallback took it, or it came block after block: kept
                 # for the next delta update in the bucket's order (a worker's part: its held ranges alone)
                 destination = self.placed.get(meta, fresh=True, untouched=self.part is not None)
@@ -174,7 +211,7 @@ class ReceiverDelta:
                 native.copy_batch([value for low, high in ranges for value in (meta.offset + low, low, high - low)],
                                   destination.data_ptr(), arrived.payload.data_ptr() + meta.bucket_offset)
             held.append((meta, destination, meta.offset))
-        self._fold(header, arrived.table, held)
+        self._fold(header, arrived.table, held, in_shards)
 
     def complete(self, header: codec.BucketHeader, *, receiver: int, peer: str) -> None:
         """The update's final header: verify what this receiver holds when due, then hold the new version."""
@@ -214,6 +251,15 @@ def _leave_buffer(arrived: Arrived, transport: ReceiverTransport) -> None:
         arrived.token = 0
 
 
+_MASK = (1 << 64) - 1
+
+
+def _rows(index: int, pieces: Sequence[tuple[TensorMeta, int]]) -> array.array[int]:
+    """``apply``'s rows for pieces of bucket ``index`` at the addresses given."""
+    return array.array("Q", [value for meta, address in pieces
+                             for value in (address, meta.nbytes, unit_of(meta), piece_key(index, meta.bucket_offset))])
+
+
 def _layout(header: codec.BucketHeader) -> int:
     """The size of the dense bucket a header's table describes."""
     return header.dense if header.dense >= 0 else header.nbytes
@@ -235,6 +281,7 @@ class _Places:
         self.windows: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.whole: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.placed: list[tuple[TensorMeta, torch.Tensor]] = []
+        self.in_shards: list[tuple[TensorMeta, int]] = []
 
     def _row(self, meta: TensorMeta, address: int) -> None:
         self.rows.extend((address, meta.nbytes, unit_of(meta), piece_key(self.header.index, meta.bucket_offset)))
@@ -257,6 +304,12 @@ class _Places:
             address = self.whole[meta.name][1].data_ptr() + meta.offset
         self._row(meta, address)
         self.held.append((meta, destination, meta.offset))
+
+    def into_shard(self, meta: TensorMeta, address: int) -> None:
+        """A piece whose held ranges lie in the worker's shard (``ReceiverDelta._in_shard``: ``address`` is the
+        piece's byte 0 as the shard's bytes see it; only the held ranges are ever written or read there)."""
+        self._row(meta, address)
+        self.in_shards.append((meta, address))
 
     def kept(self, meta: TensorMeta, copy: torch.Tensor) -> None:
         self._row(meta, copy.data_ptr() + meta.offset)

@@ -64,11 +64,14 @@ class SourcesDelta:
         self._of(header.sender).check_base(header, peer)
 
     def take(self, arrived: Arrived, destinations: Mapping[str, torch.Tensor] | None,
-             fallback: Fallback | None = None, *, transport: ReceiverTransport | None = None) -> bool:
-        return self._of(arrived.header.sender).take(arrived, destinations, fallback, transport=transport)
+             fallback: Fallback | None = None, *, transport: ReceiverTransport | None = None,
+             shards: Mapping[str, torch.Tensor] | None = None) -> bool:
+        return self._of(arrived.header.sender).take(arrived, destinations, fallback, transport=transport,
+                                                    shards=shards)
 
-    def read(self, arrived: Arrived, destinations: Mapping[str, torch.Tensor] | None) -> None:
-        self._of(arrived.header.sender).read(arrived, destinations)
+    def read(self, arrived: Arrived, destinations: Mapping[str, torch.Tensor] | None, *,
+             shards: Mapping[str, torch.Tensor] | None = None) -> None:
+        self._of(arrived.header.sender).read(arrived, destinations, shards=shards)
 
     def complete(self, header: codec.BucketHeader, *, receiver: int, peer: str) -> None:
         """The merged final header: each sender's version checked and held (its end in ``header.ends``)."""

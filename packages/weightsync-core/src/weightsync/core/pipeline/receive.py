@@ -85,6 +85,9 @@ class ReceiveStream:
         self._destinations: Mapping[str, torch.Tensor] | None = None
         """Where the consumer reads the current bucket to: its ``copy_into`` destinations, or None for views."""
         self._fallback: Fallback | None = None
+        self._shards: Mapping[str, torch.Tensor] | None = None
+        """A worker of a part's own ``copy_into`` destinations in delta updates, among them its shards (the delta
+        receiver writes changes straight into a shard where it can: ``ReceiverDelta.take``)."""
         self._patched: Arrived | None = None
         self._applied: Arrived | None = None
         self._in_transit: collections.deque[Arrived] = collections.deque()
@@ -126,7 +129,7 @@ class ReceiveStream:
         ends a batch (the next split tensor is gathered in the same scratch buffer); [] at the end of the update."""
         if self._finished:
             return []
-        self._destinations = self._fallback = None
+        self._destinations = self._fallback = self._shards = None
         views: list[tuple[str, torch.Tensor]] = []
         try:
             while True:
@@ -152,12 +155,14 @@ class ReceiveStream:
         if self._finished:
             return 0
         count = 0
-        self._destinations, self._fallback = destinations, fallback
+        self._destinations, self._fallback, self._shards = destinations, fallback, None
         part = self._reader.part
         if part is not None and self._context.delta is not None:
-            # Delta updates write whole tensors: a shard's tensor is kept whole by the delta receiver (as one the
-            # fallback takes) and handed, brought up to date, to a fallback that takes the shard's box of it.
+            # Delta updates write whole tensors: a shard the changes cannot go straight into has its tensor kept
+            # whole by the delta receiver (as one the fallback takes), handed, brought up to date, to a fallback that
+            # takes the shard's box of it.
             self._destinations, self._fallback = whole_only(destinations, fallback, part.layout)
+            self._shards = destinations
         try:
             while True:
                 if self._reader.pending:
@@ -184,7 +189,8 @@ class ReceiveStream:
             raise TransferError(f"{self._peer} sent a delta update to a receiver without SyncConfig.delta",
                                 peer=self._peer)
         early = self._transport if self._release_early else None
-        if self._context.delta.take(current, self._destinations, self._fallback, transport=early):
+        if self._context.delta.take(current, self._destinations, self._fallback, transport=early,
+                                    shards=self._shards):
             return True
         self._applied = current
         return False
@@ -194,7 +200,7 @@ class ReceiveStream:
         done = self._reader.finish()
         if done is not None:
             if self._context.delta is not None and done is not self._applied:
-                self._context.delta.read(done, self._destinations)
+                self._context.delta.read(done, self._destinations, shards=self._shards)
             self._transport.release(done.token)
             ended = time.perf_counter()
             self._unpack_seconds += ended - self._unpack_started
