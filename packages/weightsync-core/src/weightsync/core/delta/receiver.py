@@ -4,7 +4,7 @@ delta bucket in place, and verifying what it holds afterwards (the format: :mod:
 from __future__ import annotations
 
 import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -146,8 +146,7 @@ class ReceiverDelta:
         kept = self.kept.match(header.index, arrived.table, header.dense) if kept_valid else None
         if kept is not None:
             at = kept.data.data_ptr()
-            apply(payload, array.array("Q", [value for meta in header.tensors for value in (
-                at + meta.bucket_offset, meta.nbytes, unit_of(meta), piece_key(header.index, meta.bucket_offset))]),
+            apply(payload, _rows(header.index, [(meta, at + meta.bucket_offset) for meta in header.tensors]),
                   held=self.part.segments(header.tensors) if self.part is not None else None)
             arrived.payload = kept.data  # read from the kept copy as a dense bucket (``read`` folds it)
             return True
@@ -254,7 +253,7 @@ def _leave_buffer(arrived: Arrived, transport: ReceiverTransport) -> None:
 _MASK = (1 << 64) - 1
 
 
-def _rows(index: int, pieces: Sequence[tuple[TensorMeta, int]]) -> array.array[int]:
+def _rows(index: int, pieces: Iterable[tuple[TensorMeta, int]]) -> array.array[int]:
     """``apply``'s rows for pieces of bucket ``index`` at the addresses given."""
     return array.array("Q", [value for meta, address in pieces
                              for value in (address, meta.nbytes, unit_of(meta), piece_key(index, meta.bucket_offset))])
@@ -284,7 +283,7 @@ class _Places:
         self.in_shards: list[tuple[TensorMeta, int]] = []
 
     def _row(self, meta: TensorMeta, address: int) -> None:
-        self.rows.extend((address, meta.nbytes, unit_of(meta), piece_key(self.header.index, meta.bucket_offset)))
+        self.rows.extend(_rows(self.header.index, [(meta, address)]))
 
     def into(self, meta: TensorMeta, destination: torch.Tensor) -> None:
         check_destination(meta, destination)
