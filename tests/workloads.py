@@ -9,7 +9,7 @@ from __future__ import annotations
 import array
 import os
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -612,40 +612,58 @@ def tp_slice(name: str, tensor: torch.Tensor, rank: int, parts: int = 2) -> torc
     return tensor if dim is None else tensor.chunk(parts, dim)[rank]
 
 
-class SumCounter:
-    """Counts the bytes this process sums with the compiled helper's keyed sum (``native.delta_sum``), by wrapping
-    the call: what a delta sender reads again to fold its model and part digests, seen from outside its logic."""
+class CallCounter:
+    """Counts what this process hands one library call: ``measure`` of its arguments, added up until
+    :meth:`take` (:func:`counting` wraps the call)."""
 
-    nbytes = 0
+    def __init__(self) -> None:
+        self.nbytes = 0
 
-    @classmethod
-    def install(cls) -> None:
-        from weightsync.core import native
+    def take(self) -> int:
+        """What it counted since the last call."""
+        nbytes, self.nbytes = self.nbytes, 0
+        return nbytes
 
-        original = native.delta_sum
-        if getattr(original, "_counted", False):
-            return
 
-        def counted(rows: Any) -> int:
-            cls.nbytes += sum(rows[1::3])
-            return original(rows)
+def counting(owner: Any, name: str, measure: Callable[..., int]) -> CallCounter:
+    """The counter of ``owner.name`` in this process, which wraps it where it is looked up (once per process)."""
+    original = getattr(owner, name)
+    known: CallCounter | None = getattr(original, "_counter", None)
+    if known is not None:
+        return known
+    counter = CallCounter()
 
-        counted._counted = True  # type: ignore[attr-defined]
-        native.delta_sum = counted
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        counter.nbytes += measure(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    counted._counter = counter  # type: ignore[attr-defined]
+    setattr(owner, name, counted)
+    return counter
+
+
+def _summed_bytes(rows: Any) -> int:
+    return int(sum(rows[1::3]))
+
+
+def _copied_bytes(destination: torch.Tensor, *args: Any, **kwargs: Any) -> int:
+    return destination.nbytes
 
 
 class TpSource(ModelSource):
     """An actor rank's copy of :func:`tp_tensors` (every rank holds the whole model; rank 0 sends it); counts the
-    bytes its process sums (:class:`SumCounter`)."""
+    bytes its process sums with the compiled helper's keyed sum (``native.delta_sum``): what a delta sender reads
+    again to fold its model and part digests."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         super().__init__(rank, world_size)
-        SumCounter.install()
+        from weightsync.core import native
+
+        self.sums = counting(native, "delta_sum", _summed_bytes)
 
     def summed(self) -> int:
         """Bytes this process summed since the last call."""
-        nbytes, SumCounter.nbytes = SumCounter.nbytes, 0
-        return nbytes
+        return self.sums.take()
 
     def named_weights(self) -> Iterator[Any]:
         yield from tp_tensors(self.version)
@@ -787,30 +805,10 @@ class HashCounter:
         xxhash._counted = True  # type: ignore[attr-defined]
 
 
-class CopyCounter:
-    """Counts the bytes this process copies into tensors with torch's ``Tensor.copy_`` (by wrapping it): what a
-    worker copies through torch rather than writing in place with the compiled helper."""
-
-    nbytes = 0
-
-    @classmethod
-    def install(cls) -> None:
-        original = torch.Tensor.copy_
-        if getattr(original, "_counted", False):
-            return
-
-        def counted(self: torch.Tensor, source: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-            cls.nbytes += self.nbytes
-            return original(self, source, non_blocking)
-
-        counted._counted = True  # type: ignore[attr-defined]
-        torch.Tensor.copy_ = counted  # type: ignore[method-assign,assignment]
-
-
 class TpSink(RecordingSink):
     """A rollout worker of a tensor-parallel replica: keeps only its slice of each tensor (``tp_slice``), as an
-    inference engine's loader does; counts the bytes this process hashes (:class:`HashCounter`) and copies through
-    torch (:class:`CopyCounter`)."""
+    inference engine's loader does; counts the bytes this process hashes (:class:`HashCounter`) and copies into
+    tensors through torch's ``Tensor.copy_`` rather than in place with the compiled helper."""
 
     def __init__(self, replica: int, worker: int) -> None:
         super().__init__(replica, worker)
@@ -820,7 +818,7 @@ class TpSink(RecordingSink):
         """The memory the last update's views lay in: address → bytes."""
         self.views: dict[str, torch.Tensor] = {}
         HashCounter.install()
-        CopyCounter.install()
+        self.copies = counting(torch.Tensor, "copy_", _copied_bytes)
 
     async def load_weights(self, weights: Any, *, version: int) -> None:
         """``views`` (``set_loading``): each slice cloned from the stream's views; ``shards``: ``copy_into`` shards
@@ -870,8 +868,7 @@ class TpSink(RecordingSink):
 
     def copied(self) -> int:
         """Bytes copied into tensors with ``Tensor.copy_`` in this process so far (then reset)."""
-        nbytes, CopyCounter.nbytes = CopyCounter.nbytes, 0
-        return nbytes
+        return self.copies.take()
 
 
 class _FlipSecondHalf:

@@ -253,10 +253,14 @@ def _leave_buffer(arrived: Arrived, transport: ReceiverTransport) -> None:
 _MASK = (1 << 64) - 1
 
 
+def _row(index: int, meta: TensorMeta, address: int) -> tuple[int, int, int, int]:
+    """``apply``'s row for a piece of bucket ``index`` at ``address``."""
+    return address, meta.nbytes, unit_of(meta), piece_key(index, meta.bucket_offset)
+
+
 def _rows(index: int, pieces: Iterable[tuple[TensorMeta, int]]) -> array.array[int]:
     """``apply``'s rows for pieces of bucket ``index`` at the addresses given."""
-    return array.array("Q", [value for meta, address in pieces
-                             for value in (address, meta.nbytes, unit_of(meta), piece_key(index, meta.bucket_offset))])
+    return array.array("Q", [value for meta, address in pieces for value in _row(index, meta, address)])
 
 
 def _layout(header: codec.BucketHeader) -> int:
@@ -283,7 +287,7 @@ class _Places:
         self.in_shards: list[tuple[TensorMeta, int]] = []
 
     def _row(self, meta: TensorMeta, address: int) -> None:
-        self.rows.extend(_rows(self.header.index, [(meta, address)]))
+        self.rows.extend(_row(self.header.index, meta, address))
 
     def into(self, meta: TensorMeta, destination: torch.Tensor) -> None:
         check_destination(meta, destination)
