@@ -589,25 +589,36 @@ def test_the_senders_parts_digest_folds_while_packing_what_a_reader_folds_from_t
         assert whole or folding.hexdigest().startswith("parts-")
 
 
-def test_part_groups_by_what_each_host_skips() -> None:
-    """WIP (delivery by part across hosts): hosts whose workers hold half the layers each skip the other half's
-    tensors and form two groups; hosts of tensor-parallel halves skip nothing (one group, today's delivery); a worker
-    without a part makes its host skip nothing."""
-    from weightsync.core.wire.partplans import part_groups, skipped_by_host
+def test_part_groups_by_what_each_host_holds() -> None:
+    """Hosts whose workers hold half the layers each skip the other half's tensors and form two groups; hosts of
+    tensor-parallel halves (each host one rank's halves) form two groups, each carrying its rank's boxes; hosts that
+    each hold both halves need the same (one group, today's delivery); a worker without a part makes its host hold
+    the whole model."""
+    from weightsync.core.wire.partplans import held_by_host, part_groups
+
+    def held(part: PartPlan) -> dict[str, list[Box]]:
+        return part.tensors
 
     first, second = (PartPlan.of(Part(tensors={name: () for name in names}), index)
                      for index, names in enumerate((("b", "c"), ("a",))))
     groups = part_groups([first, first, second, second], ["h1", "h1", "h2", "h2"])
-    assert groups == [(frozenset({"b", "c"}), ["h1"]), (frozenset({"a"}), ["h2"])]
+    assert [(held(part), hosts) for part, hosts in groups] == [({"b": [], "c": []}, ["h1"]), ({"a": []}, ["h2"])]
     halves = [PartPlan.of(tp_part(rank), rank) for rank in (0, 1)]
-    assert part_groups(halves * 2, ["h1", "h1", "h2", "h2"]) == [(frozenset(), ["h1", "h2"])]
-    assert skipped_by_host([first, None, second], ["h1", "h1", "h2"]) == {"h1": frozenset(), "h2": frozenset({"a"})}
-    both = [first, second, first, second]  # each host holds both halves: nothing skipped anywhere
-    assert part_groups(both, ["h1", "h1", "h2", "h2"]) == [(frozenset(), ["h1", "h2"])]
+    by_rank = part_groups([halves[0], halves[0], halves[1], halves[1]], ["h1", "h1", "h2", "h2"])
+    assert [(held(part), hosts) for part, hosts in by_rank] == [(halves[0].tensors, ["h1"]),
+                                                                (halves[1].tensors, ["h2"])]
+    assert [part.index for part, _ in by_rank] == [-1, -1]
+    assert {host: held(part) for host, part in held_by_host([first, None, second], ["h1", "h1", "h2"]).items()} == {
+        "h1": {}, "h2": {"a": []}}
+    both = part_groups(halves * 2, ["h1", "h1", "h2", "h2"])  # each host holds both halves of every tensor
+    assert [hosts for _, hosts in both] == [["h1", "h2"]]
+    assert held_by_host(halves * 2, ["h1"] * 4)["h1"].tensors == {
+        name: [*halves[0].tensors[name], *halves[1].tensors[name]] for name in halves[0].tensors}
+    assert held_by_host([halves[0], None], ["h1", "h1"])["h1"].tensors == {}
 
 
 def test_grouped_topology_gives_each_group_of_hosts_a_sender_and_a_chain_of_its_own() -> None:
-    """WIP: hosts h1 and h2 each hold half the layers (two workers each): two groups, each with its own sender
+    """Hosts h1 and h2 each hold half the layers (two workers each): two groups, each with its own sender
     (actor ranks 0 and 1 on the sender's host), which skips the other half's tensors, and a two-level chain over its
     host alone (its first worker reads over the network, the second in place)."""
     from weightsync.api.types import WorldMetadata
@@ -635,6 +646,15 @@ def test_grouped_topology_gives_each_group_of_hosts_a_sender_and_a_chain_of_its_
     assert [receiver.sender for receiver in receivers] == [0, 0, 1, 1]
     assert [(r.source.upstream, r.source.local) for r in receivers] == [
         ("h0:1", False), ("h1:1", True), ("h0:2", False), ("h2:1", True)]
+    assert [sender.carry for sender in senders] == [{}, {}]
+    # Tensor parallelism over hosts (h1 holds rank 0's halves, h2 rank 1's): each group's sender carries its boxes.
+    by_rank = WorldMetadata(actor=metadata.actor, rollout=[worker(f"h{i // 2 + 1}", f"x:{i}", tp_part(i // 2))
+                                                           for i in range(4)])
+    topology = grouped_topology("tcp", by_rank, fanout=1, addresses=["x"] * 4)
+    assert topology is not None and topology.senders == (0, 1)
+    senders = [decode_plan(args, ChainSend, who="actor") for args in topology.actor]
+    assert [sender.carry for sender in senders] == [PartPlan.of(tp_part(rank), 0).tensors for rank in (0, 1)]
+    assert [sender.skip for sender in senders] == [(), ()]
     # One group (every host holds both halves of every tensor), or too few actor ranks: no grouped topology.
     halves = WorldMetadata(actor=metadata.actor, rollout=[worker(f"h{i // 2 + 1}", f"x:{i}", tp_part(i % 2))
                                                           for i in range(4)])
@@ -795,7 +815,7 @@ def test_a_part_group_s_stream_lost_on_its_rail_names_it_and_no_group_goes_over_
 
 def test_a_stager_declares_what_its_hosts_workers_hold_together() -> None:
     """Staged: only each host's stager joins the transport's world, so the topology is built from the stagers'
-    metadata with each declaring its host's union, rounded up to whole tensors: on h1 one worker holds only ``a``,
+    metadata with each declaring its host's union: on h1 one worker holds only ``a``,
     the other only ``b`` (the host skips ``c``); on h2 both hold ``b`` and ``c`` (it skips ``a``); on h3 a worker
     without a part (it skips nothing: no part). Each group's sender then skips what its hosts skip. Unstaged (every
     worker a member) the metadata is the workers' own."""
@@ -824,6 +844,16 @@ def test_a_stager_declares_what_its_hosts_workers_hold_together() -> None:
                                 addresses=["h1:1", "h2:1", "h3:1"])
     assert topology is not None
     assert [decode_plan(args, ChainSend, who="actor").skip for args in topology.actor] == [("c",), ("a",), ()]
+    # Tensor-parallel halves over hosts (h1's workers hold rank 0's, h2's rank 1's): each stager declares its
+    # host's regions, and each group's sender carries them.
+    halves = [worker(f"h{i // 2 + 1}", tp_part(i // 2)) for i in range(4)]
+    stagers = members_metadata(halves, [0, 2], labels[:4])
+    assert [entry[PART_KEY] for entry in stagers] == [tp_part(0).to_dict(), tp_part(1).to_dict()]
+    topology = grouped_topology("tcp", WorldMetadata(actor=actor, rollout=stagers), fanout=1,
+                                addresses=["h1:1", "h2:1"])
+    assert topology is not None
+    assert [decode_plan(args, ChainSend, who="actor").carry for args in topology.actor[:2]] == [
+        PartPlan.of(tp_part(rank), 0).tensors for rank in (0, 1)]
 
 
 def test_layouts_keep_what_was_found_for_the_same_regions_across_epochs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,7 +23,7 @@ BASELINE_NAMES = ("naive", "bucketed")
 
 
 PARTS_KEYS = {"parts_of", "ratio_seconds_whole", "ratio_busy_whole", "receivers_rss_mb",
-              "whole_receivers_rss_mb"}
+              "whole_receivers_rss_mb", "replicated_bytes"}
 
 
 def result_keys(row: dict[str, Any]) -> set[str]:

@@ -73,7 +73,8 @@ def test_json_keeps_the_schema_and_adds_the_testbed_fields(hosts_run: tuple[dict
     assert set(auto) == HOSTS_RESULT_KEYS | {"chosen"} | engines
     parted = next(row for row in data["results"] if row["backend"] == "auto+layers2")
     assert set(parted) == HOSTS_RESULT_KEYS | {"chosen", "parts_of", "ratio_seconds_whole", "ratio_busy_whole",
-                                                    "receivers_rss_mb", "whole_receivers_rss_mb"} | engines
+                                               "receivers_rss_mb", "whole_receivers_rss_mb", "replicated_bytes"
+                                               } | engines
     assert auto["chosen"] == choose(sender_node="0", rollout_nodes=["1", "2"]).name  # e.g. "nixl (two-level)"
     assert f"(auto picked {auto['chosen']} here)" in stdout
     scenario = data["scenario"]
@@ -144,22 +145,45 @@ def test_parts_across_hosts_each_host_takes_in_only_its_half(hosts_run: tuple[di
     assert rows["auto+layers2"]["parts_of"] == "auto" and "parts (layers2" in hosts_run[1]
 
 
-def check_each_host_takes_in_its_half(parted: dict[str, Any], *, whole: dict[str, Any]) -> None:
-    """``--hosts 3 --parts layers2``: by the link counters each receiving host took in its workers' half (the
-    tensors they hold, headers on top) while the whole-model entry of the same run (the control) took the model into
-    each host; the sender's host sent the model once, as two streams of those halves; every replica committed."""
+def check_each_host_takes_in_its_half(parted: dict[str, Any], *, whole: dict[str, Any], parts: str = "layers2"
+                                      ) -> None:
+    """``--hosts 3 --parts layers2|tp2``: by the link counters each receiving host took in its workers' part (the
+    tensors they hold, or with ``tp2`` their rank's half of every split tensor and the norms whole, headers on top)
+    while the whole-model entry of the same run (the control) took the model into each host; the sender's host sent
+    both parts once, as two streams; every replica committed."""
     layout = make_case("auto", BenchOptions(hosts=3, receivers=1, model_mb=16, bucket_mb=4)).layout
-    halves = [sum(2 * math.prod(shape) for name, shape in layout if bench_part(layout, "layers2", rank).regions(name)
-                  != ()) for rank in (0, 1)]
-    assert sum(halves) == MODEL_BYTES and min(halves) > 0.3 * MODEL_BYTES
+    halves = [sum(2 * math.prod(region.size if region is not None else shape) for name, shape in layout
+                  for region in bench_part(layout, parts, rank).regions(name) or [None]
+                  if bench_part(layout, parts, rank).regions(name) != ()) for rank in (0, 1)]
+    assert sum(halves) == MODEL_BYTES + parted["replicated_bytes"] and min(halves) > 0.3 * MODEL_BYTES
+    assert (parted["replicated_bytes"] > 0) is (parts == "tp2")
     for host, half in enumerate(halves):
         assert half <= parted["host_ingress_bytes"][host] <= half + 0.02 * MODEL_BYTES, (host, parted, halves)
         assert whole["host_ingress_bytes"][host] >= 0.95 * MODEL_BYTES, whole
-    assert MODEL_BYTES <= parted["sender_egress_bytes"] <= 1.04 * MODEL_BYTES, parted
+    assert sum(halves) <= parted["sender_egress_bytes"] <= sum(halves) + 0.04 * MODEL_BYTES, parted
     senders = [t for t in parted["report"]["transfers"] if t["role"] == "actor" and t["nbytes"]]
     assert sorted(t["nbytes"] for t in senders) == sorted(halves)  # a stream per host
     assert {t["sender"] for t in parted["report"]["transfers"] if t["role"] == "rollout"} == {0, 1}
     assert {outcome["state"] for outcome in parted["report"]["replicas"]} == {"committed"}
+
+
+def test_tensor_parallel_halves_across_hosts_each_host_takes_in_its_rank_s_regions(tmp_path: pathlib.Path) -> None:
+    """``--parts tp2`` across 3 hosts: each replica's two workers sit on hosts 1 and 2, each holding its rank's half
+    of every split matrix (rows) and the norms whole. Each host's part group's sender carries of every split tensor
+    only its rank's span (``weightsync.core.wire.carriers``), so by the link counters each host takes in its half
+    and the norms, staged (its stagers declare its workers' regions, and it stages only those) or not; the
+    whole-model entries of the same run, the controls, take the model into each host."""
+    skip_unless_testbed()
+    out = tmp_path / "tp2.json"
+    result = bench("--hosts", "3", "--receivers", "2", "--link-gbps", str(LINK_GBPS), "--model-mb", "16",
+                   "--bucket-mb", "4", "--repeat", "2", "--backends", "auto", "--staged", "--parts", "tp2",
+                   "--json", str(out))
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = {row["backend"]: row for row in json.loads(out.read_text())["results"]}
+    for entry in ("auto", "auto+staged"):
+        check_each_host_takes_in_its_half(rows[entry.replace("auto", "auto+tp2")], whole=rows[entry], parts="tp2")
+    assert "(two-level, 2 part groups)" in rows["auto+tp2"]["chosen"]
+    assert rows["auto+tp2+staged"]["failed_requests"] == 0 and rows["auto+tp2+staged"]["stage_seconds"] > 0
 
 
 def test_delta_updates_cross_the_links_as_a_few_percent_of_the_model(tmp_path: pathlib.Path) -> None:

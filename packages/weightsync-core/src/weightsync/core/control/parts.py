@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from weightsync.api.parts import PART_KEY, Part
+from weightsync.api.parts import PART_KEY, Part, Region
 from weightsync.api.types import RankArgs, WorkerMetadata
 from weightsync.core.transports.place import Place
 from weightsync.core.transports.plan import decode_metadata, with_parts
 from weightsync.core.wire.blocks import candidates
-from weightsync.core.wire.partplans import PartPlan, declared_parts, skipped_by_host
+from weightsync.core.wire.partplans import PartPlan, declared_parts, held_by_host
 
 __all__ = ["declared_parts", "members_metadata", "with_declared_parts"]
 
@@ -27,18 +27,21 @@ def members_metadata(rollout: Sequence[WorkerMetadata], members: Sequence[int], 
                      ) -> list[WorkerMetadata]:
     """The metadata the topology is built from: the ``members``' (the rollout workers that join the transport's
     world). Where some workers of a host do not join (a staged update: the host's stagers receive, its other workers
-    read the staging area), each member of that host declares as its part what all the host's workers hold together,
-    rounded up to whole tensors: the tensors none of them holds anything of are left out, every other is whole (no
-    part where that leaves nothing out). Each worker is still handed its own part (:func:`with_declared_parts`)."""
+    read the staging area), each member of that host declares as its part what all the host's workers hold together
+    (:func:`~weightsync.core.wire.partplans.held_by_host`): the tensors none of them holds anything of are left out,
+    those each holds regions of are their regions (carried as their span), every other is whole (no part where that
+    leaves nothing out). Each worker is still handed its own part (:func:`with_declared_parts`)."""
     if len(members) == len(rollout):
         return list(rollout)
     hosts = [decode_metadata(entry, Place, who=label).node_id for entry, label in zip(rollout, labels)]
-    skipped = skipped_by_host(declared_parts(rollout, labels), hosts)
+    held = held_by_host(declared_parts(rollout, labels), hosts)
     chosen: list[WorkerMetadata] = []
     for member in members:
         entry = {key: value for key, value in rollout[member].items() if key != PART_KEY}
-        if skipped[hosts[member]]:
-            entry[PART_KEY] = Part(tensors={name: () for name in sorted(skipped[hosts[member]])}).to_dict()
+        if held[hosts[member]].tensors:
+            entry[PART_KEY] = Part(tensors={name: tuple(Region(start=tuple(start), size=tuple(size))
+                                                        for start, size in boxes)
+                                            for name, boxes in held[hosts[member]].tensors.items()}).to_dict()
         chosen.append(entry)
     return chosen
 

@@ -105,8 +105,9 @@ class BaseCopies:
         pieces: dict[str, torch.Tensor] = {}
         for kept in self.buckets:
             for meta in codec.decode_table(kept.table):
-                if meta.blocks:
-                    raise TransferError(f"{meta.name!r} is kept in block order, which cannot be served again",
+                if meta.blocks or meta.span:
+                    how = "in block order" if meta.blocks else "in part (its host took in only its workers' regions)"
+                    raise TransferError(f"{meta.name!r} is kept {how}, which cannot be served again",
                                         peer="this worker")
                 piece = kept.data[meta.bucket_offset:meta.bucket_offset + meta.nbytes]
                 if meta.offset == 0 and meta.nbytes == meta.total_nbytes:
@@ -157,7 +158,7 @@ class PlacedCopies:
         """``meta``'s piece was written (count each once): whether every byte of its tensor now was."""
         done = self._written.get(meta.name, 0) + meta.nbytes
         self._written[meta.name] = done
-        return done >= meta.total_nbytes
+        return done >= meta.carried
 
 
 def _untouched(nbytes: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ The planner also validates the stream, before a byte of it is packed: pairs, nam
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -26,10 +26,12 @@ from weightsync.api.errors import (
     WeightsyncError,
 )
 from weightsync.core.wire.blocks import BlockPlan, Blocks, block_packing, blocks_of
+from weightsync.core.wire.carriers import carried_span
 from weightsync.core.wire.codec import MAX_NAME_BYTES, TensorMeta
 from weightsync.core.wire.layout import PIECE_BYTES, PlannedBucket
+from weightsync.core.wire.partplans import Box
 from weightsync.core.wire.sources import as_shard, shard_range
-from weightsync.core.wire.tensors import DTYPE_NAMES, COMPLEX_NAMES, contiguous_source, dtype_name
+from weightsync.core.wire.tensors import DTYPE_NAMES, COMPLEX_NAMES, as_byte_view, contiguous_source, dtype_name
 
 __all__ = ["plan_buckets", "validate_item", "validate_pair", "PIPELINE_TENSORS"]
 
@@ -101,18 +103,18 @@ def validate_item(item: object, *, devices: frozenset[str], seen: set[str]
 
 
 def plan_buckets(weights: Iterable[object], *, bucket_bytes: int, devices: frozenset[str],
-                 blocked: Mapping[str, BlockPlan] | None = None) -> Iterator[PlannedBucket]:
-    """Yield the buckets for ``weights`` lazily; the stream's own exceptions become ``WeightStreamError``; ``blocked``:
-    tensors packed block after block where they fit their plan, on the host (``wire.blocks``). Runs once per tensor,
-    so the common item (a tuple of a new ASCII name and a dense tensor on a device this backend serves, whole in the
+                 blocked: Mapping[str, BlockPlan] | None = None, carry: Mapping[str, Sequence[Box]] | None = None
+                 ) -> Iterator[PlannedBucket]:
+    """Yield the buckets for ``weights`` lazily; the stream's own exceptions become ``WeightStreamError``; ``blocked``
+    and ``carry``: tensors that travel block after block, or only a span of (:func:`_order`). Runs once per tensor, so
+    the common item (a tuple of a new ASCII name and a dense tensor on a device this backend serves, whole in the
     open bucket) takes one chain of cheap checks and one append, with the bucket's fields in locals; anything else
     (a shard among them) goes through ``validate_item`` (the precise error) and :func:`_place`."""
     seen: set[str] = set()
     bucket = PlannedBucket()
-    items, copies, large = bucket.items, bucket.copies, bucket.large
-    used = payload = completed = count = 0
+    items, copies, large, used, payload, completed, count = bucket.items, bucket.copies, bucket.large, 0, 0, 0, 0
     align, host_ok, strided, iterator = BUCKET_ALIGNMENT - 1, "cpu" in devices, torch.strided, iter(weights)
-    mask = ~align
+    mask, special = ~align, frozenset(blocked or ()) | frozenset(carry or ())
     while True:
         try:  # the caller's own failures (a gather that raised half-way), typed
             item = next(iterator)
@@ -123,14 +125,14 @@ def plan_buckets(weights: Iterable[object], *, bucket_bytes: int, devices: froze
         except Exception as exc:
             raise WeightStreamError(f"the weights stream raised {type(exc).__name__}: {exc}") from exc
         if (type(item) is tuple and len(item) == 2 and type(name := item[0]) is str and name.isascii()
-                and 0 < len(name) <= MAX_NAME_BYTES and name not in seen and (blocked is None or name not in blocked)
+                and 0 < len(name) <= MAX_NAME_BYTES and name not in seen and name not in special
                 and type(tensor := item[1]) in _PLAIN and tensor.layout is strided
                 and (host_ok and tensor.is_cpu or tensor.device.type in devices)):
             seen.add(name)
-            blocks = sharded = None
+            blocks = sharded = span = None
         else:
             name, tensor, sharded = validate_item(item, devices=devices, seen=seen)
-            blocks = blocks_of(blocked.get(name), tensor.shape) if blocked and tensor.is_cpu and not sharded else None
+            blocks, span = _order(name, tensor, sharded, blocked, carry)
         dtype = DTYPE_NAMES.get(tensor.dtype) or dtype_name(tensor.dtype)
         # (Only a complex tensor can carry the conjugate bit; any can carry the negative one.)
         if tensor.is_contiguous() and not tensor.is_neg() and (dtype not in COMPLEX_NAMES or not tensor.is_conj()):
@@ -138,8 +140,8 @@ def plan_buckets(weights: Iterable[object], *, bucket_bytes: int, devices: froze
         else:
             source = contiguous_source(tensor)
         total = source.nbytes
-        start = (used + align) & mask
-        if total <= bucket_bytes - start and count < PIPELINE_TENSORS and not (blocks or sharded):  # the common case
+        start = (used + align) & mask  # then the common case: whole in the open bucket
+        if total <= bucket_bytes - start and count < PIPELINE_TENSORS and not (blocks or sharded or span):
             item = (TensorMeta(name, dtype, tensor.shape, 0, total, total, start), source, 0)
             items.append(item)
             if total <= PIECE_BYTES and source.is_cpu:
@@ -154,7 +156,7 @@ def plan_buckets(weights: Iterable[object], *, bucket_bytes: int, devices: froze
             count += 1
             continue
         bucket.nbytes, bucket.payload_bytes, bucket.completed = used, payload, completed
-        bucket = yield from _place(bucket, name, dtype, tensor.shape, source, bucket_bytes, blocks, sharded)
+        bucket = yield from _place(bucket, name, dtype, tensor.shape, source, bucket_bytes, blocks, sharded, span)
         items, copies, large = bucket.items, bucket.copies, bucket.large
         used, payload, completed, count = bucket.nbytes, bucket.payload_bytes, bucket.completed, len(items)
     if count:
@@ -162,18 +164,37 @@ def plan_buckets(weights: Iterable[object], *, bucket_bytes: int, devices: froze
         yield bucket
 
 
+def _order(name: str, tensor: torch.Tensor, sharded: Sharded | None, blocked: Mapping[str, BlockPlan] | None,
+           carry: Mapping[str, Sequence[Box]] | None) -> tuple[Blocks | None, tuple[int, int] | None]:
+    """How a tensor other than the common case travels: block after block (a host tensor whose plan fits it,
+    ``wire.blocks``), and of it only the span of its regions in ``carry`` (``wire.carriers``); a shard, as it is."""
+    if sharded:
+        return None, None
+    blocks = blocks_of(blocked.get(name), tensor.shape) if blocked and tensor.is_cpu else None
+    span = carried_span(carry.get(name), tensor.shape, tensor.element_size(), blocks, name=name) if carry else None
+    return blocks, span
+
+
 def _place(bucket: PlannedBucket, name: str, dtype: str, shape: torch.Size, source: torch.Tensor,
-           bucket_bytes: int, blocks: Blocks | None = None, sharded: Sharded | None = None
-           ) -> Generator[PlannedBucket, None, PlannedBucket]:
+           bucket_bytes: int, blocks: Blocks | None = None, sharded: Sharded | None = None,
+           span: tuple[int, int] | None = None) -> Generator[PlannedBucket, None, PlannedBucket]:
     """Place a tensor that does not fit the open bucket whole: close the bucket rather than split a tensor that fits
     a fresh one (or when it is full), else split it across buckets (a tensor packed as ``blocks``: wherever it goes).
     A shard (``sharded``) travels as the range of its tensor's bytes it holds (an empty one as an empty range), split
     wherever the open bucket ends: its receivers gather a tensor's ranges from every sender anyway, and a bucket
     closed early to keep a shard whole costs its sender a ring slot for a few bytes (between shards that fill a
-    bucket each, every other bucket would be a norm's few KiB: half the bytes in flight).
+    bucket each, every other bucket would be a norm's few KiB: half the bytes in flight). Of a tensor carried in
+    part (``span``, in the order it travels: ``wire.carriers``) only those bytes travel, placed as a whole tensor's.
     Yields the buckets it fills; returns the open one, its fields up to date."""
     align, total, offset = BUCKET_ALIGNMENT - 1, source.nbytes, 0
     shape, first, whole = (torch.Size(sharded[0]), *sharded[1:]) if sharded is not None else (shape, 0, total)
+    packed = 0  # where the source's bytes begin in the order a tensor packed block after block travels in
+    if span is not None:
+        first, total = span[0], span[1] - span[0]
+        if blocks is None:
+            source = as_byte_view(source)[span[0]:span[1]]
+        else:
+            packed = span[0]
     while True:
         start = (bucket.nbytes + align) & ~align
         room, remaining, count = bucket_bytes - start, total - offset, len(bucket.items)
@@ -183,10 +204,12 @@ def _place(bucket: PlannedBucket, name: str, dtype: str, shape: torch.Size, sour
             bucket = PlannedBucket()
             continue
         take = remaining if remaining <= room else room
-        item = (TensorMeta(name, dtype, shape, first + offset, take, whole, start, blocks or ()), source, offset)
+        item = (TensorMeta(name, dtype, shape, first + offset, take, whole, start, blocks or (), span or ()), source,
+                offset)
         bucket.items.append(item)
         if blocks is not None:  # row by row, block after block
-            bucket.rows[start] = block_packing(tuple(shape), source.element_size(), blocks, offset, offset + take)
+            bucket.rows[start] = block_packing(tuple(shape), source.element_size(), blocks, packed + offset,
+                                               packed + offset + take)
             bucket.large.append(item)
         elif take <= PIECE_BYTES and source.is_cpu:
             bucket.copies += (start, source.data_ptr() + offset, take)

@@ -36,8 +36,23 @@ from weightsync.core.wire.blocks import BlockPlan
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.layout import PlannedBucket, pack_hashing, pack_piece
 from weightsync.core.wire.parts import PartLayout, PartsDigest, PartSums
+from weightsync.core.wire.partplans import Box
 
-__all__ = ["SendPipeline", "drain"]
+__all__ = ["SendPipeline", "StreamPlan", "drain"]
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """What a sender's plan (``RankPlan``) says its stream carries, beyond its receivers' distinct parts."""
+
+    parts_only: bool = False
+    """Every receiver verifies its part (``RankPlan.parts_only``): no whole digest is computed."""
+    skip: frozenset[str] = frozenset()
+    """The tensors left out (``RankPlan.skip``): the stream is still drained whole."""
+    blocked: Mapping[str, BlockPlan] = field(default_factory=dict)
+    """The tensors to pack block after block when the update is verified by parts (``RankPlan.blocked``)."""
+    carry: Mapping[str, Sequence[Box]] = field(default_factory=dict)
+    """The tensors of which only the span of these regions travels (``RankPlan.carry``: ``wire.carriers``)."""
 
 
 async def drain(weights: Iterable[object], *, devices: frozenset[str], rank: int, version: int,
@@ -133,15 +148,11 @@ class SendPipeline:
 
     async def send(self, transport: SenderTransport, weights: Iterable[object], *, epoch: str, version: int,
                    started: float, stripe: tuple[int, int] = (0, 1), parts: list[PartLayout] | None = None,
-                   parts_only: bool = False, skip: frozenset[str] = frozenset(),
-                   blocked: Mapping[str, BlockPlan] | None = None) -> TransferReport:
+                   stream: StreamPlan = StreamPlan()) -> TransferReport:
         """Send one update; ``stripe``: (s, K), this sender's stripe of K (one sender of everything: (0, 1));
-        ``parts``: the distinct parts the receivers declared; ``parts_only``: every receiver verifies its part
-        (``RankPlan.parts_only``); ``skip``: the tensors left out (``RankPlan.skip``: the stream is still drained
-        whole); ``blocked``: the tensors to pack block after block when the update is verified by parts
-        (``RankPlan.blocked``)."""
-        if skip:
-            weights = _leaving_out(weights, skip)
+        ``parts``: the distinct parts the receivers declared; ``stream``: what the plan says the stream carries."""
+        if stream.skip:
+            weights = _leaving_out(weights, stream.skip)
         digest = self.policy.new_digest()
         sending = Sending(transport, epoch, version, self.settings.context.rank, digest,
                           time.monotonic() + self.settings.timeout,
@@ -151,13 +162,13 @@ class SendPipeline:
             sending.parts = [PartSums(part) for part in parts]
             # Folded as each bucket is packed (a stripe's sender: its stripe's buckets); the whole digest too, unless
             # no receiver verifies it.
-            sending.digest = PartsDigest(sending.parts, whole=not parts_only)
+            sending.digest = PartsDigest(sending.parts, whole=not stream.parts_only)
         # Block after block only where every receiver reads its part from the host (weightsync.core.wire.blocks),
         # in every update alike: a delta compares each bucket with the one before in the same layout.
-        blocks = blocked if blocked and parts and transport.buffer(0).is_cpu else None
+        blocks = stream.blocked if stream.blocked and parts and transport.buffer(0).is_cpu else None
         in_flight: dict[int, asyncio.Future[float]] = {}
         try:
-            await self._buckets(sending, weights, in_flight, blocks)
+            await self._buckets(sending, weights, in_flight, blocks, stream.carry)
             model = await self._final(sending, in_flight)
         except BaseException as exc:
             await self.abort(sending, in_flight, reason=exc)
@@ -170,13 +181,14 @@ class SendPipeline:
         return dataclasses.replace(sending.report(started), model=model)
 
     async def _buckets(self, sending: Sending, weights: Iterable[object],
-                       in_flight: dict[int, asyncio.Future[float]], blocked: Mapping[str, BlockPlan] | None) -> None:
+                       in_flight: dict[int, asyncio.Future[float]], blocked: Mapping[str, BlockPlan] | None,
+                       carry: Mapping[str, Sequence[Box]]) -> None:
         """Plan, pack and publish every bucket of the update (at most one in flight per slot)."""
         loop, transport = asyncio.get_running_loop(), sending.transport
         planned = time.perf_counter()
         bounce_begun = False
         for bucket in plan_buckets(weights, bucket_bytes=self.settings.bucket_bytes, devices=self.devices,
-                                   blocked=blocked):
+                                   blocked=blocked, carry=carry):
             index = sending.buckets
             sending.planned += bucket.completed
             if stripe_of(index, sending.stripes) != sending.stripe:  # another sender's

@@ -43,7 +43,7 @@ class BulkPlan:
         self.sources = array.array("Q", [meta.bucket_offset for meta in tensors])
         self.sizes = array.array("Q", [meta.nbytes for meta in tensors])
         self.offsets = [(index, meta.offset) for index, meta in enumerate(tensors) if meta.offset] or None
-        self.completed = sum(meta.offset + meta.nbytes == meta.total_nbytes for meta in tensors)
+        self.completed = sum(meta.completes for meta in tensors)
         # Where to hash: as the batched copy does, every time PIECE_BYTES or more were copied since the last hash.
         self.chunks: list[tuple[int, int, int]] = []
         start = hashed = 0
@@ -193,7 +193,7 @@ class BucketReader:
             self._hash_to(current, meta.bucket_offset)
         if self.part is not None and self.part.plan.holds_none(meta.name):
             self.gathered = False
-            self.tensors += meta.offset + meta.nbytes == meta.total_nbytes
+            self.tensors += meta.completes
             return None
         return self._tensor(meta, current.payload)
 
@@ -224,7 +224,7 @@ class BucketReader:
         completes."""
         current = self._current()
         rest = current.header.tensors[self.position:]
-        completed = sum(meta.offset + meta.nbytes == meta.total_nbytes for meta in rest)
+        completed = sum(meta.completes for meta in rest)
         self.position = len(current.header.tensors)
         self.tensors += completed
         return completed
@@ -270,7 +270,7 @@ class BucketReader:
                     end = at + min(done + PIECE_BYTES, nbytes)
                     self.digest.update_at(base + hashed, end - hashed)
                     hashed = end
-            copied += meta.offset + nbytes == meta.total_nbytes
+            copied += meta.completes
         if batch:
             self._flush(batch, base)
         self.position, self.hashed = position, hashed  # (after an error the stream is closed: no write-back)
@@ -317,7 +317,7 @@ class BucketReader:
             address, runs = base + meta.bucket_offset, layout.runs_of(meta)
             destination, dtype = destinations.get(meta.name), DTYPES[meta.dtype]
             shard = layout.shard_shape(meta.name)
-            completed = meta.offset + meta.nbytes == meta.total_nbytes
+            completed = meta.completes
             if runs is not None and not runs[0]:  # none of this tensor is the part's
                 pass
             elif destination_fits(destination, dtype, meta.shape) or (
@@ -415,8 +415,13 @@ class BucketReader:
         # A range of a tensor split across buckets: gather it in a scratch buffer reused across tensors.
         if self._scratch is None or self._scratch.numel() < meta.total_nbytes:
             self._scratch = torch.empty(meta.total_nbytes, dtype=torch.uint8, device=payload.device)
+        if meta.span and meta.offset == meta.span[0]:
+            # A carrier (the stream carries only the span): every byte outside it reads as zero, never as an earlier
+            # tensor's bytes (a loader that took more than its regions would take finite values).
+            self._scratch[: meta.span[0]].zero_()
+            self._scratch[meta.span[1]: meta.total_nbytes].zero_()
         self._scratch[meta.offset: meta.offset + meta.nbytes].copy_(piece)
-        if meta.offset + meta.nbytes < meta.total_nbytes:
+        if not meta.completes:
             return None
         self.tensors += 1
         return meta.name, self._shaped(meta, self._scratch[: meta.total_nbytes], dtype)

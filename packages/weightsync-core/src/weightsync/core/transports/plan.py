@@ -26,7 +26,7 @@ import msgspec
 from weightsync.api.errors import TopologyError
 from weightsync.api.types import RankArgs
 from weightsync.core.wire.blocks import BlockPlan
-from weightsync.core.wire.partplans import PartPlan
+from weightsync.core.wire.partplans import Box, PartPlan
 
 __all__ = ["Idle", "RankPlan", "RankRole", "decode", "decode_metadata", "decode_plan", "encode_plan", "with_delta_base",
            "with_parts"]
@@ -58,6 +58,9 @@ class RankPlan(msgspec.Struct, kw_only=True, frozen=True, tag_field="kind", forb
     skip: tuple[str, ...] = ()
     """A sender's: the tensors it leaves out of its stream, which none of its receivers holds anything of (a part
     group's sender: :mod:`weightsync.core.transports.chain.groups`)."""
+    carry: dict[str, list[Box]] = {}
+    """A sender's: the tensors of which it sends only the span of these regions, its receivers' together (a part
+    group's sender, whose hosts hold less than whole tensors: :mod:`weightsync.core.wire.carriers`)."""
     streams: tuple[int, ...] = ()
     """A receiver's, of a sharded ``actor_wg``: the actor ranks whose streams it reads, each sending the shards it
     holds (:mod:`weightsync.core.transports.sources`); empty: one stream, ``sender``'s."""

@@ -71,10 +71,24 @@ class TensorMeta(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_de
     """``(dim, count)`` when the tensor's bytes are not row-major but ``count`` equal blocks along ``dim`` one after
     the other (each block's bytes row-major: :mod:`weightsync.core.wire.blocks`); ranges are of those bytes. Empty
     (and not on the wire) for the tensor's own order."""
+    span: tuple[int, ...] = ()
+    """``(first, end)``: the only bytes of the tensor (in the order it travels) this stream carries, where it carries
+    less than the whole: its receivers hold only regions inside them (a part group's carrier, guide: parts). Empty
+    (and not on the wire) for a stream that carries the whole tensor."""
 
     @property
     def is_whole(self) -> bool:
         return self.offset == 0 and self.nbytes == self.total_nbytes
+
+    @property
+    def carried(self) -> int:
+        """The bytes of the tensor its stream carries: the whole, or its ``span``'s."""
+        return self.span[1] - self.span[0] if self.span else self.total_nbytes
+
+    @property
+    def completes(self) -> bool:
+        """Whether this range is the last of the tensor's its stream carries."""
+        return self.offset + self.nbytes == (self.span[1] if self.span else self.total_nbytes)
 
 
 class StreamEnd(msgspec.Struct, frozen=True, array_like=True):
@@ -297,6 +311,9 @@ def check_tensor_meta(meta: TensorMeta, *, bucket_nbytes: int) -> None:
         raise WireError(f"tensor {name!r}: bucket range outside the bucket's {bucket_nbytes} bytes")
     if meta.blocks:
         check_blocks(meta.blocks, shape, name=name)
+    if meta.span and (len(meta.span) != 2 or not 0 <= meta.span[0] <= offset
+                      or not offset + nbytes <= meta.span[1] <= expected):
+        raise WireError(f"tensor {name!r}: range {offset}+{nbytes} outside its span {tuple(meta.span)}")
 
 
 class _Stamped(Protocol):

@@ -1,6 +1,6 @@
 """The parts rollout workers declared, as the driver plans with them: each distinct part an entry of the senders'
 list (:class:`PartPlan`), decoded once from the workers' ``prepare`` metadata (:func:`declared_parts`), and what the
-hosts need of the model together (:func:`skipped_by_host`, :func:`part_groups`). What a part is in bytes, and the sums
+hosts need of the model together (:func:`held_by_host`, :func:`part_groups`). What a part is in bytes, and the sums
 that verify it, are :mod:`weightsync.core.wire.parts`.
 """
 
@@ -14,7 +14,7 @@ from weightsync.api.errors import ConfigError, TopologyError
 from weightsync.api.parts import PART_KEY, Part
 from weightsync.api.types import WorkerMetadata
 
-__all__ = ["Box", "PartPlan", "declared_parts", "part_groups", "skipped_by_host"]
+__all__ = ["Box", "PartPlan", "declared_parts", "held_by_host", "part_groups"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -59,26 +59,33 @@ def declared_parts(rollout: Sequence[WorkerMetadata], labels: Sequence[str]) -> 
     return plans
 
 
-def skipped_by_host(parts: Sequence[PartPlan | None], hosts: Sequence[str]) -> dict[str, frozenset[str]]:
-    """Per host (in the order hosts first appear), the checkpoint tensors none of its workers holds anything of: what
-    a host receiving only its workers' parts (rounded up to whole tensors) need not receive. A worker that declared
-    no part holds everything, so its host skips nothing."""
-    skipped: dict[str, frozenset[str]] = {}
+def held_by_host(parts: Sequence[PartPlan | None], hosts: Sequence[str]) -> dict[str, PartPlan]:
+    """Per host (in the order hosts first appear), what its workers hold together, as a part (``index`` -1): a
+    tensor none of them holds anything of listed with no box, one whose every worker holds regions of it with their
+    boxes, one any of them holds whole not listed. A worker that declared no part holds everything, so its host's
+    part lists nothing (the whole model)."""
+    held: dict[str, PartPlan] = {}
     for host in dict.fromkeys(hosts):
         mine = [part for part, where in zip(parts, hosts) if where == host]
         if any(part is None for part in mine):
-            skipped[host] = frozenset()
+            held[host] = PartPlan(index=-1)
             continue
-        nothing = [{name for name, boxes in part.tensors.items() if not boxes} for part in mine if part is not None]
-        skipped[host] = frozenset(set.intersection(*nothing))
-    return skipped
+        plans = [part for part in mine if part is not None]
+        tensors: dict[str, list[Box]] = {}
+        for name in sorted(set().union(*(part.tensors for part in plans))):
+            if all(name in part.tensors for part in plans):
+                boxes = (tuple(map(tuple, box)) for part in plans for box in part.tensors[name])
+                tensors[name] = list(dict.fromkeys(boxes))  # type: ignore[arg-type]
+        held[host] = PartPlan(index=-1, tensors=tensors)
+    return held
 
 
-def part_groups(parts: Sequence[PartPlan | None], hosts: Sequence[str]) -> list[tuple[frozenset[str], list[str]]]:
-    """The hosts grouped by what they skip (:func:`skipped_by_host`): each group's hosts can share one stream that
-    leaves those tensors out. In the order the groups' first hosts appear; one group where every host needs the
-    same (today's delivery)."""
-    groups: dict[frozenset[str], list[str]] = {}
-    for host, skipped in skipped_by_host(parts, hosts).items():
-        groups.setdefault(skipped, []).append(host)
-    return list(groups.items())
+def part_groups(parts: Sequence[PartPlan | None], hosts: Sequence[str]) -> list[tuple[PartPlan, list[str]]]:
+    """The hosts grouped by what they hold (:func:`held_by_host`): each group's hosts can share one stream that
+    leaves out the tensors they hold nothing of and carries of those they hold regions of only those regions' span
+    (``weightsync.core.wire.carriers``). In the order the groups' first hosts appear; one group where every host
+    holds the same (today's delivery)."""
+    groups: dict[bytes, tuple[PartPlan, list[str]]] = {}
+    for host, held in held_by_host(parts, hosts).items():
+        groups.setdefault(held.key(), (held, []))[1].append(host)
+    return list(groups.values())

@@ -276,7 +276,7 @@ class PartSums:
 
     def close(self, meta: TensorMeta) -> None:
         """End folding a piece (the tensor's sum, at its last piece; a shard's, when the next tensor begins)."""
-        if meta.offset + meta.nbytes == meta.total_nbytes:
+        if meta.completes:
             self._end()
 
     def _end(self) -> None:

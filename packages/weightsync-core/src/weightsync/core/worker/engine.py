@@ -25,7 +25,7 @@ from weightsync.api.types import RankArgs, StagedUpdate, Topology, TransferRepor
 from weightsync.core.pipeline.handover import Handover
 from weightsync.core.delta.receiver import ReceiverDelta
 from weightsync.core.pipeline.receive import ReceiveContext, ReceiveStream
-from weightsync.core.pipeline.send import SendPipeline, drain
+from weightsync.core.pipeline.send import SendPipeline, StreamPlan, drain
 from weightsync.core.pipeline.staged import stage_update
 from weightsync.core.pipeline.trace import Tracer
 from weightsync.core.pipeline.unpack import BucketReader
@@ -38,7 +38,6 @@ from weightsync.core.transports.chain.stripes import StripedReceiver
 from weightsync.core.transports.sources import SourcesReceiver
 from weightsync.core.transports.seam import ReceiverTransport, SenderTransport
 from weightsync.core.transports.transport import Transport
-from weightsync.core.wire.blocks import BlockPlan
 from weightsync.core.wire.digest import StripedDigest, UpdateDigest
 from weightsync.core.wire.partplans import PartPlan
 from weightsync.core.wire.parts import PartLayout, PartSums
@@ -97,9 +96,8 @@ class BucketCheckpointEngine(EngineBase):
         self._parts: list[PartLayout] = []
         """A sender's: the distinct parts its receivers declared (``RankPlan.parts``), for the epoch (their layouts'
         runs and steps kept across epochs in ``_layouts``)."""
-        self._parts_only = False
-        self._blocked: dict[str, BlockPlan] = {}
-        self._skip: frozenset[str] = frozenset()
+        self._stream = StreamPlan()
+        """A sender's: what its plan says its stream carries."""
         self._part: PartLayout | None = None
         """A rollout worker's that declared its part (``RankPlan.part``), for the epoch (as ``_parts``)."""
         self._sources: tuple[int, ...] = ()
@@ -146,9 +144,7 @@ class BucketCheckpointEngine(EngineBase):
         self._one_stripe = plan.one_stripe
         self._send.delta.allowed_base = plan.delta_base  # the manager's: the version every receiver holds
         self._parts = [self._layouts.of(part) for part in plan.parts]
-        self._parts_only = plan.parts_only
-        self._blocked = plan.blocked
-        self._skip = frozenset(plan.skip)
+        self._stream = StreamPlan(plan.parts_only, frozenset(plan.skip), plan.blocked, plan.carry)
         self._part = self._layouts.of(plan.part) if plan.part is not None else None
         self._sources = plan.streams
         if plan.role == "sender":
@@ -250,8 +246,7 @@ class BucketCheckpointEngine(EngineBase):
             try:
                 return await self._send.send(self._sender, weights, epoch=self._epoch or "", version=version,
                                              started=started, stripe=self._stripe, parts=self._parts,
-                                             parts_only=self._parts_only, skip=self._skip,
-                                             blocked=self._blocked)
+                                             stream=self._stream)
             finally:
                 self._policy.end_send()
         finally:

@@ -26,8 +26,9 @@ two workers, each holding its part (``scenario.bench_part``) and only that (shar
 copying and hashing only its part of every update. The report compares each twin with B: the update's time, and the
 receivers' busy seconds (their transfer reports' ``unpack`` phase). With ``--hosts`` and an even number of
 receiving hosts a replica's two workers sit on two hosts (``Case.replicas``), and only ``auto`` gets the twin: its
-two-level layout gives each group of hosts that skip the same tensors a stream of its own
-(``weightsync.core.transports.chain.groups``), so with ``layers2`` each host takes in only its half.
+two-level layout gives each group of hosts that hold the same a stream of its own
+(``weightsync.core.transports.chain.groups``), so each host takes in only its half (with ``tp2`` of every split tensor
+its rank's span: ``weightsync.core.wire.carriers``).
 
 With ``--sharded`` (``--actor-ranks M``, shm or auto) the M actor ranks hold the model under FSDP2 over gloo (see
 ``sharded``), and every backend B is measured as two entries, side by side: ``B+sharded`` (every rank sends its

@@ -36,8 +36,9 @@ from weightsync.core.wire.partplans import PartPlan, declared_parts, part_groups
 __all__ = ["grouped_topology", "rail_groups"]
 
 
-def rail_groups(metadata: WorldMetadata) -> list[tuple[frozenset[str], list[str], list[int]]] | None:
-    """Where the part groups share the rails out (module docstring): each group's skipped tensors, hosts and rails,
+def rail_groups(metadata: WorldMetadata) -> list[tuple[PartPlan, list[str], list[int]]] | None:
+    """Where the part groups share the rails out (module docstring): each group's part (what its hosts hold
+    together), hosts and rails,
     in the order of their hosts' names; None where actor rank 0 asks for no stripes (or not two-level), the hosts do
     not differ in what they hold, or the rails do not go round (fewer than groups, or a group's hosts lacking one of
     its rails). The rails are those asked for (``stripes``) that have an actor rank on the sender's host and a worker
@@ -54,7 +55,7 @@ def _decoded(metadata: WorldMetadata) -> tuple[list[PartPlan | None], list[Chain
 
 
 def _shared_out(parts: list[PartPlan | None], actor: list[ChainMetadata], rollout: list[ChainMetadata]
-                ) -> list[tuple[frozenset[str], list[str], list[int]]] | None:
+                ) -> list[tuple[PartPlan, list[str], list[int]]] | None:
     """:func:`rail_groups` of the decoded metadata."""
     asked = actor[0].stripes
     if actor[0].layout != "two_level" or asked == 1 or all(part is None for part in parts):
@@ -71,10 +72,10 @@ def _shared_out(parts: list[PartPlan | None], actor: list[ChainMetadata], rollou
     if len(groups) < 2 or per == 0 or 0 not in rails or any(not set(mine) <= common
                                                           for mine, common in zip(dealt, commons)):
         return None
-    return [(skipped, members, mine) for (skipped, members), mine in zip(groups, dealt)]
+    return [(held, members, mine) for (held, members), mine in zip(groups, dealt)]
 
 
-def _groups(parts: list[PartPlan | None], rollout: list[ChainMetadata]) -> list[tuple[frozenset[str], list[str]]]:
+def _groups(parts: list[PartPlan | None], rollout: list[ChainMetadata]) -> list[tuple[PartPlan, list[str]]]:
     """:func:`part_groups` over the rollout workers' hosts, in the order of the hosts' names (so the rails go to
     them in an order a person can predict: the first host's group gets rail 0)."""
     names = {worker.node_id: worker.host_name for worker in rollout}
@@ -94,7 +95,7 @@ def grouped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
     sender_node = actor[0].node_id
     striped = _shared_out(parts, actor, rollout)
     if striped is not None:
-        groups = [(skipped, members) for skipped, members, _ in striped]
+        groups = [(held, members) for held, members, _ in striped]
         rails = [mine for _, _, mine in striped]
         if actor[0].staged and any(sorted(worker.rail for worker in rollout if worker.node_id == host) != mine
                                    for (_, members), mine in zip(groups, rails) for host in members):
@@ -112,10 +113,12 @@ def grouped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
         rails = [[actor[rank].rail] for rank in ranks[:len(groups)]]
     staged = actor[0].staged and len(senders[0]) > 1  # each stager stages the stripe of its rail
     dealt = Dealt(len(actor), len(rollout), senders[0][0])
-    for g, (skipped, members) in enumerate(groups):
+    for g, (held, members) in enumerate(groups):
         taking = [rank for rank, host in enumerate(hosts) if host in members]
         deal(dealt, actor=actor, rollout=rollout, addresses=list(addresses), fanout=fanout, senders=senders[g],
-             rails=rails[g], taking=taking, skip=tuple(sorted(skipped)), staged=staged)
+             rails=rails[g], taking=taking, staged=staged,
+             skip=tuple(name for name, boxes in held.tensors.items() if not boxes),
+             carry={name: boxes for name, boxes in held.tensors.items() if boxes})
         if not staged:
             dealt.receivers(taking, senders[g][0])
     stripes = len(senders[0])
