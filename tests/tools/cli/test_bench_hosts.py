@@ -167,25 +167,6 @@ def check_each_host_takes_in_its_half(parted: dict[str, Any], *, whole: dict[str
     assert {outcome["state"] for outcome in parted["report"]["replicas"]} == {"committed"}
 
 
-def test_tensor_parallel_halves_across_hosts_each_host_takes_in_its_rank_s_regions(tmp_path: pathlib.Path) -> None:
-    """``--parts tp2`` across 3 hosts: each replica's two workers sit on hosts 1 and 2, each holding its rank's half
-    of every split matrix (rows) and the norms whole. Each host's part group's sender carries of every split tensor
-    only its rank's span (``weightsync.core.wire.carriers``), so by the link counters each host takes in its half
-    and the norms, staged (its stagers declare its workers' regions, and it stages only those) or not; the
-    whole-model entries of the same run, the controls, take the model into each host."""
-    skip_unless_testbed()
-    out = tmp_path / "tp2.json"
-    result = bench("--hosts", "3", "--receivers", "2", "--link-gbps", str(LINK_GBPS), "--model-mb", "16",
-                   "--bucket-mb", "4", "--repeat", "2", "--backends", "auto", "--staged", "--parts", "tp2",
-                   "--json", str(out))
-    assert result.returncode == 0, result.stderr[-4000:]
-    rows = {row["backend"]: row for row in json.loads(out.read_text())["results"]}
-    for entry in ("auto", "auto+staged"):
-        check_each_host_takes_in_its_half(rows[entry.replace("auto", "auto+tp2")], whole=rows[entry], parts="tp2")
-    assert "(two-level, 2 part groups)" in rows["auto+tp2"]["chosen"]
-    assert rows["auto+tp2+staged"]["failed_requests"] == 0 and rows["auto+tp2+staged"]["stage_seconds"] > 0
-
-
 def test_delta_updates_cross_the_links_as_a_few_percent_of_the_model(tmp_path: pathlib.Path) -> None:
     """``--mix rl --delta`` across links: by the link counters, each delta update's bytes are at most 3 × the
     changed bytes + 1 % of S, while the full updates of the same run (the negative control: the counters do see a
@@ -217,8 +198,10 @@ def test_delta_updates_cross_the_links_as_a_few_percent_of_the_model(tmp_path: p
 def test_staged_updates_cross_into_each_host_once_and_only_its_part(tmp_path: pathlib.Path) -> None:
     """``--staged``: only each host's stagers join the transport, so gloo's broadcast, which sends the model to
     every receiver, takes it into each host once; its unstaged entry in the same run is the negative control (two
-    receivers on a host: about 2 S in). With ``--parts layers2`` (each replica's two workers on hosts 1 and 2, each
-    holding half the layers) a host's stager declares what its workers hold: each host stages only its half, while
+    receivers on a host: about 2 S in). With ``--parts tp2`` (each replica's two workers on hosts 1 and 2, each
+    holding its rank's half of every split matrix and the norms whole: tensor parallelism split over hosts) a host's
+    stager declares what its workers hold, its rank's regions, and each part group's sender carries of every split
+    tensor only that span (``weightsync.core.wire.carriers``): each host stages only its half and the norms, while
     ``auto+staged`` of the same run, the control, stages the model on each.
 
     Over two rails (each host's two workers one on each): ``auto`` deals a full update into two stripes, and the
@@ -226,12 +209,12 @@ def test_staged_updates_cross_into_each_host_once_and_only_its_part(tmp_path: pa
     rail (host 1 over rail 0, host 2 over rail 1) and the sender's host sends a half over each, every worker
     verifying its part; the whole-model entries, the control, take the model into each host, half over each rail.
     (Before, the stripes won: every host took in the whole model, and a worker whose sink held only its part failed
-    on the first tensor it lacked.)"""
+    on the first tensor it lacked; and before carriers, hosts of tensor-parallel halves took in the whole model.)"""
     skip_unless_testbed()
     out = tmp_path / "staged.json"
     result = bench("--hosts", "3", "--receivers", "2", "--rails", "2", "--link-gbps", str(LINK_GBPS), "--model-mb",
                    "16", "--bucket-mb", "4", "--repeat", "2", "--backends", "gloo,auto", "--staged", "--parts",
-                   "layers2", "--json", str(out))
+                   "tp2", "--json", str(out))
     assert result.returncode == 0, result.stderr[-4000:]
     data = json.loads(out.read_text())
     total = data["scenario"]["model_bytes"]
@@ -241,11 +224,11 @@ def test_staged_updates_cross_into_each_host_once_and_only_its_part(tmp_path: pa
                for ingress in links["gloo+staged"]["host_ingress"]), links["gloo+staged"]
     rows = {row["backend"]: row for row in data["results"]}
     assert rows["gloo+staged"]["failed_requests"] == 0 and rows["gloo+staged"]["stage_seconds"] > 0
-    parted = rows["auto+layers2+staged"]
-    check_each_host_takes_in_its_half(parted, whole=rows["auto+staged"])
+    parted = rows["auto+tp2+staged"]
     assert parted["failed_requests"] == 0 and parted["stage_seconds"] > 0
     for entry in ("auto", "auto+staged"):
-        check_each_host_takes_in_its_half_over_its_rail(rows[entry.replace("auto", "auto+layers2")], whole=rows[entry])
+        check_each_host_takes_in_its_half(rows[entry.replace("auto", "auto+tp2")], whole=rows[entry], parts="tp2")
+        check_each_host_takes_in_its_half_over_its_rail(rows[entry.replace("auto", "auto+tp2")], whole=rows[entry])
 
 
 def check_each_host_takes_in_its_half_over_its_rail(parted: dict[str, Any], *, whole: dict[str, Any]) -> None:

@@ -74,8 +74,8 @@ def held_by_host(parts: Sequence[PartPlan | None], hosts: Sequence[str]) -> dict
         tensors: dict[str, list[Box]] = {}
         for name in sorted(set().union(*(part.tensors for part in plans))):
             if all(name in part.tensors for part in plans):
-                boxes = (tuple(map(tuple, box)) for part in plans for box in part.tensors[name])
-                tensors[name] = list(dict.fromkeys(boxes))  # type: ignore[arg-type]
+                boxes: list[Box] = [(tuple(start), tuple(size)) for part in plans for start, size in part.tensors[name]]
+                tensors[name] = list(dict.fromkeys(boxes))  # each box once
         held[host] = PartPlan(index=-1, tensors=tensors)
     return held
 
