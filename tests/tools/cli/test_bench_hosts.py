@@ -170,13 +170,14 @@ def check_each_host_takes_in_its_half(parted: dict[str, Any], *, whole: dict[str
 def test_delta_updates_cross_the_links_as_a_few_percent_of_the_model(tmp_path: pathlib.Path) -> None:
     """``--mix rl --delta`` across links: by the link counters, each delta update's bytes are at most 3 × the
     changed bytes + 1 % of S, while the full updates of the same run (the negative control: the counters do see a
-    whole model) carry at least 0.95 × S. With ``--parts layers2`` (each replica's two workers on hosts 1 and 2,
-    each holding half the layers) each host takes in only the changes to its half: the two hosts' ingress together
-    is about one host's of the whole-model delta entry, and each host's well below it."""
+    whole model) carry at least 0.95 × S. With ``--parts tp2`` (each replica's two workers on hosts 1 and 2, each
+    holding its rank's half of every split matrix: each part group's sender keeps the base of its spans,
+    ``weightsync.core.wire.carriers``) each host takes in only the changes to its half: the two hosts' ingress
+    together is about one host's of the whole-model delta entry, and each host's well below it."""
     skip_unless_testbed()
     out = tmp_path / "delta.json"
     result = bench("--hosts", "3", "--receivers", "1", "--link-gbps", str(LINK_GBPS), "--mix", "rl", "--model-mb",
-                   "16", "--bucket-mb", "4", "--repeat", "2", "--backends", "auto", "--delta", "--parts", "layers2",
+                   "16", "--bucket-mb", "4", "--repeat", "2", "--backends", "auto", "--delta", "--parts", "tp2",
                    "--json", str(out))
     assert result.returncode == 0, result.stderr[-4000:]
     data = json.loads(out.read_text())
@@ -188,11 +189,11 @@ def test_delta_updates_cross_the_links_as_a_few_percent_of_the_model(tmp_path: p
     for egress, ingress in zip(links["auto+delta"]["sender_egress"], links["auto+delta"]["host_ingress"]):
         assert egress <= 3 * changed + 0.01 * total, (egress, changed)
         assert max(ingress) <= 3 * changed + 0.01 * total, (ingress, changed)
-    for whole, parted in zip(links["auto+delta"]["host_ingress"], links["auto+layers2+delta"]["host_ingress"]):
+    for whole, parted in zip(links["auto+delta"]["host_ingress"], links["auto+tp2+delta"]["host_ingress"]):
         assert max(parted) <= 0.8 * min(whole) and sum(parted) <= 1.1 * max(whole), (parted, whole)
     rows = {row["backend"]: row for row in data["results"]}
-    assert {outcome["received"] for outcome in rows["auto+layers2+delta"]["report"]["replicas"]} == {"changes"}
-    assert {outcome["state"] for outcome in rows["auto+layers2+delta"]["report"]["replicas"]} == {"committed"}
+    assert {outcome["received"] for outcome in rows["auto+tp2+delta"]["report"]["replicas"]} == {"changes"}
+    assert {outcome["state"] for outcome in rows["auto+tp2+delta"]["report"]["replicas"]} == {"committed"}
 
 
 def test_staged_updates_cross_into_each_host_once_and_only_its_part(tmp_path: pathlib.Path) -> None:
