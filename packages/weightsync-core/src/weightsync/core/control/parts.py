@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from weightsync.api.parts import PART_KEY, Part, Region
+from weightsync.api.parts import PART_KEY
 from weightsync.api.types import RankArgs, WorkerMetadata
 from weightsync.core.transports.place import Place
 from weightsync.core.transports.plan import decode_metadata, with_parts
@@ -39,9 +39,7 @@ def members_metadata(rollout: Sequence[WorkerMetadata], members: Sequence[int], 
     for member in members:
         entry = {key: value for key, value in rollout[member].items() if key != PART_KEY}
         if held[hosts[member]].tensors:
-            entry[PART_KEY] = Part(tensors={name: tuple(Region(start=tuple(start), size=tuple(size))
-                                                        for start, size in boxes)
-                                            for name, boxes in held[hosts[member]].tensors.items()}).to_dict()
+            entry[PART_KEY] = held[hosts[member]].as_part().to_dict()
         chosen.append(entry)
     return chosen
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import msgspec
 
 from weightsync.api.errors import ConfigError, TopologyError
-from weightsync.api.parts import PART_KEY, Part
+from weightsync.api.parts import PART_KEY, Part, Region
 from weightsync.api.types import WorkerMetadata
 
 __all__ = ["Box", "PartPlan", "declared_parts", "held_by_host", "part_groups"]
@@ -31,9 +31,22 @@ class PartPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return cls(index=index, tensors={name: [(region.start, region.size) for region in regions]
                                          for name, regions in part.tensors.items()})
 
+    def as_part(self) -> Part:
+        """The part these regions are (the inverse of :meth:`of`)."""
+        return Part(tensors={name: tuple(Region(start=tuple(start), size=tuple(size)) for start, size in boxes)
+                             for name, boxes in self.tensors.items()})
+
     def holds_none(self, name: str) -> bool:
         """Whether this part holds nothing of tensor ``name`` (listed with no box)."""
         return self.tensors.get(name) == []
+
+    def none(self) -> tuple[str, ...]:
+        """The tensors this part holds nothing of (what a stream to its holders leaves out: ``RankPlan.skip``)."""
+        return tuple(name for name, boxes in self.tensors.items() if not boxes)
+
+    def regions(self) -> dict[str, list[Box]]:
+        """The tensors this part holds regions of, with their boxes (``RankPlan.carry``)."""
+        return {name: boxes for name, boxes in self.tensors.items() if boxes}
 
     def key(self) -> bytes:
         """What equal parts share (their regions, whatever their index)."""
@@ -61,9 +74,9 @@ def declared_parts(rollout: Sequence[WorkerMetadata], labels: Sequence[str]) -> 
 
 def held_by_host(parts: Sequence[PartPlan | None], hosts: Sequence[str]) -> dict[str, PartPlan]:
     """Per host (in the order hosts first appear), what its workers hold together, as a part (``index`` -1): a
-    tensor none of them holds anything of listed with no box, one whose every worker holds regions of it with their
-    boxes, one any of them holds whole not listed. A worker that declared no part holds everything, so its host's
-    part lists nothing (the whole model)."""
+    tensor none of them holds whole listed with the boxes they hold of it (none: no box), one any of them holds whole
+    not listed. A worker that declared no part holds everything, so its host's part lists nothing (the whole
+    model)."""
     held: dict[str, PartPlan] = {}
     for host in dict.fromkeys(hosts):
         mine = [part for part, where in zip(parts, hosts) if where == host]

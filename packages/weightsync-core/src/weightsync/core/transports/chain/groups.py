@@ -38,13 +38,13 @@ __all__ = ["grouped_topology", "rail_groups"]
 
 def rail_groups(metadata: WorldMetadata) -> list[tuple[PartPlan, list[str], list[int]]] | None:
     """Where the part groups share the rails out (module docstring): each group's part (what its hosts hold
-    together), hosts and rails,
-    in the order of their hosts' names; None where actor rank 0 asks for no stripes (or not two-level), the hosts do
-    not differ in what they hold, or the rails do not go round (fewer than groups, or a group's hosts lacking one of
-    its rails). The rails are those asked for (``stripes``) that have an actor rank on the sender's host and a worker
-    on every host of some group, K // G of them to each group in rail order. A staged update's manager picks each
-    host's stagers on its group's rails by this, from every worker's metadata; the topology, built from the
-    stagers' (each declaring what its host holds: the same groups), finds the same rails."""
+    together), hosts and rails, in the order of their hosts' names; None where actor rank 0 asks for no stripes (or
+    not two-level), the hosts do not differ in what they hold, or the rails do not go round (fewer than groups, or a
+    group's hosts lacking one of its rails). The rails are those asked for (``stripes``) that have an actor rank on
+    the sender's host and a worker on every host of some group, K // G of them to each group in rail order. A staged
+    update's manager picks each host's stagers on its group's rails by this, from every worker's metadata; the
+    topology, built from the stagers' (each declaring what its host holds: the same groups), finds the same
+    rails."""
     return _shared_out(*_decoded(metadata))
 
 
@@ -116,9 +116,7 @@ def grouped_topology(library: str, metadata: WorldMetadata, *, fanout: int, addr
     for g, (held, members) in enumerate(groups):
         taking = [rank for rank, host in enumerate(hosts) if host in members]
         deal(dealt, actor=actor, rollout=rollout, addresses=list(addresses), fanout=fanout, senders=senders[g],
-             rails=rails[g], taking=taking, staged=staged,
-             skip=tuple(name for name, boxes in held.tensors.items() if not boxes),
-             carry={name: boxes for name, boxes in held.tensors.items() if boxes})
+             rails=rails[g], taking=taking, held=held, staged=staged)
         if not staged:
             dealt.receivers(taking, senders[g][0])
     stripes = len(senders[0])

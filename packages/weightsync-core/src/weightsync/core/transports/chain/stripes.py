@@ -37,7 +37,7 @@ from weightsync.core.transports.plan import Idle, RankPlan, decode_metadata, enc
 from weightsync.core.transports.seam import ReceivedBucket, ReceiverTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.digest import combine_stripes
-from weightsync.core.wire.partplans import Box
+from weightsync.core.wire.partplans import PartPlan
 
 __all__ = ["Dealt", "Interleaved", "OnRail", "ReadAhead", "StripedReceiver", "chain_metadata", "deal", "on_rail",
            "stripe_of", "stripe_senders", "stripes_for", "striped_topology"]
@@ -294,11 +294,12 @@ class Dealt:
 
 def deal(dealt: Dealt, *, actor: list[ChainMetadata], rollout: list[ChainMetadata], addresses: list[str],
          fanout: int, senders: list[int], rails: list[int], taking: list[int] | None = None, staged: bool = False,
-         skip: tuple[str, ...] = (), carry: dict[str, list[Box]] | None = None) -> None:
+         held: PartPlan | None = None) -> None:
     """Deal one stream into ``len(rails)`` stripes (one: a plain two-level chain), stripe s over rail ``rails[s]``
     from actor rank ``senders[s]``, to the rollout ranks ``taking`` (default every one; staged: each stripe to those
-    on its rail, a :class:`ChainReceive` of that stripe each), each sender leaving ``skip`` out and sending of the
-    tensors in ``carry`` only the span of those regions."""
+    on its rail, a :class:`ChainReceive` of that stripe each); ``held``: what those ranks' hosts hold together (a
+    part group's), each sender leaving out what they hold nothing of and sending of the tensors they hold regions of
+    only those regions' span."""
     count = len(rails)
     nodes = [actor[0].node_id, *(worker.node_id for worker in rollout)]
     on_rail = [0, *(worker.rail for worker in rollout)]
@@ -313,7 +314,7 @@ def deal(dealt: Dealt, *, actor: list[ChainMetadata], rollout: list[ChainMetadat
         dealt_as = Stripe(stripe, count) if count > 1 else None
         children, in_place = plan.downstream(0, positions)
         dealt.actor[sender] = ChainSend(sender=sender, stripe=dealt_as, children=children, in_place=in_place,
-                                        skip=skip, carry=carry or {})
+                                        skip=held.none() if held else (), carry=held.regions() if held else {})
         for i, position in enumerate(positions[1:], start=1):
             children, in_place = plan.downstream(i, positions)
             upstream = positions[plan.upstream[i]]
