@@ -179,3 +179,26 @@ def test_carried_span_is_the_regions_first_byte_to_last_in_the_order_it_travels(
         span: tuple[int, int] | None) -> None:
     assert carried_span([box], shape, 4, blocks, name="t") == span
     assert carried_span(None, shape, 4, blocks, name="t") is None
+
+
+def test_carried_span_is_the_hull_of_the_byte_runs_and_refuses_a_box_that_does_not_fit() -> None:
+    """Against the byte runs a part's sums read (``wire.parts.byte_runs``): random boxes of random shapes, the span
+    runs from their first run's start to their last run's end; a box past the tensor's edge is a ``ConfigError``
+    naming it."""
+    import random
+
+    from weightsync.api.errors import ConfigError
+    from weightsync.core.wire.parts import byte_runs
+
+    rng = random.Random(0)
+    for _ in range(300):
+        shape = tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 4)))
+        boxes = []
+        for _ in range(rng.randint(1, 3)):
+            start = tuple(rng.randint(0, extent - 1) for extent in shape)
+            boxes.append((start, tuple(rng.randint(0, extent - at) for at, extent in zip(start, shape))))
+        starts, ends = byte_runs(boxes, shape, 2, name="t")
+        hull = (starts[0], ends[-1]) if starts else (0, 0)
+        assert carried_span(boxes, shape, 2, None, name="t") == (None if hull == (0, math.prod(shape) * 2) else hull)
+    with pytest.raises(ConfigError, match="'t' does not fit"):
+        carried_span([((0, 3), (2, 2))], (4, 4), 2, None, name="t")
