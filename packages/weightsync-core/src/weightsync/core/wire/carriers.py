@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from weightsync.api.errors import ConfigError
 from weightsync.core.wire.blocks import Blocks, block_index
+from weightsync.core.wire.parts import check_box
 from weightsync.core.wire.partplans import Box
 
 __all__ = ["carried_span"]
@@ -37,20 +37,16 @@ def carried_span(boxes: Sequence[Box] | None, shape: Sequence[int], itemsize: in
         return None
     total = math.prod(shape) * itemsize
     if blocks:
-        indices = [block_index(box, shape, blocks) for box in boxes]
-        if not indices or any(index is None for index in indices):
+        held = [block_index(box, shape, blocks) for box in boxes]
+        if not held or None in held:
             return None  # not blocks of it: the whole tensor travels
-        count = blocks[1]
-        held = [index for index in indices if index is not None]
-        first, end = min(held) * total // count, (max(held) + 1) * total // count
+        count, indices = blocks[1], [index for index in held if index is not None]
+        first, end = min(indices) * total // count, (max(indices) + 1) * total // count
     else:  # a box's first element and its last, by their row-major indices: no run of it is listed (every update)
         strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
         first, end = total, 0
         for start, size in boxes:
-            if len(start) != len(shape) or len(size) != len(shape) or any(
-                    at < 0 or extent < 0 or at + extent > bound for at, extent, bound in zip(start, size, shape)):
-                raise ConfigError(f"part: the region start={tuple(start)} size={tuple(size)} of {name!r} does not "
-                                  f"fit its shape {tuple(shape)}")
+            check_box((start, size), shape, name=name)
             if all(size):
                 first = min(first, sum(at * stride for at, stride in zip(start, strides)) * itemsize)
                 last = sum((at + extent - 1) * stride for at, extent, stride in zip(start, size, strides))

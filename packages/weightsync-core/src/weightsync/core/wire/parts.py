@@ -34,12 +34,24 @@ from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.partplans import Box, PartPlan
 from weightsync.core.wire.tensors import DTYPES, memoryview_at
 
-__all__ = ["Copy", "PartLayout", "PartSums", "PartsDigest", "byte_runs", "check_sums"]
+__all__ = ["Copy", "PartLayout", "PartSums", "PartsDigest", "byte_runs", "check_box", "check_sums"]
 
 SUM_BYTES = 8
 
 Runs = tuple[list[int], list[int]]
 """Sorted, disjoint byte runs of one tensor: their starts and their ends."""
+
+
+def check_box(box: Box, shape: Sequence[int], *, name: str) -> None:
+    """A ``ConfigError`` naming tensor ``name`` where ``box`` is malformed or does not fit its ``shape``."""
+    start, size = box
+    try:
+        region = Region(start=tuple(start), size=tuple(size))
+    except ConfigError as exc:
+        raise ConfigError(f"part: a region of {name!r}: {exc}") from None
+    if not region.fits(shape):
+        raise ConfigError(f"part: the region start={tuple(start)} size={tuple(size)} of {name!r} does not fit its "
+                          f"shape {tuple(shape)}")
 
 
 def byte_runs(boxes: Sequence[Box], shape: Sequence[int], itemsize: int, *, name: str) -> Runs:
@@ -49,13 +61,7 @@ def byte_runs(boxes: Sequence[Box], shape: Sequence[int], itemsize: int, *, name
     starts: list[torch.Tensor] = []
     ends: list[torch.Tensor] = []
     for start, size in boxes:
-        try:
-            region = Region(start=tuple(start), size=tuple(size))
-        except ConfigError as exc:
-            raise ConfigError(f"part: a region of {name!r}: {exc}") from None
-        if not region.fits(shape):
-            raise ConfigError(f"part: the region start={tuple(start)} size={tuple(size)} of {name!r} does not fit "
-                              f"its shape {tuple(shape)}")
+        check_box((start, size), shape, name=name)
         if 0 in size:
             continue
         if not shape:  # a scalar: its one element
