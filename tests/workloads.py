@@ -606,6 +606,17 @@ def tp_tensors(version: int) -> list[tuple[str, torch.Tensor]]:
     return tensors
 
 
+UNTOUCHED = -7.0
+"""What a ``TpSink``'s full-shape destinations hold outside the worker's slice, update after update."""
+
+
+def _untouched(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` holding :data:`UNTOUCHED`; a matrix transposed in memory (not contiguous)."""
+    if len(shape) == 2:
+        return torch.full(shape[::-1], UNTOUCHED, dtype=dtype).t()
+    return torch.full(shape, UNTOUCHED, dtype=dtype)
+
+
 def tp_slice(name: str, tensor: torch.Tensor, rank: int, parts: int = 2) -> torch.Tensor:
     """Rank ``rank``'s slice of checkpoint tensor ``name`` (what its part keeps)."""
     dim = tp_dims().get(name)
@@ -814,6 +825,8 @@ class TpSink(RecordingSink):
         super().__init__(replica, worker)
         self.rank = worker
         self.shards: dict[str, torch.Tensor] = {}
+        self.shards_kind = ""
+        """The ``set_loading`` that ``shards`` were allocated for."""
         self.storages: dict[int, int] = {}
         """The memory the last update's views lay in: address → bytes."""
         self.views: dict[str, torch.Tensor] = {}
@@ -822,13 +835,18 @@ class TpSink(RecordingSink):
 
     async def load_weights(self, weights: Any, *, version: int) -> None:
         """``views`` (``set_loading``): each slice cloned from the stream's views; ``shards``: ``copy_into`` shards
-        of the slices' shapes, allocated once."""
-        if self.loading == "shards":
-            if not self.shards:
-                self.shards = {name: torch.zeros(tp_slice(name, tensor, self.rank).shape, dtype=tensor.dtype)
+        of the slices' shapes, allocated once; ``full``: ``copy_into`` destinations of the tensors' whole shapes,
+        allocated once and filled with :data:`UNTOUCHED`, of which the worker keeps its slices (a matrix transposed
+        in memory, as no compiled copy fills: each of its pieces goes through its view)."""
+        if self.loading in ("shards", "full"):
+            if self.loading != self.shards_kind:
+                self.shards_kind = self.loading
+                self.shards = {name: (torch.zeros(tp_slice(name, tensor, self.rank).shape, dtype=tensor.dtype)
+                                      if self.loading == "shards" else _untouched(tensor.shape, tensor.dtype))
                                for name, tensor in tp_tensors(0)}
             await weights.copy_into(self.shards)
-            self.weights = dict(self.shards)
+            self.weights = {name: tp_slice(name, tensor, self.rank) if self.loading == "full" else tensor
+                            for name, tensor in self.shards.items()}
         else:
             self.storages, self.views = {}, {}
             async for name, tensor in weights:
@@ -846,6 +864,17 @@ class TpSink(RecordingSink):
 
     def held(self) -> dict[str, torch.Tensor]:
         return dict(self.weights)
+
+    def touched_outside(self) -> list[str]:
+        """With ``full`` destinations: the tensors with an element outside this worker's slice that is no longer
+        :data:`UNTOUCHED` (the engine wrote where the worker holds nothing)."""
+        touched = []
+        for name, tensor in self.shards.items():
+            outside = torch.ones(tensor.shape, dtype=torch.bool)
+            tp_slice(name, outside, self.rank).fill_(False)
+            if not (tensor[outside] == UNTOUCHED).all():
+                touched.append(name)
+        return touched
 
     def views_resident(self) -> tuple[int, int]:
         """Of the memory the last update's views lay in: the bytes of its pages that are in memory, as this

@@ -128,6 +128,30 @@ def test_copy_into_shards_copies_and_hashes_only_the_part(fleet: Fleet, mode: st
             ray.get(replica.call("set_loading", "views"))
 
 
+def test_copy_into_full_shape_destinations_writes_only_each_workers_slice(fleet: Fleet) -> None:
+    """``copy_into`` destinations of the tensors' whole shapes that no compiled copy fills (matrices transposed in
+    memory: every piece goes through its view), under a delta manager: a full update, two whose every bucket goes
+    dense (random versions, nothing alike) and one of changes. Each worker's slice lands every time, and no element
+    outside it is written. (Before, a piece's view was copied whole: outside the worker's regions a carrier's
+    zeros, or a block's full-shape view, which holds the other block's bytes there, landed too.)"""
+    for replica in fleet.replicas:
+        ray.get(replica.call("set_loading", "full"))
+    try:
+        manager = fleet.manager(delta=True)
+        received = []
+        for version in (1, 2, NUDGED, NUDGED + 1):
+            report = fleet.update(manager, version)
+            assert report.ok, report.replicas
+            received.append(report.replicas[0].received)
+            fleet.check_holds(version)
+            touched = [ray.get(ref) for replica in fleet.replicas for ref in replica.call("touched_outside")]
+            assert touched == [[]] * 4, (version, touched)
+        assert received == ["full", "full", "full", "changes"], received
+    finally:
+        for replica in fleet.replicas:
+            ray.get(replica.call("set_loading", "views"))
+
+
 def ring_holds(tensor: torch.Tensor) -> bool:
     """Whether some shared-memory segment of weightsync holds ``tensor``'s bytes, contiguous (read from
     ``/dev/shm``, outside the engines)."""

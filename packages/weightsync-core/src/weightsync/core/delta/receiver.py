@@ -16,7 +16,7 @@ from weightsync.core.delta.parts import PartWords
 from weightsync.core.transports.seam import Arrived, ReceiverTransport
 from weightsync.core.wire import codec, tensors
 from weightsync.core.wire.codec import TensorMeta
-from weightsync.core.wire.destinations import Fallback, check_destination, destination_fits, tensor_of
+from weightsync.core.wire.destinations import Fallback, check_destination, copy_regions, destination_fits, tensor_of
 from weightsync.core.wire.parts import PartLayout
 from weightsync.core.wire.tensors import DTYPES
 
@@ -351,10 +351,7 @@ class _Places:
             index = part.block_of(meta) if part is not None and meta.blocks else None
             tensor = tensor_of(copy, meta, DTYPES[meta.dtype], index)
             destination = destinations.get(meta.name)
-            if destination is not None and index is not None:
-                dim, count = meta.blocks
-                width = meta.shape[dim] // count
-                with torch.no_grad():
-                    destination.narrow(dim, index * width, width).copy_(tensor.narrow(dim, index * width, width))
+            if destination is not None and index is not None and part is not None:
+                copy_regions(destination, tensor, part.plan.tensors.get(meta.name))
             elif fallback is not None:
                 fallback(meta.name, tensor)

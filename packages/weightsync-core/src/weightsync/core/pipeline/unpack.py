@@ -23,7 +23,7 @@ from weightsync.core.native import copy_batch, copy_columns, copy_stream
 from weightsync.core.transports.seam import Arrived
 from weightsync.core.wire.blocks import block_copies
 from weightsync.core.wire.codec import TensorMeta
-from weightsync.core.wire.destinations import Fallback, check_destination, destination_fits, tensor_of
+from weightsync.core.wire.destinations import Fallback, check_destination, copy_regions, destination_fits, tensor_of
 from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.layout import PIECE_BYTES
 from weightsync.core.wire.parts import PartLayout, PartSums
@@ -385,8 +385,7 @@ class BucketReader:
             return 0
         self.wrote = True
         if destination is not None:
-            with torch.no_grad():  # a model's parameters are valid destinations
-                destination.copy_(ready[1])
+            copy_regions(destination, ready[1], self.part.plan.tensors.get(meta.name) if self.part is not None else None)
         elif fallback is not None:
             fallback(*ready)
         return 1

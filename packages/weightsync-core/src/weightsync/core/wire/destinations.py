@@ -3,7 +3,7 @@ bytes seen as the tensor."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeGuard
 
 import torch
@@ -12,9 +12,10 @@ from weightsync.api.errors import WireError
 from weightsync.api.protocols import check_destination as check_tensor_destination
 from weightsync.core.wire.blocks import block_view
 from weightsync.core.wire.codec import TensorMeta
+from weightsync.core.wire.partplans import Box
 from weightsync.core.wire.tensors import DTYPES
 
-__all__ = ["Fallback", "check_destination", "destination_fits", "tensor_of", "typed_view"]
+__all__ = ["Fallback", "check_destination", "copy_regions", "destination_fits", "tensor_of", "typed_view"]
 
 Fallback = Callable[[str, torch.Tensor], object]
 """``copy_into``'s ``fallback(name, tensor)``: where a tensor without a destination goes."""
@@ -53,3 +54,16 @@ def tensor_of(data: torch.Tensor, meta: TensorMeta, dtype: torch.dtype, block: i
         raise WireError(f"{meta.name!r} was sent block by block, and this worker holds none of its blocks: the "
                         "update was not planned for it")
     return block_view(typed_view(data, dtype, (data.numel() // dtype.itemsize,)), meta.shape, meta.blocks, block)
+
+
+def copy_regions(destination: torch.Tensor, tensor: torch.Tensor, boxes: Sequence[Box] | None) -> None:
+    """Copy ``tensor`` into ``destination``; where ``boxes`` are a part's regions of it and ``destination`` has the
+    tensor's shape, those alone: outside them the view may be a carrier's zeros or another block's bytes
+    (``tensor_of``), and the destination keeps its elements there."""
+    with torch.no_grad():  # a model's parameters are valid destinations
+        if not boxes or destination.shape != tensor.shape:
+            destination.copy_(tensor)
+            return
+        for start, size in boxes:
+            region = tuple(slice(first, first + length) for first, length in zip(start, size))
+            destination[region].copy_(tensor[region])
