@@ -610,11 +610,12 @@ UNTOUCHED = -7.0
 """What a ``TpSink``'s full-shape destinations hold outside the worker's slice, update after update."""
 
 
-def _untouched(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of ``shape`` holding :data:`UNTOUCHED`; a matrix transposed in memory (not contiguous)."""
-    if len(shape) == 2:
-        return torch.full(shape[::-1], UNTOUCHED, dtype=dtype).t()
-    return torch.full(shape, UNTOUCHED, dtype=dtype)
+def filled(shape: tuple[int, ...], value: float, dtype: torch.dtype, *, transposed: bool = False) -> torch.Tensor:
+    """A tensor of ``shape`` holding ``value``; with ``transposed``, a matrix is transposed in memory (not contiguous:
+    no compiled copy fills it)."""
+    if transposed and len(shape) == 2:
+        return torch.full(shape[::-1], value, dtype=dtype).t()
+    return torch.full(shape, value, dtype=dtype)
 
 
 def tp_slice(name: str, tensor: torch.Tensor, rank: int, parts: int = 2) -> torch.Tensor:
@@ -841,8 +842,9 @@ class TpSink(RecordingSink):
         if self.loading in ("shards", "full"):
             if self.loading != self.shards_kind:
                 self.shards_kind = self.loading
-                self.shards = {name: (torch.zeros(tp_slice(name, tensor, self.rank).shape, dtype=tensor.dtype)
-                                      if self.loading == "shards" else _untouched(tensor.shape, tensor.dtype))
+                full = self.loading == "full"
+                self.shards = {name: filled(tensor.shape if full else tp_slice(name, tensor, self.rank).shape,
+                                            UNTOUCHED if full else 0.0, tensor.dtype, transposed=full)
                                for name, tensor in tp_tensors(0)}
             await weights.copy_into(self.shards)
             self.weights = {name: tp_slice(name, tensor, self.rank) if self.loading == "full" else tensor

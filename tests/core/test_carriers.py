@@ -25,6 +25,8 @@ from weightsync.core.wire.carriers import carried_span
 from weightsync.core.wire.partplans import PartPlan
 from weightsync.shm import ShmCheckpointEngine
 
+from tests.workloads import filled
+
 SHAPES = {"q": (64, 32), "o": (32, 64), "down": (32, 128), "norm": (32,), "experts": (4, 24, 16)}
 DIMS = {"q": 0, "o": 1, "down": 1, "experts": 1}
 BUCKET = 16 << 10  # q, o, down (8-16 KiB) each split across buckets where their span does not fit the open one
@@ -150,8 +152,7 @@ def test_a_carried_stream_lands_each_region_in_a_shard_and_in_a_full_shape_desti
     for name, tensor in sent.items():
         assert shards[name].equal(tensor[regions[name]] if name in regions else tensor), name
     for transposed in (False, True):
-        full = {name: torch.full(tensor.shape[::-1], 7.0, dtype=torch.bfloat16).t() if transposed and tensor.dim() == 2
-                else torch.full(tensor.shape, 7.0, dtype=torch.bfloat16) for name, tensor in sent.items()}
+        full = {name: filled(tensor.shape, 7.0, torch.bfloat16, transposed=transposed) for name, tensor in sent.items()}
         pair.into(sent, full)
         for name, tensor in sent.items():
             region = regions.get(name, tuple(slice(None) for _ in tensor.shape))
