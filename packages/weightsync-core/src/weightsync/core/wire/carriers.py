@@ -37,11 +37,10 @@ def carried_span(boxes: Sequence[Box] | None, shape: Sequence[int], itemsize: in
         return None
     total = math.prod(shape) * itemsize
     if blocks:
-        held = [block_index(box, shape, blocks) for box in boxes]
-        if not held or None in held:
+        held = [index for box in boxes if (index := block_index(box, shape, blocks)) is not None]
+        if not held or len(held) < len(boxes):
             return None  # not blocks of it: the whole tensor travels
-        count, indices = blocks[1], [index for index in held if index is not None]
-        first, end = min(indices) * total // count, (max(indices) + 1) * total // count
+        first, end = min(held) * total // blocks[1], (max(held) + 1) * total // blocks[1]
     else:  # a box's first element and its last, by their row-major indices: no run of it is listed (every update)
         strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
         first, end = total, 0
