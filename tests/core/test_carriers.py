@@ -42,10 +42,10 @@ def boxes(rank: int) -> dict[str, tuple[slice, ...]]:
 class Pair:
     """A shm sender and one receiver in this process, planned as a part group's."""
 
-    def __init__(self, rank: int, *, carry: bool) -> None:
+    def __init__(self, rank: int, *, carry: bool, bucket: int = BUCKET) -> None:
         context = {role: WorkerContext(role=role, rank=0, node_id="host") for role in ("actor", "rollout")}
-        self.sender = ShmCheckpointEngine(bucket_bytes=BUCKET, timeout=10.0, context=context["actor"])
-        self.receiver = ShmCheckpointEngine(bucket_bytes=BUCKET, timeout=10.0, context=context["rollout"])
+        self.sender = ShmCheckpointEngine(bucket_bytes=bucket, timeout=10.0, context=context["actor"])
+        self.receiver = ShmCheckpointEngine(bucket_bytes=bucket, timeout=10.0, context=context["rollout"])
         metadata = WorldMetadata(actor=[self.sender.prepare()], rollout=[self.receiver.prepare()])
         topology = ShmCheckpointEngine.build_topology(actor_wg_world_size=1, rollout_world_size=1, metadata=metadata)
         plans = [PartPlan.of(Part.split(SHAPES, dims=DIMS, rank=each, parts=2), each) for each in (0, 1)]
@@ -59,11 +59,17 @@ class Pair:
                            pool.submit(self.receiver.init_process_group, rank_args=receiver_args)]:
                 future.result()
 
-    def views(self, sent: dict[str, torch.Tensor]) -> tuple[TransferReport, dict[str, torch.Tensor]]:
-        """One update, each view the receiver yields copied as it comes."""
+    def views(self, sent: dict[str, torch.Tensor], addresses: dict[str, int] | None = None
+              ) -> tuple[TransferReport, dict[str, torch.Tensor]]:
+        """One update, each view the receiver yields copied as it comes (and the buffer it lay in, into
+        ``addresses``)."""
         async def both() -> tuple[TransferReport, dict[str, torch.Tensor]]:
             sending = asyncio.ensure_future(self.sender.send_weights(list(sent.items())))
-            seen = {name: view.clone() async for name, view in self.receiver.receive_weights()}
+            seen = {}
+            async for name, view in self.receiver.receive_weights():
+                seen[name] = view.clone()
+                if addresses is not None:
+                    addresses[name] = view.untyped_storage().data_ptr()
             return await sending, seen
 
         return asyncio.run(both())
@@ -87,8 +93,8 @@ def rank(request: pytest.FixtureRequest) -> int:
     return int(request.param)
 
 
-def pair_of(rank: int, *, carry: bool = True) -> Iterator[Pair]:
-    made = Pair(rank, carry=carry)
+def pair_of(rank: int, *, carry: bool = True, bucket: int = BUCKET) -> Iterator[Pair]:
+    made = Pair(rank, carry=carry, bucket=bucket)
     try:
         yield made
     finally:
@@ -110,32 +116,55 @@ def part_bytes(rank: int) -> int:
     return sum(math.prod(shape) * 2 // (2 if name in held else 1) for name, shape in SHAPES.items())
 
 
+def check_views(seen: dict[str, torch.Tensor], sent: dict[str, torch.Tensor], rank: int) -> None:
+    """Each view holds the rank's region exactly, and elsewhere zeros (or, for a block of columns viewed full-shape,
+    its block's own bytes), never another tensor's bytes."""
+    assert set(seen) == set(SHAPES)
+    for name, tensor in sent.items():
+        region = boxes(rank).get(name)
+        if region is None:
+            assert seen[name].equal(tensor), name
+            continue
+        assert seen[name][region].equal(tensor[region]), name
+        outside = torch.ones(tensor.shape, dtype=torch.bool)
+        outside[region] = False
+        if DIMS[name] == 0:  # rows: the bytes outside the region are zeros, never another tensor's
+            assert not seen[name][outside].any(), name
+        else:  # a block of a tensor sent block after block, viewed full-shape: its other elements are its
+            # block's bytes or zeros (weightsync.core.wire.blocks.block_view), never other bytes
+            others = seen[name][outside]
+            assert torch.isin(others[others != 0], tensor[region]).all(), name
+
+
 def test_a_carried_stream_holds_only_each_span_and_a_view_is_its_rank_s_regions_on_zeros(pair: Pair,
                                                                                          rank: int) -> None:
     """The sender sends its rank's half of each split tensor (and the norm whole): its bytes are the part's, about
     half the model; each view the receiver yields (the carrier vLLM's loaders would narrow) holds the rank's region
-    exactly, and elsewhere zeros (or, for a block of columns viewed full-shape, its block's own bytes); the
-    receiver's check of its part's sums passes. Twice, so the second update reuses what the first planned."""
+    exactly, and elsewhere zeros; the receiver's check of its part's sums passes. Twice, so the second update
+    reuses what the first planned."""
     total = sum(math.prod(shape) * 2 for shape in SHAPES.values())
     for seed in (1, 2):
         sent = model(seed)
         report, seen = pair.views(sent)
         assert report.nbytes == part_bytes(rank) < 0.6 * total
-        assert set(seen) == set(SHAPES)
-        for name, tensor in sent.items():
-            region = boxes(rank).get(name)
-            if region is None:
-                assert seen[name].equal(tensor), name
-                continue
-            assert seen[name][region].equal(tensor[region]), name
-            outside = torch.ones(tensor.shape, dtype=torch.bool)
-            outside[region] = False
-            if DIMS[name] == 0:  # rows: the carrier's bytes outside the span are zeros, never another tensor's
-                assert not seen[name][outside].any(), name
-            else:  # a block of a tensor sent block after block, viewed full-shape: its other elements are its
-                # block's bytes or the carrier's zeros (weightsync.core.wire.blocks.block_view), never other bytes
-                others = seen[name][outside]
-                assert torch.isin(others[others != 0], tensor[region]).all(), name
+        check_views(seen, sent, rank)
+
+
+def test_a_part_holder_gathers_only_its_regions_of_a_split_tensor_in_a_buffer_kept_across_updates(rank: int) -> None:
+    """Without ``carry`` every byte of the model travels, in buckets of 2 KiB that split every tensor but the norm;
+    the receiver gathers of each only its part's bytes (``weightsync.core.pipeline.gather``), so its views are as a
+    carrier's: the rank's regions on zeros, though the gather buffer held the other rank's bytes of the tensors
+    before. One buffer serves every split tensor, the same from the second update on (grown to the largest in the
+    first, its pages faulted in once)."""
+    for made in pair_of(rank, carry=False, bucket=2 << 10):
+        where: list[dict[str, int]] = [{}, {}, {}]
+        for seed, addresses in zip((5, 6, 7), where):
+            sent = model(seed)
+            report, seen = made.views(sent, addresses)
+            assert report.nbytes == sum(tensor.nbytes for tensor in sent.values())
+            check_views(seen, sent, rank)
+        assert where[1] == where[2]
+        assert len(set(where[1].values()) - {where[1]["norm"]}) == 1
 
 
 def test_a_carried_stream_lands_each_region_in_a_shard_and_in_a_full_shape_destination(pair: Pair,

@@ -20,6 +20,7 @@ from weightsync.api.errors import DigestMismatchError, TransferError, WireError
 from weightsync.api.types import PhaseTiming, TransferReport
 from weightsync.core.delta.receiver import ReceiverDelta
 from weightsync.core.delta.sources import SourcesDelta
+from weightsync.core.pipeline.gather import Gather
 from weightsync.core.pipeline.handover import Hold
 from weightsync.core.pipeline.trace import Tracer
 from weightsync.core.pipeline.unpack import BucketReader, BulkPlans, whole_only
@@ -44,6 +45,8 @@ class ReceiveContext:
         self.tables = codec.TableCache()
         """Bucket tables received and validated before: a model's next update repeats them."""
         self.plans = BulkPlans()
+        self.gather = Gather()
+        """Where a tensor split across buckets is gathered for its view, kept across updates (faulted in once)."""
         self.delta: ReceiverDelta | SourcesDelta | None = (
             ReceiverDelta(verify_every=settings.verify_every) if settings.delta else None)
         """With ``settings.delta``: what this receiver holds across updates (``weightsync.core.delta.receiver``; per

@@ -20,6 +20,7 @@ import torch
 
 from weightsync.api.errors import DestinationError
 from weightsync.core.native import copy_batch, copy_columns, copy_stream
+from weightsync.core.pipeline.gather import Gather
 from weightsync.core.transports.seam import Arrived
 from weightsync.core.wire.blocks import block_copies
 from weightsync.core.wire.codec import TensorMeta
@@ -128,7 +129,7 @@ class BucketReader:
     """Reads the current bucket of one update: where the consumer is in it, and how far it was hashed."""
 
     def __init__(self, digest: UpdateDigest, plans: BulkPlans, *, part: PartSums | None = None,
-                 sources: bool = False) -> None:
+                 sources: bool = False, gather: Gather | None = None) -> None:
         self.digest = digest
         self.plans = plans
         self.part = part
@@ -145,7 +146,8 @@ class BucketReader:
         self.hashed = 0
         self.tensors = 0
         """Tensors completed in this update."""
-        self._scratch: torch.Tensor | None = None
+        self.gather = gather if gather is not None else Gather()
+        """Where a tensor split across buckets is gathered for its view (the engine's, kept across updates)."""
         self.gathered = False
         """Whether the last view ``next_view`` gave lives in the scratch buffer (valid until the next piece)."""
         self.wrote = False
@@ -411,19 +413,11 @@ class BucketReader:
             return meta.name, self._shaped(meta, piece, dtype)
         if self.sources:
             return self._gathered(meta, piece, dtype)
-        # A range of a tensor split across buckets: gather it in a scratch buffer reused across tensors.
-        if self._scratch is None or self._scratch.numel() < meta.total_nbytes:
-            self._scratch = torch.empty(meta.total_nbytes, dtype=torch.uint8, device=payload.device)
-        if meta.span and meta.offset == meta.span[0]:
-            # A carrier (the stream carries only the span): every byte outside it reads as zero, never as an earlier
-            # tensor's bytes (a loader that took more than its regions would take finite values).
-            self._scratch[: meta.span[0]].zero_()
-            self._scratch[meta.span[1]: meta.total_nbytes].zero_()
-        self._scratch[meta.offset: meta.offset + meta.nbytes].copy_(piece)
-        if not meta.completes:
+        gathered = self.gather.put(meta, piece, self.part.layout if self.part is not None else None)
+        if gathered is None:
             return None
         self.tensors += 1
-        return meta.name, self._shaped(meta, self._scratch[: meta.total_nbytes], dtype)
+        return meta.name, self._shaped(meta, gathered, dtype)
 
     def _gathered(self, meta: TensorMeta, piece: torch.Tensor, dtype: torch.dtype) -> tuple[str, torch.Tensor] | None:
         """A range of a tensor whose ranges come from several senders, in any order: gathered in a buffer of its

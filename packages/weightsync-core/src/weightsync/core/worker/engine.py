@@ -323,13 +323,14 @@ class BucketCheckpointEngine(EngineBase):
         """The reader of an update from one sender, from every sender of a sharded ``actor_wg`` (``sources``), or
         dealt into ``stripes``: each bucket then folded into its own sender's (stripe's) digest and sums. Verified by
         this worker's part where it declared one."""
-        part = self._part
+        part, context = self._part, self._receive
         if stripes > 1:
-            return BucketReader(StripedDigest(stripes), self._receive.plans,
+            return BucketReader(StripedDigest(stripes), context.plans, gather=context.gather,
                                 part=StripesSums(part, stripes) if part is not None else None)
         if not sources:
-            return BucketReader(digest(), self._receive.plans, part=PartSums(part) if part is not None else None)
-        return BucketReader(SourcesDigest(sources, make=digest), self._receive.plans,
+            return BucketReader(digest(), context.plans, gather=context.gather,
+                                part=PartSums(part) if part is not None else None)
+        return BucketReader(SourcesDigest(sources, make=digest), context.plans,
                             part=SourcesSums(part, sources) if part is not None else None, sources=True)
 
 
