@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from weightsync.api.parts import Part
+from weightsync.core.pipeline import gather as gather_module
 from weightsync.core.pipeline.gather import Gather, _outside
 from weightsync.core.wire.codec import TensorMeta
 from weightsync.core.wire.partplans import PartPlan
@@ -43,10 +44,14 @@ def gathered(gather: Gather, name: str, tensor: torch.Tensor, layout: PartLayout
     return out.view(torch.float32).view(tensor.shape)
 
 
-def test_a_part_holder_gathers_its_regions_on_zeros_and_a_whole_one_everything_in_the_same_buffer() -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["cached", "streamed"])
+def test_a_part_holder_gathers_its_regions_on_zeros_and_a_whole_one_everything_in_the_same_buffer(
+        stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1's rows of ``a``, its columns of ``b`` (each row's run), then ``c`` whole, then ``a`` for a worker of
     the whole model, all in one buffer: each view equals its tensor in what the part holds and is zero elsewhere,
-    though ``c`` and the whole ``a`` had filled the buffer before — over two rounds, the buffer never reallocated."""
+    though ``c`` and the whole ``a`` had filled the buffer before — over two rounds, the buffer never reallocated.
+    With every tensor written through the cache, and with streaming stores (as a large one is)."""
+    monkeypatch.setattr(gather_module, "STREAM_BYTES", 0 if stream else 1 << 30)
     shapes = {"a": (8, 6), "b": (6, 8), "c": (4, 4)}
     layout = PartLayout(PartPlan.of(Part.split(shapes, dims={"a": 0, "b": 1}, rank=1, parts=2), 1))
     gather = Gather()

@@ -34,7 +34,7 @@ from weightsync.core.wire.digest import UpdateDigest
 from weightsync.core.wire.partplans import Box, PartPlan
 from weightsync.core.wire.tensors import DTYPES, memoryview_at
 
-__all__ = ["Copy", "PartLayout", "PartSums", "PartsDigest", "byte_runs", "check_box", "check_sums"]
+__all__ = ["Copy", "PartLayout", "PartSums", "PartsDigest", "byte_runs", "check_box", "check_sums", "clipped"]
 
 SUM_BYTES = 8
 
@@ -185,7 +185,7 @@ def _copies(runs: Runs, first: int, end: int, compact: bool) -> list[Copy]:
     groups: list[Copy] = []
     triples: list[int] = []
     begin = grouped = 0
-    for low, high in _clipped(runs, first, end):
+    for low, high in clipped(runs, first, end):
         for cut in range(low, high, GATHER_BYTES):  # a long run in pieces of GATHER_BYTES
             nbytes = min(GATHER_BYTES, high - cut)
             if not triples:
@@ -204,7 +204,7 @@ def _steps(runs: Runs, first: int, end: int) -> tuple[list[Step], int]:
     steps: list[Step] = []
     group: list[int] = []
     gathered = total = 0
-    for low, high in _clipped(runs, first, end):
+    for low, high in clipped(runs, first, end):
         if high - low >= DIRECT_BYTES or gathered + high - low > GATHER_BYTES:
             if group:
                 steps.append((array.array("Q", group), gathered))
@@ -220,7 +220,7 @@ def _steps(runs: Runs, first: int, end: int) -> tuple[list[Step], int]:
     return steps, total
 
 
-def _clipped(runs: Runs, first: int, end: int) -> Iterator[tuple[int, int]]:
+def clipped(runs: Runs, first: int, end: int) -> Iterator[tuple[int, int]]:
     """The runs' parts inside the tensor's bytes ``[first, end)`` (a piece's), in order."""
     starts, ends = runs
     for at in range(bisect.bisect_right(ends, first), len(starts)):
