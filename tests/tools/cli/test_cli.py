@@ -169,7 +169,15 @@ def test_bench_rollout_vllm_refuses_what_it_does_not_take(args: list[str]) -> No
     assert result.returncode == 2 and "--rollout vllm runs on this host" in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("args", [["--disk-dir", "/var/tmp"], ["--tp", "2"]])
-def test_bench_disk_dir_and_tp_need_rollout_vllm(args: list[str]) -> None:
+@pytest.mark.parametrize("args", [["--disk-dir", "/var/tmp"], ["--tp", "2"], ["--hidden", "4096"]])
+def test_bench_disk_dir_hidden_and_tp_need_rollout_vllm(args: list[str]) -> None:
     result = weightsync("bench", *args)
-    assert result.returncode == 2 and "--disk-dir and --tp need --rollout vllm" in result.stderr, result.stderr
+    assert result.returncode == 2 and "--disk-dir, --hidden and --tp need --rollout vllm" in result.stderr, \
+        result.stderr
+
+
+@pytest.mark.parametrize("hidden", ["1000", "0"])
+def test_bench_rollout_vllm_hidden_is_a_multiple_of_256(hidden: str) -> None:
+    """Refused before vLLM is looked for (the refusal needs no vLLM)."""
+    result = weightsync("bench", "--rollout", "vllm", "--hidden", hidden)
+    assert result.returncode == 2 and "--hidden must be a positive multiple of 256" in result.stderr, result.stderr

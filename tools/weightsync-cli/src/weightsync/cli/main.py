@@ -173,6 +173,9 @@ def _add_bench(commands: Any) -> None:
                        help="vllm: weightsync (shm) against the disk route (safetensors + vLLM's reload_weights) "
                             "into --receivers real vLLM engines on this host (needs vLLM: python3 -m hatch run "
                             "vllm:bench); --model-mb defaults to 256, --bucket-mb to 16")
+    bench.add_argument("--hidden", type=int, default=None, metavar="N",
+                       help="with --rollout vllm: the Llama's hidden size, a multiple of 256 (default 1024; 4096 "
+                            "has a 7B model's matrices)")
     bench.add_argument("--disk-dir", default=None,
                        help="with --rollout vllm: where the disk route writes (default /var/tmp; not a tmpfs)")
     bench.add_argument("--tp", type=int, default=1, metavar="N",
@@ -239,17 +242,20 @@ def _vllm_bench(args: argparse.Namespace) -> int:
             or args.plot_path or args.trace_path or args.ray_backend or args.verify_every != 1 or args.parts:
         return _usage_error("bench", "--rollout vllm runs on this host, full updates of its own Llama over shm "
                             "against the disk route (or, with --tp, by part against whole); it takes --model-mb, "
-                            "--receivers, --bucket-mb, --repeat, --json, --disk-dir and --tp only")
+                            "--hidden, --receivers, --bucket-mb, --repeat, --json, --disk-dir and --tp only")
     error = _bench_error(args)  # what is left to check: the sizes, and --link-gbps/--rtt-ms without --hosts
     if error:
         return _usage_error("bench", error)
     if args.tp > 1 and args.receivers % 2:
         return _usage_error("bench", "--tp splits the replicas into two halves (by part, whole): an even --receivers")
+    if args.hidden is not None and (args.hidden < 256 or args.hidden % 256):
+        return _usage_error("bench", "--hidden must be a positive multiple of 256 (heads of 64, a KV head for 4)")
     from weightsync.cli.vllm import VllmBenchOptions
 
     return _run_vllm("bench", VllmBenchOptions(
         model_mb=args.model_mb or 256.0, replicas=args.receivers, repeat=args.repeat, bucket_mb=args.bucket_mb or 16,
-        json_path=args.json_path, tp=args.tp, **({"disk_dir": args.disk_dir} if args.disk_dir else {})))
+        json_path=args.json_path, tp=args.tp, hidden=args.hidden or 1024,
+        **({"disk_dir": args.disk_dir} if args.disk_dir else {})))
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -273,8 +279,9 @@ def _bench(args: argparse.Namespace) -> int:
             return _usage_error("bench", error)
     if args.rollout == "vllm":
         return _vllm_bench(args)
-    if args.disk_dir is not None or args.tp != 1:
-        return _usage_error("bench", "--disk-dir and --tp need --rollout vllm (the model bench's parts are --parts)")
+    if args.disk_dir is not None or args.tp != 1 or args.hidden is not None:
+        return _usage_error("bench", "--disk-dir, --hidden and --tp need --rollout vllm (the model bench's parts are "
+                            "--parts)")
     error = _bench_error(args)
     if error:
         return _usage_error("bench", error)

@@ -23,6 +23,9 @@ class VllmBenchOptions:
 
     model_mb: float = 256.0
     """The Llama's size in MiB (bf16, as the replicas hold it)."""
+    hidden: int = 1024
+    """Its layers' width (``workload.llama_config``): 4096 gives a 7B Llama's matrices (32-90 MB, each wider than a
+    bucket, so a view of it is gathered)."""
     replicas: int = 2
     repeat: int = 3
     """Timed rounds; each times one update of each route (after one untimed round)."""

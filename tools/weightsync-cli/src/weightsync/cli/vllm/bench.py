@@ -180,7 +180,7 @@ async def run_vllm_bench(options: VllmBenchOptions) -> int:
         print(f"weightsync bench: --disk-dir {options.disk_dir} is on {kind}, which is memory, not a disk",
               file=sys.stderr)
         return 2
-    config = llama_config(options.model_mb)
+    config = llama_config(options.model_mb, hidden=options.hidden)
     started = time.perf_counter()
     disk = pathlib.Path(tempfile.mkdtemp(prefix="weightsync-bench-vllm-", dir=options.disk_dir))
     by_part = options.replicas // 2 if options.tp > 1 else options.replicas
@@ -190,7 +190,8 @@ async def run_vllm_bench(options: VllmBenchOptions) -> int:
             model_bytes = int(await world.actor_wg.handles[0].call.remote("nbytes"))
             routes_text = (f"by part and whole ({by_part} replicas each)" if options.tp > 1
                            else f"shm and disk ({options.disk_dir}, {kind})")
-            print(f"weightsync bench --rollout vllm: Llama of {config['num_hidden_layers']} layers "
+            print(f"weightsync bench --rollout vllm: Llama of {config['num_hidden_layers']} layers of hidden "
+                  f"{config['hidden_size']} "
                   f"({model_bytes / 1e6:.0f} MB bf16), {options.replicas} vLLM replicas of {options.tp} worker(s), "
                   f"{options.repeat} rounds of {routes_text}", flush=True)
             manager = CheckpointEngineManager(backend="shm", actor_wg=world.actor_wg, replicas=world.replicas,

@@ -37,14 +37,18 @@ def _parameters(config: dict[str, Any], layers: int) -> int:
     return int(2 * config["vocab_size"] * hidden + hidden + layers * per_layer)
 
 
-def llama_config(model_mb: float | None = None) -> dict[str, Any]:
-    """``config.json`` of the model: the tests' small one (``None``, or up to 2 MB), else ``WIDE`` with as many
+def llama_config(model_mb: float | None = None, *, hidden: int = 1024) -> dict[str, Any]:
+    """``config.json`` of the model: the tests' small one (``None``, or up to 2 MB), else ``WIDE``'s shape at
+    ``hidden`` (a multiple of 256: heads of 64, a KV head for every 4, an MLP 2.75 times as wide) with as many
     layers (at least 1) as bring its bf16 size nearest to ``model_mb`` MiB."""
     if model_mb is None or model_mb <= 2:
         return dict(SMALL)
+    heads = hidden // 64
+    shape = dict(WIDE, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_attention_heads=heads,
+                 num_key_value_heads=heads // 4)
     target = model_mb * (1 << 20) / 2
-    layers = min(range(1, 4096), key=lambda n: abs(_parameters(WIDE, n) - target))
-    return dict(WIDE, num_hidden_layers=layers)
+    layers = min(range(1, 4096), key=lambda n: abs(_parameters(shape, n) - target))
+    return dict(shape, num_hidden_layers=layers)
 
 
 def build_model(config: dict[str, Any], seed: int = 0) -> torch.nn.Module:
