@@ -1,11 +1,12 @@
 """Where the view of a tensor split across buckets is gathered: one buffer per engine, kept from update to update.
 
 A consumer of views (``async for``, vLLM's loader) takes each tensor whole, so a tensor whose ranges span buckets is
-copied into this buffer piece by piece, and the view of it lives there until the next split tensor. Two things make
-that cheap where it used to cost more than the update's hashing (a 466 MB model whose larger matrices span 16 MiB
-buckets: the copies took 121 ms of a receiver's 145):
+copied into this buffer piece by piece, and the view of it lives there until the next split tensor. Three things
+make that cheap where it used to cost more than the update's hashing (a 495 MB model whose larger matrices span
+16 MiB buckets: the copies took 121 ms of a receiver's 145):
 
-* the buffer outlives the update, so its pages are faulted in once (fresh memory is written at about 0.5 GB/s);
+* the buffer outlives the update, so its pages are faulted in once (fresh memory is written at about 0.5 GB/s); it
+  holds as many bytes as the largest tensor gathered so far, for as long as the engine lives;
 * a worker that holds a part (``weightsync.core.wire.parts``) copies only its own byte runs of each piece — half of
   each split matrix at tensor parallelism 2 — as ``copy_into`` does;
 * a large tensor's bytes are written with streaming stores (``copy_stream``), which do not read the buffer's lines
@@ -42,7 +43,6 @@ KEPT_SPANS = 16
 order: one run per row) leaves their hull, zeroed whole next time (bytes inside it that are already zero cost a
 ``memset``, never a wrong byte)."""
 
-
 PLACED = 1 << 14
 """At most this many pieces' copies are kept (cleared when full)."""
 
@@ -54,8 +54,6 @@ class Gather:
         self._buffer: torch.Tensor | None = None
         self._stale: Spans = []
         """The ranges that may hold an earlier tensor's bytes; every other byte of the buffer is zero."""
-        self._tensor: str | None = None
-        """The tensor whose pieces are being gathered (None between tensors)."""
         self._placed: dict[tuple[str, int, int, tuple[int, ...]], tuple[Runs, array.array[int]]] = {}
         """Per piece of a part-holder's tensor: its runs and the copies that place them (a model's next update repeats
         its pieces), bounded by ``PLACED``."""
@@ -63,26 +61,23 @@ class Gather:
     def put(self, meta: TensorMeta, piece: torch.Tensor, layout: PartLayout | None) -> torch.Tensor | None:
         """Gather ``meta``'s ``piece`` (of this worker's part only, where ``layout`` is one and the piece is in host
         memory); the tensor's bytes (a view of the buffer, valid until the next split tensor) once its last piece is
-        in, else None. The pieces of one tensor come in order, one tensor after the other."""
+        in, else None. The pieces of one tensor come in order (the first at the start of what its stream carries),
+        one tensor after the other."""
         runs = layout.runs_of(meta) if layout is not None and piece.device.type == "cpu" else None
         buffer = self._buffer
         if buffer is None or buffer.numel() < meta.total_nbytes or buffer.device != piece.device:
             buffer = self._buffer = torch.zeros(meta.total_nbytes, dtype=torch.uint8, device=piece.device)
-            self._stale, self._tensor = [], None
-        if meta.name != self._tensor:
+            self._stale = []
+        if meta.offset == (meta.span[0] if meta.span else 0):  # the tensor's first piece
             written = (list(zip(*runs)) if runs is not None else
                        [(meta.span[0], meta.span[1])] if meta.span else [(0, meta.total_nbytes)])
             self._begin(buffer, written, meta.total_nbytes)
-            self._tensor = meta.name
         if piece.device.type != "cpu":
             buffer[meta.offset: meta.offset + meta.nbytes].copy_(piece)
         else:
             copies = [meta.offset, 0, meta.nbytes] if runs is None else self._copies(meta, runs)
             copy_batch(copies, buffer.data_ptr(), piece.data_ptr(), stream=meta.total_nbytes >= STREAM_BYTES)
-        if not meta.completes:
-            return None
-        self._tensor = None
-        return buffer[: meta.total_nbytes]
+        return buffer[: meta.total_nbytes] if meta.completes else None
 
     def _copies(self, meta: TensorMeta, runs: Runs) -> array.array[int]:
         """``copy_batch``'s triples that copy the runs in ``meta``'s piece to where they lie in the tensor's bytes."""

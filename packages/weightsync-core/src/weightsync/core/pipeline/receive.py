@@ -35,7 +35,8 @@ __all__ = ["BucketOrder", "ReceiveStream", "ReceiveContext"]
 
 
 class ReceiveContext:
-    """What every stream of one engine shares: settings, the epoch, caches of tables seen before, threads."""
+    """What every stream of one engine shares: settings, the epoch, caches of tables seen before, threads, the
+    buffer split tensors are gathered in."""
 
     def __init__(self, settings: EngineSettings, *, tracer: Tracer, pool: concurrent.futures.ThreadPoolExecutor
                  ) -> None:
@@ -129,7 +130,7 @@ class ReceiveStream:
 
     async def _views(self, *, whole_bucket: bool) -> list[tuple[str, torch.Tensor]]:
         """The next view, or every view left in the bucket — up to a tensor gathered from several buckets, which
-        ends a batch (the next split tensor is gathered in the same scratch buffer); [] at the end of the update."""
+        ends a batch (the next split tensor is gathered in the same buffer); [] at the end of the update."""
         if self._finished:
             return []
         self._destinations = self._fallback = self._shards = None

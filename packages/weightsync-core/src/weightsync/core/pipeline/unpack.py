@@ -149,7 +149,7 @@ class BucketReader:
         self.gather = gather if gather is not None else Gather()
         """Where a tensor split across buckets is gathered for its view (the engine's, kept across updates)."""
         self.gathered = False
-        """Whether the last view ``next_view`` gave lives in the scratch buffer (valid until the next piece)."""
+        """Whether the last view ``next_view`` gave lives in the gather buffer (valid until the next piece)."""
         self.wrote = False
         """Whether a copy into the consumer's destinations (or a fallback call) has begun: set before the first."""
 
