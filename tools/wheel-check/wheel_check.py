@@ -6,6 +6,11 @@ as written, with a Ray cluster of its own: it exits 0, prints what the README sa
 the CLI's wheel holds none of it, and the CLI installed without it says what to install for ``bench --hosts``.
 
     python3 tools/wheel-check/wheel_check.py [--keep DIR]
+    python3 tools/wheel-check/wheel_check.py --build DIR   # build the wheels and the venv into DIR, and stop
+    python3 tools/wheel-check/wheel_check.py --run DIR     # then run the checks with what --build left in DIR
+
+CI builds in the background while the suite runs (most of the minute it takes is pip unpacking torch) and runs the
+checks in line, where no other test touches ``/dev/shm``.
 
 Needs hatch (``python3 -m pip install hatch``) and the package indexes for the third-party dependencies (torch is
 pinned to the development build). Prints one line per step; exits non-zero, saying why, at the first failure.
@@ -171,31 +176,54 @@ def check_quickstart(python: pathlib.Path, *, cwd: pathlib.Path, env: dict[str, 
     print(f"README quickstart: exit 0, {printed[-1]!r}, nothing left in /dev/shm", flush=True)
 
 
+def prepare(work: pathlib.Path) -> None:
+    """The wheels, checked, and a fresh venv of them, in ``work``."""
+    wheels = work / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    build(wheels)
+    install(wheels, work / "venv")
+
+
+def check(work: pathlib.Path) -> None:
+    """With the venv ``prepare`` left in ``work``: the helper built at first use, doctor, the CLI without the
+    testbed, an update between two processes and the README's quickstart."""
+    python = work / "venv" / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"wheel-check: no venv in {work}: run --build {work} first")
+    clean = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    clean["WEIGHTSYNC_CACHE_DIR"] = str(work / "cache")  # the helper, built at first use, lands here
+    doctor = run([str(work / "venv" / "bin" / "weightsync"), "doctor"], cwd=work, env=clean).splitlines()
+    helper = [line.split(": ", 1)[1] for line in doctor if line.startswith("compiled helper (_stream_copy.c): ")]
+    if not helper or not pathlib.Path(helper[0]).is_relative_to(work / "cache"):
+        raise SystemExit(f"wheel-check: the pure core wheel's helper was not built at first use: {helper}")
+    print(f"the core wheel is pure; its helper, built at first use: {helper[0]}", flush=True)
+    shm = [line for line in doctor if line.split()[:2] == ["shm", "available"]]
+    if not shm:
+        raise SystemExit(f"wheel-check: weightsync doctor in the fresh venv does not list shm as available: {doctor}")
+    print("weightsync doctor:", " ".join(shm[0].split()))
+    check_no_testbed(work / "venv" / "bin" / "weightsync", cwd=work, env=clean)
+    print(run([str(python), "-c", UPDATE], cwd=work, env=clean).strip())
+    check_quickstart(python, cwd=work, env=clean)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--keep", type=pathlib.Path, help="build and install here, and leave it (default: a "
-                        "temporary folder, removed at the end)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--keep", type=pathlib.Path, help="build and install here, and leave it (default: a "
+                       "temporary folder, removed at the end)")
+    where.add_argument("--build", type=pathlib.Path, metavar="DIR", help="only build the wheels and the venv, here")
+    where.add_argument("--run", type=pathlib.Path, metavar="DIR", help="only run the checks, with what --build left "
+                       "here")
     args = parser.parse_args()
+    if args.build:
+        prepare(args.build)
+        print(f"wheel-check: the wheels and their venv are in {args.build}: --run {args.build} checks them")
+        return 0
     with tempfile.TemporaryDirectory(prefix="ws-wheels-") as scratch:
-        work = args.keep or pathlib.Path(scratch)
-        wheels = work / "wheels"
-        wheels.mkdir(parents=True, exist_ok=True)
-        build(wheels)
-        python = install(wheels, work / "venv")
-        clean = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        clean["WEIGHTSYNC_CACHE_DIR"] = str(work / "cache")  # the helper, built at first use, lands here
-        doctor = run([str(work / "venv" / "bin" / "weightsync"), "doctor"], cwd=work, env=clean).splitlines()
-        helper = [line.split(": ", 1)[1] for line in doctor if line.startswith("compiled helper (_stream_copy.c): ")]
-        if not helper or not pathlib.Path(helper[0]).is_relative_to(work / "cache"):
-            raise SystemExit(f"wheel-check: the pure core wheel's helper was not built at first use: {helper}")
-        print(f"the core wheel is pure; its helper, built at first use: {helper[0]}", flush=True)
-        shm = [line for line in doctor if line.split()[:2] == ["shm", "available"]]
-        if not shm:
-            raise SystemExit(f"wheel-check: weightsync doctor in the fresh venv does not list shm as available: {doctor}")
-        print("weightsync doctor:", " ".join(shm[0].split()))
-        check_no_testbed(work / "venv" / "bin" / "weightsync", cwd=work, env=clean)
-        print(run([str(python), "-c", UPDATE], cwd=work, env=clean).strip())
-        check_quickstart(python, cwd=work, env=clean)
+        work = args.run or args.keep or pathlib.Path(scratch)
+        if not args.run:
+            prepare(work)
+        check(work)
     print("wheel-check: every distribution builds a wheel, the CLI's without the testbed; weightsync[shm,ray] and the "
           "CLI from them run an update, and the README's quickstart as written")
     return 0
