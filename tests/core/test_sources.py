@@ -3,6 +3,8 @@ pieces of a shard, and the receiver that reads several senders' streams in turn.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 from typing import Any
 
 import pytest
@@ -11,14 +13,20 @@ import torch
 from weightsync.api.errors import TopologyError, TransferError, WeightStreamError, WireError
 from weightsync.api.parts import PART_KEY, Part, Region
 from weightsync.api.sources import SOURCE_KEY, Holding, Shard, SourceLayout, byte_range
-from weightsync.api.types import WorldMetadata
+from weightsync.api.types import WorkerContext, WorldMetadata
+from weightsync.core.control.parts import with_declared_parts
 from weightsync.core.delta.copies import PlacedCopies
 from weightsync.core.delta.sources import SourcesDelta
 from weightsync.core.pipeline.planner import plan_buckets, validate_pair
 from weightsync.core.transports.seam import ReceivedBucket
 from weightsync.core.transports.sources import SourcesReceiver, plan_sources
 from weightsync.core.wire import codec
+from weightsync.core.wire.partplans import PartPlan
 from weightsync.core.wire.sources import combine_sources
+from weightsync.shm import ShmCheckpointEngine
+
+from tests.core.test_carriers import DIMS, SHAPES, check_views
+from tests.core.test_carriers import model as carriers_model
 
 CPU = frozenset({"cpu"})
 
@@ -289,3 +297,74 @@ def test_module_shards_of_an_unsharded_module_are_whole_tensors_renamed_and_cast
     assert layout.tensors["model.weight"] == Holding(shape=(3, 4), region=Region.whole((3, 4)))
     with pytest.raises(WeightStreamError, match="two tensors of the module are named 'same'"):
         list(ModuleShards(module, rename=lambda name: "same").named_weights())
+
+
+class ShardedPair:
+    """Two shm senders holding the rows of every tensor of ``tests.core.test_carriers.SHAPES`` half each (a sharded
+    ``actor_wg``: ``Shard(0)``), and one receiver in this process, of one rank's part or of the whole model."""
+
+    def __init__(self, rank: int | None, *, bucket: int) -> None:
+        context = [WorkerContext(role="actor", rank=sender, node_id="host") for sender in (0, 1)]
+        self.senders = [ShmCheckpointEngine(bucket_bytes=bucket, timeout=10.0, context=each) for each in context]
+        self.receiver = ShmCheckpointEngine(bucket_bytes=bucket, timeout=10.0,
+                                            context=WorkerContext(role="rollout", rank=0, node_id="host"))
+        actor = [{**sender.prepare(), SOURCE_KEY: SourceLayout(tensors={
+            name: rows(shape, index * (shape[0] // 2), shape[0] // 2) for name, shape in SHAPES.items()}).to_dict()}
+            for index, sender in enumerate(self.senders)]
+        part = Part.split(SHAPES, dims=DIMS, rank=rank, parts=2) if rank is not None else None
+        rollout = {**self.receiver.prepare(), **({PART_KEY: part.to_dict()} if part is not None else {})}
+        topology = ShmCheckpointEngine.build_topology(actor_wg_world_size=2, rollout_world_size=1,
+                                                      metadata=WorldMetadata(actor=actor, rollout=[rollout]))
+        actor_args, rollout_args = list(topology.actor), [topology.rollout[0]]
+        if part is not None:
+            with_declared_parts(actor_args, rollout_args, [PartPlan.of(part, 0)])
+        engines = [*self.senders, self.receiver]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            for future in [pool.submit(engine.init_process_group, rank_args=args)
+                           for engine, args in zip(engines, [*actor_args, *rollout_args])]:
+                future.result()
+
+    def views(self, sent: dict[str, torch.Tensor], addresses: dict[str, int]) -> dict[str, torch.Tensor]:
+        """One update, each view copied as it comes and the buffer it lay in noted in ``addresses``."""
+        async def all_of_it() -> dict[str, torch.Tensor]:
+            shards = [[(name, Shard(tensor=tensor[index * (tensor.shape[0] // 2):][: tensor.shape[0] // 2].clone(),
+                                    shape=tuple(tensor.shape), start=(index * (tensor.shape[0] // 2),) + (0,) * (
+                                        tensor.dim() - 1))) for name, tensor in sent.items()] for index in (0, 1)]
+            sending = [asyncio.ensure_future(sender.send_weights(items)) for sender, items in zip(self.senders, shards)]
+            seen = {}
+            async for name, view in self.receiver.receive_weights():
+                seen[name] = view.clone()
+                addresses[name] = view.untyped_storage().data_ptr()
+            await asyncio.gather(*sending)
+            return seen
+
+        return asyncio.run(all_of_it())
+
+    def close(self) -> None:
+        for engine in [*self.senders, self.receiver]:
+            engine.close()
+
+
+@pytest.mark.parametrize("rank", [0, 1, None], ids=["rank0", "rank1", "whole"])
+def test_views_from_several_senders_are_gathered_in_buffers_kept_across_updates_a_part_holder_s_on_zeros(
+        rank: int | None) -> None:
+    """Every tensor arrives as two senders' ranges, in buckets of 2 KiB that split the larger ones too, so each is
+    gathered (``weightsync.core.pipeline.gather.Gathers``). The views of a worker of a part hold its regions exactly
+    and zeros elsewhere, never another tensor's bytes (its buffers held other tensors before); a whole-model worker's
+    hold the tensors. From the second update on every view lies in a buffer the update before used, and the engine
+    keeps a few, not one per tensor (before, each tensor of each update had a fresh buffer of its own)."""
+    made = ShardedPair(rank, bucket=2 << 10)
+    try:
+        where: list[dict[str, int]] = [{}, {}, {}]
+        for seed, addresses in zip((5, 6, 7), where):
+            sent = carriers_model(seed)
+            seen = made.views(sent, addresses)
+            if rank is not None:
+                check_views(seen, sent, rank)
+            else:
+                assert set(seen) == set(sent) and all(seen[name].equal(sent[name]) for name in sent)
+        buffers = set(where[0].values())
+        assert set(where[1].values()) <= buffers and set(where[2].values()) <= buffers
+        assert len(buffers) < len(SHAPES)
+    finally:
+        made.close()

@@ -20,7 +20,7 @@ from weightsync.api.errors import DigestMismatchError, TransferError, WireError
 from weightsync.api.types import PhaseTiming, TransferReport
 from weightsync.core.delta.receiver import ReceiverDelta
 from weightsync.core.delta.sources import SourcesDelta
-from weightsync.core.pipeline.gather import Gather
+from weightsync.core.pipeline.gather import Gathers
 from weightsync.core.pipeline.handover import Hold
 from weightsync.core.pipeline.trace import Tracer
 from weightsync.core.pipeline.unpack import BucketReader, BulkPlans, whole_only
@@ -36,7 +36,7 @@ __all__ = ["BucketOrder", "ReceiveStream", "ReceiveContext"]
 
 class ReceiveContext:
     """What every stream of one engine shares: settings, the epoch, caches of tables seen before, threads, the
-    buffer split tensors are gathered in."""
+    buffers tensors that arrive in pieces are gathered in."""
 
     def __init__(self, settings: EngineSettings, *, tracer: Tracer, pool: concurrent.futures.ThreadPoolExecutor
                  ) -> None:
@@ -46,8 +46,8 @@ class ReceiveContext:
         self.tables = codec.TableCache()
         """Bucket tables received and validated before: a model's next update repeats them."""
         self.plans = BulkPlans()
-        self.gather = Gather()
-        """Where a tensor split across buckets is gathered for its view, kept across updates (faulted in once)."""
+        self.gather = Gathers()
+        """Where a tensor that arrives in pieces is gathered for its view, kept across updates (faulted in once)."""
         self.delta: ReceiverDelta | SourcesDelta | None = (
             ReceiverDelta(verify_every=settings.verify_every) if settings.delta else None)
         """With ``settings.delta``: what this receiver holds across updates (``weightsync.core.delta.receiver``; per
@@ -129,10 +129,12 @@ class ReceiveStream:
         return await self._views(whole_bucket=True) or None
 
     async def _views(self, *, whole_bucket: bool) -> list[tuple[str, torch.Tensor]]:
-        """The next view, or every view left in the bucket — up to a tensor gathered from several buckets, which
-        ends a batch (the next split tensor is gathered in the same buffer); [] at the end of the update."""
+        """The next view, or every view left in the bucket — up to a tensor gathered from one sender's buckets, which
+        ends a batch (the next split tensor is gathered in the same buffer); [] at the end of the update. The views
+        handed out before are no longer valid: their gather buffers are free again."""
         if self._finished:
             return []
+        self._reader.gather.recycle()
         self._destinations = self._fallback = self._shards = None
         views: list[tuple[str, torch.Tensor]] = []
         try:

@@ -20,7 +20,7 @@ import torch
 
 from weightsync.api.errors import DestinationError
 from weightsync.core.native import copy_batch, copy_columns, copy_stream
-from weightsync.core.pipeline.gather import Gather
+from weightsync.core.pipeline.gather import Gathers
 from weightsync.core.transports.seam import Arrived
 from weightsync.core.wire.blocks import block_copies
 from weightsync.core.wire.codec import TensorMeta
@@ -129,15 +129,14 @@ class BucketReader:
     """Reads the current bucket of one update: where the consumer is in it, and how far it was hashed."""
 
     def __init__(self, digest: UpdateDigest, plans: BulkPlans, *, part: PartSums | None = None,
-                 sources: bool = False, gather: Gather | None = None) -> None:
+                 sources: bool = False, gather: Gathers | None = None) -> None:
         self.digest = digest
         self.plans = plans
         self.part = part
         """This worker's part, when it declared one (folded instead of the whole digest: :meth:`by_part`)."""
         self.sources = sources
         """Whether the update comes from several senders (a sharded ``actor_wg``): the digest and sums are routed by
-        each bucket's sender, and a tensor's ranges may come from several of them in any order (``_gathered``)."""
-        self._gathers: dict[str, tuple[torch.Tensor, int]] = {}
+        each bucket's sender, and a tensor's ranges may come from several of them in any order (``gather``)."""
         self.by_part = False
         self.folded = 0
         """Pieces of the current bucket already folded into the part's sums (by :meth:`copy_out`)."""
@@ -146,10 +145,13 @@ class BucketReader:
         self.hashed = 0
         self.tensors = 0
         """Tensors completed in this update."""
-        self.gather = gather if gather is not None else Gather()
-        """Where a tensor split across buckets is gathered for its view (the engine's, kept across updates)."""
+        self.gather = gather if gather is not None else Gathers()
+        """Where a tensor that arrives in pieces is gathered for its view (the engine's buffers, kept across updates);
+        the consumer's stream recycles them each time it asks for more."""
+        self.gather.start()
         self.gathered = False
-        """Whether the last view ``next_view`` gave lives in the gather buffer (valid until the next piece)."""
+        """Whether the last view ``next_view`` gave was gathered from one sender's pieces: its stream's next split
+        tensor would take another buffer while it is held, so a batch ends with it."""
         self.wrote = False
         """Whether a copy into the consumer's destinations (or a fallback call) has begun: set before the first."""
 
@@ -390,6 +392,7 @@ class BucketReader:
             copy_regions(destination, ready[1], self.part.plan.tensors.get(meta.name) if self.part is not None else None)
         elif fallback is not None:
             fallback(*ready)
+        self.gather.recycle()  # (the view handed over is no longer valid)
         return 1
 
     def _hash_to(self, current: Arrived, end: int) -> None:
@@ -407,32 +410,16 @@ class BucketReader:
     def _tensor(self, meta: TensorMeta, payload: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         dtype = dtype_from_name(meta.dtype)
         piece = payload[meta.bucket_offset: meta.bucket_offset + meta.nbytes]
-        self.gathered = not meta.is_whole
         if meta.is_whole:
+            self.gathered = False
             self.tensors += 1
             return meta.name, self._shaped(meta, piece, dtype)
-        if self.sources:
-            return self._gathered(meta, piece, dtype)
+        self.gathered = not self.sources
         gathered = self.gather.put(meta, piece, self.part.layout if self.part is not None else None)
         if gathered is None:
             return None
         self.tensors += 1
         return meta.name, self._shaped(meta, gathered, dtype)
-
-    def _gathered(self, meta: TensorMeta, piece: torch.Tensor, dtype: torch.dtype) -> tuple[str, torch.Tensor] | None:
-        """A range of a tensor whose ranges come from several senders, in any order: gathered in a buffer of its
-        own (a view of it stays valid) until every byte of the tensor arrived."""
-        self.gathered = False
-        buffer, arrived = self._gathers.pop(meta.name, (None, 0))
-        if buffer is None:
-            buffer = torch.empty(meta.total_nbytes, dtype=torch.uint8, device=piece.device)
-        buffer[meta.offset: meta.offset + meta.nbytes].copy_(piece)
-        arrived += meta.nbytes
-        if arrived < meta.total_nbytes:
-            self._gathers[meta.name] = buffer, arrived
-            return None
-        self.tensors += 1
-        return meta.name, self._shaped(meta, buffer, dtype)
 
     def _shaped(self, meta: TensorMeta, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A whole tensor's bytes as the tensor; one packed block after block as a full-shape view whose elements

@@ -330,7 +330,7 @@ class BucketCheckpointEngine(EngineBase):
         if not sources:
             return BucketReader(digest(), context.plans, gather=context.gather,
                                 part=PartSums(part) if part is not None else None)
-        return BucketReader(SourcesDigest(sources, make=digest), context.plans,
+        return BucketReader(SourcesDigest(sources, make=digest), context.plans, gather=context.gather,
                             part=SourcesSums(part, sources) if part is not None else None, sources=True)
 
 
