@@ -10,7 +10,7 @@ span 16 MiB buckets: the copies took 121 ms of a receiver's 145):
   a buffer whose view the consumer is done with gathers the next tensor (:class:`Gathers`). One sender's pieces come
   in order, one tensor after the other, so one buffer serves them all, as large as the largest tensor gathered;
   several senders' come in any order, several tensors at once, and the engine keeps as many buffers as were ever
-  in use at once;
+  in use at once (of the free ones, the ``KEPT_FREE`` largest);
 * a worker that holds a part (``weightsync.core.wire.parts``) copies only its own byte runs of each piece — half of
   each split matrix at tensor parallelism 2 — as ``copy_into`` does;
 * a large tensor's bytes are written with streaming stores (``copy_stream``), which do not read the buffer's lines
