@@ -3,6 +3,7 @@ pieces of a shard, and the receiver that reads several senders' streams in turn.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import concurrent.futures
 from typing import Any
@@ -25,7 +26,7 @@ from weightsync.core.wire.partplans import PartPlan
 from weightsync.core.wire.sources import combine_sources
 from weightsync.shm import ShmCheckpointEngine
 
-from tests.core.test_carriers import DIMS, SHAPES, check_views
+from tests.core.test_carriers import DIMS, SHAPES, boxes, check_views
 from tests.core.test_carriers import model as carriers_model
 
 CPU = frozenset({"cpu"})
@@ -301,47 +302,63 @@ def test_module_shards_of_an_unsharded_module_are_whole_tensors_renamed_and_cast
 
 class ShardedPair:
     """Two shm senders holding the rows of every tensor of ``tests.core.test_carriers.SHAPES`` half each (a sharded
-    ``actor_wg``: ``Shard(0)``), and one receiver in this process, of one rank's part or of the whole model."""
+    ``actor_wg``: ``Shard(0)``), and receivers in this process, each of one rank's part (``ranks``) or of the whole
+    model (None)."""
 
-    def __init__(self, rank: int | None, *, bucket: int) -> None:
+    def __init__(self, ranks: list[int | None], *, bucket: int) -> None:
         context = [WorkerContext(role="actor", rank=sender, node_id="host") for sender in (0, 1)]
         self.senders = [ShmCheckpointEngine(bucket_bytes=bucket, timeout=10.0, context=each) for each in context]
-        self.receiver = ShmCheckpointEngine(bucket_bytes=bucket, timeout=10.0,
-                                            context=WorkerContext(role="rollout", rank=0, node_id="host"))
+        self.receivers = [ShmCheckpointEngine(bucket_bytes=bucket, timeout=10.0,
+                                              context=WorkerContext(role="rollout", rank=index, node_id="host"))
+                          for index in range(len(ranks))]
         actor = [{**sender.prepare(), SOURCE_KEY: SourceLayout(tensors={
             name: rows(shape, index * (shape[0] // 2), shape[0] // 2) for name, shape in SHAPES.items()}).to_dict()}
             for index, sender in enumerate(self.senders)]
-        part = Part.split(SHAPES, dims=DIMS, rank=rank, parts=2) if rank is not None else None
-        rollout = {**self.receiver.prepare(), **({PART_KEY: part.to_dict()} if part is not None else {})}
-        topology = ShmCheckpointEngine.build_topology(actor_wg_world_size=2, rollout_world_size=1,
-                                                      metadata=WorldMetadata(actor=actor, rollout=[rollout]))
-        actor_args, rollout_args = list(topology.actor), [topology.rollout[0]]
-        if part is not None:
-            with_declared_parts(actor_args, rollout_args, [PartPlan.of(part, 0)])
-        engines = [*self.senders, self.receiver]
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        parts = [Part.split(SHAPES, dims=DIMS, rank=rank, parts=2) if rank is not None else None for rank in ranks]
+        rollout = [{**receiver.prepare(), **({PART_KEY: part.to_dict()} if part is not None else {})}
+                   for receiver, part in zip(self.receivers, parts)]
+        topology = ShmCheckpointEngine.build_topology(actor_wg_world_size=2, rollout_world_size=len(ranks),
+                                                      metadata=WorldMetadata(actor=actor, rollout=rollout))
+        actor_args, rollout_args = list(topology.actor), list(topology.rollout)
+        distinct = sorted({rank for rank in ranks if rank is not None})
+        with_declared_parts(actor_args, rollout_args, [
+            PartPlan.of(part, distinct.index(rank)) if part is not None and rank is not None else None
+            for part, rank in zip(parts, ranks)])
+        engines = [*self.senders, *self.receivers]
+        with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
             for future in [pool.submit(engine.init_process_group, rank_args=args)
                            for engine, args in zip(engines, [*actor_args, *rollout_args])]:
                 future.result()
 
-    def views(self, sent: dict[str, torch.Tensor], addresses: dict[str, int]) -> dict[str, torch.Tensor]:
-        """One update, each view copied as it comes and the buffer it lay in noted in ``addresses``."""
-        async def all_of_it() -> dict[str, torch.Tensor]:
+    def update(self, sent: dict[str, torch.Tensor], receive: Any) -> list[Any]:
+        """One update from both senders' shards of ``sent``; each receiver's ``receive(engine, stream)`` (awaited)."""
+        async def all_of_it() -> list[Any]:
             shards = [[(name, Shard(tensor=tensor[index * (tensor.shape[0] // 2):][: tensor.shape[0] // 2].clone(),
                                     shape=tuple(tensor.shape), start=(index * (tensor.shape[0] // 2),) + (0,) * (
                                         tensor.dim() - 1))) for name, tensor in sent.items()] for index in (0, 1)]
             sending = [asyncio.ensure_future(sender.send_weights(items)) for sender, items in zip(self.senders, shards)]
-            seen = {}
-            async for name, view in self.receiver.receive_weights():
-                seen[name] = view.clone()
-                addresses[name] = view.untyped_storage().data_ptr()
+            received = await asyncio.gather(*(receive(index, receiver.receive_weights())
+                                              for index, receiver in enumerate(self.receivers)))
             await asyncio.gather(*sending)
-            return seen
+            return received
 
         return asyncio.run(all_of_it())
 
+    def views(self, sent: dict[str, torch.Tensor], addresses: dict[str, int]) -> dict[str, torch.Tensor]:
+        """One update into one receiver, each view copied as it comes and the buffer it lay in noted in
+        ``addresses``."""
+        async def viewed(index: int, stream: Any) -> dict[str, torch.Tensor]:
+            seen = {}
+            async for name, view in stream:
+                seen[name] = view.clone()
+                addresses[name] = view.untyped_storage().data_ptr()
+            return seen
+
+        seen: dict[str, torch.Tensor] = self.update(sent, viewed)[0]
+        return seen
+
     def close(self) -> None:
-        for engine in [*self.senders, self.receiver]:
+        for engine in [*self.senders, *self.receivers]:
             engine.close()
 
 
@@ -353,7 +370,7 @@ def test_views_from_several_senders_are_gathered_in_buffers_kept_across_updates_
     and zeros elsewhere, never another tensor's bytes (its buffers held other tensors before); a whole-model worker's
     hold the tensors. From the second update on every view lies in a buffer the update before used, and the engine
     keeps a few, not one per tensor (before, each tensor of each update had a fresh buffer of its own)."""
-    made = ShardedPair(rank, bucket=2 << 10)
+    made = ShardedPair([rank], bucket=2 << 10)
     try:
         where: list[dict[str, int]] = [{}, {}, {}]
         for seed, addresses in zip((5, 6, 7), where):
@@ -366,5 +383,50 @@ def test_views_from_several_senders_are_gathered_in_buffers_kept_across_updates_
         buffers = set(where[0].values())
         assert set(where[1].values()) <= buffers and set(where[2].values()) <= buffers
         assert len(buffers) < len(SHAPES)
+    finally:
+        made.close()
+
+
+@pytest.mark.parametrize("loading", ["views", "shards"])
+def test_blocks_of_columns_from_several_senders_travel_block_after_block_each_worker_copying_one_run_a_piece(
+        loading: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both workers of a replica declare their part, so the tensors split along a dimension past the first (``o``,
+    ``down``, ``experts``) travel block after block (``weightsync.core.wire.blocks``), from a sharded ``actor_wg``
+    too: each sender packs its rows of each block as a range of that block. A worker's block of columns is then
+    contiguous in every piece, so it copies one run of each (the gather's and the shards' copies are counted where
+    they call the compiled copy), where each row was a run of its own before; views and shards hold exactly the
+    part, update after update, and each worker's sums (checked against both senders') match."""
+    import weightsync.core.pipeline.gather as gather
+    import weightsync.core.pipeline.unpack as unpack
+
+    runs: list[int] = []  # per call: the runs it copies
+    for module, name in ((gather, "copy_batch"), (unpack, "copy_batch"), (unpack, "copy_stream")):
+        def counted(first: Any, *args: Any, original: Any = getattr(module, name), **kwargs: Any) -> None:
+            runs.append(len(first) // 3 if isinstance(first, (list, array.array)) else 1)
+            original(first, *args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+
+    async def viewed(rank: int, stream: Any) -> dict[str, torch.Tensor]:
+        return {name: view.clone() async for name, view in stream}
+
+    async def into_shards(rank: int, stream: Any) -> dict[str, torch.Tensor]:
+        shards = {name: torch.zeros(shape, dtype=torch.bfloat16)[boxes(rank).get(name, ())].contiguous()
+                  for name, shape in SHAPES.items()}
+        await stream.copy_into(shards)
+        return shards
+
+    made = ShardedPair([0, 1], bucket=2 << 10)
+    try:
+        for seed in (5, 6, 7):
+            sent = carriers_model(seed)
+            runs.clear()
+            held = made.update(sent, viewed if loading == "views" else into_shards)
+            for rank, seen in enumerate(held):
+                if loading == "views":
+                    check_views(seen, sent, rank)
+                else:
+                    assert all(seen[name].equal(tensor[boxes(rank).get(name, ())]) for name, tensor in sent.items())
+            assert runs and max(runs) == 1, runs  # one run of each piece (rows of 64 to 256 bytes each before)
     finally:
         made.close()

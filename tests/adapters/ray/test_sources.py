@@ -54,16 +54,21 @@ class Fleet:
         return asyncio.run(manager.update_weights(version=version))
 
     def check_holds(self, version: int) -> None:
+        expected = self.check_halves(version)
+        whole = ray.get(self.whole.call("held")[0])
+        assert set(whole) == set(expected)
+        for name, tensor in whole.items():
+            assert tensor.view(torch.int16).equal(expected[name].view(torch.int16)), name
+
+    def check_halves(self, version: int) -> dict[str, torch.Tensor]:
+        """Each worker of the halves holds its slice of ``version``; returns the version's tensors."""
         expected = dict(tp_tensors(version))
         for rank, ref in enumerate(self.halves.call("held")):
             held = ray.get(ref)
             assert set(held) == set(expected)
             for name, tensor in held.items():
                 assert tensor.view(torch.int16).equal(tp_slice(name, expected[name], rank).view(torch.int16)), name
-        whole = ray.get(self.whole.call("held")[0])
-        assert set(whole) == set(expected)
-        for name, tensor in whole.items():
-            assert tensor.view(torch.int16).equal(expected[name].view(torch.int16)), name
+        return expected
 
     def shutdown(self) -> None:
         self.actor_wg.shutdown()
@@ -165,3 +170,22 @@ def test_delta_updates_from_shards_send_each_ranks_changes_against_its_own_base(
         assert [outcome.received for outcome in report.replicas] == ["changes"] * 2
         assert all(transfer.base == version - 1 for transfer in sent), [transfer.base for transfer in sent]
         assert sum(transfer.wire_bytes for transfer in sent) < MODEL_BYTES / 50
+
+
+@pytest.mark.parametrize("loading", ["views", "shards"])
+def test_halves_alone_take_each_rank_s_rows_of_every_block_of_columns_full_and_delta(fleet: Fleet, loading: str
+                                                                                    ) -> None:
+    """With the halves alone every receiver verifies its part, so ``o`` and ``down`` (split along columns) travel
+    block after block, each rank sending its rows of each block as a range of that block
+    (``weightsync.core.wire.blocks``): full, then delta updates against each rank's base in that layout, bit-exact.
+    After the delta test (its versions are past it)."""
+    for ref in fleet.halves.call("set_loading", loading):
+        ray.get(ref)
+    manager = CheckpointEngineManager(backend="shm", actor_wg=fleet.actor_wg, replicas=[fleet.halves],
+                                      config=SyncConfig(bucket_bytes=BUCKET, delta=True))
+    first = NUDGED + 41 + 10 * (loading == "shards")
+    for version in (first, first + 1, first + 2):
+        report = fleet.update(manager, version)
+        assert report.ok, report.replicas
+        fleet.check_halves(version)
+        assert [outcome.received for outcome in report.replicas] == ["full" if version == first else "changes"]

@@ -56,6 +56,9 @@ class ReceiverDelta:
         self.part: PartWords | None = None
         """This worker's part, which its kept copy holds alone (``weightsync.core.delta.parts``); None: it keeps
         the whole model."""
+        self.layout: PartLayout | None = None
+        """This worker's part, where it declared one: a tensor packed block after block that a host copy holds is
+        handed over as the view of its block (kept alone or not: from several senders it is not)."""
         self._words: dict[tuple[bytes, int], PartWords] = {}
 
     def held_weights(self) -> tuple[int, Iterator[tuple[str, torch.Tensor]]] | None:
@@ -65,11 +68,12 @@ class ReceiverDelta:
             return None
         return self.kept.version, self.kept.weights()
 
-    def begin(self, part: PartLayout | None = None) -> None:
+    def begin(self, part: PartLayout | None = None, *, alone: bool = True) -> None:
         """A new update starts: until it completes, this receiver holds no version it can vouch for. ``part``: this
-        worker's, when it declared one: a copy kept for its views then holds that part alone."""
-        self.part = None if part is None else PartWords.of(part, self._words)
-        self.kept.hold(part is not None)
+        worker's, when it declared one: with ``alone``, a copy kept for its views then holds that part alone."""
+        self.layout = part
+        self.part = None if part is None or not alone else PartWords.of(part, self._words)
+        self.kept.hold(self.part is not None)
         self.wrote = False
         self._base, self.held = self.held, None
         self._kept_base, self.kept.version = self.kept.version, None
@@ -176,7 +180,7 @@ class ReceiverDelta:
             self._model.add(arrived.table, _layout(header), total)
         elif places.whole:
             self._fold(header, arrived.table, places.held, places.in_shards)
-        places.hand_over(self.placed, destinations, fallback, self.part.layout if self.part is not None else None)
+        places.hand_over(self.placed, destinations, fallback, self.layout)
         return False
 
     def read(self, arrived: Arrived, destinations: Mapping[str, torch.Tensor] | None, *,

@@ -22,6 +22,7 @@ from weightsync.core.delta.receiver import ReceiverDelta
 from weightsync.core.transports.seam import Arrived, ReceiverTransport
 from weightsync.core.wire import codec
 from weightsync.core.wire.destinations import Fallback
+from weightsync.core.wire.parts import PartLayout
 
 __all__ = ["SourcesDelta"]
 
@@ -35,22 +36,26 @@ class SourcesDelta:
         self._each: dict[int, ReceiverDelta] = {}
         self._bases: dict[int, int] = {}
         """This update's base per sender, from its stream's first bucket."""
+        self._layout: PartLayout | None = None
 
     def _of(self, sender: int) -> ReceiverDelta:
         delta = self._each.get(sender)
         if delta is None:  # new: it holds nothing, as a begun one does
             delta = self._each[sender] = ReceiverDelta(verify_every=self.verify_every, placed=self.placed)
+            delta.layout = self._layout
         return delta
 
     @property
     def wrote(self) -> bool:
         return any(delta.wrote for delta in self._each.values())
 
-    def begin(self) -> None:
+    def begin(self, part: PartLayout | None = None) -> None:
+        """A new update starts; ``part``: this worker's, by which a tensor packed block after block is handed over
+        (each sender's copies hold the whole of what it sends)."""
         self.placed.begin()
-        self._bases = {}
+        self._bases, self._layout = {}, part
         for delta in self._each.values():
-            delta.begin()
+            delta.begin(part, alone=False)
 
     def check_base(self, header: codec.BucketHeader, peer: str) -> None:
         """A stream's first bucket: refused when its base is not the other streams' (changes from some senders, the

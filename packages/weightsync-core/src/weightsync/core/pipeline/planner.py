@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 
+import msgspec
 import torch
 
 from weightsync.api.config import BUCKET_ALIGNMENT
@@ -167,10 +168,16 @@ def plan_buckets(weights: Iterable[object], *, bucket_bytes: int, devices: froze
 def _order(name: str, tensor: torch.Tensor, sharded: Sharded | None, blocked: Mapping[str, BlockPlan] | None,
            carry: Mapping[str, Sequence[Box]] | None) -> tuple[Blocks | None, tuple[int, int] | None]:
     """How a tensor other than the common case travels: block after block (a host tensor whose plan fits it,
-    ``wire.blocks``), and of it only the span of its regions in ``carry`` (``wire.carriers``); a shard, as it is."""
+    ``wire.blocks``), and of it only the span of its regions in ``carry`` (``wire.carriers``). A shard travels whole,
+    block after block where its tensor does: a block of rows (``Shard(0)``) is then a range of each block."""
+    shape = sharded[0] if sharded else tensor.shape
+    blocks = blocks_of(blocked.get(name), shape) if blocked and tensor.is_cpu else None
     if sharded:
-        return None, None
-    blocks = blocks_of(blocked.get(name), tensor.shape) if blocked and tensor.is_cpu else None
+        if blocks is not None and tuple(tensor.shape[1:]) != tuple(shape[1:]):
+            raise WeightStreamError(f"the shard of {name!r} (size {tuple(tensor.shape)} of {tuple(shape)}) is not a "
+                                    "block of rows, and the tensor travels block after block: a sharded source sends "
+                                    "blocks of rows (Shard(0)) or whole tensors")
+        return blocks, None
     span = carried_span(carry.get(name), tensor.shape, tensor.element_size(), blocks, name=name) if carry else None
     return blocks, span
 
@@ -183,10 +190,11 @@ def _place(bucket: PlannedBucket, name: str, dtype: str, shape: torch.Size, sour
     A shard (``sharded``) travels as the range of its tensor's bytes it holds (an empty one as an empty range), split
     wherever the open bucket ends: its receivers gather a tensor's ranges from every sender anyway, and a bucket
     closed early to keep a shard whole costs its sender a ring slot for a few bytes (between shards that fill a
-    bucket each, every other bucket would be a norm's few KiB: half the bytes in flight). Of a tensor carried in
-    part (``span``, in the order it travels: ``wire.carriers``) only those bytes travel, placed as a whole tensor's.
-    Yields the buckets it fills; returns the open one, its fields up to date."""
-    align, total, offset = BUCKET_ALIGNMENT - 1, source.nbytes, 0
+    bucket each, every other bucket would be a norm's few KiB: half the bytes in flight); packed as ``blocks``, as
+    one range of each block (its rows of it). Of a tensor carried in part (``span``, in the order it travels:
+    ``wire.carriers``) only those bytes travel, placed as a whole tensor's. Yields the buckets it fills; returns the
+    open one, its fields up to date."""
+    own, total = tuple(shape), source.nbytes  # (the source's own shape: a shard's is its block of rows)
     shape, first, whole = (torch.Size(sharded[0]), *sharded[1:]) if sharded is not None else (shape, 0, total)
     packed = 0  # where the source's bytes begin in the order a tensor packed block after block travels in
     if span is not None:
@@ -195,20 +203,40 @@ def _place(bucket: PlannedBucket, name: str, dtype: str, shape: torch.Size, sour
             source = as_byte_view(source)[span[0]:span[1]]
         else:
             packed = span[0]
+    # Each range: where it lies in the tensor's bytes as they travel, where in the source's packed bytes, its length.
+    ranges = [(first, packed, total)]
+    if sharded is not None and blocks is not None:
+        count = blocks[1]
+        ranges = [(index * whole // count + first // count, index * total // count, total // count)
+                  for index in range(count)]
+    for first, packed, total in ranges:
+        bucket = yield from _place_range(bucket, TensorMeta(name, dtype, shape, first, 0, whole, 0, blocks or (),
+                                                            span or ()), own, source, packed, total, bucket_bytes,
+                                         whole=sharded is None)
+    bucket.completed += 1
+    return bucket
+
+
+def _place_range(bucket: PlannedBucket, meta: TensorMeta, own: tuple[int, ...], source: torch.Tensor, packed: int,
+                 total: int, bucket_bytes: int, *, whole: bool) -> Generator[PlannedBucket, None, PlannedBucket]:
+    """:func:`_place` for one range of ``total`` bytes of the tensor ``meta`` names, from ``meta.offset`` on in the
+    bytes as they travel and ``packed`` on in the source's (``own`` its shape); ``whole``: the tensor's one range,
+    which does not split where it fits a fresh bucket."""
+    align, offset, blocks = BUCKET_ALIGNMENT - 1, 0, meta.blocks or None
     while True:
         start = (bucket.nbytes + align) & ~align
         room, remaining, count = bucket_bytes - start, total - offset, len(bucket.items)
-        if count and (remaining > room and (remaining <= bucket_bytes and offset == 0 and sharded is None or room <= 0)
+        if count and (remaining > room and (remaining <= bucket_bytes and offset == 0 and whole or room <= 0)
                       or count >= PIPELINE_TENSORS):
             yield bucket
             bucket = PlannedBucket()
             continue
         take = remaining if remaining <= room else room
-        item = (TensorMeta(name, dtype, shape, first + offset, take, whole, start, blocks or (), span or ()), source,
+        item = (msgspec.structs.replace(meta, offset=meta.offset + offset, nbytes=take, bucket_offset=start), source,
                 offset)
         bucket.items.append(item)
         if blocks is not None:  # row by row, block after block
-            bucket.rows[start] = block_packing(tuple(shape), source.element_size(), blocks, packed + offset,
+            bucket.rows[start] = block_packing(own, source.element_size(), blocks, packed + offset,
                                                packed + offset + take)
             bucket.large.append(item)
         elif take <= PIECE_BYTES and source.is_cpu:
@@ -220,7 +248,6 @@ def _place(bucket: PlannedBucket, name: str, dtype: str, shape: torch.Size, sour
         bucket.payload_bytes += take
         offset += take
         if offset >= total:
-            bucket.completed += 1
             return bucket
         yield bucket
         bucket = PlannedBucket()

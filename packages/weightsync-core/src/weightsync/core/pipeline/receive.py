@@ -56,16 +56,14 @@ class ReceiveContext:
     def begin_delta(self, sources: bool, part: PartLayout | None = None) -> None:
         """An update from one sender or from several (``sources``) begins. Between the two kinds nothing held
         carries over: the first update after a switch must be full (a delta one is refused before any write).
-        ``part``: this worker's, which a copy kept for its views holds alone (from one sender)."""
+        ``part``: this worker's, which a copy kept for its views holds alone (from one sender; from several it
+        only says which block of a tensor packed block after block a host copy hands over)."""
         if self.delta is None:
             return
         if isinstance(self.delta, SourcesDelta) != sources:
             every = self.settings.verify_every
             self.delta = SourcesDelta(verify_every=every) if sources else ReceiverDelta(verify_every=every)
-        if isinstance(self.delta, ReceiverDelta):
-            self.delta.begin(part)
-        else:
-            self.delta.begin()
+        self.delta.begin(part)
 
 
 class ReceiveStream:
