@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from weightsync.core.control.parts import with_declared_parts
 from weightsync.core.delta.copies import PlacedCopies
 from weightsync.core.delta.sources import SourcesDelta
 from weightsync.core.pipeline.planner import plan_buckets, validate_pair
+from weightsync.core.pipeline.receive import BucketOrder
 from weightsync.core.transports.seam import ReceivedBucket
 from weightsync.core.transports.sources import SourcesReceiver, plan_sources
 from weightsync.core.wire import codec
@@ -212,6 +214,24 @@ def test_a_final_in_another_senders_stream_is_a_wire_error() -> None:
     receiver = SourcesReceiver([Stream(3, 0), Stream(4, 0)], [3, 5], epoch="e")
     with pytest.raises(WireError, match="ended the stream of actor rank 5"):
         receiver.receive(0.0)
+
+
+def test_senders_ranges_of_a_tensor_in_two_layouts_or_short_of_it_are_wire_errors() -> None:
+    """What each sender's digest cannot show: one sender's range of a tensor packed block after block where another's
+    is in the tensor's own order (refused as it arrives, before it is written), and ranges that do not add up to the
+    tensor (at the end)."""
+    fields: dict[str, Any] = dict(wire=codec.WIRE_VERSION, epoch="e", version=2, slot=0, nbytes=0)
+    meta = codec.TensorMeta(name="o", dtype="uint8", shape=(4, 4), offset=0, nbytes=8, total_nbytes=16)
+    order = BucketOrder(sources=True)
+    order.take(codec.BucketHeader(sender=0, index=0, tensors=[msgspec.structs.replace(meta, blocks=(1, 2))], **fields))
+    with pytest.raises(WireError, match=r"actor rank 1 sent 'o' in its own order and actor rank 0 block after block"):
+        order.take(codec.BucketHeader(sender=1, index=0, tensors=[msgspec.structs.replace(meta, offset=8)], **fields))
+    order = BucketOrder(sources=True)
+    order.take(codec.BucketHeader(sender=0, index=0, tensors=[meta], **fields))
+    with pytest.raises(WireError, match="sent 8 bytes of 'o', which has 16"):
+        order.check_complete()
+    order.take(codec.BucketHeader(sender=1, index=0, tensors=[msgspec.structs.replace(meta, offset=8)], **fields))
+    order.check_complete()
 
 
 def chain_world(rollout: list[tuple[str, int]], *, staged: bool = False, ranks: int = 2) -> WorldMetadata:

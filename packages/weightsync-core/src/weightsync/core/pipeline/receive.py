@@ -354,12 +354,16 @@ class ReceiveStream:
 class BucketOrder:
     """What a receiver checks of the order of an update's buckets: in order from 0 (a striped update's across its
     stripes); from several senders (``sources``: a sharded ``actor_wg``), each sender's in order from 0, and their
-    ranges of each tensor adding up to the whole tensor, which each sender's digest alone cannot show."""
+    ranges of each tensor in one layout (``TensorMeta.blocks``), adding up to the whole tensor, which each sender's
+    digest alone cannot show."""
 
     def __init__(self, sources: bool) -> None:
         self._sources = sources
         self._next: dict[int, int] = {}
         self._arrived: dict[str, list[int]] | None = {} if sources else None
+        """Per tensor: the bytes of it arrived, and its size."""
+        self._layouts: dict[str, tuple[tuple[int, ...], int]] = {}
+        """Per tensor: its layout, as the first sender of a range of it sent it, and that sender."""
 
     def take(self, header: codec.BucketHeader) -> int:
         """Check a bucket's place in its stream; returns it."""
@@ -371,6 +375,11 @@ class BucketOrder:
         self._next[stream] = index + 1
         if self._arrived is not None:
             for meta in header.tensors:
+                layout, sender = self._layouts.setdefault(meta.name, (meta.blocks, header.sender))
+                if meta.blocks != layout:  # its ranges would land in another's layout: refused before any is written
+                    raise WireError(f"actor rank {header.sender} sent {meta.name!r} {_layout(meta.blocks)} and actor "
+                                    f"rank {sender} {_layout(layout)}: every sender's ranges of a tensor must be in "
+                                    "one layout")
                 self._arrived.setdefault(meta.name, [0, meta.total_nbytes])[0] += meta.nbytes
         return index
 
@@ -381,3 +390,8 @@ class BucketOrder:
             if nbytes != total:
                 raise WireError(f"the senders sent {nbytes} bytes of {name!r}, which has {total}: their shards do not "
                                 "add up to the tensor (a stream that differs from its rank's declared layout?)")
+
+
+def _layout(blocks: tuple[int, ...]) -> str:
+    """A tensor's layout on the wire, in words."""
+    return f"block after block ({blocks[1]} blocks along dimension {blocks[0]})" if blocks else "in its own order"
