@@ -79,7 +79,7 @@ class Gather:
         if buffer.numel() < total or buffer.device != device:
             buffer = self._buffer = torch.zeros(total, dtype=torch.uint8, device=device)
             self._stale = []
-        if self._stale == written:  # (the same runs as the tensor before: a layer's after the layer before)
+        if self.holds(written):  # (the same runs as the tensor before: a layer's after the layer before)
             return
         stale = self._stale
         if len(stale) > KEPT_SPANS or len(written) > KEPT_SPANS:  # their hull, zeroed inside the tensor
