@@ -325,14 +325,16 @@ class ShardedPair:
     ``actor_wg``: ``Shard(0)``), and receivers in this process, each of one rank's part (``ranks``) or of the whole
     model (None)."""
 
-    def __init__(self, ranks: list[int | None], *, bucket: int) -> None:
+    def __init__(self, ranks: list[int | None], *, bucket: int, rows_of: Any = None) -> None:
+        self.rows_of = rows_of or (lambda name, rows, sender: (sender * (rows // 2), rows // 2))
+        """``(name, rows, sender) -> (first, count)``: the rows each sender holds of each tensor (default: halves)."""
         context = [WorkerContext(role="actor", rank=sender, node_id="host") for sender in (0, 1)]
         self.senders = [ShmCheckpointEngine(bucket_bytes=bucket, timeout=10.0, context=each) for each in context]
         self.receivers = [ShmCheckpointEngine(bucket_bytes=bucket, timeout=10.0,
                                               context=WorkerContext(role="rollout", rank=index, node_id="host"))
                           for index in range(len(ranks))]
         actor = [{**sender.prepare(), SOURCE_KEY: SourceLayout(tensors={
-            name: rows(shape, index * (shape[0] // 2), shape[0] // 2) for name, shape in SHAPES.items()}).to_dict()}
+            name: rows(shape, *self.rows_of(name, shape[0], index)) for name, shape in SHAPES.items()}).to_dict()}
             for index, sender in enumerate(self.senders)]
         parts = [Part.split(SHAPES, dims=DIMS, rank=rank, parts=2) if rank is not None else None for rank in ranks]
         rollout = [{**receiver.prepare(), **({PART_KEY: part.to_dict()} if part is not None else {})}
@@ -353,9 +355,7 @@ class ShardedPair:
     def update(self, sent: dict[str, torch.Tensor], receive: Any) -> list[Any]:
         """One update from both senders' shards of ``sent``; each receiver's ``receive(engine, stream)`` (awaited)."""
         async def all_of_it() -> list[Any]:
-            shards = [[(name, Shard(tensor=tensor[index * (tensor.shape[0] // 2):][: tensor.shape[0] // 2].clone(),
-                                    shape=tuple(tensor.shape), start=(index * (tensor.shape[0] // 2),) + (0,) * (
-                                        tensor.dim() - 1))) for name, tensor in sent.items()] for index in (0, 1)]
+            shards = [[(name, self.shard(name, tensor, index)) for name, tensor in sent.items()] for index in (0, 1)]
             sending = [asyncio.ensure_future(sender.send_weights(items)) for sender, items in zip(self.senders, shards)]
             received = await asyncio.gather(*(receive(index, receiver.receive_weights())
                                               for index, receiver in enumerate(self.receivers)))
@@ -363,6 +363,11 @@ class ShardedPair:
             return received
 
         return asyncio.run(all_of_it())
+
+    def shard(self, name: str, tensor: torch.Tensor, sender: int) -> Shard:
+        first, count = self.rows_of(name, tensor.shape[0], sender)
+        return Shard(tensor=tensor[first:first + count].clone(), shape=tuple(tensor.shape),
+                     start=(first,) + (0,) * (tensor.dim() - 1))
 
     def views(self, sent: dict[str, torch.Tensor], addresses: dict[str, int]) -> dict[str, torch.Tensor]:
         """One update into one receiver, each view copied as it comes and the buffer it lay in noted in
@@ -407,15 +412,17 @@ def test_views_from_several_senders_are_gathered_in_buffers_kept_across_updates_
         made.close()
 
 
-@pytest.mark.parametrize("loading", ["views", "shards"])
+@pytest.mark.parametrize(("loading", "split"), [("views", "halves"), ("shards", "halves"), ("views", "uneven")])
 def test_blocks_of_columns_from_several_senders_travel_block_after_block_each_worker_copying_one_run_a_piece(
-        loading: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        loading: str, split: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both workers of a replica declare their part, so the tensors split along a dimension past the first (``o``,
     ``down``, ``experts``) travel block after block (``weightsync.core.wire.blocks``), from a sharded ``actor_wg``
     too: each sender packs its rows of each block as a range of that block. A worker's block of columns is then
     contiguous in every piece, so it copies one run of each (the gather's and the shards' copies are counted where
     they call the compiled copy), where each row was a run of its own before; views and shards hold exactly the
-    part, update after update, and each worker's sums (checked against both senders') match."""
+    part, update after update, and each worker's sums (checked against both senders') match. ``uneven``: one sender
+    holds every row of ``o`` and the other none (its empty pieces share their place in a bucket with the next piece:
+    they have no rows to pack), three rows of ``down`` against 29."""
     import weightsync.core.pipeline.gather as gather
     import weightsync.core.pipeline.unpack as unpack
 
@@ -436,7 +443,11 @@ def test_blocks_of_columns_from_several_senders_travel_block_after_block_each_wo
         await stream.copy_into(shards)
         return shards
 
-    made = ShardedPair([0, 1], bucket=2 << 10)
+    def uneven(name: str, rows: int, sender: int) -> tuple[int, int]:
+        first = {"o": rows, "down": 3}.get(name, rows // 2)
+        return (0, first) if sender == 0 else (first, rows - first)
+
+    made = ShardedPair([0, 1], bucket=2 << 10, rows_of=uneven if split == "uneven" else None)
     try:
         for seed in (5, 6, 7):
             sent = carriers_model(seed)

@@ -235,7 +235,8 @@ def _place_range(bucket: PlannedBucket, meta: TensorMeta, own: tuple[int, ...], 
         item = (msgspec.structs.replace(meta, offset=meta.offset + offset, nbytes=take, bucket_offset=start), source,
                 offset)
         bucket.items.append(item)
-        if blocks is not None:  # row by row, block after block
+        if blocks is not None and take:  # row by row, block after block (an empty piece has no rows: it shares
+            # its place in the bucket with the next piece, whose rows these are keyed by)
             bucket.rows[start] = block_packing(own, source.element_size(), blocks, packed + offset,
                                                packed + offset + take)
             bucket.large.append(item)
