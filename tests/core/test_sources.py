@@ -20,6 +20,7 @@ from weightsync.core.control.parts import with_declared_parts
 from weightsync.core.delta.copies import PlacedCopies
 from weightsync.core.delta.sources import SourcesDelta
 from weightsync.core.pipeline.planner import plan_buckets, validate_pair
+from weightsync.core.wire.layout import pack_piece
 from weightsync.core.pipeline.receive import BucketOrder
 from weightsync.core.transports.seam import ReceivedBucket
 from weightsync.core.transports.sources import SourcesReceiver, plan_sources
@@ -107,6 +108,28 @@ def test_a_shard_travels_as_its_range_of_the_full_tensor() -> None:
                           bucket_bytes=128, devices=CPU))
     with pytest.raises(WeightStreamError, match="moves whole tensors"):
         validate_pair(items[0], devices=CPU, seen=set())
+
+
+def test_a_shard_of_a_tensor_packed_block_after_block_is_a_range_of_each_block() -> None:
+    """Rows 1-2 of a 4 x 4 matrix in two blocks of columns: a range of each block (rows 1-2 of block 0, then of block
+    1), each packed from the shard's own rows; a shard that is not a block of rows cannot be cut so and is named."""
+    from weightsync.core.wire.blocks import BlockPlan
+
+    full = torch.arange(16, dtype=torch.float32).view(4, 4)
+    blocked = {"w": BlockPlan(dim=1, count=2, size=(4, 2))}
+    items = [("w", Shard(tensor=full[1:3].clone(), shape=(4, 4), start=(1, 0)))]
+    buckets = list(plan_buckets(items, bucket_bytes=1024, devices=CPU, blocked=blocked))
+    metas = [meta for meta, _, _ in buckets[0].items]
+    assert [(meta.offset, meta.nbytes, meta.blocks) for meta in metas] == [(8, 16, (1, 2)), (40, 16, (1, 2))]
+    packed = torch.empty(buckets[0].nbytes, dtype=torch.uint8)
+    for item in buckets[0].items:
+        pack_piece(packed, buckets[0], item)
+    assert [packed[meta.bucket_offset:meta.bucket_offset + 16].view(torch.float32).tolist() for meta in metas] == [
+        [4.0, 5.0, 8.0, 9.0], [6.0, 7.0, 10.0, 11.0]]  # block 0's rows 1-2, block 1's
+    row = torch.arange(4, dtype=torch.float32).view(1, 4)
+    with pytest.raises(WeightStreamError, match="is not a block of rows"):
+        list(plan_buckets([("v", Shard(tensor=row[:, 2:].clone(), shape=(1, 4), start=(0, 2)))], bucket_bytes=1024,
+                          devices=CPU, blocked={"v": BlockPlan(dim=1, count=2, size=(1, 2))}))
 
 
 def test_shards_fill_every_bucket_where_a_whole_tensor_would_close_it() -> None:
